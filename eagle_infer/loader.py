@@ -1,0 +1,93 @@
+"""Load a target model (HF folder with safetensors) and its tokenizer onto our runtime."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from eagle_infer.default_model import resolve_model_path
+from eagle_infer.errors import UserError
+from eagle_infer.model import ModelConfig, Transformer, convert_hf_state_dict
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """Map a dtype name to torch, refusing one this machine can't run."""
+    if isinstance(name, torch.dtype):
+        dtype = name
+    elif name in DTYPES:
+        dtype = DTYPES[name]
+    else:
+        raise UserError(f"unknown dtype '{name}': use fp32 or bf16")
+    dev = torch.device(device)
+    if dev.type == "cpu" and dtype == torch.float16:
+        raise UserError("dtype fp16 is not supported on CPU (no fast fp16 kernels): use bf16 or fp32")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("device 'cuda' requested but CUDA is not available on this machine")
+        if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            raise UserError("dtype bf16 is not supported on this GPU: use fp16 or fp32")
+    return dtype
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def read_hf_config(path: Path) -> dict:
+    with open(path / "config.json") as f:
+        return json.load(f)
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"no safetensors weights in model folder {path}")
+    return files
+
+
+def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype = "fp32",
+               device: str | None = None) -> Transformer:
+    """Build our Transformer from an HF folder (None / 'default' = the embedded default)."""
+    folder = resolve_model_path(path)
+    device = device or default_device()
+    torch_dtype = resolve_dtype(dtype, device)
+    cfg = ModelConfig.from_hf(read_hf_config(folder))
+    sd: dict[str, torch.Tensor] = {}
+    for f in safetensors_files(folder):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                sd[k] = st.get_tensor(k)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    sd = convert_hf_state_dict(sd, cfg)
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise UserError(
+            f"weights in {folder} do not match a {cfg.model_type} model: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model = model.to(device=device, dtype=torch_dtype).eval()
+    model.requires_grad_(False)
+    model.source_path = folder
+    return model
+
+
+def load_tokenizer(path: str | os.PathLike | None = None):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(path))

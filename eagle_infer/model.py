@@ -1,0 +1,351 @@
+"""The target model: a Llama-family / Qwen2 decoder with a static KV cache.
+
+Everything the speculative runtime asks of the target is here and nothing more:
+  * a preallocated cache [batch, kv_heads, max_seq_len, head_dim] per layer, written at
+    explicit per-token slots, with explicit per-token RoPE positions (a tree node's slot and
+    position differ: slot = prefix + node index, position = prefix + depth);
+  * an attention mask over (new tokens x cache slots), so a whole draft tree is scored in one
+    call;
+  * logits only where asked, and the hidden states of the layers asked for;
+  * `keep_slots`, which moves the accepted path's cache entries to contiguous slots.
+
+Shapes: B batch, T new tokens, S cache slots (kv_len), H hidden, V vocab, D head dim.
+Hidden-state indices follow Hugging Face `output_hidden_states`: index i is the input of
+layer i (0 = embeddings) and index N (= num_layers) is the final, normed state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from eagle_infer.errors import UserError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        model_type = cfg.get("model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            arch = (cfg.get("architectures") or ["?"])[0]
+            raise UserError(
+                f"unsupported architecture: model_type '{model_type}' ({arch}); "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if cfg.get("sliding_window") and cfg.get("use_sliding_window", model_type == "mistral"):
+            # Full attention is exact as long as the context stays inside the window.
+            pass
+        # transformers >= 5 keeps rope settings in `rope_parameters`; older configs use
+        # `rope_theta` + `rope_scaling`.
+        rope = dict(cfg.get("rope_parameters") or {})
+        scaling = cfg.get("rope_scaling") or None
+        if rope and rope.get("rope_type", "default") != "default":
+            scaling = rope
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        eos = cfg.get("eos_token_id")
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        n_heads = cfg["num_attention_heads"]
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=n_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            eos_token_ids=eos_ids,
+        )
+
+    def eagle3_layer_ids(self) -> list[int]:
+        """Hidden-state indices EAGLE-3 reads: the inputs of layers 2, N/2 and N-3."""
+        n = self.num_layers
+        return [2, n // 2, n - 3]
+
+
+# ---------------------------------------------------------------------------------------
+# Rotary embedding
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    """Inverse frequencies [D/2], with Llama-3 / linear scaling when the config asks."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq.float()
+    if kind == "linear":
+        return (inv_freq / scaling["factor"]).float()
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        return torch.where(is_mid, mid, scaled).float()
+    raise UserError(f"unsupported rope scaling type '{kind}'")
+
+
+def rope_tables(cfg: ModelConfig, max_pos: int) -> tuple[Tensor, Tensor]:
+    """cos, sin tables [max_pos, D] in fp32 (rotate-half layout, as HF checkpoints use)."""
+    inv_freq = rope_inv_freq(cfg)
+    t = torch.arange(max_pos, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, T, heads, D]; cos/sin [B, T, D] already gathered at the tokens' positions."""
+    cos, sin = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+# ---------------------------------------------------------------------------------------
+# Masks
+
+
+def build_attn_mask(prefix_len: Tensor, local_mask: Tensor, kv_len: int) -> Tensor:
+    """Attention mask [B, T, kv_len] for T new tokens stored at slots prefix_len + 0..T-1.
+
+    Each new token sees every slot below its sequence's prefix_len, and the new tokens that
+    `local_mask` [B, T, T] (or [T, T]) allows: lower-triangular for a chain, ancestors for a
+    tree.
+    """
+    B, T = prefix_len.shape[0], local_mask.shape[-1]
+    local_mask = local_mask.expand(B, T, T)
+    rel = torch.arange(kv_len, device=prefix_len.device)[None, :] - prefix_len[:, None]  # [B,S]
+    in_new = (rel >= 0) & (rel < T)
+    idx = rel.clamp(0, T - 1)[:, None, :].expand(B, T, kv_len)
+    new_ok = torch.gather(local_mask, 2, idx) & in_new[:, None, :]
+    return (rel < 0)[:, None, :] | new_ok
+
+
+def causal_mask(prefix_len: Tensor, T: int, kv_len: int) -> Tensor:
+    """Mask for T consecutive tokens appended after each sequence's prefix."""
+    tril = torch.ones(T, T, dtype=torch.bool, device=prefix_len.device).tril()
+    return build_attn_mask(prefix_len, tril, kv_len)
+
+
+# ---------------------------------------------------------------------------------------
+# Modules
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32, as the HF reference does, so fp32 and bf16 agree with it.
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class KVCache(nn.Module):
+    def __init__(self, batch: int, kv_heads: int, max_seq_len: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (batch, kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def write(self, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """slots [B, T]; k, v [B, T, kv_heads, D]."""
+        b = torch.arange(slots.shape[0], device=slots.device)[:, None]
+        # Advanced indices on dims 0 and 2 put (B, T) first: the value is [B, T, heads, D].
+        self.k[b, :, slots] = k
+        self.v[b, :, slots] = v
+
+    def keep(self, src: Tensor, dst: Tensor) -> None:
+        """Copy entries at slots src [B, K] to slots dst [B, K], per sequence."""
+        b = torch.arange(src.shape[0], device=src.device)[:, None]
+        k, v = self.k[b, :, src], self.v[b, :, src]  # gathered copies: overlap is safe
+        self.k[b, :, dst] = k
+        self.v[b, :, dst] = v
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_out, kv_out = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        # q, k and v in one matmul: fewer kernel launches per layer.
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=False)
+        self.split = (q_out, kv_out, kv_out)
+        self.cache: KVCache | None = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor,
+                kv_len: int) -> Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = apply_rope(q.view(B, T, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(B, T, self.n_kv, self.head_dim), cos, sin)
+        v = v.view(B, T, self.n_kv, self.head_dim)
+        assert self.cache is not None, "call setup_cache() before forward()"
+        self.cache.write(slots, k, v)
+        keys, values = self.cache.k[:B, :, :kv_len], self.cache.v[:B, :, :kv_len]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask[:, None], enable_gqa=self.n_kv != self.n_heads
+        )  # [B, heads, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor,
+                kv_len: int) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask, kv_len)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.max_batch = 0
+        self.max_seq_len = 0
+
+    def setup_cache(self, max_batch: int, max_seq_len: int) -> None:
+        """Preallocate the KV cache (and RoPE tables) for up to max_batch x max_seq_len."""
+        if max_seq_len > self.config.max_position_embeddings:
+            raise UserError(
+                f"max_seq_len {max_seq_len} exceeds the model's context "
+                f"({self.config.max_position_embeddings})"
+            )
+        w = self.embed_tokens.weight
+        for layer in self.layers:
+            c = self.config
+            layer.self_attn.cache = KVCache(max_batch, c.num_kv_heads, max_seq_len, c.head_dim,
+                                            w.dtype, w.device)
+        cos, sin = rope_tables(self.config, max_seq_len)
+        self.register_buffer("rope_cos", cos.to(w.device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(w.device), persistent=False)
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+
+    def forward(
+        self,
+        tokens: Tensor,  # [B, T] int64
+        positions: Tensor,  # [B, T] RoPE positions
+        slots: Tensor,  # [B, T] cache slots to write the new keys/values at
+        mask: Tensor,  # [B, T, kv_len] bool, True = attend
+        logits_at: Tensor | None = None,  # [B, K] indices into T; None = every token
+        hidden_layers: Sequence[int] = (),
+        compute_logits: bool = True,
+    ) -> tuple[Tensor | None, list[Tensor]]:
+        """Returns logits [B, K, V] (or None) and the hidden states asked for, each [B, T, H]."""
+        kv_len = mask.shape[-1]
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        x = self.embed_tokens(tokens)
+        wanted = set(hidden_layers)
+        taps: dict[int, Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in wanted:
+                taps[i] = x
+            x = layer(x, cos, sin, slots, mask, kv_len)
+        x = self.norm(x)
+        taps[len(self.layers)] = x
+        hidden = [taps[i] for i in hidden_layers]
+        if not compute_logits:
+            return None, hidden
+        if logits_at is not None:
+            x = torch.gather(x, 1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
+        return self.lm_head(x), hidden
+
+    @torch.no_grad()
+    def keep_slots(self, src: Tensor, dst_start: Tensor) -> None:
+        """Move cache entries at slots src [B, K] to dst_start[b] + 0..K-1, per sequence.
+
+        Used after verification to keep the accepted path only. Pad a shorter path by
+        repeating its last slot: the extra copies land beyond the new length, where the mask
+        never looks.
+        """
+        dst = dst_start[:, None] + torch.arange(src.shape[1], device=src.device)[None, :]
+        for layer in self.layers:
+            layer.self_attn.cache.keep(src, dst)
+
+
+# ---------------------------------------------------------------------------------------
+# Hugging Face checkpoint names -> ours (q/k/v and gate/up are fused at load time).
+
+
+def convert_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    out: dict[str, Tensor] = {}
+    for name, t in sd.items():
+        if name.startswith("model."):
+            name = name[len("model."):]
+        out[name] = t
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        for kind in ("weight", "bias"):
+            qkv = [p + f"self_attn.{x}_proj.{kind}" for x in "qkv"]
+            if all(k in out for k in qkv):
+                out[p + f"self_attn.qkv_proj.{kind}"] = torch.cat([out.pop(k) for k in qkv])
+        gu = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        if all(k in out for k in gu):
+            out[p + "mlp.gate_up_proj.weight"] = torch.cat([out.pop(k) for k in gu])
+    if cfg.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    # Some checkpoints ship rotary caches; we compute our own.
+    return {k: v for k, v in out.items() if "rotary_emb" not in k}
