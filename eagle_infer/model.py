@@ -17,8 +17,9 @@ layer i (0 = embeddings) and index N (= num_layers) is the final, normed state.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -1,0 +1,218 @@
+"""Plain (non-speculative) decoding on our runtime: batched, greedy or sampled, streaming.
+
+    python -m eagle_infer.generate --prompt "Tell me about Paris."
+    python -m eagle_infer.generate --messages '[{"role": "user", "content": "Hi"}]' --temperature 0.7
+    python -m eagle_infer.generate --prompt "a" --prompt "a longer prompt" --max-new-tokens 32
+
+This is also the baseline that speculative decoding must reproduce token for token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from eagle_infer.errors import UserError, cli_errors
+from eagle_infer.model import Transformer, causal_mask
+from eagle_infer.sampling import SamplingParams, logits_to_probs, sample
+
+# Called with (sequence index, token id); returning True stops that sequence (stop strings).
+TokenCallback = Callable[[int, int], bool]
+
+
+def kv_len_for(needed: int, max_seq_len: int, multiple: int = 64) -> int:
+    """Attend over a few more slots than needed, rounded so shapes repeat across steps."""
+    return min(max_seq_len, -(-needed // multiple) * multiple)
+
+
+def check_fits(model: Transformer, prompt_lens: Sequence[int], max_new_tokens: int) -> None:
+    ctx = model.config.max_position_embeddings
+    for i, n in enumerate(prompt_lens):
+        if n == 0:
+            raise UserError(f"prompt {i} is empty")
+        if n + max_new_tokens > ctx:
+            raise UserError(
+                f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} it exceeds the "
+                f"context length of {ctx} tokens"
+            )
+
+
+def ensure_cache(model: Transformer, batch: int, seq_len: int) -> None:
+    """(Re)allocate the KV cache only when the current one is too small."""
+    if model.max_batch < batch or model.max_seq_len < seq_len:
+        model.setup_cache(max(batch, model.max_batch), min(model.config.max_position_embeddings,
+                                                           max(seq_len, model.max_seq_len)))
+
+
+@torch.no_grad()
+def prefill(model: Transformer, prompts: Sequence[Sequence[int]],
+            hidden_layers: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Write the prompts (right-padded) into the cache; logits [B, V] at each last token.
+
+    Padding tokens land in slots beyond each prompt, where no later query looks, and are
+    overwritten by the first generated tokens.
+    """
+    dev = model.embed_tokens.weight.device
+    lens = torch.tensor([len(p) for p in prompts], device=dev)
+    B, T = len(prompts), int(lens.max())
+    tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    pos = torch.arange(T, device=dev)[None].expand(B, T)
+    mask = causal_mask(torch.zeros(B, dtype=torch.long, device=dev), T, kv_len_for(T, model.max_seq_len))
+    logits, hidden = model(tokens, pos, pos, mask, logits_at=(lens - 1)[:, None], hidden_layers=hidden_layers)
+    return logits[:, 0], hidden
+
+
+def pick_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """logits [B, V] -> next token per sequence, each with its own settings."""
+    out = logits.argmax(-1)
+    for b, p in enumerate(params):
+        if not p.greedy:
+            probs = logits_to_probs(logits[b : b + 1], p.temperature, p.top_p, p.top_k)
+            out[b] = sample(probs, generators[b])[0]
+    return out
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    params: SamplingParams | Sequence[SamplingParams] | None = None,
+    eos_token_ids: Sequence[int] | None = None,
+    on_token: TokenCallback | None = None,
+) -> list[list[int]]:
+    """Decode a batch of prompts of different lengths; returns the new tokens of each.
+
+    A sequence stops at an EOS token (kept in its output), when `on_token` says so, or after
+    max_new_tokens.
+    """
+    B = len(prompts)
+    if max_new_tokens <= 0:
+        raise UserError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+    params = [params or SamplingParams()] * B if not isinstance(params, Sequence) else list(params)
+    eos = set(model.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    lens = [len(p) for p in prompts]
+    check_fits(model, lens, max_new_tokens)
+    ensure_cache(model, B, max(lens) + max_new_tokens)
+    dev = model.embed_tokens.weight.device
+    generators = [p.generator(dev) for p in params]
+
+    logits, _ = prefill(model, prompts)
+    cur = torch.tensor(lens, device=dev)  # [B] tokens in the cache so far
+    outputs: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
+    for _ in range(max_new_tokens):
+        nxt = pick_tokens(logits, params, generators)  # [B]
+        for b in range(B):
+            if done[b]:
+                continue
+            t = int(nxt[b])
+            outputs[b].append(t)
+            stop = on_token(b, t) if on_token else False
+            if t in eos or stop or len(outputs[b]) >= max_new_tokens:
+                done[b] = True
+        if all(done):
+            break
+        kv = kv_len_for(int(cur.max()) + 1, model.max_seq_len)
+        logits, _ = model(nxt[:, None], cur[:, None], cur[:, None], causal_mask(cur, 1, kv))
+        logits = logits[:, 0]
+        cur = cur + 1
+    return outputs
+
+
+# ---------------------------------------------------------------------------------------
+# Command line
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of the chat template applied to messages, ready for the assistant turn."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(out, "keys"):  # transformers >= 5 returns a BatchEncoding
+        out = out["input_ids"]
+    return list(out)
+
+
+class StreamPrinter:
+    """Prints one sequence's text as tokens arrive (holding back incomplete UTF-8)."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.ids, self.printed = tokenizer, [], 0
+
+    def __call__(self, b: int, token: int) -> bool:
+        self.ids.append(token)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            sys.stdout.write(text[self.printed :])
+            sys.stdout.flush()
+            self.printed = len(text)
+        return False
+
+
+def parse_messages(arg: str) -> list[dict]:
+    src = Path(arg).read_text() if Path(arg).is_file() else arg
+    try:
+        msgs = json.loads(src)
+    except json.JSONDecodeError as e:
+        raise UserError(f"--messages is not valid JSON: {e}") from None
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                             for m in msgs):
+        raise UserError("--messages must be a JSON list of {\"role\": ..., \"content\": ...} objects")
+    return msgs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m eagle_infer.generate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default="default", help="HF folder; 'default' = embedded SmolLM2")
+    ap.add_argument("--prompt", action="append", help="user message (repeat for a batch)")
+    ap.add_argument("--messages", help="chat messages as JSON (or a file holding it)")
+    ap.add_argument("--no-chat-template", action="store_true", help="feed --prompt as raw text")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--device", default=None)
+    return ap
+
+
+@cli_errors
+def main(argv: list[str] | None = None) -> None:
+    from eagle_infer.loader import load_model, load_tokenizer
+
+    args = build_parser().parse_args(argv)
+    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    tok = load_tokenizer(args.model_path)
+    if args.messages:
+        prompts = [chat_prompt_ids(tok, parse_messages(args.messages))]
+    else:
+        texts = args.prompt or ["Write a short poem about fast decoding."]
+        if args.no_chat_template:
+            prompts = [tok(t)["input_ids"] for t in texts]
+        else:
+            prompts = [chat_prompt_ids(tok, [{"role": "user", "content": t}]) for t in texts]
+    model = load_model(args.model_path, args.dtype, args.device)
+    t0 = time.perf_counter()
+    streamer = StreamPrinter(tok) if len(prompts) == 1 else None
+    outs = generate(model, prompts, args.max_new_tokens, params, on_token=streamer)
+    dt = time.perf_counter() - t0
+    if streamer is None:
+        for i, o in enumerate(outs):
+            print(f"--- [{i}] {tok.decode(o, skip_special_tokens=True)}")
+    n = sum(len(o) for o in outs)
+    print(f"\n[{n} tokens in {dt:.2f}s, {n / dt:.1f} tokens/s, batch {len(prompts)}, {args.dtype}]",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

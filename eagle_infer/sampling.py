@@ -1,0 +1,75 @@
+"""Sampling settings and the one function that turns logits into a sampling distribution.
+
+Plain decoding and speculative verification both call `logits_to_probs`, so "the target's
+distribution" means the same thing in both: that is what makes rejection sampling lossless.
+Greedy rows (temperature 0) become a one-hot distribution on the argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from eagle_infer.errors import UserError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise UserError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise UserError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def generator(self, device: str | torch.device = "cpu") -> torch.Generator | None:
+        if self.seed is None:
+            return None
+        g = torch.Generator(device=device)
+        g.manual_seed(self.seed)
+        return g
+
+
+def logits_to_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> Tensor:
+    """logits [..., V] -> fp32 probabilities [..., V] after temperature, top-k and top-p."""
+    logits = logits.float()
+    if temperature == 0.0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1).
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """probs [N, V] -> token ids [N]."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def next_token(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token for one sequence from its logits [V]."""
+    if params.greedy:
+        return int(logits.argmax())
+    probs = logits_to_probs(logits[None], params.temperature, params.top_p, params.top_k)
+    return int(sample(probs, generator)[0])
