@@ -1,0 +1,426 @@
+"""EAGLE-2 and EAGLE-3 draft heads, and their checkpoint format: the one module that training
+and serving both import.
+
+EAGLE-2 (same head as EAGLE-1):
+    x = fc(cat(embed(token_{t+1}), f_t))            # 2h -> h; f = target's final (normed) state
+    g = DecoderLayer(x)  (no input layernorm)       # predicted next feature f_{t+1}
+    logits = target_lm_head(g)                       # optionally restricted by an FR-Spec map
+EAGLE-3:
+    h = fc(cat(a_low, a_mid, a_high))                # 3h -> h, from the target's aux states
+        or the head's own previous output g          # when unrolled on its own outputs
+    x = cat(input_layernorm(embed(token)), hidden_norm(h))         # 2h: attention input
+    g = h + attn(x); g = g + mlp(post_attention_layernorm(g))      # next-step input
+    logits = lm_head(norm(g))  over the draft vocabulary; target id = id + d2t[id]
+
+Both heads share one calling convention, so drafting code never branches on the kind:
+    head.target_layers(n)  -> HF hidden-state indices the head reads from the target
+    head.project(states)   -> the head's input feature [B, T, h] from those states
+    head(tokens, feature, positions, mask, slots=None, past_kv=())
+                           -> (logits [B, T, V_draft], g [B, T, h], (k, v))
+    head.draft_to_target   -> [V_draft] target ids of the logits' columns, or None (identity)
+
+Checkpoints use the official layouts (reference.md section 4), which SGLang and vLLM load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from eagle_infer.errors import UserError
+from eagle_infer.model import KVCache, ModelConfig, RMSNorm, apply_rope, rope_tables
+
+EAGLE3_ARCH = "LlamaForCausalLMEagle3"
+EAGLE2_ARCH = "LlamaForCausalLM"
+
+
+@dataclass
+class HeadConfig:
+    kind: str  # "eagle2" | "eagle3"
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    fc_bias: bool = True  # EAGLE-2 only; SGLang always builds fc with a bias
+    # Official convention: the *output* index of the target layers (hidden index - 1).
+    aux_layer_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, kind: str, draft_vocab_size: int | None = None,
+                   aux_hidden_indices: Sequence[int] | None = None, fc_bias: bool = True) -> HeadConfig:
+        """A head sized for `target` (the shapes the target's features dictate)."""
+        if kind not in ("eagle2", "eagle3"):
+            raise UserError(f"unknown draft kind '{kind}': use eagle2 or eagle3")
+        idx = list(aux_hidden_indices or target.eagle3_layer_ids()) if kind == "eagle3" else []
+        return cls(
+            kind=kind, hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+            num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
+            vocab_size=target.vocab_size,
+            draft_vocab_size=(draft_vocab_size or target.vocab_size) if kind == "eagle3"
+            else target.vocab_size,
+            rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
+            rope_scaling=target.rope_scaling, max_position_embeddings=target.max_position_embeddings,
+            fc_bias=fc_bias, aux_layer_ids=[i - 1 for i in idx],
+        )
+
+    @property
+    def aux_hidden_indices(self) -> list[int]:
+        return [i + 1 for i in self.aux_layer_ids]
+
+    def rope_config(self) -> ModelConfig:
+        return ModelConfig(model_type="llama", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_layers=1,
+                           num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                           head_dim=self.head_dim, rope_theta=self.rope_theta,
+                           rope_scaling=self.rope_scaling,
+                           max_position_embeddings=self.max_position_embeddings)
+
+    def to_hf(self) -> dict[str, Any]:
+        """config.json in the official layout."""
+        cfg: dict[str, Any] = {
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": 1,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+        }
+        if self.kind == "eagle3":
+            cfg.update({
+                "architectures": [EAGLE3_ARCH],
+                "draft_vocab_size": self.draft_vocab_size,
+                "target_hidden_size": self.hidden_size,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": self.aux_layer_ids,
+                                 "use_aux_hidden_state": True},
+            })
+        else:
+            cfg.update({"architectures": [EAGLE2_ARCH], "bias": self.fc_bias})
+        return cfg
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], state_keys: Sequence[str] = ()) -> HeadConfig:
+        arch = (cfg.get("architectures") or [""])[0]
+        keys = set(state_keys)
+        is3 = (arch == EAGLE3_ARCH or cfg.get("speculators_model_type") == "eagle3"
+               or "draft_vocab_size" in cfg or any(k.startswith("midlayer.") for k in keys))
+        n_heads = cfg["num_attention_heads"]
+        eagle_cfg = cfg.get("eagle_config") or {}
+        rope = dict(cfg.get("rope_parameters") or {})
+        return cls(
+            kind="eagle3" if is3 else "eagle2",
+            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            num_heads=n_heads, num_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            vocab_size=cfg["vocab_size"],
+            draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rope_scaling=cfg.get("rope_scaling"),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            fc_bias=bool(cfg.get("bias", "fc.bias" in keys)) or "fc.bias" in keys,
+            aux_layer_ids=list(eagle_cfg.get("eagle_aux_hidden_state_layer_ids") or []),
+        )
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: HeadConfig, in_dim: int):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(in_dim, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_dim, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_dim, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.cache: KVCache | None = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, slots: Tensor | None,
+                past_kv: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Serving: the static cache (written at `slots`); training: this call's keys after
+        `past_kv` (earlier unrolled steps), with `mask` [B, T, S] covering all of them."""
+        B, T, _ = x.shape
+        q = apply_rope(self.q_proj(x).view(B, T, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(B, T, self.n_kv, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        if self.cache is not None and slots is not None:
+            self.cache.write(slots, k, v)
+            kv_len = mask.shape[-1]
+            keys, values = self.cache.k[:B, :, :kv_len], self.cache.v[:B, :, :kv_len]
+        else:
+            keys = torch.cat([pk for pk, _ in past_kv] + [k], dim=1).transpose(1, 2)
+            values = torch.cat([pv for _, pv in past_kv] + [v], dim=1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None],
+                                             enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), (k, v)
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """The head's single decoder layer. EAGLE-3 adds input_layernorm/hidden_norm and a 2h-wide
+    attention input; EAGLE-2 has no input layernorm at all."""
+
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        h = cfg.hidden_size
+        self.eagle3 = cfg.kind == "eagle3"
+        if self.eagle3:
+            self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+            self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg, 2 * h if self.eagle3 else h)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = DraftMLP(cfg)
+
+    def forward(self, emb: Tensor, h: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
+                slots: Tensor | None, past_kv) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], -1) if self.eagle3 else h
+        a, kv = self.self_attn(x, cos, sin, mask, slots, past_kv)
+        g = h + a
+        return g + self.mlp(self.post_attention_layernorm(g)), kv
+
+
+class DraftHead(nn.Module):
+    """An EAGLE-2 or EAGLE-3 draft head bound to its target's embedding (and, for EAGLE-2, its
+    lm_head). Only the head's own weights are trained and saved."""
+
+    def __init__(self, cfg: HeadConfig, embed_tokens: nn.Embedding, target_lm_head: Tensor | None = None):
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.eagle3 = cfg.kind == "eagle3"
+        # The target's embedding is frozen and shared, never part of the head's checkpoint.
+        self.embed_tokens = [embed_tokens]
+        if self.eagle3:
+            self.fc = nn.Linear(3 * h, h, bias=False)
+            self.midlayer = DraftLayer(cfg)
+            self.norm = RMSNorm(h, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+        else:
+            self.fc = nn.Linear(2 * h, h, bias=cfg.fc_bias)
+            self.layers = nn.ModuleList([DraftLayer(cfg)])
+            if target_lm_head is None:
+                raise UserError("an EAGLE-2 head needs the target's lm_head")
+            self.target_lm_head = [target_lm_head]
+        # FR-Spec: rows of the lm_head kept for drafting, and their target ids.
+        self.register_buffer("token_map", None, persistent=False)
+        self.register_buffer("draft_lm_head", None, persistent=False)
+        self.max_batch = 0
+        self.max_seq_len = 0
+        self._rope = None
+
+    # -- shared calling convention --------------------------------------------------------
+
+    @property
+    def layer(self) -> DraftLayer:
+        return self.midlayer if self.eagle3 else self.layers[0]
+
+    def target_layers(self, num_target_layers: int) -> list[int]:
+        """HF hidden-state indices this head reads from the target."""
+        return self.config.aux_hidden_indices if self.eagle3 else [num_target_layers]
+
+    def project(self, target_states: Sequence[Tensor]) -> Tensor:
+        """Target states (as listed by target_layers) -> the head's input feature [B, T, h]."""
+        if self.eagle3:
+            return self.fc(torch.cat(list(target_states), dim=-1))
+        return target_states[0]
+
+    @property
+    def draft_to_target(self) -> Tensor | None:
+        """Target ids of the logits' columns ([V_draft]); None when they are the target's."""
+        if self.token_map is not None:
+            return self.token_map
+        if self.eagle3:
+            return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        return None
+
+    def set_token_map(self, ids: Tensor | None) -> None:
+        """FR-Spec for EAGLE-2: draft over these target ids only (lm_head rows copied once: a
+        static map beats re-gathering rows every step)."""
+        if self.eagle3 and ids is not None:
+            raise UserError("an EAGLE-3 head drafts over its own vocabulary (d2t); "
+                            "token maps are for EAGLE-2 heads")
+        if ids is None:
+            self.token_map, self.draft_lm_head = None, None
+            return
+        w = self.target_lm_head[0]
+        self.token_map = ids.to(w.device, torch.long)
+        self.draft_lm_head = w[self.token_map].contiguous()
+
+    def logits(self, g: Tensor) -> Tensor:
+        if self.eagle3:
+            return self.lm_head(self.norm(g))
+        w = self.draft_lm_head if self.draft_lm_head is not None else self.target_lm_head[0]
+        return F.linear(g, w)
+
+    def setup_cache(self, max_batch: int, max_seq_len: int) -> None:
+        w = self.fc.weight
+        c = self.config
+        self.layer.self_attn.cache = KVCache(max_batch, c.num_kv_heads, max_seq_len, c.head_dim,
+                                             w.dtype, w.device)
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        need = int(positions.max()) + 1
+        if self._rope is None or self._rope[0].shape[0] < need or self._rope[0].device != positions.device:
+            n = max(need, self.max_seq_len, self.config.max_position_embeddings)
+            cos, sin = rope_tables(self.config.rope_config(), n)
+            self._rope = (cos.to(positions.device), sin.to(positions.device))
+        return self._rope[0][positions], self._rope[1][positions]
+
+    def forward(
+        self,
+        tokens: Tensor,  # [B, T] token t+1 paired with feature t
+        feature: Tensor,  # [B, T, h] from project() or the head's own previous output
+        positions: Tensor,  # [B, T]
+        mask: Tensor,  # [B, T, S] bool over the keys (cache slots, or past_kv + this call)
+        slots: Tensor | None = None,  # [B, T] cache slots (serving); None = no cache (training)
+        past_kv: Sequence[tuple[Tensor, Tensor]] = (),
+        compute_logits: bool = True,
+    ) -> tuple[Tensor | None, Tensor, tuple[Tensor, Tensor]]:
+        emb = self.embed_tokens[0](tokens).to(feature.dtype)
+        cos, sin = self.rope(positions)
+        if self.eagle3:
+            g, kv = self.midlayer(emb, feature, cos, sin, mask, slots, past_kv)
+        else:
+            x = self.fc(torch.cat([emb, feature], dim=-1))
+            g, kv = self.layers[0](emb, x, cos, sin, mask, slots, past_kv)
+        return (self.logits(g) if compute_logits else None), g, kv
+
+    @torch.no_grad()
+    def keep_slots(self, src: Tensor, dst_start: Tensor) -> None:
+        dst = dst_start[:, None] + torch.arange(src.shape[1], device=src.device)[None, :]
+        self.layer.self_attn.cache.keep(src, dst)
+
+    # -- checkpoint ------------------------------------------------------------------------
+
+    def head_state_dict(self) -> dict[str, Tensor]:
+        """The head's own weights under the official key names."""
+        sd = {k: v for k, v in self.state_dict().items() if k not in ("token_map", "draft_lm_head")}
+        if self.eagle3:
+            sd["d2t"], sd["t2d"] = self.d2t, self.t2d
+        return sd
+
+
+def check_head_against_target(cfg: HeadConfig, target: ModelConfig, where: str) -> None:
+    """Refuse a head built for another target, naming the mismatch."""
+    problems = []
+    if cfg.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {cfg.hidden_size} != target's {target.hidden_size}")
+    if cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocabulary {cfg.vocab_size} != target's {target.vocab_size}")
+    for i in cfg.aux_hidden_indices:
+        if not 0 <= i <= target.num_layers:
+            problems.append(f"aux layer {i - 1} outside the target's {target.num_layers} layers")
+    if problems:
+        raise UserError(f"draft head {where} does not fit the target model: " + "; ".join(problems))
+
+
+def save_head(head: DraftHead, out_dir: str | os.PathLike, extra: dict[str, Any] | None = None,
+              dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write config.json + model.safetensors in the official layout (atomically); bf16 by
+    default, as published heads are."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().contiguous().cpu() for k, v in head.head_state_dict().items()}
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()}
+    cfg = head.config.to_hf() | {"torch_dtype": str(dtype).removeprefix("torch.")} | (extra or {})
+    tmp = out / "model.safetensors.tmp"
+    save_file(sd, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+def _official_to_ours(sd: dict[str, Tensor], cfg: HeadConfig) -> dict[str, Tensor]:
+    out = {}
+    for k, v in sd.items():
+        if k.startswith("model."):
+            k = k[len("model."):]
+        if cfg.kind == "eagle3" and k.startswith("layers.0."):  # vLLM speculators layout
+            k = "midlayer." + k[len("layers.0."):]
+        if k in ("embed_tokens.weight", "lm_head.weight") and cfg.kind == "eagle2":
+            continue  # EAGLE-2 shares the target's embedding and lm_head
+        if k == "embed_tokens.weight":
+            continue
+        out[k] = v
+    return out
+
+
+def load_head(path: str | os.PathLike, target_cfg: ModelConfig, embed_tokens: nn.Embedding,
+              target_lm_head: Tensor | None = None, dtype: torch.dtype | None = None) -> DraftHead:
+    """Load our own or an official EAGLE-2 / EAGLE-3 checkpoint; refuse one for another target."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise UserError(f"draft head not found: {folder} has no config.json")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"draft head {folder} has no safetensors weights")
+    sd: dict[str, Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    hf = json.loads((folder / "config.json").read_text())
+    cfg = HeadConfig.from_hf(hf, sd.keys())
+    if cfg.kind == "eagle3" and not cfg.aux_layer_ids:
+        cfg.aux_layer_ids = [i - 1 for i in target_cfg.eagle3_layer_ids()]
+    check_head_against_target(cfg, target_cfg, str(folder))
+    sd = _official_to_ours(sd, cfg)
+    rows = sd["lm_head.weight"].shape[0] if "lm_head.weight" in sd else cfg.draft_vocab_size
+    if cfg.kind == "eagle3" and rows != cfg.draft_vocab_size:
+        raise UserError(f"draft head {folder}: lm_head has {sd['lm_head.weight'].shape[0]} rows but "
+                        f"draft_vocab_size is {cfg.draft_vocab_size}")
+    head = DraftHead(cfg, embed_tokens, target_lm_head)
+    if cfg.kind == "eagle3":
+        if "d2t" not in sd:  # a full-vocabulary EAGLE-3 head
+            sd["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+            sd["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+        sd["d2t"], sd["t2d"] = sd["d2t"].long(), sd["t2d"].bool()
+        if sd["t2d"].shape[0] != target_cfg.vocab_size:
+            raise UserError(f"draft head {folder}: t2d covers {sd['t2d'].shape[0]} tokens but the target "
+                            f"vocabulary has {target_cfg.vocab_size}")
+    missing, unexpected = head.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise UserError(f"draft head {folder} does not match the {cfg.kind} layout: "
+                        f"missing {missing[:6]}, unexpected {unexpected[:6]}")
+    w = embed_tokens.weight
+    head = head.to(device=w.device, dtype=dtype or w.dtype)
+    if cfg.kind == "eagle3":
+        head.d2t, head.t2d = head.d2t.long(), head.t2d.bool()
+    return head.eval().requires_grad_(False)
+
+
+def load_head_for(path: str | os.PathLike, target) -> DraftHead:
+    """load_head with the embedding / lm_head taken from our target Transformer."""
+    return load_head(path, target.config, target.embed_tokens, target.lm_head.weight)
