@@ -157,7 +157,8 @@ class DraftAttention(nn.Module):
         self.cache: KVCache | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, slots: Tensor | None,
-                past_kv: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+                past_kv: Sequence[tuple[Tensor, Tensor]],
+                row0: int = 0) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """Serving: the static cache (written at `slots`); training: this call's keys after
         `past_kv` (earlier unrolled steps), with `mask` [B, T, S] covering all of them."""
         B, T, _ = x.shape
@@ -165,9 +166,8 @@ class DraftAttention(nn.Module):
         k = apply_rope(self.k_proj(x).view(B, T, self.n_kv, self.head_dim), cos, sin)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
         if self.cache is not None and slots is not None:
-            self.cache.write(slots, k, v)
-            kv_len = mask.shape[-1]
-            keys, values = self.cache.k[:B, :, :kv_len], self.cache.v[:B, :, :kv_len]
+            self.cache.write(slots, k, v, row0)
+            keys, values = self.cache.view(row0, B, mask.shape[-1])
         else:
             keys = torch.cat([pk for pk, _ in past_kv] + [k], dim=1).transpose(1, 2)
             values = torch.cat([pv for _, pv in past_kv] + [v], dim=1).transpose(1, 2)
@@ -203,9 +203,9 @@ class DraftLayer(nn.Module):
         self.mlp = DraftMLP(cfg)
 
     def forward(self, emb: Tensor, h: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
-                slots: Tensor | None, past_kv) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+                slots: Tensor | None, past_kv, row0: int = 0) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], -1) if self.eagle3 else h
-        a, kv = self.self_attn(x, cos, sin, mask, slots, past_kv)
+        a, kv = self.self_attn(x, cos, sin, mask, slots, past_kv, row0)
         g = h + a
         return g + self.mlp(self.post_attention_layernorm(g)), kv
 
@@ -291,11 +291,13 @@ class DraftHead(nn.Module):
         self.layer.self_attn.cache = KVCache(max_batch, c.num_kv_heads, max_seq_len, c.head_dim,
                                              w.dtype, w.device)
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self._rope = None
+        self.rope(torch.zeros(1, dtype=torch.long, device=w.device))
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        need = int(positions.max()) + 1
-        if self._rope is None or self._rope[0].shape[0] < need or self._rope[0].device != positions.device:
-            n = max(need, self.max_seq_len, self.config.max_position_embeddings)
+        # Tables cover the whole context once, so serving never syncs on positions.max().
+        if self._rope is None or self._rope[0].device != positions.device:
+            n = max(self.max_seq_len, self.config.max_position_embeddings)
             cos, sin = rope_tables(self.config.rope_config(), n)
             self._rope = (cos.to(positions.device), sin.to(positions.device))
         return self._rope[0][positions], self._rope[1][positions]
@@ -309,20 +311,20 @@ class DraftHead(nn.Module):
         slots: Tensor | None = None,  # [B, T] cache slots (serving); None = no cache (training)
         past_kv: Sequence[tuple[Tensor, Tensor]] = (),
         compute_logits: bool = True,
+        row0: int = 0,  # serving: batch row b uses cache row row0 + b
     ) -> tuple[Tensor | None, Tensor, tuple[Tensor, Tensor]]:
         emb = self.embed_tokens[0](tokens).to(feature.dtype)
         cos, sin = self.rope(positions)
         if self.eagle3:
-            g, kv = self.midlayer(emb, feature, cos, sin, mask, slots, past_kv)
+            g, kv = self.midlayer(emb, feature, cos, sin, mask, slots, past_kv, row0)
         else:
             x = self.fc(torch.cat([emb, feature], dim=-1))
-            g, kv = self.layers[0](emb, x, cos, sin, mask, slots, past_kv)
+            g, kv = self.layers[0](emb, x, cos, sin, mask, slots, past_kv, row0)
         return (self.logits(g) if compute_logits else None), g, kv
 
     @torch.no_grad()
-    def keep_slots(self, src: Tensor, dst_start: Tensor) -> None:
-        dst = dst_start[:, None] + torch.arange(src.shape[1], device=src.device)[None, :]
-        self.layer.self_attn.cache.keep(src, dst)
+    def move_row(self, src: int, dst: int) -> None:
+        self.layer.self_attn.cache.move_row(src, dst)
 
     # -- checkpoint ------------------------------------------------------------------------
 

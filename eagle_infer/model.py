@@ -188,9 +188,9 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def write(self, slots: Tensor, k: Tensor, v: Tensor) -> None:
-        """slots [B, T]; k, v [B, T, kv_heads, D]."""
-        b = torch.arange(slots.shape[0], device=slots.device)[:, None]
+    def write(self, slots: Tensor, k: Tensor, v: Tensor, row0: int = 0) -> None:
+        """slots [B, T]; k, v [B, T, kv_heads, D]; batch row b lives in cache row row0 + b."""
+        b = row0 + torch.arange(slots.shape[0], device=slots.device)[:, None]
         # Advanced indices on dims 0 and 2 put (B, T) first: the value is [B, T, heads, D].
         self.k[b, :, slots] = k
         self.v[b, :, slots] = v
@@ -201,6 +201,14 @@ class KVCache(nn.Module):
         k, v = self.k[b, :, src], self.v[b, :, src]  # gathered copies: overlap is safe
         self.k[b, :, dst] = k
         self.v[b, :, dst] = v
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy one sequence's whole cache row (a finished sequence's row is reused)."""
+        self.k[dst].copy_(self.k[src])
+        self.v[dst].copy_(self.v[src])
+
+    def view(self, row0: int, B: int, kv_len: int) -> tuple[Tensor, Tensor]:
+        return self.k[row0 : row0 + B, :, :kv_len], self.v[row0 : row0 + B, :, :kv_len]
 
 
 class Attention(nn.Module):
@@ -215,15 +223,15 @@ class Attention(nn.Module):
         self.cache: KVCache | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor,
-                kv_len: int) -> Tensor:
+                kv_len: int, row0: int) -> Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = apply_rope(q.view(B, T, self.n_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(B, T, self.n_kv, self.head_dim), cos, sin)
         v = v.view(B, T, self.n_kv, self.head_dim)
         assert self.cache is not None, "call setup_cache() before forward()"
-        self.cache.write(slots, k, v)
-        keys, values = self.cache.k[:B, :, :kv_len], self.cache.v[:B, :, :kv_len]
+        self.cache.write(slots, k, v, row0)
+        keys, values = self.cache.view(row0, B, kv_len)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=mask[:, None], enable_gqa=self.n_kv != self.n_heads
         )  # [B, heads, T, D]
@@ -250,8 +258,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor,
-                kv_len: int) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask, kv_len)
+                kv_len: int, row0: int) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask, kv_len, row0)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -294,6 +302,7 @@ class Transformer(nn.Module):
         logits_at: Tensor | None = None,  # [B, K] indices into T; None = every token
         hidden_layers: Sequence[int] = (),
         compute_logits: bool = True,
+        row0: int = 0,  # batch row b uses cache row row0 + b
     ) -> tuple[Tensor | None, list[Tensor]]:
         """Returns logits [B, K, V] (or None) and the hidden states asked for, each [B, T, H]."""
         kv_len = mask.shape[-1]
@@ -304,7 +313,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             if i in wanted:
                 taps[i] = x
-            x = layer(x, cos, sin, slots, mask, kv_len)
+            x = layer(x, cos, sin, slots, mask, kv_len, row0)
         x = self.norm(x)
         taps[len(self.layers)] = x
         hidden = [taps[i] for i in hidden_layers]
@@ -313,6 +322,11 @@ class Transformer(nn.Module):
         if logits_at is not None:
             x = torch.gather(x, 1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         return self.lm_head(x), hidden
+
+    @torch.no_grad()
+    def move_row(self, src: int, dst: int) -> None:
+        for layer in self.layers:
+            layer.self_attn.cache.move_row(src, dst)
 
     @torch.no_grad()
     def keep_slots(self, src: Tensor, dst_start: Tensor) -> None:
