@@ -142,19 +142,20 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def build_attn_mask(prefix_len: Tensor, local_mask: Tensor, kv_len: int) -> Tensor:
-    """Attention mask [B, T, kv_len] for T new tokens stored at slots prefix_len + 0..T-1.
+    """Attention mask [B, T, kv_len] for T new tokens whose window of W slots starts at
+    prefix_len (the new tokens are written somewhere in that window).
 
-    Each new token sees every slot below its sequence's prefix_len, and the new tokens that
-    `local_mask` [B, T, T] (or [T, T]) allows: lower-triangular for a chain, ancestors for a
+    Each new token sees every slot below its sequence's prefix_len, and the window slots that
+    `local_mask` [B, T, W] (or [T, W]) allows: lower-triangular for a chain, ancestors for a
     tree.
     """
-    B, T = prefix_len.shape[0], local_mask.shape[-1]
-    local_mask = local_mask.expand(B, T, T)
+    B, (T, W) = prefix_len.shape[0], local_mask.shape[-2:]
+    local_mask = local_mask.expand(B, T, W)
     rel = torch.arange(kv_len, device=prefix_len.device)[None, :] - prefix_len[:, None]  # [B,S]
-    in_new = (rel >= 0) & (rel < T)
-    idx = rel.clamp(0, T - 1)[:, None, :].expand(B, T, kv_len)
-    new_ok = torch.gather(local_mask, 2, idx) & in_new[:, None, :]
-    return (rel < 0)[:, None, :] | new_ok
+    in_window = (rel >= 0) & (rel < W)
+    idx = rel.clamp(0, W - 1)[:, None, :].expand(B, T, kv_len)
+    window_ok = torch.gather(local_mask, 2, idx) & in_window[:, None, :]
+    return (rel < 0)[:, None, :] | window_ok
 
 
 def causal_mask(prefix_len: Tensor, T: int, kv_len: int) -> Tensor:
@@ -188,19 +189,27 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
+    def _flat_index(self, rows: Tensor, slots: Tensor) -> Tensor:
+        """Row-major indices into the cache viewed as [B * heads * S, D], for (row, head, slot)."""
+        H, S = self.k.shape[1], self.k.shape[2]
+        heads = torch.arange(H, device=slots.device)[None, :, None]
+        return ((rows[:, None, None] * H + heads) * S + slots[:, None, :]).reshape(-1)
+
     def write(self, slots: Tensor, k: Tensor, v: Tensor, row0: int = 0) -> None:
         """slots [B, T]; k, v [B, T, kv_heads, D]; batch row b lives in cache row row0 + b."""
-        b = row0 + torch.arange(slots.shape[0], device=slots.device)[:, None]
-        # Advanced indices on dims 0 and 2 put (B, T) first: the value is [B, T, heads, D].
-        self.k[b, :, slots] = k
-        self.v[b, :, slots] = v
+        # index_copy_ on a flat view: advanced-index assignment is ~100x slower on CPU.
+        B, D = slots.shape[0], k.shape[-1]
+        idx = self._flat_index(row0 + torch.arange(B, device=slots.device), slots)
+        self.k.view(-1, D).index_copy_(0, idx, k.transpose(1, 2).reshape(-1, D))
+        self.v.view(-1, D).index_copy_(0, idx, v.transpose(1, 2).reshape(-1, D))
 
     def keep(self, src: Tensor, dst: Tensor) -> None:
         """Copy entries at slots src [B, K] to slots dst [B, K], per sequence."""
-        b = torch.arange(src.shape[0], device=src.device)[:, None]
-        k, v = self.k[b, :, src], self.v[b, :, src]  # gathered copies: overlap is safe
-        self.k[b, :, dst] = k
-        self.v[b, :, dst] = v
+        rows = torch.arange(src.shape[0], device=src.device)
+        si, di = self._flat_index(rows, src), self._flat_index(rows, dst)
+        for cache in (self.k, self.v):
+            flat = cache.view(-1, cache.shape[-1])
+            flat.index_copy_(0, di, flat.index_select(0, si))  # gathered first: overlap is safe
 
     def move_row(self, src: int, dst: int) -> None:
         """Copy one sequence's whole cache row (a finished sequence's row is reused)."""

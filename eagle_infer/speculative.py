@@ -1,0 +1,269 @@
+"""Speculative decoding (EAGLE-2 / EAGLE-3) over our target runtime and a draft head.
+
+State per active sequence (row r of both caches; rows 0..B-1 are the active ones):
+    L[r]        committed tokens, in the target cache and (paired with features) the draft's
+    root[r]     the next token, already sampled from the target, not yet in either cache
+    root_g[r]   the draft's feature after the root;  root_logp[r]: its log-probs [V']
+
+A round (`SpecDecoder.step`), for all active rows at once:
+    draft_tree  -> tree of num_draft_tokens nodes (root first)           num_steps-1 draft calls
+    verify      -> one target forward over the tree, logits + features   1 target call
+    accept      -> accepted path + bonus token (greedy or lossless rejection sampling)
+    commit      -> keep the path's target KV; draft catch-up on the path  1 draft call
+A sequence that finishes leaves the batch: the last row moves into its place.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from eagle_infer.errors import UserError
+from eagle_infer.generate import check_fits, kv_len_for
+from eagle_infer.heads import DraftHead
+from eagle_infer.model import Transformer, build_attn_mask, causal_mask
+from eagle_infer.sampling import SamplingParams, next_token
+from eagle_infer.tree import Acceptance, DraftTree, TreeConfig, accept_greedy, accept_sampling, draft_tree
+
+
+@dataclass
+class Sequence_:
+    """One request being decoded."""
+
+    prompt: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    eos: set[int]
+    on_token: Callable[[int], bool] | None = None  # returns True to stop (stop strings)
+    output: list[int] = field(default_factory=list)
+    done: bool = False
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per round
+    tag: object = None  # caller's handle (the server's request)
+
+    def emit(self, tokens: Sequence[int]) -> list[int]:
+        """Append tokens until EOS / stop / length; returns what was actually appended."""
+        out = []
+        for t in tokens:
+            if self.done:
+                break
+            self.output.append(t)
+            out.append(t)
+            stop = self.on_token(t) if self.on_token else False
+            if t in self.eos or stop:
+                self.done, self.finish_reason = True, "stop"
+            elif len(self.output) >= self.max_new_tokens:
+                self.done, self.finish_reason = True, "length"
+        return out
+
+
+@dataclass
+class SpecStats:
+    rounds: int = 0
+    accepted: list[int] = field(default_factory=list)  # accepted draft tokens, per (row, round)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    other_s: float = 0.0
+
+    def acceptance_length(self) -> float:
+        """tau: accepted drafts + 1 (the bonus token) per verify round, averaged."""
+        return 1.0 + sum(self.accepted) / max(1, len(self.accepted))
+
+    def accept_rate_per_position(self, num_steps: int) -> list[float]:
+        """P(draft position d accepted | position d-1 accepted), d = 1..num_steps."""
+        rates, reached = [], len(self.accepted)
+        for d in range(1, num_steps + 1):
+            got = sum(1 for a in self.accepted if a >= d)
+            rates.append(got / reached if reached else 0.0)
+            reached = got
+        return rates
+
+
+class SpecDecoder:
+    def __init__(self, target: Transformer, head: DraftHead, tree: TreeConfig, max_batch: int = 1,
+                 max_seq_len: int | None = None, static_kv: bool = False):
+        if head.config.hidden_size != target.config.hidden_size:
+            raise UserError("draft head and target disagree on hidden size")
+        self.target, self.head, self.tree = target, head, tree
+        self.max_seq_len = max_seq_len or min(target.config.max_position_embeddings, 4096)
+        self.max_batch = max_batch
+        # static_kv: attend over the whole cache every call, so shapes never change (graphs).
+        self.static_kv = static_kv
+        target.setup_cache(max_batch, self.max_seq_len)
+        head.setup_cache(max_batch, self.max_seq_len)
+        self.layers = head.target_layers(target.config.num_layers)
+        dev = target.embed_tokens.weight.device
+        self.device = dev
+        h = head.config.hidden_size
+        v_draft = head.draft_lm_head.shape[0] if head.draft_lm_head is not None else (
+            head.config.draft_vocab_size if head.eagle3 else head.config.vocab_size)
+        self.L = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.root = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.root_g = torch.zeros(max_batch, h, dtype=head.fc.weight.dtype, device=dev)
+        self.root_logp = torch.zeros(max_batch, v_draft, dtype=torch.float32, device=dev)
+        self.seqs: list[Sequence_] = []
+        self.stats = SpecStats()
+        self.draft_fn = self._draft_step
+        self.verify_fn = self._verify
+
+    # -- the two fixed-shape steps (what torch.compile / CUDA graphs capture) --------------
+
+    def _draft_step(self, tokens: Tensor, feat: Tensor, pos: Tensor, mask: Tensor,
+                    slots: Tensor) -> tuple[Tensor, Tensor]:
+        logits, g, _ = self.head(tokens, feat, pos, mask, slots=slots)
+        return logits, g
+
+    def _verify(self, tokens: Tensor, pos: Tensor, slots: Tensor,
+                mask: Tensor) -> tuple[Tensor, list[Tensor]]:
+        logits, hidden = self.target(tokens, pos, slots, mask, hidden_layers=self.layers)
+        return logits, hidden
+
+    def kv_len(self, needed: int) -> int:
+        return self.max_seq_len if self.static_kv else kv_len_for(needed, self.max_seq_len)
+
+    # -- joining and leaving -----------------------------------------------------------------
+
+    @property
+    def free_rows(self) -> int:
+        return self.max_batch - len(self.seqs)
+
+    @torch.no_grad()
+    def add(self, seq: Sequence_) -> None:
+        """Prefill a new sequence into the next free row; its first token is emitted."""
+        if not self.free_rows:
+            raise RuntimeError("no free row: the batch is full")
+        P = len(seq.prompt)
+        room = self.max_seq_len - self.tree.num_draft_tokens - self.tree.eagle_topk * self.tree.num_steps
+        check_fits(self.target, [P], seq.max_new_tokens)
+        if P + seq.max_new_tokens > room:
+            raise UserError(f"prompt of {P} tokens + max_new_tokens {seq.max_new_tokens} exceeds the "
+                            f"context of {room} tokens available to speculative decoding")
+        row = len(self.seqs)
+        seq.generator = seq.params.generator(self.device)
+        ids = torch.tensor([seq.prompt], dtype=torch.long, device=self.device)
+        pos = torch.arange(P, device=self.device)[None]
+        zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        logits, hidden = self.target(ids, pos, pos, causal_mask(zero, P, self.kv_len(P)),
+                                     logits_at=torch.tensor([[P - 1]], device=self.device),
+                                     hidden_layers=self.layers, row0=row)
+        first = next_token(logits[0, 0], seq.params, seq.generator)
+        nxt = torch.cat([ids[:, 1:], torch.tensor([[first]], device=self.device)], 1)
+        self._draft_extend(row, nxt, self.head.project(hidden), zero, torch.tensor([P], device=self.device))
+        self.L[row], self.root[row] = P, first
+        self.seqs.append(seq)
+        seq.emit([first])
+
+    def _draft_extend(self, row0: int, next_tokens: Tensor, feats: Tensor, start: Tensor,
+                      count: Tensor) -> None:
+        """Draft catch-up: pairs (feature_i, token_{i+1}) at positions start..start+count-1
+        (padded to T); remember the draft's output after the last real pair."""
+        B, T = next_tokens.shape
+        pos = start[:, None] + torch.arange(T, device=self.device)[None]
+        tril = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
+        mask = build_attn_mask(start, tril, self.kv_len(int((start + T).max())))
+        _, g, _ = self.head(next_tokens, feats, pos, mask, slots=pos, compute_logits=False, row0=row0)
+        g_last = torch.gather(g, 1, (count - 1)[:, None, None].expand(B, 1, g.shape[-1]))[:, 0]
+        self.root_g[row0:row0 + B] = g_last
+        self.root_logp[row0:row0 + B] = torch.log_softmax(self.head.logits(g_last).float(), -1)
+
+    def _remove(self, row: int) -> None:
+        last = len(self.seqs) - 1
+        if row != last:
+            self.target.move_row(last, row)
+            self.head.move_row(last, row)
+            for t in (self.L, self.root, self.root_g, self.root_logp):
+                t[row] = t[last]
+            self.seqs[row] = self.seqs[last]
+        self.seqs.pop()
+
+    # -- one round ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[Sequence_, list[int]]]:
+        """One speculative round for every active sequence; returns (sequence, new tokens)."""
+        B = len(self.seqs)
+        if B == 0:
+            return []
+        cfg, dev = self.tree, self.device
+        L = self.L[:B]
+        t0 = time.perf_counter()
+        tree: DraftTree = draft_tree(
+            cfg, self.draft_fn, self.root[:B], self.root_logp[:B], self.root_g[:B], L,
+            self.kv_len(int(L.max()) + cfg.num_steps * cfg.eagle_topk), self.head.draft_to_target)
+        t1 = time.perf_counter()
+        N = cfg.num_draft_tokens
+        pos = L[:, None] + tree.depth
+        slots = L[:, None] + torch.arange(N, device=dev)[None]
+        mask = build_attn_mask(L, tree.mask, self.kv_len(int(L.max()) + N))
+        logits, hidden = self.verify_fn(tree.tokens, pos, slots, mask)
+        t2 = time.perf_counter()
+        params = [s.params for s in self.seqs]
+        if all(p.greedy for p in params):
+            acc: Acceptance = accept_greedy(tree, logits, cfg.num_steps)
+        else:
+            acc = accept_sampling(tree, logits, params, [s.generator for s in self.seqs], cfg.num_steps)
+        n = acc.n_accepted
+        # Commit: the accepted path's KV moves to slots L..L+n; the draft catches up on it.
+        self.target.keep_slots(L[:, None] + acc.path, L)
+        path_tokens = torch.gather(tree.tokens, 1, acc.path)  # [B, D+1], root first
+        steps = torch.arange(acc.path.shape[1], device=dev)[None]
+        shifted = torch.cat([path_tokens[:, 1:], acc.bonus[:, None]], 1)
+        next_tokens = torch.where(steps < n[:, None], shifted, acc.bonus[:, None])
+        feats = self.head.project([torch.gather(h, 1, acc.path[:, :, None].expand(-1, -1, h.shape[-1]))
+                                   for h in hidden])
+        t3 = time.perf_counter()
+        self._draft_extend(0, next_tokens, feats, L, n + 1)
+        t4 = time.perf_counter()
+        self.L[:B] = L + n + 1
+        self.root[:B] = acc.bonus
+        results = []
+        drafted, bonus = path_tokens[:, 1:].tolist(), acc.bonus.tolist()
+        for b, seq in enumerate(self.seqs):
+            k = int(n[b])
+            seq.accepted.append(k)
+            self.stats.accepted.append(k)
+            results.append((seq, seq.emit(drafted[b][:k] + [bonus[b]])))
+        self.stats.rounds += 1
+        for row in reversed(range(B)):
+            if self.seqs[row].done:
+                self._remove(row)
+        t5 = time.perf_counter()
+        self.stats.draft_s += (t1 - t0) + (t4 - t3)
+        self.stats.verify_s += t2 - t1
+        self.stats.other_s += (t3 - t2) + (t5 - t4)
+        return results
+
+
+def generate_speculative(
+    target: Transformer,
+    head: DraftHead,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    params: SamplingParams | Sequence[SamplingParams] | None = None,
+    tree: TreeConfig | None = None,
+    eos_token_ids: Sequence[int] | None = None,
+    max_seq_len: int | None = None,
+    decoder: SpecDecoder | None = None,
+) -> tuple[list[list[int]], SpecStats]:
+    """Decode a batch of prompts speculatively; returns the new tokens of each and the stats."""
+    if max_new_tokens <= 0:
+        raise UserError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+    tree = tree or TreeConfig()
+    params = [params or SamplingParams()] * len(prompts) if not isinstance(params, Sequence) else list(params)
+    eos = set(target.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    dec = decoder or SpecDecoder(target, head, tree, max_batch=len(prompts), max_seq_len=max_seq_len)
+    dec.stats = SpecStats()
+    seqs = [Sequence_(list(p), params[i], max_new_tokens, eos) for i, p in enumerate(prompts)]
+    for s in seqs:
+        dec.add(s)
+    for s in list(dec.seqs):  # a prompt may finish on its very first token
+        if s.done:
+            dec._remove(dec.seqs.index(s))
+    while dec.seqs:
+        dec.step()
+    return [s.output for s in seqs], dec.stats

@@ -1,0 +1,229 @@
+"""The draft tree: EAGLE-2 dynamic expansion, the verify-side mask, and acceptance walks.
+
+Vocabulary (SGLang's names):
+    num_steps         draft forwards per round = the tree's depth
+    eagle_topk        children kept per expanded node, and frontier width (1 = chain drafting)
+    num_draft_tokens  nodes the target verifies, the root included
+
+One round, for a batch of B sequences whose first L[b] tokens are committed and whose next
+token (the root, already sampled by the target) is not yet verified:
+  1. `draft_tree` expands the frontier `num_steps` times from the draft's distribution after
+     the root, scores every child by cumulative log-probability, and keeps the best
+     `num_draft_tokens - 1` candidates (parents always score >= children, so they form a tree).
+  2. The target scores root + nodes in one forward with `DraftTree.mask` (a node sees the
+     committed prefix and its ancestors) at positions L + depth.
+  3. `accept_greedy` / `accept_sampling` walk from the root and return the accepted path and
+     the bonus token sampled from the target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from eagle_infer.errors import UserError
+from eagle_infer.model import build_attn_mask
+from eagle_infer.sampling import SamplingParams, logits_to_probs
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    num_steps: int = 5
+    eagle_topk: int = 4
+    num_draft_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1 or self.eagle_topk < 1 or self.num_draft_tokens < 2:
+            raise UserError(f"tree settings must be num_steps >= 1, eagle_topk >= 1, num_draft_tokens >= 2; "
+                            f"got {self}")
+        if self.num_draft_tokens - 1 > self.max_candidates:
+            raise UserError(
+                f"num_draft_tokens={self.num_draft_tokens} is more than the tree can hold: "
+                f"{self.num_steps} steps of top-{self.eagle_topk} give {self.max_candidates} candidates "
+                f"(+1 root)"
+            )
+
+    @property
+    def max_candidates(self) -> int:
+        k = self.eagle_topk
+        return k + (self.num_steps - 1) * k * k
+
+    @classmethod
+    def chain(cls, num_steps: int) -> TreeConfig:
+        return cls(num_steps=num_steps, eagle_topk=1, num_draft_tokens=num_steps + 1)
+
+
+@dataclass
+class DraftTree:
+    tokens: Tensor  # [B, N] target ids; node 0 is the root
+    parent: Tensor  # [B, N] parent node index (the root is its own parent)
+    depth: Tensor  # [B, N] 0 for the root
+    mask: Tensor  # [B, N, N] bool: node i sees node j iff j is i or one of its ancestors
+
+
+def ancestor_mask(parent: Tensor, max_depth: int) -> Tensor:
+    """[B, N] parent pointers -> [B, N, N] ancestor-or-self mask."""
+    B, N = parent.shape
+    eye = torch.eye(N, dtype=torch.bool, device=parent.device).expand(B, N, N)
+    mask = eye
+    for _ in range(max_depth):
+        mask = eye | torch.gather(mask, 1, parent[:, :, None].expand(B, N, N))
+    return mask
+
+
+# Runs the draft head on a frontier; see `draft_tree`. (tokens, feature, positions, mask, slots)
+# -> (logits [B, K, V'], g [B, K, h]).
+DraftStep = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+@torch.no_grad()
+def draft_tree(
+    cfg: TreeConfig,
+    step: DraftStep,
+    root: Tensor,  # [B] root token ids
+    root_logp: Tensor,  # [B, V'] draft log-probs for the token after the root
+    root_g: Tensor,  # [B, h] the draft's output feature at the root
+    prefix_len: Tensor,  # [B] committed tokens (= draft cache entries) per sequence
+    kv_len: int,
+    draft_to_target: Tensor | None,  # [V'] target ids of draft ids, None = identity
+) -> DraftTree:
+    """Grow the EAGLE-2 tree: `num_steps - 1` draft forwards over a frontier of `eagle_topk`
+    nodes; the frontier's nodes are written to the draft cache after the prefix, at
+    slot offsets (depth - 1) * topk + j."""
+    B, K, dev = root.shape[0], cfg.eagle_topk, root.device
+    to_target = (lambda ids: ids) if draft_to_target is None else (lambda ids: draft_to_target[ids])
+    arK = torch.arange(K, device=dev)
+
+    f_scores, f_ids = root_logp.float().topk(K, dim=-1)  # [B, K]
+    f_tokens = to_target(f_ids)
+    scores, tokens = [f_scores], [f_tokens]
+    parents = [torch.full((B, K), -1, device=dev, dtype=torch.long)]  # -1 = the root
+    depths = [torch.ones(B, K, device=dev, dtype=torch.long)]
+    f_index = arK.expand(B, K)  # candidate index of each frontier node
+    f_feat = root_g[:, None, :].expand(B, K, root_g.shape[-1])
+    anc = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)  # frontier rows over the window
+    next_index = K
+    for d in range(1, cfg.num_steps):  # feed the depth-d frontier
+        slots = prefix_len[:, None] + (d - 1) * K + arK
+        pos = (prefix_len + d - 1)[:, None].expand(B, K)
+        mask = build_attn_mask(prefix_len, anc, kv_len)
+        logits, g = step(f_tokens, f_feat, pos, mask, slots)
+        child_lp, child_ids = torch.log_softmax(logits.float(), -1).topk(K, dim=-1)  # [B, K, K]
+        c_scores = (f_scores[:, :, None] + child_lp).reshape(B, K * K)
+        c_tokens = to_target(child_ids).reshape(B, K * K)
+        scores.append(c_scores)
+        tokens.append(c_tokens)
+        parents.append(f_index[:, :, None].expand(B, K, K).reshape(B, K * K))
+        depths.append(torch.full((B, K * K), d + 1, device=dev, dtype=torch.long))
+        if d == cfg.num_steps - 1:
+            break
+        f_scores, pick = c_scores.topk(K, dim=-1)  # next frontier: best K children
+        par = pick // K
+        f_index = next_index + pick
+        f_tokens = torch.gather(c_tokens, 1, pick)
+        f_feat = torch.gather(g, 1, par[:, :, None].expand(B, K, g.shape[-1]))
+        W = anc.shape[-1]
+        grown = torch.zeros(B, K, W + K, dtype=torch.bool, device=dev)
+        grown[:, :, :W] = torch.gather(anc, 1, par[:, :, None].expand(B, K, W))
+        grown[:, arK, W + arK] = True
+        anc = grown
+        next_index += K * K
+
+    all_scores, all_tokens = torch.cat(scores, 1), torch.cat(tokens, 1)
+    all_parents, all_depths = torch.cat(parents, 1), torch.cat(depths, 1)
+    C, N = all_scores.shape[1], cfg.num_draft_tokens
+    # Ties go to the earlier candidate, so a parent (always earlier) is kept before its child.
+    key = all_scores.double() - 1e-9 * torch.arange(C, device=dev, dtype=torch.double)
+    chosen = key.topk(N - 1, dim=-1).indices.sort(dim=-1).values  # [B, N-1]
+    node_of = torch.zeros(B, C + 1, dtype=torch.long, device=dev)  # candidate+1 -> node (0 = root)
+    node_of.scatter_(1, chosen + 1, torch.arange(1, N, device=dev).expand(B, N - 1))
+    zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
+    parent = torch.cat([zero, torch.gather(node_of, 1, torch.gather(all_parents, 1, chosen) + 1)], 1)
+    depth = torch.cat([zero, torch.gather(all_depths, 1, chosen)], 1)
+    tree_tokens = torch.cat([root[:, None], torch.gather(all_tokens, 1, chosen)], 1)
+    return DraftTree(tree_tokens, parent, depth, ancestor_mask(parent, cfg.num_steps))
+
+
+@dataclass
+class Acceptance:
+    path: Tensor  # [B, num_steps + 1] accepted node indices from the root, padded with the last
+    n_accepted: Tensor  # [B] accepted draft tokens (the root not counted)
+    bonus: Tensor  # [B] the target's next token after the accepted path
+
+
+def _path_from_leaf(tree: DraftTree, leaf: Tensor, max_depth: int) -> Tensor:
+    """Node indices root..leaf ordered by depth, padded with the leaf: [B, max_depth + 1]."""
+    B, N = tree.tokens.shape
+    on_path = torch.gather(tree.mask, 1, leaf[:, None, None].expand(B, 1, N))[:, 0]  # [B, N]
+    dump = max_depth + 1
+    where = torch.where(on_path, tree.depth, torch.full_like(tree.depth, dump))
+    path = torch.zeros(B, dump + 1, dtype=torch.long, device=leaf.device)
+    path.scatter_(1, where, torch.arange(N, device=leaf.device).expand(B, N))
+    path = path[:, :dump]
+    n = torch.gather(tree.depth, 1, leaf[:, None])
+    steps = torch.arange(dump, device=leaf.device)[None]
+    return torch.where(steps <= n, path, leaf[:, None])
+
+
+def accept_greedy(tree: DraftTree, target_logits: Tensor, max_depth: int) -> Acceptance:
+    """Longest root path whose every token equals the target's argmax after its parent."""
+    pred = target_logits.argmax(-1)  # [B, N] the target's choice after each node
+    ok = tree.tokens == torch.gather(pred, 1, tree.parent)
+    ok[:, 0] = True
+    on_good_path = ~(tree.mask & ~ok[:, None, :]).any(-1)  # every ancestor-or-self ok
+    # Siblings hold distinct tokens, so the good nodes form one chain: take its deepest.
+    leaf = torch.where(on_good_path, tree.depth, -1).argmax(-1)
+    n = torch.gather(tree.depth, 1, leaf[:, None])[:, 0]
+    return Acceptance(_path_from_leaf(tree, leaf, max_depth), n, torch.gather(pred, 1, leaf[:, None])[:, 0])
+
+
+def accept_sampling(tree: DraftTree, target_logits: Tensor, params: Sequence[SamplingParams],
+                    generators: Sequence[torch.Generator | None], max_depth: int) -> Acceptance:
+    """Lossless multi-draft rejection sampling (SpecInfer / EAGLE) with deterministic drafts.
+
+    At a node with target distribution p, try its children in order: accept child x with
+    probability p(x); on rejection set p(x) = 0 and renormalise (the residual relu(p - q) for a
+    one-hot q). If every child is rejected, the bonus token is drawn from what is left. Each
+    emitted token is therefore distributed exactly as p, whatever the draft proposed.
+    """
+    B, N = tree.tokens.shape
+    leaves, bonuses = [], []
+    parent, tokens = tree.parent.tolist(), tree.tokens.tolist()
+    for b in range(B):
+        p_b = params[b]
+        if p_b.greedy:
+            a = accept_greedy(DraftTree(tree.tokens[b:b + 1], tree.parent[b:b + 1], tree.depth[b:b + 1],
+                                        tree.mask[b:b + 1]), target_logits[b:b + 1], max_depth)
+            leaves.append(int(a.path[0, a.n_accepted[0]]))
+            bonuses.append(int(a.bonus[0]))
+            continue
+        children: list[list[int]] = [[] for _ in range(N)]
+        for j in range(1, N):
+            children[parent[b][j]].append(j)
+        probs = logits_to_probs(target_logits[b], p_b.temperature, p_b.top_p, p_b.top_k)  # [N, V]
+        gen = generators[b]
+        node = 0
+        while True:
+            p = probs[node].clone()
+            nxt = None
+            for c in children[node]:
+                x = tokens[b][c]
+                if float(torch.rand((), generator=gen)) < float(p[x]):
+                    nxt = c
+                    break
+                p[x] = 0.0
+                total = p.sum()
+                if total <= 0:
+                    break
+                p = p / total
+            if nxt is None:
+                leaves.append(node)
+                bonuses.append(int(torch.multinomial(p, 1, generator=gen)))
+                break
+            node = nxt
+    leaf = torch.tensor(leaves, device=tree.tokens.device)
+    n = torch.gather(tree.depth, 1, leaf[:, None])[:, 0]
+    return Acceptance(_path_from_leaf(tree, leaf, max_depth), n, torch.tensor(bonuses, device=leaf.device))
