@@ -157,6 +157,14 @@ class SpecDecoder:
         self.L[row], self.root[row] = P, first
         self.seqs.append(seq)
         seq.emit([first])
+        if seq.done:  # finished on its very first token
+            self._remove(row)
+
+    def cancel(self, seq: Sequence_) -> None:
+        """Drop a sequence now (a client went away); its row is reused at once."""
+        if seq in self.seqs:
+            self._remove(self.seqs.index(seq))
+        seq.done, seq.finish_reason = True, seq.finish_reason or "abort"
 
     def _draft_extend(self, row0: int, next_tokens: Tensor, feats: Tensor, start: Tensor,
                       count: Tensor) -> None:
@@ -261,9 +269,6 @@ def generate_speculative(
     seqs = [Sequence_(list(p), params[i], max_new_tokens, eos) for i, p in enumerate(prompts)]
     for s in seqs:
         dec.add(s)
-    for s in list(dec.seqs):  # a prompt may finish on its very first token
-        if s.done:
-            dec._remove(dec.seqs.index(s))
     while dec.seqs:
         dec.step()
     return [s.output for s in seqs], dec.stats
