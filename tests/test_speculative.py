@@ -1,0 +1,274 @@
+"""Speculative decoding is lossless: greedy output is token-identical to plain greedy decoding,
+and sampled output follows the target's distribution.
+
+Tiny random targets keep these fast. An "oracle" EAGLE-2 head makes acceptance non-trivial:
+on a 1-layer target whose attention and MLP write nothing, the final state is
+norm(embed(token)), so the next token depends on the current one only; a head with
+fc = [I | 0] and silent attention/MLP outputs g = embed(token), whose logits through the
+shared lm_head have the same argmax (RMSNorm only rescales). It predicts every greedy token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from eagle_infer.errors import UserError
+from eagle_infer.generate import generate
+from eagle_infer.heads import DraftHead, HeadConfig
+from eagle_infer.model import ModelConfig, Transformer
+from eagle_infer.sampling import SamplingParams, logits_to_probs
+from eagle_infer.speculative import SpecDecoder, generate_speculative
+from eagle_infer.tree import DraftTree, TreeConfig, accept_greedy, ancestor_mask, draft_tree
+
+torch.set_num_threads(1)  # tiny models: threads only add latency (and thrash on a busy machine)
+
+TREES = [TreeConfig(), TreeConfig.chain(4), TreeConfig(num_steps=3, eagle_topk=2, num_draft_tokens=6),
+         TreeConfig(num_steps=6, eagle_topk=8, num_draft_tokens=32)]
+
+
+def tiny_target(vocab: int = 96, layers: int = 2, seed: int = 0, silent: bool = False) -> Transformer:
+    cfg = ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=8,
+                      max_position_embeddings=512, eos_token_ids=[])
+    torch.manual_seed(seed)
+    m = Transformer(cfg)
+    with torch.no_grad():
+        m.embed_tokens.weight.normal_(0, 1.0)
+        m.lm_head.weight.normal_(0, 0.6)
+        if silent:
+            for layer in m.layers:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+    return m.eval().requires_grad_(False)
+
+
+def random_head(target: Transformer, kind: str, draft_vocab: int | None = None, seed: int = 1) -> DraftHead:
+    cfg = HeadConfig.for_target(target.config, kind, draft_vocab_size=draft_vocab,
+                                aux_hidden_indices=[0, 1, 2] if kind == "eagle3" else None)
+    torch.manual_seed(seed)
+    head = DraftHead(cfg, target.embed_tokens, target.lm_head.weight)
+    if kind == "eagle3" and draft_vocab:
+        ids = torch.randperm(cfg.vocab_size)[:draft_vocab].sort().values
+        head.d2t.copy_(ids - torch.arange(draft_vocab))
+        head.t2d.zero_()
+        head.t2d[ids] = True
+    return head.eval().requires_grad_(False)
+
+
+def oracle_head(target: Transformer, noise: float = 0.0) -> DraftHead:
+    head = random_head(target, "eagle2")
+    h = target.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, :h] = torch.eye(h) + noise * torch.randn(h, h)
+        head.fc.bias.zero_()
+        head.layers[0].self_attn.o_proj.weight.zero_()
+        head.layers[0].mlp.down_proj.weight.zero_()
+    return head
+
+
+def prompts_for(vocab: int, lens=(5, 11, 3, 17), seed: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+@pytest.mark.parametrize("tree", TREES, ids=lambda t: f"s{t.num_steps}k{t.eagle_topk}n{t.num_draft_tokens}")
+@pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
+def test_greedy_identical_random_head(kind, tree):
+    target = tiny_target(layers=3)
+    head = random_head(target, kind, draft_vocab=40 if kind == "eagle3" else None)
+    prompts = prompts_for(target.config.vocab_size)
+    plain = generate(target, prompts, 40)
+    spec, stats = generate_speculative(target, head, prompts, 40, tree=tree)  # batch 4
+    assert spec == plain
+    for p, ref in zip(prompts, plain):  # batch 1
+        assert generate_speculative(target, head, [p], 40, tree=tree)[0][0] == ref
+    assert 1.0 <= stats.acceptance_length() <= tree.num_steps + 1
+
+
+@pytest.mark.parametrize("tree", TREES, ids=lambda t: f"s{t.num_steps}k{t.eagle_topk}n{t.num_draft_tokens}")
+def test_oracle_head_accepts_whole_paths(tree):
+    target = tiny_target(layers=1, silent=True)
+    head = oracle_head(target)
+    prompts = prompts_for(target.config.vocab_size)
+    plain = generate(target, prompts, 30)
+    spec, stats = generate_speculative(target, head, prompts, 30, tree=tree)
+    assert spec == plain
+    # Every round but a sequence's last (cut by max tokens) accepts the full depth.
+    assert stats.acceptance_length() > 0.8 * (tree.num_steps + 1)
+    assert stats.accept_rate_per_position(tree.num_steps)[0] > 0.9
+
+
+def test_noisy_oracle_partial_acceptance_still_exact():
+    target = tiny_target(layers=1, silent=True)
+    head = oracle_head(target, noise=0.9)
+    prompts = prompts_for(target.config.vocab_size)
+    plain = generate(target, prompts, 40)
+    spec, stats = generate_speculative(target, head, prompts, 40, tree=TreeConfig(4, 3, 10))
+    assert spec == plain
+    rates = stats.accept_rate_per_position(4)
+    assert 0 < min(stats.accepted) < 4 or 0 < rates[0] < 1, "want partial acceptance"
+
+
+@pytest.mark.parametrize("map_size", [8, 48])
+def test_token_map_greedy_identical(map_size):
+    target = tiny_target(layers=1, silent=True)
+    head = oracle_head(target)
+    ids = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(0))[:map_size]
+    head.set_token_map(ids)
+    prompts = prompts_for(target.config.vocab_size)
+    plain = generate(target, prompts, 30)
+    spec, stats = generate_speculative(target, head, prompts, 30, tree=TreeConfig(4, 2, 8))
+    assert spec == plain
+    # Drafts can only propose mapped tokens.
+    assert head.draft_to_target is not None and head.draft_lm_head.shape[0] == map_size
+
+
+def test_eos_and_max_tokens_stop_each_sequence():
+    target = tiny_target(layers=1, silent=True)
+    head = oracle_head(target)
+    prompts = prompts_for(target.config.vocab_size)
+    plain = generate(target, prompts, 25)
+    eos = plain[0][6]  # a token the first sequence emits mid-way
+    plain_eos = generate(target, prompts, 25, eos_token_ids=[eos])
+    spec, _ = generate_speculative(target, head, prompts, 25, tree=TreeConfig(5, 2, 8), eos_token_ids=[eos])
+    assert spec == plain_eos
+    assert spec[0][-1] == eos and len(spec[0]) <= 7
+    assert all(len(s) <= 25 for s in spec)
+
+
+def test_finished_sequence_leaves_without_disturbing_others():
+    target = tiny_target(layers=2)
+    head = random_head(target, "eagle3", draft_vocab=50)
+    prompts = prompts_for(target.config.vocab_size)
+    lengths = [3, 30, 9, 21]
+    plain = [generate(target, [p], n)[0] for p, n in zip(prompts, lengths)]
+    from eagle_infer.speculative import Sequence_
+
+    dec = SpecDecoder(target, head, TreeConfig(3, 2, 6), max_batch=4, max_seq_len=256)
+    seqs = [Sequence_(p, SamplingParams(), n, set()) for p, n in zip(prompts, lengths)]
+    for s in seqs[:2]:
+        dec.add(s)
+    dec.step()
+    for s in seqs[2:]:  # join between rounds
+        dec.add(s)
+    while dec.seqs:
+        dec.step()
+    assert [s.output for s in seqs] == plain
+    assert all(s.finish_reason == "length" for s in seqs)
+
+
+def test_tree_selection_is_a_tree_with_correct_mask():
+    target = tiny_target(layers=2)
+    head = random_head(target, "eagle2")
+    cfg = TreeConfig(num_steps=4, eagle_topk=3, num_draft_tokens=12)
+    dec = SpecDecoder(target, head, cfg, max_batch=2, max_seq_len=128)
+    from eagle_infer.speculative import Sequence_
+
+    for p in prompts_for(target.config.vocab_size, lens=(6, 9)):
+        dec.add(Sequence_(p, SamplingParams(), 50, set()))
+    tree = draft_tree(cfg, dec.draft_fn, dec.root[:2], dec.root_logp[:2], dec.root_g[:2], dec.L[:2], 64,
+                      None)
+    assert tree.tokens.shape == (2, 12)
+    for b in range(2):
+        par, dep = tree.parent[b].tolist(), tree.depth[b].tolist()
+        for i in range(1, 12):
+            assert par[i] < i and dep[i] == dep[par[i]] + 1  # parents first, depth consistent
+            kids = [j for j in range(1, 12) if par[j] == par[i]]
+            assert len({int(tree.tokens[b, j]) for j in kids}) == len(kids)  # distinct siblings
+        expect = torch.zeros(12, 12, dtype=torch.bool)
+        for i in range(12):
+            j = i
+            while True:
+                expect[i, j] = True
+                if j == 0:
+                    break
+                j = par[j]
+        assert torch.equal(tree.mask[b], expect)
+
+
+def test_accept_greedy_walks_the_matching_branch():
+    # root(0) -> 1(a) -> 3(c); root -> 2(b) -> 4(d); target wants b then d then e.
+    parent = torch.tensor([[0, 0, 0, 1, 2]])
+    depth = torch.tensor([[0, 1, 1, 2, 2]])
+    tokens = torch.tensor([[9, 5, 6, 7, 8]])
+    tree = DraftTree(tokens, parent, depth, ancestor_mask(parent, 2))
+    V = 12
+    logits = torch.zeros(1, 5, V)
+    logits[0, 0, 6] = 5  # after root: b
+    logits[0, 2, 8] = 5  # after b: d
+    logits[0, 4, 11] = 5  # after d: e (bonus)
+    logits[0, 1, 3] = 5
+    logits[0, 3, 3] = 5
+    acc = accept_greedy(tree, logits, max_depth=2)
+    assert acc.n_accepted.tolist() == [2]
+    assert acc.path.tolist() == [[0, 2, 4]]
+    assert acc.bonus.tolist() == [11]
+
+
+def test_tree_config_refuses_impossible_sizes():
+    with pytest.raises(UserError, match="num_draft_tokens"):
+        TreeConfig(num_steps=2, eagle_topk=1, num_draft_tokens=8)
+    with pytest.raises(UserError):
+        TreeConfig(num_steps=0)
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.8, top_k=5),
+                                      dict(temperature=1.2, top_p=0.7)], ids=["t1", "topk", "topp"])
+def test_sampling_matches_target_distribution(settings):
+    """The 2nd and 3rd tokens (the first produced by tree verification) follow the target's
+    exact marginal distribution (chi-square, p > 0.01)."""
+    V = 12
+    target = tiny_target(vocab=V, layers=1, seed=5)
+    head = oracle_head(target, noise=0.5)
+    prompt = [1, 4, 7]
+    n = 1500
+    params = [SamplingParams(seed=1000 + i, **settings) for i in range(n)]
+    outs = []
+    batch = 250
+    dec = SpecDecoder(target, head, TreeConfig(3, 3, 8), max_batch=batch, max_seq_len=64)
+    for i in range(0, n, batch):
+        outs += generate_speculative(target, head, [prompt] * batch, 3, params[i:i + batch],
+                                     tree=dec.tree, decoder=dec)[0]
+    # Exact marginals from the target: p(t1) p(t2|t1) p(t3|t1,t2).
+    p = dict(temperature=settings["temperature"], top_p=settings.get("top_p", 1.0),
+             top_k=settings.get("top_k", 0))
+
+    def dist(ctx):
+        logits, _ = target_logits(target, ctx)
+        return logits_to_probs(logits, **p)
+
+    p1 = dist(prompt)
+    p2 = torch.zeros(V)
+    p3 = torch.zeros(V)
+    for a in range(V):
+        if p1[a] == 0:
+            continue
+        pa = dist(prompt + [a])
+        p2 += p1[a] * pa
+        for b in range(V):
+            if pa[b] > 0:
+                p3 += p1[a] * pa[b] * dist(prompt + [a, b])
+    for pos, expect in ((1, p2), (2, p3)):
+        counts = torch.bincount(torch.tensor([o[pos] for o in outs]), minlength=V).double()
+        keep = expect > 0
+        assert counts[~keep].sum() == 0, "sampled a token the target gives zero probability"
+        exp = expect[keep].double() * n
+        # Merge rare cells so the chi-square approximation holds.
+        order = exp.argsort()
+        obs_s, exp_s = counts[keep][order], exp[order]
+        small = exp_s.cumsum(0) < 25
+        obs = torch.cat([obs_s[small].sum()[None], obs_s[~small]]) if small.any() else obs_s
+        exp_c = torch.cat([exp_s[small].sum()[None], exp_s[~small]]) if small.any() else exp_s
+        stat = chisquare(obs.numpy(), exp_c.numpy() * obs.sum().item() / exp_c.sum().item())
+        assert stat.pvalue > 0.01, (pos, stat)
+
+
+def target_logits(target: Transformer, ctx: list[int]):
+    from eagle_infer.generate import ensure_cache, prefill
+
+    ensure_cache(target, 1, 64)
+    logits, hidden = prefill(target, [ctx])
+    return logits[0], hidden
