@@ -123,6 +123,14 @@ class SpecDecoder:
         logits, hidden = self.target(tokens, pos, slots, mask, hidden_layers=self.layers)
         return logits, hidden
 
+    def compile(self, mode: str | None = None) -> SpecDecoder:
+        """torch.compile both steps with full graphs and fixed shapes (kv over the whole cache).
+        On CUDA, mode="reduce-overhead" captures them as CUDA graphs."""
+        self.static_kv = True
+        self.draft_fn = torch.compile(self._draft_step, fullgraph=True, dynamic=False, mode=mode)
+        self.verify_fn = torch.compile(self._verify, fullgraph=True, dynamic=False, mode=mode)
+        return self
+
     def kv_len(self, needed: int) -> int:
         return self.max_seq_len if self.static_kv else kv_len_for(needed, self.max_seq_len)
 
