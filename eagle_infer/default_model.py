@@ -89,3 +89,8 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"not a Hugging Face model folder (no config.json): {p}")
     return p
+
+
+def default_head_path(kind: str = "eagle3") -> Path:
+    """The reference draft head trained by this project for the default target (heads/)."""
+    return Path(__file__).resolve().parents[1] / "heads" / f"{DEFAULT_MODEL_NAME}-{kind}"

@@ -1,0 +1,586 @@
+"""Capture stage: on-policy answers from the target and the hidden states a draft head trains on.
+
+    python -m eagle_train stage=capture [data=...] [capture.limit=...] [capture.regenerate=false]
+
+For every conversation of the train split (and, into ``capture_dir/heldout``, the held-out
+split that evaluation uses):
+
+1. On-policy regeneration (``capture.regenerate``, default on): the target rewrites every
+   assistant turn in order, each prompt being the conversation's system/user turns plus the
+   model's *own* earlier answers. Batched over conversations; every (sample, turn) has its own
+   seed, so the same seed gives the same data. An answer cut by ``max_new_tokens_per_turn``
+   keeps what was generated; the end-of-turn token the chat template appends after it is left
+   out of the loss mask (the target never produced it) and the sample is listed under
+   ``truncated_ids`` in the manifest.
+2. The conversation is rendered with the chat template and a loss mask (assistant tokens),
+   cut to ``data.max_length``, and run teacher-forced through the target once (batched, right
+   padded) to record the final normed hidden state and the EAGLE-3 aux states per token.
+3. Samples are written in shards (see `eagle_train.shards`); each shard and then the manifest
+   are replaced atomically, so a capture killed at any moment and started again loses and
+   duplicates nothing: ids already in the manifest (stored or skipped) are not redone.
+
+Bad records (no assistant turn, empty, a prompt longer than the context or than
+``data.max_length``) are skipped with a message naming the record; nothing captured is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from eagle_infer.errors import UserError
+from eagle_train.shards import (
+    HELDOUT_SUBDIR,
+    MANIFEST,
+    commit,
+    new_manifest,
+    read_manifest,
+    remove_orphans,
+    store_dtype,
+)
+
+# Teacher-forced forward batches hold at most this many (padded) tokens.
+FORWARD_TOKEN_BUDGET = 16384
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings
+
+
+def _sel(cfg: DictConfig, key: str, default: Any = None) -> Any:
+    v = OmegaConf.select(cfg, key, default=default)
+    return OmegaConf.to_container(v) if isinstance(v, DictConfig | ListConfig) else v
+
+
+def requested_aux_layers(cfg: DictConfig) -> list[int] | None:
+    """capture.aux_layers, else draft.aux_layer_ids, else None (= the model's reference layers)."""
+    for key in ("capture.aux_layers", "draft.aux_layer_ids"):
+        v = _sel(cfg, key)
+        if v is not None:
+            return [int(x) for x in v]
+    return None
+
+
+def resolve_aux_layers(requested: list[int] | None, num_layers: int, default: list[int]) -> list[int]:
+    layers = list(default) if requested is None else list(requested)
+    for i in layers:
+        if not 0 <= i <= num_layers:
+            raise UserError(f"capture.aux_layers: hidden-state index {i} is out of range for a "
+                            f"{num_layers}-layer target (valid: 0..{num_layers})")
+    return layers
+
+
+def content_settings(cfg: DictConfig, aux_layers: list[int]) -> dict:
+    """Everything that changes what a captured sample contains: must match to resume."""
+    c = cfg.capture
+    return {
+        "model_name": str(cfg.model.name),
+        "regenerate": bool(c.regenerate),
+        "temperature": float(c.temperature),
+        "top_p": float(c.top_p),
+        "max_new_tokens_per_turn": int(c.max_new_tokens_per_turn),
+        "max_turns": None if c.max_turns is None else int(c.max_turns),
+        "dtype": str(c.dtype),
+        "store_dtype": str(c.store_dtype),
+        "aux_layer_ids": list(aux_layers),
+        "seed": int(cfg.seed),
+        "data": {
+            "source": str(cfg.data.source),
+            "limit": cfg.data.limit,
+            "heldout": cfg.data.heldout,
+            "seed": int(cfg.data.seed),
+            "max_length": cfg.data.max_length,
+        },
+    }
+
+
+def heldout_limit(cfg: DictConfig) -> int | None:
+    """Held-out conversations to capture: what evaluation will use (eval.num_samples)."""
+    n = _sel(cfg, "eval.num_samples")
+    return None if n is None else int(n)
+
+
+def split_dirs(capture_dir: Path) -> dict[str, Path]:
+    return {"train": capture_dir, "heldout": capture_dir / HELDOUT_SUBDIR}
+
+
+def _diff(old: Any, new: Any, prefix: str = "") -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new)):
+            out += _diff(old.get(k), new.get(k), f"{prefix}{k}.")
+        return out
+    return [] if old == new else [f"{prefix[:-1]}: {old!r} -> {new!r}"]
+
+
+def is_complete(cfg: DictConfig) -> bool:
+    """True when both splits are fully captured with the current settings (no model load)."""
+    capture_dir = Path(cfg.capture_dir)
+    limits = {"train": cfg.capture.limit, "heldout": heldout_limit(cfg)}
+    for split, d in split_dirs(capture_dir).items():
+        try:
+            m = read_manifest(d)
+        except UserError:
+            return False
+        if not m.get("complete") or m.get("limit") != limits[split]:
+            return False
+        aux = m.get("settings", {}).get("aux_layer_ids", [])
+        req = requested_aux_layers(cfg)
+        if _diff(m.get("settings"), content_settings(cfg, aux if req is None else req)):
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-sample plan
+
+
+class Skip(Exception):
+    """This record cannot be captured; the message says why."""
+
+
+@dataclass
+class Job:
+    sid: int
+    messages: list[dict]  # assistant contents to regenerate are None until generated
+    slots: list[int]  # indices of the assistant messages
+    truncated: list[bool] = field(default_factory=list)
+
+    def first_prompt_chars(self) -> int:
+        end = self.slots[0] if self.slots else len(self.messages)
+        return sum(len(m["content"] or "") for m in self.messages[:end])
+
+
+def plan_conversation(sid: int, conv: Sequence[dict], regenerate: bool, max_turns: int | None) -> Job:
+    msgs = [dict(m) for m in conv]
+    if not msgs:
+        raise Skip("empty conversation")
+    if regenerate:
+        # An assistant message with no user message before it has nothing to answer.
+        first_user = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
+        if first_user is None:
+            raise Skip("no user turn to answer")
+        msgs = [m for i, m in enumerate(msgs) if not (m["role"] == "assistant" and i < first_user)]
+        if not any(m["role"] == "assistant" for m in msgs):
+            # Prompt-only records (e.g. MT-bench questions, one user message per turn):
+            # answer every user turn.
+            out = []
+            for m in msgs:
+                out.append(m)
+                if m["role"] == "user":
+                    out.append({"role": "assistant", "content": ""})
+            msgs = out
+    slots = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    if max_turns is not None:
+        slots = slots[:max_turns]
+    if not slots:
+        raise Skip("no assistant turn")
+    msgs = msgs[: slots[-1] + 1]  # user turns after the last kept answer teach nothing
+    if regenerate:
+        for i in slots:
+            msgs[i] = {"role": "assistant", "content": None}
+    return Job(sid, msgs, slots, [False] * len(slots))
+
+
+def sample_seed(seed: int, sid: int, turn: int) -> int:
+    return ((seed * 1_000_003 + sid) * 1_009 + turn) % (2**62)
+
+
+# ---------------------------------------------------------------------------------------------
+# The capture engine
+
+
+@dataclass
+class Stats:
+    samples: int = 0
+    tokens: int = 0
+    assistant_tokens: int = 0
+    gen_tokens: int = 0
+    gen_time: float = 0.0
+    fwd_time: float = 0.0
+    skipped: int = 0
+    truncated: int = 0
+    bytes: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+
+class Capturer:
+    def __init__(self, cfg: DictConfig, model, tokenizer, aux_layers: list[int]):
+        self.cfg = cfg
+        self.model = model
+        self.tok = tokenizer
+        self.aux = aux_layers
+        self.N = model.config.num_layers
+        self.store_dtype = store_dtype(str(cfg.capture.store_dtype))
+        self.context = min(int(cfg.model.context_length or 1 << 30), model.config.max_position_embeddings)
+        self.max_length = cfg.data.max_length
+        self.max_new = int(cfg.capture.max_new_tokens_per_turn)
+        if self.max_new <= 0:
+            raise UserError(f"capture.max_new_tokens_per_turn must be > 0, got {self.max_new}")
+        self.batch_size = int(cfg.capture.batch_size)
+        if self.batch_size <= 0:
+            raise UserError(f"capture.batch_size must be > 0, got {self.batch_size}")
+        self.eos = eos_ids(model.config, tokenizer, getattr(model, "source_path", None))
+        self.stats = Stats()
+        # A cache of fixed size keeps attention shapes (and so the numbers) identical whether a
+        # capture runs in one go or is resumed: the same seed gives the same data.
+        limit = self.context if self.max_length is None else min(self.context, int(self.max_length))
+        model.setup_cache(self.batch_size, min(self.context, limit + self.max_new))
+
+    # -- generation ----------------------------------------------------------------------
+    def regenerate(self, jobs: list[Job], skipped: list[dict]) -> list[Job]:
+        from eagle_infer.generate import generate
+        from eagle_infer.sampling import SamplingParams
+        from eagle_train.data import render_prompt
+
+        c = self.cfg.capture
+        alive = list(jobs)
+        turn = 0
+        while True:
+            active, prompts = [], []
+            for job in alive:
+                if turn >= len(job.slots):
+                    continue
+                slot = job.slots[turn]
+                try:
+                    ids = render_prompt(self.tok, job.messages[:slot])
+                except ValueError as e:
+                    reason = f"turn {turn}: {e}"
+                    ids = None
+                else:
+                    reason = None
+                    if self.max_length is not None and len(ids) >= int(self.max_length):
+                        reason = (f"turn {turn}: prompt has {len(ids)} tokens, not below "
+                                  f"data.max_length={self.max_length}")
+                    elif len(ids) + self.max_new > self.context:
+                        reason = (f"turn {turn}: prompt has {len(ids)} tokens; with "
+                                  f"{self.max_new} new tokens it exceeds the context ({self.context})")
+                if reason is not None:
+                    if turn == 0:
+                        skipped.append({"id": job.sid, "reason": reason})
+                        job.slots = []
+                    else:  # keep the turns answered so far
+                        job.messages = job.messages[:job.slots[turn - 1] + 1]
+                        job.slots, job.truncated = job.slots[:turn], job.truncated[:turn]
+                    continue
+                active.append(job)
+                prompts.append(ids)
+            if not active:
+                break
+            params = [SamplingParams(float(c.temperature), float(c.top_p), 0,
+                                     sample_seed(int(self.cfg.seed), j.sid, turn)) for j in active]
+            t0 = time.perf_counter()
+            outs = generate(self.model, prompts, self.max_new, params, eos_token_ids=sorted(self.eos))
+            self.stats.gen_time += time.perf_counter() - t0
+            for job, out in zip(active, outs):
+                self.stats.gen_tokens += len(out)
+                hit_eos = bool(out) and out[-1] in self.eos
+                body = out[:-1] if hit_eos else out
+                text = self.tok.decode(body, skip_special_tokens=True)
+                job.messages[job.slots[turn]] = {"role": "assistant", "content": text}
+                job.truncated[turn] = not hit_eos
+            turn += 1
+        return [j for j in jobs if j.slots]
+
+    # -- rendering + teacher-forced forward -----------------------------------------------
+    def render(self, job: Job) -> tuple[list[int], list[int]]:
+        from eagle_train.data import render_with_loss_mask
+
+        try:
+            ids, mask = render_with_loss_mask(self.tok, job.messages, max_length=self.max_length)
+        except ValueError as e:
+            raise Skip(str(e)) from None
+        if len(ids) > self.context:
+            ids, mask = ids[: self.context], mask[: self.context]
+        if any(job.truncated):
+            # Runs of 1s are the assistant turns in order; a cut answer's run ends with the
+            # end-of-turn token the template added, not one the target generated.
+            runs, start = [], None
+            for i, m in enumerate([*mask, 0]):
+                if m and start is None:
+                    start = i
+                elif not m and start is not None:
+                    runs.append((start, i))
+                    start = None
+            for k, cut in enumerate(job.truncated):
+                if cut and k < len(runs) and ids[runs[k][1] - 1] in self.eos:
+                    mask[runs[k][1] - 1] = 0
+        if not any(mask):
+            raise Skip(f"no assistant tokens within data.max_length={self.max_length}")
+        return ids, mask
+
+    @torch.no_grad()
+    def forward(self, seqs: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Teacher-forced hidden states per sequence: (final [T, H], aux [T, k*H] or None)."""
+        from eagle_infer.generate import ensure_cache, kv_len_for
+        from eagle_infer.model import causal_mask
+
+        model = self.model
+        dev = model.embed_tokens.weight.device
+        results: list[Any] = [None] * len(seqs)
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+        i = 0
+        while i < len(order):
+            # Grow the batch while it stays within the token budget (sorted: last is longest).
+            j = i + 1
+            while (j < len(order) and j - i < self.batch_size
+                   and (j - i + 1) * len(seqs[order[j]]) <= FORWARD_TOKEN_BUDGET):
+                j += 1
+            idx = order[i:j]
+            T = max(len(seqs[k]) for k in idx)
+            B = len(idx)
+            ensure_cache(model, B, T)
+            tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
+            for b, k in enumerate(idx):
+                tokens[b, : len(seqs[k])] = torch.tensor(seqs[k], dtype=torch.long)
+            pos = torch.arange(T, device=dev)[None].expand(B, T)
+            mask = causal_mask(torch.zeros(B, dtype=torch.long, device=dev), T,
+                               kv_len_for(T, model.max_seq_len))
+            _, hidden = model(tokens, pos, pos, mask, hidden_layers=[*self.aux, self.N],
+                              compute_logits=False)
+            final = hidden[-1]
+            aux = torch.cat(hidden[:-1], dim=-1) if self.aux else None
+            for b, k in enumerate(idx):
+                n = len(seqs[k])
+                results[k] = (final[b, :n].to("cpu", self.store_dtype).clone(),
+                              None if aux is None else aux[b, :n].to("cpu", self.store_dtype).clone())
+            i = j
+        return results
+
+    def process(self, jobs: list[Job], skipped: list[dict]) -> list[dict]:
+        """Regenerate (if asked), render and capture one batch of jobs; returns samples."""
+        if self.cfg.capture.regenerate:
+            jobs = self.regenerate(jobs, skipped)
+        rendered = []
+        for job in jobs:
+            try:
+                rendered.append((job, *self.render(job)))
+            except Skip as e:
+                skipped.append({"id": job.sid, "reason": str(e)})
+        if not rendered:
+            return []
+        t0 = time.perf_counter()
+        states = self.forward([ids for _, ids, _ in rendered])
+        self.stats.fwd_time += time.perf_counter() - t0
+        samples = []
+        for (job, ids, mask), (hid, aux) in zip(rendered, states):
+            samples.append({"sample_id": job.sid, "input_ids": ids, "loss_mask": mask, "hidden": hid,
+                            "aux": aux, "messages": job.messages, "truncated": any(job.truncated)})
+        return samples
+
+
+def cpu_lacks_fast_bf16() -> bool:
+    """True on an x86 CPU without AVX512-BF16 / AMX: bf16 matmuls are emulated there and run
+    several times slower than fp32 (measured 3-7x for this capture on an AVX2 machine)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "flags" in flags and not any(f in flags for f in ("avx512_bf16", "amx_bf16"))
+
+
+def eos_ids(model_config, tokenizer, folder: str | Path | None = None) -> set[int]:
+    """End-of-answer ids: the model config's, the tokenizer's and generation_config.json's."""
+    ids = set(model_config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    if folder is not None and (Path(folder) / "generation_config.json").is_file():
+        eos = json.loads((Path(folder) / "generation_config.json").read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else list(eos or []))
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------
+# One split
+
+
+@dataclass
+class SplitState:
+    """One split's directory, its manifest (as on disk after `open_split`) and what is left."""
+
+    split: str
+    directory: Path
+    manifest: dict
+    todo: list[tuple[int, list[dict]]]
+
+
+def open_split(split: str, directory: Path, planned: list[tuple[int, list[dict]]], limit: int | None,
+               settings: dict, model_info: dict) -> SplitState:
+    """Check an existing capture against the settings, drop leftovers of a killed run, record
+    the plan and return the samples still to capture."""
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest: dict | None = None
+    if (directory / MANIFEST).is_file():
+        manifest = read_manifest(directory)
+        diff = _diff(manifest.get("settings"), settings)
+        for key in ("hidden_size", "vocab_size"):
+            if manifest.get(key) != model_info[key]:
+                diff.append(f"{key}: {manifest.get(key)} -> {model_info[key]}")
+        if diff:
+            raise UserError(
+                f"capture in {directory} was made with other settings ({'; '.join(diff)}); "
+                f"delete it or use another workdir to capture with the new ones")
+    removed = remove_orphans(directory, manifest)
+    if removed:
+        log(f"{split}: removed leftovers of an interrupted run: {', '.join(removed)}")
+    if manifest is None:
+        manifest = new_manifest(split, **model_info, settings=settings)
+    manifest.update(limit=limit, planned=len(planned), planned_ids=[sid for sid, _ in planned])
+    done = {sid for s in manifest["shards"] for sid in s["sample_ids"]}
+    done |= {s["id"] for s in manifest["skipped"]}
+    todo = [(sid, conv) for sid, conv in planned if sid not in done]
+    commit(directory, manifest, complete=not todo)
+    return SplitState(split, directory, manifest, todo)
+
+
+def capture_split(cap: Capturer, state: SplitState) -> dict:
+    """Capture the samples left in `state`, one shard at a time (shard, then manifest, atomically)."""
+    cfg, split, directory, manifest, todo = cap.cfg, state.split, state.directory, state.manifest, state.todo
+    if not todo:
+        log(f"{split}: all {manifest['planned']} planned samples already captured in {directory}")
+        return manifest
+    log(f"{split}: capturing {len(todo)} samples into {directory}"
+        + (f" ({manifest['planned'] - len(todo)} already done)" if manifest["planned"] > len(todo) else ""))
+
+    from tqdm import tqdm
+
+    st = cap.stats
+    shard_size = int(cfg.capture.shard_size)
+    regenerate, max_turns = bool(cfg.capture.regenerate), cfg.capture.max_turns
+    bar = tqdm(total=len(todo), desc=f"capture {split}", unit="sample", file=sys.stderr,
+               dynamic_ncols=True, mininterval=1.0)
+    for start in range(0, len(todo), shard_size):
+        chunk = todo[start:start + shard_size]
+        skipped: list[dict] = []
+        jobs = []
+        for sid, conv in chunk:
+            try:
+                jobs.append(plan_conversation(sid, conv, regenerate, max_turns))
+            except Skip as e:
+                skipped.append({"id": sid, "reason": str(e)})
+                bar.write(f"skipped {split} conversation {sid} of {cfg.data.source}: {e}", file=sys.stderr)
+        bar.update(len(skipped))
+        # Similar prompt lengths share a batch (less padding); the order depends only on the
+        # chunk, so a resumed capture batches exactly as an uninterrupted one.
+        jobs.sort(key=lambda j: (j.first_prompt_chars(), j.sid))
+        samples: list[dict] = []
+        for b in range(0, len(jobs), cap.batch_size):
+            before = len(skipped)
+            batch = jobs[b:b + cap.batch_size]
+            got = cap.process(batch, skipped)
+            samples += got
+            st.samples += len(got)
+            st.tokens += sum(len(s["input_ids"]) for s in got)
+            st.assistant_tokens += sum(int(sum(s["loss_mask"])) for s in got)
+            st.truncated += sum(bool(s["truncated"]) for s in got)
+            for s in skipped[before:]:
+                bar.write(f"skipped {split} conversation {s['id']} of {cfg.data.source}: {s['reason']}",
+                          file=sys.stderr)
+            el = time.perf_counter() - st.start
+            bar.set_postfix_str(f"gen {st.gen_tokens / max(st.gen_time, 1e-9):.1f} tok/s, "
+                                f"stored {st.tokens / max(el, 1e-9):.1f} tok/s", refresh=False)
+            bar.update(len(batch))
+        st.skipped += len(skipped)
+        entry = commit(directory, manifest, samples, skipped, complete=start + shard_size >= len(todo))
+        st.bytes += entry["bytes"] if entry else 0
+    bar.close()
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage entry point
+
+
+def run(cfg: DictConfig, model=None, tokenizer=None) -> dict:
+    """Capture the train split (capture.limit) and the held-out split (eval.num_samples).
+
+    `model` / `tokenizer` may be passed in (tests, notebooks); otherwise they are loaded from
+    cfg.model.path in capture.dtype. Nothing is loaded when both splits are already complete.
+    """
+    from eagle_infer.default_model import resolve_model_path
+    from eagle_infer.loader import default_device, load_model, load_tokenizer, read_hf_config
+    from eagle_infer.model import ModelConfig
+    from eagle_train.data import load_conversations, split_heldout
+    from eagle_train.pipeline import resolve_device, save_stage_config
+
+    t_start = time.perf_counter()
+    capture_dir = Path(cfg.capture_dir)
+    limit = cfg.capture.limit
+    if limit is not None and int(limit) < 0:
+        raise UserError(f"capture.limit must be >= 0 or null, got {limit}")
+    store_dtype(str(cfg.capture.store_dtype))  # validate before the slow part
+    if int(cfg.capture.shard_size) <= 0:
+        raise UserError(f"capture.shard_size must be > 0, got {cfg.capture.shard_size}")
+    convs = load_conversations(cfg.data.source, cfg.data.limit)
+    train_idx, held_idx = split_heldout(list(range(len(convs))), cfg.data.heldout, int(cfg.data.seed))
+    hl = heldout_limit(cfg)
+    plans = {
+        "train": [(i, convs[i]) for i in (train_idx if limit is None else train_idx[: int(limit)])],
+        "heldout": [(i, convs[i]) for i in (held_idx if hl is None else held_idx[:hl])],
+    }
+    limits = {"train": None if limit is None else int(limit), "heldout": hl}
+
+    folder = getattr(model, "source_path", None) or resolve_model_path(cfg.model.path)
+    mc = model.config if model is not None else ModelConfig.from_hf(read_hf_config(Path(folder)))
+    tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path)
+    aux = resolve_aux_layers(requested_aux_layers(cfg), mc.num_layers, mc.eagle3_layer_ids())
+    settings = content_settings(cfg, aux)
+    model_info = {
+        "model_name": str(cfg.model.name),
+        "model_path": str(folder),
+        "hidden_size": mc.hidden_size,
+        "vocab_size": mc.vocab_size,
+        "num_layers": mc.num_layers,
+        "aux_layer_ids": aux,
+        "store_dtype": str(cfg.capture.store_dtype),
+        "eos_token_ids": sorted(eos_ids(mc, tok, folder)),
+    }
+    states = [open_split(split, d, plans[split], limits[split], settings, model_info)
+              for split, d in split_dirs(capture_dir).items()]
+    save_stage_config(cfg, "capture")
+    stats = Stats()
+    if any(s.todo for s in states):
+        dev = (model.embed_tokens.weight.device if model is not None
+               else torch.device(resolve_device(cfg.device) or default_device()))
+        if str(cfg.capture.dtype) in ("bf16", "bfloat16") and dev.type == "cpu" and cpu_lacks_fast_bf16():
+            log("warning: this CPU has no bf16 instructions (AVX512-BF16/AMX): capture.dtype=bf16 is "
+                "emulated and several times slower than capture.dtype=fp32 here")
+        if model is None:
+            t0 = time.perf_counter()
+            model = load_model(folder, str(cfg.capture.dtype), resolve_device(cfg.device))
+            log(f"loaded target {cfg.model.name} ({mc.num_layers} layers, hidden {mc.hidden_size}, "
+                f"{cfg.capture.dtype}) on {model.embed_tokens.weight.device} in "
+                f"{time.perf_counter() - t0:.1f}s")
+        cap = Capturer(cfg, model, tok, aux)
+        stats = cap.stats
+        for state in states:
+            capture_split(cap, state)
+    manifests = {s.split: s.manifest for s in states}
+
+    st = stats
+    el = time.perf_counter() - st.start
+    log(f"capture done in {time.perf_counter() - t_start:.1f}s: {st.samples} new samples, "
+        f"{st.tokens:,} tokens ({st.assistant_tokens:,} assistant), {st.skipped} skipped, "
+        f"{st.truncated} with an answer cut at max_new_tokens_per_turn")
+    if st.samples:
+        log(f"  generated {st.gen_tokens:,} tokens at {st.gen_tokens / max(st.gen_time, 1e-9):.1f} tok/s; "
+            f"teacher-forced forward {st.tokens / max(st.fwd_time, 1e-9):.0f} tok/s; stored "
+            f"{st.tokens / el:.1f} tok/s overall; {st.bytes / 2**20:.1f} MiB written")
+    for split, m in manifests.items():
+        t = m["totals"]
+        log(f"  {split}: {t['samples']} samples, {t['tokens']:,} tokens ({t['assistant_tokens']:,} "
+            f"assistant), {t['skipped']} skipped, {t['bytes'] / 2**20:.1f} MiB on disk, "
+            f"{'complete' if m['complete'] else 'INCOMPLETE'} -> {split_dirs(capture_dir)[split]}")
+    return {"stats": st, "manifests": manifests}

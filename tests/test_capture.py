@@ -1,0 +1,215 @@
+"""Capture stage: stored states match the target, the loss mask covers the regenerated answers,
+a capture killed mid-run resumes without losing or duplicating samples and reproduces the
+uninterrupted run, and a capture refuses other settings or another model with a clear error.
+
+The default target runs at tiny limits (4 MT-bench-dummy conversations, one turn, 8 new
+tokens, batch 2, fp32 so stored states can be compared tightly).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle_infer.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+# One turn of 8 tokens for 4 train conversations, 2 per batch and per shard (2 shards).
+CAPTURE_OVERRIDES = [
+    "preset=quick", "data=mtbench_dummy", "capture.limit=4", "capture.max_turns=1",
+    "capture.max_new_tokens_per_turn=8", "capture.batch_size=2", "capture.shard_size=2",
+    "capture.dtype=fp32", "capture.store_dtype=fp32", "eval.num_samples=0",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Single-threaded torch in this module: tiny matrices gain nothing from a second thread,
+    lose a lot when other jobs share the cores, and the subprocesses run the same way."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from eagle_train.pipeline import prepare_config
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        return prepare_config(hydra_compose("config", overrides=overrides))
+
+
+def cli_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    # One thread: identical numbers in every process (the resumed run must reproduce the
+    # uninterrupted one), and no slow-down when other jobs share the cores.
+    env["OMP_NUM_THREADS"] = "1"
+    env.pop("HYDRA_FULL_ERROR", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def reference_capture(tmp_path_factory, default_model_fp32, tokenizer):
+    """An uninterrupted capture (in-process, the shared default model), plus one heldout sample."""
+    from eagle_train import capture
+
+    workdir = tmp_path_factory.mktemp("ref_capture")
+    cfg = compose([*CAPTURE_OVERRIDES[:-1], "eval.num_samples=1", f"workdir={workdir}"])
+    return cfg, capture.run(cfg, model=default_model_fp32, tokenizer=tokenizer)
+
+
+def test_stored_states_match_a_fresh_forward(reference_capture, default_model_fp32, tokenizer):
+    from eagle_infer.model import causal_mask
+    from eagle_train.shards import CaptureDataset
+
+    cfg, result = reference_capture
+    model = default_model_fp32
+    ds = CaptureDataset(cfg.capture_dir, model=model)
+    assert ds.complete and len(ds) == 4 and sorted(ds.sample_ids) == ds.sample_ids
+    N = model.config.num_layers
+    aux_ids = model.config.eagle3_layer_ids()
+    assert ds.aux_layer_ids == aux_ids == [2, 15, 27]
+    from eagle_train.data import load_conversations
+
+    originals = load_conversations("mtbench_dummy", limit=8)
+    model.setup_cache(1, 512)
+    for i in range(len(ds)):
+        item = ds[i]
+        ids, mask = item["input_ids"], item["loss_mask"]
+        T = len(ids)
+        assert item["hidden"].shape == (T, 576) and item["aux"].shape == (T, 3 * 576)
+        pos = torch.arange(T)[None]
+        _, hidden = model(ids[None], pos, pos, causal_mask(torch.zeros(1, dtype=torch.long), T, T),
+                          hidden_layers=[*aux_ids, N], compute_logits=False)
+        torch.testing.assert_close(item["hidden"], hidden[-1][0], atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(item["aux"], torch.cat(hidden[:-1], -1)[0], atol=1e-3, rtol=1e-4)
+
+        # The loss mask covers exactly the regenerated answer (+ its end-of-turn token when
+        # the model ended the answer itself); the prompt is the dataset's user turn.
+        conv = ds.conversation(i)
+        assert [m["role"] for m in conv][-2:] == ["user", "assistant"]
+        answer = conv[-1]["content"]
+        masked = ids[mask].tolist()
+        truncated = item["sample_id"] in ds.manifest["shards"][i // 2]["truncated_ids"]
+        expect = tokenizer.decode(masked, skip_special_tokens=False)
+        assert expect == answer + ("" if truncated else "<|im_end|>")
+        assert masked and not mask[: T - len(masked) - 2].any()  # nothing before the answer
+        # The prompt is the dataset's; the answer is the model's own text.
+        original = originals[item["sample_id"]]
+        assert conv[0] == original[0] and answer != original[1]["content"]
+    assert result["stats"].gen_tokens > 0
+
+    held = CaptureDataset(cfg.capture_dir, split="heldout")
+    assert len(held) == 1 and held.sample_ids[0] not in ds.sample_ids
+
+
+def test_capture_is_deterministic_and_resumable_after_sigkill(reference_capture, tmp_path,
+                                                              default_model_fp32, tokenizer):
+    """SIGKILL right after the first shard lands; the rerun finishes with every sample once and
+    the same data as the uninterrupted reference run."""
+    from eagle_train.shards import CaptureDataset, read_manifest
+
+    ref_cfg, _ = reference_capture
+    workdir = tmp_path / "run"
+    args = ["stage=capture", *CAPTURE_OVERRIDES, f"workdir={workdir}"]
+    manifest = workdir / "capture" / "manifest.json"
+    log = open(tmp_path / "killed.log", "w")  # a file, not a pipe nobody drains
+    proc = subprocess.Popen([sys.executable, "-m", "eagle_train", *args], cwd=tmp_path, env=cli_env(),
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if manifest.is_file() and json.loads(manifest.read_text())["shards"]:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, ("capture ended before it could be killed: "
+                                     + (tmp_path / "killed.log").read_text())
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        log.close()
+    killed = read_manifest(workdir / "capture")
+    assert len(killed["shards"]) == 1 and not killed["complete"]
+    # Leftovers a kill can leave: a half-written shard and one renamed before its manifest.
+    (workdir / "capture" / "shard-00001.safetensors.tmp").write_bytes(b"partial")
+    (workdir / "capture" / "shard-00007.safetensors").write_bytes(b"orphan")
+
+    # Restart (in-process, sharing the already loaded target: the resume logic is the same).
+    from eagle_train import capture
+
+    cfg = compose([*CAPTURE_OVERRIDES, f"workdir={workdir}"])
+    assert not capture.is_complete(cfg)
+    capture.run(cfg, model=default_model_fp32, tokenizer=tokenizer)
+    final = read_manifest(workdir / "capture")
+    ids = [sid for s in final["shards"] for sid in s["sample_ids"]]
+    ref = CaptureDataset(ref_cfg.capture_dir)
+    assert final["complete"] and len(ids) == len(set(ids)) == 4
+    assert sorted(ids) == ref.sample_ids == final["planned_ids"]
+    assert sorted(p.name for p in (workdir / "capture").glob("shard-*")) == [
+        "shard-00000.safetensors", "shard-00001.safetensors"]
+    # The CLI saved the resolved config beside the capture and kept Hydra's files apart.
+    assert f"capture_dir: {workdir / 'capture'}" in (workdir / "capture" / "config.yaml").read_text()
+    assert len(list((workdir / "hydra").glob("capture-*/.hydra/config.yaml"))) == 1
+    # Same seed, same data: the resumed capture equals the uninterrupted one token for token.
+    ds = CaptureDataset(workdir / "capture")
+    for i in range(len(ds)):
+        j = ref.sample_ids.index(ds.sample_ids[i])
+        assert torch.equal(ds.tokens(i)[0], ref.tokens(j)[0])
+        assert torch.equal(ds.tokens(i)[1], ref.tokens(j)[1])
+    # Run again: nothing left to do (the model is not even loaded), nothing touched.
+    before = {p.name: p.stat().st_mtime_ns for p in (workdir / "capture").glob("shard-*")}
+    assert capture.is_complete(cfg)
+    assert capture.run(cfg)["stats"].samples == 0
+    assert {p.name: p.stat().st_mtime_ns for p in (workdir / "capture").glob("shard-*")} == before
+
+
+def test_capture_dataset_errors(reference_capture, tmp_path):
+    from eagle_train.shards import CaptureDataset, pad_collate
+
+    cfg, _ = reference_capture
+    with pytest.raises(UserError, match="capture directory not found"):
+        CaptureDataset(tmp_path / "nope")
+    with pytest.raises(UserError, match="no manifest.json"):
+        CaptureDataset(tmp_path)
+    with pytest.raises(UserError, match="hidden size 576 != 64"):
+        CaptureDataset(cfg.capture_dir, hidden_size=64)
+    with pytest.raises(UserError, match="vocab size 49152 != 256"):
+        CaptureDataset(cfg.capture_dir, vocab_size=256)
+    ds = CaptureDataset(cfg.capture_dir, hidden_size=576, vocab_size=49152)
+    batch = pad_collate([ds[0], ds[1]])
+    T = max(ds.lengths()[:2])
+    assert batch["input_ids"].shape == (2, T) and batch["hidden"].shape == (2, T, 576)
+    assert batch["attention_mask"].sum().item() == sum(ds.lengths()[:2])
+
+
+def test_capture_refuses_other_settings_and_skips_bad_records(reference_capture, tmp_path):
+    from eagle_train import capture
+
+    cfg, _ = reference_capture
+    other = compose([*CAPTURE_OVERRIDES, "capture.temperature=0.2", f"workdir={Path(cfg.workdir)}"])
+    with pytest.raises(UserError, match=r"other settings \(temperature: 0.7 -> 0.2\)"):
+        capture.run(other)
+
+    job = capture.plan_conversation(3, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+                                    regenerate=True, max_turns=None)
+    assert [m["role"] for m in job.messages] == ["user", "assistant", "user", "assistant"]
+    for conv, reason in [([], "empty"), ([{"role": "assistant", "content": "x"}], "no user turn")]:
+        with pytest.raises(capture.Skip, match=reason):
+            capture.plan_conversation(0, conv, regenerate=True, max_turns=None)
+    with pytest.raises(capture.Skip, match="no assistant turn"):
+        capture.plan_conversation(0, [{"role": "user", "content": "x"}], regenerate=False, max_turns=None)

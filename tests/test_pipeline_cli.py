@@ -1,0 +1,172 @@
+"""`python -m eagle_train`: resolved configs beside each stage's outputs, paths relative to the
+caller's directory, Hydra's run folder under the workdir, and the tokenmap stage from a
+capture (FR-Spec maps + the EAGLE-3 draft vocabulary copied beside the capture)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from eagle_train.pipeline import prepare_config
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        return prepare_config(hydra_compose("config", overrides=overrides))
+
+
+def cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run([sys.executable, "-m", "eagle_train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def run_main(args: list[str], monkeypatch) -> int:
+    """`python -m eagle_train ARGS` in this process (the same entry point, minus interpreter start-up,
+    which dominates on a busy machine); Hydra's logging set-up is left alone."""
+    from eagle_train.__main__ import main
+
+    quiet = ["hydra/job_logging=none", "hydra/hydra_logging=none"]
+    monkeypatch.setattr(sys, "argv", ["eagle_train", *args, *quiet])
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # restored afterwards (main sets it)
+    try:
+        main()
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
+def test_capture_stage_saves_resolved_config_beside_outputs(tmp_path, monkeypatch):
+    # Nothing to capture (limit 0, no held-out samples): exercises the CLI without the model.
+    monkeypatch.chdir(tmp_path)
+    rc = run_main(["stage=capture", "data=mtbench_dummy", "capture.limit=0", "eval.num_samples=0",
+                   "workdir=rel/run"], monkeypatch)
+    assert rc == 0
+    workdir = tmp_path / "rel" / "run"  # relative to where the command ran
+    saved = yaml.safe_load((workdir / "capture" / "config.yaml").read_text())
+    assert saved["workdir"] == str(workdir)
+    assert saved["capture_dir"] == str(workdir / "capture")
+    assert saved["tokenmap_dir"] == str(tmp_path / "tokenmaps")
+    assert saved["stage"]["name"] == "capture" and saved["data"]["name"] == "mtbench_dummy"
+    assert saved["capture"]["limit"] == 0 and "${" not in (workdir / "capture" / "config.yaml").read_text()
+    manifest = json.loads((workdir / "capture" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["shards"] == []
+    runs = list((workdir / "hydra").glob("capture-*"))
+    assert len(runs) == 1 and (runs[0] / ".hydra" / "overrides.yaml").is_file()
+
+
+def test_bad_override_is_one_error_line(tmp_path):
+    r = cli(["capture.no_such_field=1"], cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "error: Could not override 'capture.no_such_field'. To append to your config use "
+        "+capture.no_such_field=1"]
+    r = cli(["stage=no_such_stage"], cwd=tmp_path)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert r.stderr.startswith("error: In 'config': Could not find 'stage/no_such_stage' Available options")
+
+
+def test_user_error_in_a_stage_is_one_line_and_status_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    rc = run_main(["stage=capture", "data.source=missing.jsonl", "workdir=w"], monkeypatch)
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert [x for x in err.splitlines() if x.startswith("error:")] == [
+        f"error: conversation file not found: {tmp_path / 'missing.jsonl'}"]
+    assert not (tmp_path / "w" / "capture" / "config.yaml").exists()  # refused before any output
+
+
+def _synthetic_capture(capture_dir: Path) -> torch.Tensor:
+    """A tiny capture written with the real shard writer; returns the assistant token ids."""
+    from eagle_train.shards import commit, new_manifest
+
+    capture_dir.mkdir(parents=True)
+    manifest = new_manifest("train", model_name="SmolLM2-135M-Instruct", hidden_size=8, vocab_size=49152,
+                            num_layers=4, aux_layer_ids=[], store_dtype="bf16", eos_token_ids=[2],
+                            settings={})
+    g = torch.Generator().manual_seed(0)
+    samples, assistant = [], []
+    for sid in range(3):
+        ids = torch.cat([torch.randint(100, 200, (20,), generator=g), torch.tensor([7, 7, 7, 9, 9, 2])])
+        mask = torch.zeros(26, dtype=torch.uint8)
+        mask[15:] = 1
+        samples.append({"sample_id": sid, "input_ids": ids, "loss_mask": mask, "hidden": torch.randn(26, 8),
+                        "aux": None, "messages": None})
+        assistant.append(ids[15:])
+    commit(capture_dir, manifest, samples, complete=True)
+    return torch.cat(assistant)
+
+
+def test_tokenmap_stage_from_a_capture(tmp_path, monkeypatch, capsys):
+    from eagle_train.tokenmap import load_token_map
+
+    tokens = _synthetic_capture(tmp_path / "w" / "capture")
+    monkeypatch.chdir(tmp_path)
+    rc = run_main(["stage=tokenmap", "workdir=w", "tokenmap_dir=maps", "tokenmap.sizes=[4,16]",
+                   "draft.draft_vocab_size=64"], monkeypatch)
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    folder = tmp_path / "maps" / "SmolLM2-135M-Instruct"
+    counts = torch.bincount(tokens, minlength=49152)
+    for size in (4, 16):
+        ids = load_token_map(folder / f"frspec_{size}.pt", 49152)
+        assert len(ids) == size and 2 in ids.tolist()  # EOS forced in
+        assert ids[:2].tolist() == [7, 9]  # most frequent first
+        assert counts[ids].sum() <= counts.sum()
+    from safetensors.torch import load_file
+
+    copied = load_file(str(tmp_path / "w" / "capture" / "d2t_t2d_64.safetensors"))
+    mined = load_file(str(folder / "d2t_t2d_64.safetensors"))
+    assert torch.equal(copied["d2t"], mined["d2t"]) and torch.equal(copied["t2d"], mined["t2d"])
+    d2t, t2d = copied["d2t"], copied["t2d"]
+    assert d2t.dtype == torch.int64 and d2t.shape == (64,) and t2d.dtype == torch.bool and t2d.sum() == 64
+    target = torch.arange(64) + d2t
+    assert t2d[target].all() and t2d[tokens].all()  # every assistant token is in the draft vocab
+    assert (folder / "config.yaml").is_file() and (folder / "summary.json").is_file()
+    assert "frspec 4" in out.out + out.err  # coverage printed
+
+    # The pipeline now sees the tokenmap stage as complete (and would skip it).
+    from eagle_train.pipeline import tokenmap_is_complete
+
+    cfg = compose(["stage=tokenmap", f"workdir={tmp_path / 'w'}", f"tokenmap_dir={tmp_path / 'maps'}",
+                   "tokenmap.sizes=[4,16]", "draft.draft_vocab_size=64"])
+    assert tokenmap_is_complete(cfg)
+    cfg.tokenmap.sizes = [4, 32]
+    assert not tokenmap_is_complete(cfg)
+
+
+def test_tokenmap_stage_without_capture_names_the_missing_capture(tmp_path):
+    from eagle_infer.errors import UserError
+    from eagle_train.pipeline import run_stage
+
+    cfg = compose(["stage=tokenmap", f"workdir={tmp_path / 'w'}", f"tokenmap_dir={tmp_path / 'maps'}"])
+    with pytest.raises(UserError, match=r"capture directory not found: .*w/capture \(run stage=capture"):
+        run_stage("tokenmap", cfg)
+
+
+@pytest.mark.parametrize("stage", ["train", "eval"])
+def test_later_stage_modules_are_found_or_named(stage, tmp_path):
+    from eagle_infer.errors import UserError
+    from eagle_train.pipeline import stage_module
+
+    try:
+        mod = stage_module(stage)
+    except UserError as e:
+        assert "is missing" in str(e)
+    else:
+        assert callable(mod.run)
