@@ -173,14 +173,14 @@ def time_decoding(name: str, fn: DecodeFn, prompts: Sequence[list[int]], warmup:
 
 @torch.no_grad()
 def bench_plain(model, prompts: Sequence[list[int]], max_new_tokens: int,
-                ignore_eos: bool = True) -> BenchResult:
+                ignore_eos: bool = True, compile_steps: bool = False) -> BenchResult:
     """Our plain greedy decoding (eagle_infer.generate.generate), batch 1."""
     from eagle_infer.generate import generate
 
     eos = [] if ignore_eos else None
 
     def run(ids: list[int]) -> list[int]:
-        return generate(model, [ids], max_new_tokens, eos_token_ids=eos)[0]
+        return generate(model, [ids], max_new_tokens, eos_token_ids=eos, compile=compile_steps)[0]
 
     return time_decoding("plain", run, prompts)
 
@@ -427,7 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--num-draft-tokens", type=int, default=16)
     sp.add_argument("--token-map", default=None, help="FR-Spec token map for an EAGLE-2 head")
     sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    sp.add_argument("--compile", action="store_true", help="torch.compile the draft and verify steps")
+    sp.add_argument("--compile", action="store_true",
+                    help="torch.compile the decode step (plain) and the draft and verify steps (speculative)")
     sp.add_argument("--sweep", action="store_true",
                     help="grid over --sweep-steps x --sweep-topk x --sweep-draft-tokens; table + PNG")
     sp.add_argument("--sweep-steps", type=int, nargs="+", default=[3, 5, 7])
@@ -462,7 +463,7 @@ def main(argv: list[str] | None = None) -> dict:
     wbytes = weight_bytes_per_token(model)
     floor = bw / wbytes
 
-    results = [bench_plain(model, prompts, args.max_new_tokens, ignore_eos)]
+    results = [bench_plain(model, prompts, args.max_new_tokens, ignore_eos, args.compile)]
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
 

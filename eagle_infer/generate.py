@@ -81,6 +81,17 @@ def pick_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
     return out
 
 
+_COMPILED: dict[int, Callable] = {}
+
+
+def compiled_forward(model: Transformer) -> Callable:
+    """The model's forward compiled once with full graphs and fixed shapes (static kv_len)."""
+    key = id(model)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(model.forward, fullgraph=True, dynamic=False)
+    return _COMPILED[key]
+
+
 @torch.no_grad()
 def generate(
     model: Transformer,
@@ -89,11 +100,13 @@ def generate(
     params: SamplingParams | Sequence[SamplingParams] | None = None,
     eos_token_ids: Sequence[int] | None = None,
     on_token: TokenCallback | None = None,
+    compile: bool = False,
 ) -> list[list[int]]:
     """Decode a batch of prompts of different lengths; returns the new tokens of each.
 
     A sequence stops at an EOS token (kept in its output), when `on_token` says so, or after
-    max_new_tokens.
+    max_new_tokens. `compile` runs each decode step through torch.compile (attending over the
+    whole cache, so every step has the same shapes).
     """
     B = len(prompts)
     if max_new_tokens <= 0:
@@ -122,8 +135,9 @@ def generate(
                 done[b] = True
         if all(done):
             break
-        kv = kv_len_for(int(cur.max()) + 1, model.max_seq_len)
-        logits, _ = model(nxt[:, None], cur[:, None], cur[:, None], causal_mask(cur, 1, kv))
+        kv = model.max_seq_len if compile else kv_len_for(int(cur.max()) + 1, model.max_seq_len)
+        forward = compiled_forward(model) if compile else model
+        logits, _ = forward(nxt[:, None], cur[:, None], cur[:, None], causal_mask(cur, 1, kv))
         logits = logits[:, 0]
         cur = cur + 1
     return outputs
