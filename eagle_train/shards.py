@@ -64,7 +64,8 @@ def store_dtype(name: str) -> torch.dtype:
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write text so that `path` holds either the old or the new content, never a mix."""
-    tmp = path.with_name(path.name + ".tmp")
+    # A per-process temp name: ranks of a multi-process launch may write the same file.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()

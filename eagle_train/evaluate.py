@@ -1,0 +1,217 @@
+"""Offline acceptance of a draft head on the held-out capture (stage=eval).
+
+For every start position t of a held-out sample whose next prediction is an assistant token,
+the head is unrolled ``eval.unroll`` positions on its own outputs exactly as chain drafting
+does (eagle_train.losses.unroll, no noise), and each draft argmax (mapped to target ids) is
+compared with the target's argmax at the same position. Reported in ``eval_dir/eval.json``:
+
+    top1_per_position[k]         P(match at k), over the starts where position k is counted
+    accept_rate_per_position[k]  P(match at k | matched 0..k-1): greedy chain acceptance
+    acceptance_length            1 + mean number of leading matches (the bonus token counted:
+                                 tau as serving reports it, for a chain of eval.unroll drafts)
+
+A chain stops at the end of the answer (the next token not an assistant token), as a draft
+does. ``eval.head=PATH`` evaluates any head folder (ours, or an official EAGLE-2 / EAGLE-3
+checkpoint for the same target) instead of ``head_dir``; ``acceptance.png`` plots the
+per-position rates, with the training curves from ``head_dir/train_log.jsonl`` when present.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from eagle_infer.errors import UserError
+from eagle_train.losses import leading_matches
+from eagle_train.train import LOG_FILE, abspath, load_target_io, make_collate, plot_training, read_log, sel
+
+EVAL_FILE = "eval.json"
+PLOT_FILE = "acceptance.png"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def head_path(cfg: DictConfig) -> Path:
+    override = sel(cfg, "eval.head")
+    return abspath(override) if override else abspath(cfg.head_dir)
+
+
+class AcceptanceStats:
+    """Running sums over batches of leading_matches outputs."""
+
+    def __init__(self, K: int):
+        self.K = K
+        self.starts = 0
+        self.lead_sum = 0
+        self.lead_hist = torch.zeros(K + 1, dtype=torch.long)
+        self.valid = torch.zeros(K, dtype=torch.long)  # position k counted
+        self.hit = torch.zeros(K, dtype=torch.long)  # counted and matched
+        self.reach = torch.zeros(K, dtype=torch.long)  # counted, and 0..k-1 all matched
+        self.reach_hit = torch.zeros(K, dtype=torch.long)
+
+    def add(self, match: torch.Tensor, valid: torch.Tensor, lead: torch.Tensor) -> None:
+        start = valid[..., 0]
+        m, v, ld = match[start].cpu(), valid[start].cpu(), lead[start].cpu()
+        self.starts += int(start.sum())
+        self.lead_sum += int(ld.sum())
+        self.lead_hist += torch.bincount(ld, minlength=self.K + 1)
+        self.valid += v.sum(0)
+        self.hit += (m & v).sum(0)
+        k = torch.arange(self.K)
+        reached = v & (ld[:, None] >= k[None, :])  # leading matches cover 0..k-1
+        self.reach += reached.sum(0)
+        self.reach_hit += (reached & m).sum(0)
+
+    def result(self) -> dict[str, Any]:
+        def ratio(a, b):
+            return [float(x) / float(y) if y else 0.0 for x, y in zip(a.tolist(), b.tolist())]
+
+        mean_lead = self.lead_sum / self.starts if self.starts else 0.0
+        return {
+            "acceptance_length": 1.0 + mean_lead,
+            "mean_accepted_drafts": mean_lead,
+            "accept_rate_per_position": ratio(self.reach_hit, self.reach),
+            "top1_per_position": ratio(self.hit, self.valid),
+            "leading_matches_histogram": self.lead_hist.tolist(),
+            "num_start_positions": self.starts,
+            "positions_counted": self.valid.tolist(),
+        }
+
+
+def plot_eval(result: dict, records: list[dict], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in records if "loss" in r]
+    ncols = 2 if recs else 1
+    fig, axes = plt.subplots(1, ncols, figsize=(5.5 * ncols, 4), squeeze=False)
+    ax = axes[0, 0]
+    K = len(result["accept_rate_per_position"])
+    xs = list(range(1, K + 1))
+    ax.plot(xs, result["accept_rate_per_position"], "o-", label="accept | previous accepted")
+    ax.plot(xs, result["top1_per_position"], "s--", label="top-1 (unconditional)")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("rate")
+    ax.set_ylim(0, 1)
+    ax.set_xticks(xs)
+    ax.set_title(f"acceptance length {result['acceptance_length']:.2f}")
+    ax.legend(fontsize=8)
+    if recs:
+        ax2 = axes[0, 1]
+        steps = [r["step"] for r in recs]
+        ax2.plot(steps, [r["loss"] for r in recs], color="black", label="total loss")
+        for s in range(len(recs[-1].get("ce", []))):
+            ax2.plot(steps, [r["ce"][s] for r in recs], lw=1, alpha=0.7, label=f"CE step {s}")
+        ax2.set_yscale("log")
+        ax2.set_xlabel("optimizer step")
+        ax2.set_title("training loss")
+        ax2.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def evaluate_head(head, target, dataset, unroll_steps: int, num_samples: int | None, batch_size: int,
+                  max_length: int, device: torch.device) -> dict:
+    """Acceptance statistics of `head` on the first num_samples items of `dataset`."""
+    n = len(dataset) if num_samples is None else min(int(num_samples), len(dataset))
+    collate = make_collate(max_length, keep_aux=head.eagle3)
+    stats = AcceptanceStats(unroll_steps)
+    tokens = 0
+    w = target.lm_head_weight
+    for i in range(0, n, batch_size):
+        batch = collate([dataset[j] for j in range(i, min(n, i + batch_size))])
+        batch = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        tokens += int(batch["attention_mask"].sum())
+        match, valid, lead = leading_matches(head, batch, w, unroll_steps)
+        stats.add(match, valid, lead)
+    out = stats.result()
+    out.update({"num_samples": n, "num_tokens": tokens, "unroll": unroll_steps})
+    return out
+
+
+def fingerprint(cfg: DictConfig, hpath: Path) -> dict:
+    files = [hpath / "config.json", hpath / "model.safetensors"]
+    return {"head": str(hpath), "head_mtime": [f.stat().st_mtime if f.is_file() else None for f in files],
+            "capture": str(abspath(cfg.capture_dir)), "unroll": int(sel(cfg, "eval.unroll", 7)),
+            "num_samples": sel(cfg, "eval.num_samples")}
+
+
+def is_complete(cfg: DictConfig) -> bool:
+    path = abspath(cfg.eval_dir) / EVAL_FILE
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return rec.get("fingerprint") == json.loads(json.dumps(fingerprint(cfg, head_path(cfg))))
+
+
+@torch.no_grad()
+def run(cfg: DictConfig) -> dict:
+    from eagle_infer.heads import load_head
+    from eagle_train.shards import CaptureDataset
+
+    if int(os.environ.get("RANK", "0")) != 0:  # under a multi-process launcher: rank 0 evaluates
+        return {}
+    t0 = time.perf_counter()
+    dev_name = str(sel(cfg, "device", "auto"))
+    if dev_name == "auto":
+        dev_name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(dev_name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device={dev_name} but CUDA is not available on this machine")
+    hpath = head_path(cfg)
+    if not (hpath / "config.json").is_file():
+        hint = "" if sel(cfg, "eval.head") else " (run stage=train first, or pass eval.head=PATH)"
+        raise UserError(f"no draft head at {hpath}{hint}")
+    target = load_target_io(sel(cfg, "model.path", "default"), device)
+    head = load_head(hpath, target.config, target.embed_tokens, target.lm_head_weight, dtype=torch.float32)
+    capture_dir = abspath(cfg.capture_dir)
+    ds = CaptureDataset(capture_dir, split="heldout", model=target.config, require_aux=head.eagle3)
+    if head.eagle3:
+        have = list(ds.aux_layer_ids)
+        if have != head.config.aux_hidden_indices:
+            raise UserError(f"head {hpath} reads target hidden states {head.config.aux_hidden_indices} but "
+                            f"the capture {capture_dir} holds {have}: capture with "
+                            f"capture.aux_layers={head.config.aux_hidden_indices}")
+    if len(ds) == 0:
+        raise UserError(f"held-out capture {ds.path} holds no samples (data.heldout=0?)")
+    K = int(sel(cfg, "eval.unroll", 7))
+    if K < 1:
+        raise UserError(f"eval.unroll={K}: must be >= 1")
+    result = evaluate_head(head, target, ds, K, sel(cfg, "eval.num_samples"),
+                           int(sel(cfg, "eval.batch_size", 4)),
+                           int(sel(cfg, "eval.max_length", sel(cfg, "train.max_length", 2048))), device)
+    result.update({"head": str(hpath), "kind": head.config.kind, "capture": str(ds.path),
+                   "model": str(sel(cfg, "model.name", "")), "seconds": round(time.perf_counter() - t0, 2),
+                   "fingerprint": fingerprint(cfg, hpath)})
+    out_dir = abspath(cfg.eval_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / (EVAL_FILE + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(out_dir / EVAL_FILE)
+    records = read_log(hpath / LOG_FILE)
+    plot_eval(result, records, out_dir / PLOT_FILE, f"{result['model']} {result['kind']} ({hpath.name})")
+    rates = " ".join(f"{r:.2f}" for r in result["accept_rate_per_position"])
+    log(f"eval: {result['kind']} head {hpath} on {result['num_samples']} held-out samples "
+        f"({result['num_start_positions']:,} start positions): acceptance length "
+        f"{result['acceptance_length']:.3f} (chain of {K}); accept rate per position [{rates}]; "
+        f"written to {out_dir / EVAL_FILE}")
+    return result
+
+
+__all__ = ["run", "evaluate_head", "AcceptanceStats", "is_complete", "plot_training"]

@@ -1,0 +1,756 @@
+"""Draft-head training (stage=train): EAGLE-2 or EAGLE-3 on a capture, torchtune-recipe style.
+
+    recipe = TrainRecipe(cfg); recipe.setup(cfg); recipe.train(); recipe.cleanup()
+    # or simply run(cfg), which python -m eagle_train stage=train calls
+
+What it reads: the capture (``capture_dir``: tokens, loss mask, the target's final hidden
+state and, for EAGLE-3, the aux states), the target's embedding + lm_head + config (nothing
+else of the target is loaded) and, for EAGLE-3, the draft vocabulary (d2t / t2d) from the
+tokenmap stage. What it writes into ``head_dir``: the head in the official layout
+(config.json + model.safetensors, bf16), ``train_summary.json``, ``train_log.jsonl``,
+``train_loss.png``, ``checkpoints/step_N`` (resume state) and, with wandb on, ``wandb/``.
+
+Losses (eagle_train/losses.py): EAGLE-2 = SmoothL1 feature regression + soft cross-entropy
+through the frozen target lm_head with uniform input noise; EAGLE-3 = training-time test over
+``draft.ttt_steps`` unrolled steps weighted ``ttt_decay^s``.
+
+Multi-process: ``accelerate launch`` drives it. On a CPU-only machine accelerate's
+``--num_processes 2`` alone starts ONE process; use the torchrun launcher::
+
+    accelerate launch --config_file conf/accelerate/cpu_2proc.yaml -m eagle_train stage=train
+    accelerate launch --multi_gpu --num_processes 2 -m eagle_train stage=train   # same thing
+
+(the recipe switches accelerate to its CPU/gloo mode when no GPU is present). On GPUs::
+
+    accelerate launch --multi_gpu --num_processes 8 -m eagle_train stage=train
+    accelerate launch --use_deepspeed --deepspeed_config_file conf/deepspeed/zero2.json \\
+        --num_processes 8 -m eagle_train stage=train          # DeepSpeed ZeRO-2 (not on CPU)
+
+Resume: checkpoints land every ``train.save_every`` optimizer steps (and at the end); the same
+command picks up the newest complete one (weights, optimizer, scheduler, RNG, data position).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor, nn
+
+from eagle_infer.errors import UserError
+from eagle_train.losses import draft_loss, unpack_stats, unroll  # noqa: F401  (unroll: public API)
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.json"
+LOG_FILE = "train_log.jsonl"
+PLOT_FILE = "train_loss.png"
+SUMMARY_FILE = "train_summary.json"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def sel(cfg: DictConfig, key: str, default: Any = None) -> Any:
+    v = OmegaConf.select(cfg, key, default=default)
+    if isinstance(v, DictConfig) or OmegaConf.is_list(v):
+        return OmegaConf.to_container(v)
+    return default if v is None else v
+
+
+def abspath(p: Any) -> Path:
+    from hydra.utils import to_absolute_path
+
+    return Path(to_absolute_path(str(Path(str(p)).expanduser())))
+
+
+# ---------------------------------------------------------------------------------------------
+# Target pieces: config, embedding, lm_head
+
+
+class TargetIO(nn.Module):
+    """What a draft head needs of its target: config, frozen embedding and lm_head weight."""
+
+    def __init__(self, config, embed_tokens: nn.Embedding, lm_head_weight: Tensor, source: Path):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = embed_tokens.requires_grad_(False)
+        self.lm_head_weight = lm_head_weight.requires_grad_(False)
+        self.source_path = source
+
+
+def load_target_io(path: Any, device: str | torch.device = "cpu") -> TargetIO:
+    """Read only the embedding and lm_head of an HF checkpoint (fp32); falls back to
+    eagle_infer.loader.load_model when the tensors have unexpected names."""
+    from safetensors import safe_open
+
+    from eagle_infer.default_model import resolve_model_path
+    from eagle_infer.loader import read_hf_config, safetensors_files
+    from eagle_infer.model import ModelConfig
+
+    folder = resolve_model_path(None if path is None else str(path))
+    cfg = ModelConfig.from_hf(read_hf_config(folder))
+    want = {"embed": ("model.embed_tokens.weight", "embed_tokens.weight"),
+            "head": ("lm_head.weight", "model.lm_head.weight")}
+    found: dict[str, Tensor] = {}
+    for f in safetensors_files(folder):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                for role, names in want.items():
+                    if key in names and role not in found:
+                        found[role] = st.get_tensor(key)
+    if "embed" not in found or ("head" not in found and not cfg.tie_word_embeddings):
+        from eagle_infer.loader import load_model
+
+        model = load_model(folder, "fp32", str(device))
+        return TargetIO(model.config, model.embed_tokens, model.lm_head.weight, folder)
+    emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
+    emb.weight = nn.Parameter(found["embed"].float().to(device), requires_grad=False)
+    head_w = emb.weight if cfg.tie_word_embeddings or "head" not in found else \
+        nn.Parameter(found["head"].float().to(device), requires_grad=False)
+    return TargetIO(cfg, emb, head_w, folder)
+
+
+# ---------------------------------------------------------------------------------------------
+# Head construction
+
+
+def draft_kind(cfg: DictConfig) -> str:
+    kind = str(sel(cfg, "draft.name", "eagle3"))
+    if kind not in ("eagle2", "eagle3"):
+        raise UserError(f"draft={kind}: use draft=eagle3 or draft=eagle2")
+    return kind
+
+
+def draft_vocab_candidates(cfg: DictConfig, dvs: int) -> list[Path]:
+    """Where the tokenmap stage leaves d2t/t2d: beside the capture, and in its own folder."""
+    name = f"d2t_t2d_{dvs}.safetensors"
+    model = str(sel(cfg, "model.name", "model")).replace("/", "--")
+    return [abspath(cfg.capture_dir) / name, abspath(sel(cfg, "tokenmap_dir", "tokenmaps")) / model / name]
+
+
+def load_draft_vocab(cfg: DictConfig, vocab_size: int, dvs: int) -> tuple[Tensor, Tensor]:
+    """(d2t [dvs] int64, t2d [vocab] bool) from the tokenmap stage's output."""
+    from safetensors.torch import load_file
+
+    paths = draft_vocab_candidates(cfg, dvs)
+    path = next((p for p in paths if p.is_file()), None)
+    if path is None:
+        raise UserError(f"EAGLE-3 draft vocabulary of {dvs} tokens not found (looked for "
+                        f"{' and '.join(map(str, paths))}): run `python -m eagle_train stage=tokenmap` "
+                        f"first (same model / capture / draft settings)")
+    sd = load_file(str(path))
+    if "d2t" not in sd or "t2d" not in sd:
+        raise UserError(f"{path} lacks the d2t / t2d tensors: run stage=tokenmap again")
+    d2t, t2d = sd["d2t"].long(), sd["t2d"].bool()
+    if d2t.numel() != dvs or t2d.numel() != vocab_size or int(t2d.sum()) != dvs:
+        raise UserError(f"{path}: d2t has {d2t.numel()} entries and t2d {t2d.numel()} ({int(t2d.sum())} "
+                        f"set), expected {dvs} draft tokens over a vocabulary of {vocab_size}: "
+                        f"run stage=tokenmap again for this model")
+    if not torch.equal(torch.arange(dvs) + d2t, t2d.nonzero().flatten()):
+        raise UserError(f"{path}: d2t and t2d disagree (draft ids must be the t2d tokens in order)")
+    return d2t, t2d
+
+
+def build_head(cfg: DictConfig, target: TargetIO, manifest: dict):
+    """A fresh head sized for the target; EAGLE-3 reads the capture's aux layers."""
+    from eagle_infer.heads import DraftHead, HeadConfig
+
+    kind = draft_kind(cfg)
+    tc = target.config
+    aux = None
+    dvs = None
+    if kind == "eagle3":
+        aux = list(manifest.get("aux_layer_ids") or [])
+        if not aux:
+            raise UserError(f"capture {cfg.capture_dir} has no EAGLE-3 aux hidden states "
+                            f"(captured with capture.aux_layers=[]): capture again, or train draft=eagle2")
+        want = sel(cfg, "draft.aux_layer_ids")
+        if want is not None and [int(i) for i in want] != aux:
+            raise UserError(f"draft.aux_layer_ids={want} but the capture holds hidden states {aux}: "
+                            f"capture again with these layers, or drop the override")
+        dvs = sel(cfg, "draft.draft_vocab_size")
+        dvs = tc.vocab_size if dvs is None or int(dvs) >= tc.vocab_size else int(dvs)
+    hcfg = HeadConfig.for_target(tc, kind, dvs, aux, fc_bias=bool(sel(cfg, "draft.fc_bias", True)))
+    head = DraftHead(hcfg, target.embed_tokens, target.lm_head_weight)
+    if kind == "eagle3" and dvs < tc.vocab_size:
+        d2t, t2d = load_draft_vocab(cfg, tc.vocab_size, dvs)
+        head.d2t.copy_(d2t)
+        head.t2d.copy_(t2d)
+    return head
+
+
+def loss_settings(cfg: DictConfig) -> dict:
+    """draft_loss keyword arguments from the draft config."""
+    if draft_kind(cfg) == "eagle3":
+        return {"steps": int(sel(cfg, "draft.ttt_steps", 7)),
+                "decay": float(sel(cfg, "draft.ttt_decay", 0.8)),
+                "noise": float(sel(cfg, "draft.noise", 0.0)), "ce_weight": 1.0, "feature_weight": 0.0}
+    return {"steps": int(sel(cfg, "draft.ttt_steps", 1)),
+            "decay": float(sel(cfg, "draft.ttt_decay", 0.8)),
+            "noise": float(sel(cfg, "draft.noise", 0.2)),
+            "ce_weight": float(sel(cfg, "draft.ce_loss_weight", 0.1)),
+            "feature_weight": float(sel(cfg, "draft.feature_loss_weight", 1.0))}
+
+
+def cosine_with_warmup(opt: torch.optim.Optimizer, warmup: int, total: int):
+    """Linear warm-up to the base lr over `warmup` steps, then cosine decay to 0 at `total`
+    (the same curve as transformers.get_cosine_schedule_with_warmup)."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return step / max(1, warmup)
+        progress = (step - warmup) / max(1, total - warmup)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+class TrainModule(nn.Module):
+    """The head plus its loss in one forward, so DDP / DeepSpeed see a single module call."""
+
+    def __init__(self, head, lm_head_weight: Tensor, loss_kw: dict):
+        super().__init__()
+        self.head = head
+        self._lm_head = [lm_head_weight]  # frozen target weight: not a parameter of this module
+        self.loss_kw = loss_kw
+
+    def forward(self, batch: dict) -> tuple[Tensor, Tensor]:
+        out = draft_loss(self.head, batch, self._lm_head[0], **self.loss_kw)
+        return out.loss, out.stats()
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+def make_collate(max_length: int, keep_aux: bool):
+    from eagle_train.shards import pad_collate
+
+    def collate(items: list[dict]) -> dict:
+        cut = []
+        for it in items:
+            it = dict(it)
+            if not keep_aux:
+                it.pop("aux", None)
+            for k in ("input_ids", "loss_mask", "hidden", "aux"):
+                if k in it:
+                    it[k] = it[k][:max_length]
+            cut.append(it)
+        return pad_collate(cut)
+
+    return collate
+
+
+class StreamSampler:
+    """Per-process index lists for global micro-batches start..stop.
+
+    Epoch e visits a seeded permutation of the samples, cut into global batches of
+    batch_size * world samples (the last one wrapped around so every process gets a full
+    batch); process r takes slice r of each. With `lengths`, samples of similar length share a
+    global batch (sorted within windows of 16 batches, batch order shuffled again): less padding.
+    Micro-batch m is global batch m % per_epoch of epoch m // per_epoch, and everything depends
+    on (seed, epoch) only, so a resumed run continues exactly where the checkpoint stopped."""
+
+    WINDOW = 16
+
+    def __init__(self, n: int, batch_size: int, world: int, rank: int, seed: int, start: int, stop: int,
+                 lengths: list[int] | None = None):
+        self.n, self.bs, self.world, self.rank, self.seed = n, batch_size, world, rank, seed
+        self.start, self.stop = start, stop
+        self.lengths = lengths
+        self.per_epoch = max(1, math.ceil(n / (batch_size * world)))
+        self._epoch: tuple[int, list[list[int]]] | None = None
+
+    def global_batches(self, epoch: int) -> list[list[int]]:
+        if self._epoch is not None and self._epoch[0] == epoch:
+            return self._epoch[1]
+        g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
+        perm = torch.randperm(self.n, generator=g).tolist()
+        gb = self.bs * self.world
+        flat = [perm[i % self.n] for i in range(self.per_epoch * gb)]  # wrap the last batch
+        if self.lengths is not None:
+            lens = self.lengths
+            w = gb * self.WINDOW
+            flat = [i for k in range(0, len(flat), w)
+                    for i in sorted(flat[k:k + w], key=lambda i: -lens[i])]
+        batches = [flat[k:k + gb] for k in range(0, len(flat), gb)]
+        if self.lengths is not None:
+            batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+        self._epoch = (epoch, batches)
+        return batches
+
+    def batch(self, m: int) -> list[int]:
+        epoch, j = divmod(m, self.per_epoch)
+        return self.global_batches(epoch)[j][self.rank * self.bs:(self.rank + 1) * self.bs]
+
+    def __iter__(self):
+        for m in range(self.start, self.stop):
+            yield self.batch(m)
+
+    def __len__(self) -> int:
+        return max(0, self.stop - self.start)
+
+
+# ---------------------------------------------------------------------------------------------
+# Precision, checkpoints, logs
+
+
+def bf16_supported(device: torch.device) -> bool:
+    """bf16 autocast that is actually fast here: a bf16 GPU, or a CPU with AVX512-BF16 / AMX."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        cpu = getattr(torch, "cpu", None)
+        checks = [getattr(cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+        return any(bool(c()) for c in checks if c is not None)
+    return False
+
+
+def mixed_precision_for(value: Any, device: torch.device) -> str:
+    v = str(value).lower()
+    if v in ("false", "no", "0", "none", "fp32", "off"):
+        return "no"
+    ok = bf16_supported(device)
+    if v in ("true", "yes", "1", "bf16", "on"):
+        if not ok:
+            warnings.warn(f"train.bf16=true on a {device.type} without fast bf16: expect slow training",
+                          stacklevel=2)
+        return "bf16"
+    if v != "auto":
+        raise UserError(f"train.bf16={value}: use auto, true or false")
+    return "bf16" if ok else "no"
+
+
+def complete_checkpoints(head_dir: Path) -> list[tuple[int, Path]]:
+    root = head_dir / CHECKPOINTS
+    out = []
+    if root.is_dir():
+        for d in root.iterdir():
+            num = d.name.removeprefix("step_")
+            if d.is_dir() and d.name.startswith("step_") and num.isdigit() and (d / STATE_FILE).is_file():
+                out.append((int(num), d))
+    return sorted(out)
+
+
+def read_log(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill
+    return out
+
+
+def plot_training(records: list[dict], path: Path, title: str = "") -> Path | None:
+    """Loss and per-step top-1 accuracy curves from train_log.jsonl records."""
+    recs = [r for r in records if "step" in r and "loss" in r]
+    if not recs:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in recs]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    a1.plot(steps, [r["loss"] for r in recs], label="total loss", color="black")
+    n = len(recs[-1].get("ce", []))
+    for s in range(n):
+        a1.plot(steps, [r["ce"][s] for r in recs], label=f"CE step {s}", alpha=0.7, lw=1)
+    if any(r.get("feature") and r["feature"][0] for r in recs):
+        a1.plot(steps, [r["feature"][0] for r in recs], label="feature SmoothL1", ls="--")
+    a1.set_xlabel("optimizer step")
+    a1.set_ylabel("loss")
+    a1.set_yscale("log")
+    a1.legend(fontsize=7)
+    for s in range(n):
+        a2.plot(steps, [r["acc"][s] for r in recs], label=f"step {s}")
+    a2.set_xlabel("optimizer step")
+    a2.set_ylabel("top-1 accuracy vs target")
+    a2.set_ylim(0, 1)
+    a2.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def fingerprint(cfg: DictConfig, manifest: dict) -> dict:
+    """Settings that change the trained head: a finished head with the same ones is complete."""
+    return {
+        "kind": draft_kind(cfg),
+        "model": str(sel(cfg, "model.name", "")),
+        "draft": sel(cfg, "draft", {}),
+        "capture_samples": sum(s["samples"] for s in manifest.get("shards", [])),
+        "capture_tokens": sum(s["tokens"] for s in manifest.get("shards", [])),
+        "train": {k: v for k, v in (sel(cfg, "train", {}) or {}).items()
+                  if k not in ("wandb", "log_every", "save_every", "num_workers", "keep_checkpoints")},
+        "seed": int(sel(cfg, "seed", 0)),
+    }
+
+
+def is_complete(cfg: DictConfig) -> bool:
+    """The head in head_dir was trained to the end with these settings (no model load)."""
+    from eagle_train.shards import read_manifest
+
+    head_dir = abspath(cfg.head_dir)
+    try:
+        summary = json.loads((head_dir / SUMMARY_FILE).read_text())
+        manifest = read_manifest(abspath(cfg.capture_dir))
+    except (OSError, json.JSONDecodeError, UserError):
+        return False
+    if not ((head_dir / "config.json").is_file() and (head_dir / "model.safetensors").is_file()):
+        return False
+    fp = json.loads(json.dumps(fingerprint(cfg, manifest)))
+    return summary.get("fingerprint") == fp and summary.get("finished", False)
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipe
+
+
+class TrainRecipe:
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+
+    # -- setup -----------------------------------------------------------------------------------
+
+    def setup(self, cfg: DictConfig | None = None) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        from eagle_train.shards import CaptureDataset
+
+        cfg = self.cfg = cfg if cfg is not None else self.cfg
+        t = cfg.train
+        self.head_dir = abspath(cfg.head_dir)
+        self.capture_dir = abspath(cfg.capture_dir)
+        self.kind = draft_kind(cfg)
+
+        dev_name = str(sel(cfg, "device", "auto"))
+        if dev_name.startswith("cuda") and not torch.cuda.is_available():
+            raise UserError(f"device={dev_name} but CUDA is not available on this machine")
+        use_cpu = dev_name == "cpu" or not torch.cuda.is_available()
+        probe = torch.device("cpu" if use_cpu else "cuda")
+        self.mixed_precision = mixed_precision_for(sel(cfg, "train.bf16", "auto"), probe)
+        self.grad_accum = max(1, int(sel(cfg, "train.grad_accum", 1)))
+        self.acc = Accelerator(cpu=use_cpu, mixed_precision=self.mixed_precision,
+                               gradient_accumulation_steps=self.grad_accum,
+                               step_scheduler_with_optimizer=False)
+        acc = self.acc
+        self.is_main = acc.is_main_process
+        self.device = acc.device
+
+        seed = int(sel(cfg, "seed", 0))
+        set_seed(seed)
+        self.target = load_target_io(sel(cfg, "model.path", "default"), self.device)
+        tc = self.target.config
+        self.dataset = CaptureDataset(self.capture_dir, model=tc,
+                                      model_name=str(sel(cfg, "model.name", "")) or None,
+                                      require_aux=self.kind == "eagle3")
+        if len(self.dataset) == 0:
+            raise UserError(f"capture {self.capture_dir} holds no samples: run stage=capture first")
+        if not self.dataset.complete and self.is_main:
+            log(f"warning: capture {self.capture_dir} is incomplete; training on the {len(self.dataset)} "
+                f"samples captured so far")
+        self.manifest = self.dataset.manifest
+
+        head = build_head(cfg, self.target, self.manifest).to(self.device)
+        self.loss_kw = loss_settings(cfg)
+        self.steps_ttt = self.loss_kw["steps"]
+        model = TrainModule(head, self.target.lm_head_weight, self.loss_kw)
+        self.num_params = sum(p.numel() for p in head.parameters())
+
+        betas = tuple(float(b) for b in sel(cfg, "train.adam_betas", [0.9, 0.95]))
+        opt = torch.optim.AdamW(model.parameters(), lr=float(t.lr), weight_decay=float(t.weight_decay),
+                                betas=betas)  # type: ignore[arg-type]
+
+        self.batch_size = int(t.batch_size)
+        self.max_length = int(t.max_length)
+        world, rank = acc.num_processes, acc.process_index
+        self.sampler_args = (len(self.dataset), self.batch_size, world, rank, seed)
+        self.lengths = self.dataset.lengths() if bool(sel(cfg, "train.group_by_length", True)) else None
+        per_epoch = StreamSampler(*self.sampler_args, 0, 0).per_epoch
+        self.per_epoch = per_epoch
+        max_steps = sel(cfg, "train.max_steps")
+        epochs = float(sel(cfg, "train.epochs", 1))
+        self.total_steps = int(max_steps) if max_steps else max(1, int(epochs * per_epoch) // self.grad_accum)
+        self.warmup = int(round(float(sel(cfg, "train.warmup_ratio", 0.0)) * self.total_steps))
+        sched = cosine_with_warmup(opt, self.warmup, self.total_steps)
+
+        ds_plugin = getattr(acc.state, "deepspeed_plugin", None)
+        if ds_plugin is not None:  # DeepSpeed needs the micro-batch size: we bring our own loader
+            dsc = ds_plugin.deepspeed_config
+            if dsc.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+                dsc["train_micro_batch_size_per_gpu"] = self.batch_size
+            if dsc.get("train_batch_size", "auto") == "auto":
+                dsc["train_batch_size"] = self.batch_size * world * self.grad_accum
+        self.model, self.opt, self.sched = acc.prepare(model, opt, sched)
+        self.grad_clip = float(sel(cfg, "train.grad_clip", 0.0) or 0.0)
+        self.log_every = max(1, int(sel(cfg, "train.log_every", 10)))
+        self.save_every = int(sel(cfg, "train.save_every", 0) or 0)
+        self.keep = max(1, int(sel(cfg, "train.keep_checkpoints", 2)))
+        self.fingerprint = json.loads(json.dumps(fingerprint(cfg, self.manifest)))
+
+        # Resume from the newest complete checkpoint.
+        self.step, self.micro, self.tokens_total = 0, 0, 0
+        self.wandb_id = None
+        ckpts = complete_checkpoints(self.head_dir)
+        if ckpts:
+            step, path = ckpts[-1]
+            state = json.loads((path / STATE_FILE).read_text())
+            old = state.get("fingerprint", {})
+            for key in ("kind", "model"):
+                if old.get(key) != self.fingerprint[key]:
+                    raise UserError(f"checkpoint {path} is for {key} '{old.get(key)}', not "
+                                    f"'{self.fingerprint[key]}': delete {self.head_dir / CHECKPOINTS} "
+                                    f"or train into another head_dir")
+            if old != self.fingerprint and self.is_main:
+                log(f"warning: settings changed since checkpoint {path.name}; resuming with the new ones")
+            acc.load_state(str(path))
+            self.step, self.micro = int(state["step"]), int(state["micro"])
+            self.tokens_total = int(state.get("tokens", 0))
+            self.wandb_id = state.get("wandb_id")
+            if self.is_main:
+                log(f"train: resuming from {path} (step {self.step}/{self.total_steps})")
+        if not ckpts:
+            # Noise differs per process; parameters start equal (DDP broadcasts rank 0's).
+            set_seed(seed, device_specific=True)
+        if self.is_main:
+            self.head_dir.mkdir(parents=True, exist_ok=True)
+            recs = [r for r in read_log(self.head_dir / LOG_FILE) if r.get("step", 0) <= self.step]
+            (self.head_dir / LOG_FILE).write_text("".join(json.dumps(r) + "\n" for r in recs))
+            self.records = recs
+            n_tok = self.dataset.num_tokens
+            log(f"train: {self.kind} head, {self.num_params / 1e6:.1f}M parameters, target "
+                f"{sel(cfg, 'model.name', '?')} on {self.device}; {len(self.dataset)} samples "
+                f"({n_tok:,} tokens, {self.dataset.num_assistant_tokens:,} assistant); "
+                f"{self.total_steps} steps of {self.batch_size}x{world}x{self.grad_accum} sequences "
+                f"(max {self.max_length} tokens), ttt steps {self.steps_ttt}, mixed precision "
+                f"{self.mixed_precision}, {world} process(es)")
+        self.wandb = self._init_wandb() if self.is_main else None
+
+    def _init_wandb(self):
+        mode = str(sel(self.cfg, "train.wandb.mode", "offline")).lower()
+        if mode in ("disabled", "off", "false", "none", "no"):
+            return None
+        try:
+            import wandb
+
+            run = wandb.init(
+                project=str(sel(self.cfg, "train.wandb.project", "eagle-spec")), mode=mode,
+                dir=str(self.head_dir), id=self.wandb_id, resume="allow",
+                name=f"{sel(self.cfg, 'model.name', 'model')}-{self.kind}",
+                config=OmegaConf.to_container(self.cfg, resolve=True),
+                settings=wandb.Settings(init_timeout=60, silent=True),
+            )
+            self.wandb_id = run.id
+            return run
+        except Exception as e:  # never let logging stop training
+            log(f"warning: wandb did not start ({type(e).__name__}: {e}); training without it")
+            return None
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def save_checkpoint(self) -> Path:
+        acc = self.acc
+        root = self.head_dir / CHECKPOINTS
+        final = root / f"step_{self.step}"
+        tmp = root / f"step_{self.step}.partial"
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp))
+        acc.wait_for_everyone()
+        if self.is_main:
+            state = {"step": self.step, "micro": self.micro, "tokens": self.tokens_total,
+                     "total_steps": self.total_steps, "fingerprint": self.fingerprint,
+                     "wandb_id": self.wandb_id, "time": time.time()}
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            for _, old in complete_checkpoints(self.head_dir)[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        acc.wait_for_everyone()
+        return final
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def _loader(self, start_micro: int, stop_micro: int):
+        sampler = StreamSampler(*self.sampler_args, start_micro, stop_micro, lengths=self.lengths)
+        collate = make_collate(self.max_length, keep_aux=self.kind == "eagle3")
+        nw = int(sel(self.cfg, "train.num_workers", 0) or 0)
+        return torch.utils.data.DataLoader(self.dataset, batch_sampler=sampler, collate_fn=collate,
+                                           num_workers=nw, persistent_workers=False,
+                                           pin_memory=self.device.type == "cuda")
+
+    def train(self, stop_after: int | None = None) -> dict:
+        """Train to total_steps (or stop after `stop_after` more optimizer steps: a simulated
+        kill, for tests). Returns the summary (also written to train_summary.json)."""
+        from tqdm.auto import tqdm
+
+        acc, model = self.acc, self.model
+        K = self.steps_ttt
+        stop_step = self.total_steps if stop_after is None else min(self.total_steps, self.step + stop_after)
+        stop_micro = self.total_steps * self.grad_accum
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not self.is_main,
+                   desc=f"train {self.kind}", dynamic_ncols=True, file=sys.stderr)
+        window = torch.zeros(4 * K, device=self.device)
+        win_loss = torch.zeros(2, device=self.device)  # summed loss, micro-batches
+        win_tokens = 0
+        t_start = t_win = time.perf_counter()
+        tokens_run = 0
+        last: dict = {}
+        model.train()
+        if self.step < stop_step:
+            for batch in self._loader(self.micro, stop_micro):
+                batch = {k: (v.to(self.device, non_blocking=True) if isinstance(v, Tensor) else v)
+                         for k, v in batch.items()}
+                n_tok = int(batch["attention_mask"].sum())
+                with acc.accumulate(model):
+                    loss, stats = model(batch)
+                    acc.backward(loss)
+                    if acc.sync_gradients and self.grad_clip > 0:
+                        acc.clip_grad_norm_(model.parameters(), self.grad_clip)
+                    self.opt.step()
+                    if acc.sync_gradients:
+                        self.sched.step()
+                    self.opt.zero_grad(set_to_none=True)
+                self.micro += 1
+                window += stats.detach()
+                win_loss += torch.stack([loss.detach().float(), torch.ones((), device=self.device)])
+                win_tokens += n_tok
+                tokens_run += n_tok
+                if not acc.sync_gradients:
+                    continue
+                self.step += 1
+                bar.update(1)
+                end = self.step >= stop_step
+                if self.step % self.log_every == 0 or end or self.step == self.total_steps:
+                    last = self._log(window, win_loss, win_tokens, time.perf_counter() - t_win, bar)
+                    window.zero_()
+                    win_loss.zero_()
+                    win_tokens, t_win = 0, time.perf_counter()
+                if (self.save_every and self.step % self.save_every == 0) or self.step == self.total_steps:
+                    self.save_checkpoint()
+                if end:
+                    break
+        bar.close()
+        elapsed = time.perf_counter() - t_start
+        tok = torch.tensor([tokens_run], device=self.device)
+        tokens_all = int(acc.reduce(tok, reduction="sum").item()) if acc.num_processes > 1 else tokens_run
+        self.tokens_total += tokens_all
+        finished = self.step >= self.total_steps
+        summary = {"finished": finished, "step": self.step, "total_steps": self.total_steps}
+        if self.is_main:
+            done = self.head_dir / SUMMARY_FILE
+            trained = done.is_file() and (self.head_dir / "model.safetensors").is_file()
+            if finished and tokens_all == 0 and trained:
+                summary = json.loads(done.read_text())  # already trained: nothing to redo
+                log(f"train: {self.head_dir} is already trained to step {self.step}")
+            else:
+                summary = self._finish(finished, tokens_all, elapsed, last)
+        acc.wait_for_everyone()
+        return summary
+
+    def _log(self, window: Tensor, win_loss: Tensor, win_tokens: int, seconds: float, bar) -> dict:
+        acc = self.acc
+        packed = torch.cat([window, win_loss, torch.tensor([float(win_tokens)], device=self.device)])
+        if acc.num_processes > 1:
+            packed = acc.reduce(packed, reduction="sum")
+        K = self.steps_ttt
+        st = unpack_stats(packed[:4 * K].cpu(), K)
+        loss = float(packed[4 * K] / packed[4 * K + 1].clamp(min=1))
+        rec = {
+            "step": self.step, "epoch": round(self.micro / self.per_epoch, 4),
+            "lr": float(self.sched.get_last_lr()[0]), "loss": loss,
+            "ce": st["ce"], "acc": st["acc"], "count": st["count"],
+            "tokens_per_s": float(packed[-1]) / max(seconds, 1e-9),
+        }
+        if self.kind == "eagle2":
+            rec["feature"] = st["feature"]
+        if self.is_main:
+            with open(self.head_dir / LOG_FILE, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            self.records.append(rec)
+            accs = "/".join(f"{a:.2f}" for a in st["acc"])
+            bar.set_postfix_str(f"loss {loss:.3f} acc {accs}", refresh=False)
+            if self.wandb is not None:
+                try:
+                    data = {"loss": loss, "lr": rec["lr"], "tokens_per_s": rec["tokens_per_s"],
+                            "epoch": rec["epoch"]}
+                    data.update({f"acc/step{s}": a for s, a in enumerate(st["acc"])})
+                    data.update({f"ce/step{s}": c for s, c in enumerate(st["ce"])})
+                    if self.kind == "eagle2":
+                        data["feature_loss"] = st["feature"][0]
+                    self.wandb.log(data, step=self.step)
+                except Exception as e:
+                    log(f"warning: wandb.log failed ({e}); disabling wandb")
+                    self.wandb = None
+        return rec
+
+    def _finish(self, finished: bool, tokens: int, elapsed: float, last: dict) -> dict:
+        from eagle_infer.heads import save_head
+
+        tps = tokens / max(elapsed, 1e-9)
+        plot_training(self.records, self.head_dir / PLOT_FILE,
+                      f"{sel(self.cfg, 'model.name', '')} {self.kind} (ttt {self.steps_ttt})")
+        if not last and self.records:
+            last = self.records[-1]
+        summary = {
+            "finished": finished, "kind": self.kind, "step": self.step, "total_steps": self.total_steps,
+            "epochs_done": round(self.micro / self.per_epoch, 4), "samples": len(self.dataset),
+            "tokens_this_run": tokens, "train_seconds_this_run": round(elapsed, 2),
+            "tokens_per_s": round(tps, 1), "tokens_total": self.tokens_total,
+            "num_processes": self.acc.num_processes, "mixed_precision": self.mixed_precision,
+            "device": str(self.device), "num_params": self.num_params,
+            "final_loss": last.get("loss"), "final_ce_per_step": last.get("ce"),
+            "final_acc_per_step": last.get("acc"), "final_feature_loss": (last.get("feature") or [None])[0],
+            "head_dir": str(self.head_dir), "fingerprint": self.fingerprint,
+        }
+        if finished:
+            head = self.acc.unwrap_model(self.model).head
+            save_head(head, self.head_dir, dtype=torch.bfloat16)
+            (self.head_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+            accs = " ".join(f"{a:.3f}" for a in (summary["final_acc_per_step"] or []))
+            log(f"train: done, {self.step} steps, {tps:,.0f} tokens/s this run ({tokens:,} tokens in "
+                f"{elapsed:.1f}s), final loss {summary['final_loss']}, top-1 per step [{accs}]; "
+                f"head saved to {self.head_dir}")
+        else:
+            log(f"train: stopped at step {self.step}/{self.total_steps} ({tps:,.0f} tokens/s); run the "
+                f"same command to resume from the last checkpoint")
+        return summary
+
+    def cleanup(self) -> None:
+        if self.wandb is not None:
+            try:
+                self.wandb.finish()
+            except Exception:
+                pass
+            self.wandb = None
+        self.acc.end_training()
+
+
+def run(cfg: DictConfig) -> dict:
+    recipe = TrainRecipe(cfg)
+    recipe.setup(cfg)
+    try:
+        return recipe.train()
+    finally:
+        recipe.cleanup()

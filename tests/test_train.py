@@ -1,0 +1,505 @@
+"""Draft-head training: the training-time-test unroll and its mask, the EAGLE-2 / EAGLE-3 losses,
+checkpoint + resume, the saved head, and a two-process accelerate launch.
+
+Everything runs on a tiny random Llama target (hidden 64, 4 layers, vocab 512) and a tiny
+synthetic capture of its own sampled continuations, written through eagle_train.shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle_infer.heads import DraftHead, HeadConfig, load_head
+from eagle_train.losses import draft_loss, leading_matches, shift_left, ttt_mask, unroll
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 512
+AUX = [1, 2, 3]  # hidden-state indices the synthetic capture keeps (distinct on 4 layers)
+DRAFT_VOCAB = 128
+N_TRAIN, N_HELDOUT = 12, 4
+
+_ENV: dict = {}
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiny world: target, capture, draft vocabulary
+
+
+def build_target(out: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
+                      rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    model = LlamaForCausalLM(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name == "lm_head.weight":  # confident predictions, as a trained LM makes
+                p.copy_(0.6 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@torch.no_grad()
+def sample_sequences(model, n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random prompts + the target's own sampled continuations (T = 0.7): on-policy data."""
+    from eagle_infer.model import causal_mask
+
+    g = torch.Generator().manual_seed(seed)
+    zero = torch.zeros(1, dtype=torch.long)
+    out = []
+    for i in range(n):
+        P, G = 6 + i % 5, 20 + (7 * i) % 13
+        ids = torch.randint(3, VOCAB, (P,), generator=g).tolist()
+        model.setup_cache(1, P + G)
+        pos = torch.arange(P)[None]
+        logits, _ = model(torch.tensor([ids]), pos, pos, causal_mask(zero, P, P + G),
+                          logits_at=torch.tensor([[P - 1]]))
+        for _ in range(G):
+            probs = torch.softmax(logits[0, -1] / 0.7, -1)
+            ids.append(int(torch.multinomial(probs, 1, generator=g)))
+            L = len(ids) - 1
+            pos = torch.tensor([[L]])
+            logits, _ = model(torch.tensor([[ids[-1]]]), pos, pos, causal_mask(torch.tensor([L]), 1, P + G))
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        mask[P:] = True
+        out.append((torch.tensor(ids), mask))
+    return out
+
+
+@torch.no_grad()
+def write_capture(model, directory: Path, seqs, split: str) -> None:
+    from eagle_infer.model import causal_mask
+    from eagle_train.shards import commit, new_manifest
+
+    N = model.config.num_layers
+    samples = []
+    for sid, (ids, mask) in enumerate(seqs):
+        T = len(ids)
+        model.setup_cache(1, T)
+        pos = torch.arange(T)[None]
+        _, hs = model(ids[None], pos, pos, causal_mask(torch.zeros(1, dtype=torch.long), T, T),
+                      hidden_layers=[*AUX, N], compute_logits=False)
+        samples.append({"input_ids": ids, "loss_mask": mask, "hidden": hs[-1][0],
+                        "aux": torch.cat([h[0] for h in hs[:-1]], -1), "sample_id": sid,
+                        "messages": None})
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest = new_manifest(split, model_name="tiny", hidden_size=model.config.hidden_size, vocab_size=VOCAB,
+                            num_layers=N, aux_layer_ids=AUX, store_dtype="fp32", eos_token_ids=[2],
+                            settings={})
+    commit(directory, manifest, samples, complete=True)
+
+
+def tiny_env(tmp_root: Path) -> dict:
+    """Build (once per test session) the tiny target, capture and draft vocabulary."""
+    if _ENV:
+        return _ENV
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: one thread is faster, and immune to a busy machine
+    try:
+        return _build_env(tmp_root)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build_env(tmp_root: Path) -> dict:
+    from safetensors.torch import save_file
+
+    from eagle_infer.loader import load_model
+    from eagle_train.tokenmap import count_tokens, draft_vocab
+
+    target_dir = build_target(tmp_root / "target")
+    model = load_model(target_dir, "fp32", "cpu")
+    cap = tmp_root / "capture"
+    train_seqs = sample_sequences(model, N_TRAIN, seed=1)
+    write_capture(model, cap, train_seqs, "train")
+    write_capture(model, cap / "heldout", sample_sequences(model, N_HELDOUT, seed=2), "heldout")
+    counts = count_tokens([s for s, _ in train_seqs], [m for _, m in train_seqs], vocab_size=VOCAB)
+    d2t, t2d = draft_vocab(counts + 1, DRAFT_VOCAB, [2])  # +1: ties broken by id, all tokens eligible
+    save_file({"d2t": d2t, "t2d": t2d}, str(cap / f"d2t_t2d_{DRAFT_VOCAB}.safetensors"))
+    _ENV.update(root=tmp_root, target_dir=target_dir, model=model, capture=cap, d2t=d2t, t2d=t2d)
+    return _ENV
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one intra-op thread is faster, and immune to a busy machine's thread stalls."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def env(tmp_path_factory):
+    return tiny_env(tmp_path_factory.mktemp("eagle_train_env"))
+
+
+def make_cfg(env: dict, out: Path, kind: str = "eagle3", **overrides):
+    """The project's Hydra config, composed as `python -m eagle_train` would, paths resolved."""
+    from hydra import compose, initialize_config_dir
+
+    from eagle_train.pipeline import prepare_config
+
+    args = {
+        "stage": "train", "preset": "none", "draft": kind, "model.path": str(env["target_dir"]),
+        "model.name": "tiny", "capture_dir": str(env["capture"]), "tokenmap_dir": str(out / "tokenmaps"),
+        "head_dir": str(out / "head"), "eval_dir": str(out / "eval"), "workdir": str(out),
+        "device": "cpu", "train.wandb.mode": "disabled", "train.batch_size": 4, "train.max_length": 64,
+        "train.lr": 3e-3, "train.warmup_ratio": 0.1, "train.bf16": False, "train.log_every": 1,
+        "train.save_every": 2, "eval.num_samples": N_HELDOUT, "eval.unroll": 4,
+    }
+    if kind == "eagle3":
+        args["draft.draft_vocab_size"] = DRAFT_VOCAB
+        args["draft.ttt_steps"] = 3
+    args.update(overrides)
+    with initialize_config_dir(version_base=None, config_dir=str(REPO / "conf")):
+        cfg = compose("config", overrides=[f"{k}={v}" for k, v in args.items()])
+    return prepare_config(cfg)
+
+
+def fresh_head(env: dict, kind: str, seed: int = 0) -> DraftHead:
+    model = env["model"]
+    torch.manual_seed(seed)
+    if kind == "eagle3":
+        hc = HeadConfig.for_target(model.config, "eagle3", DRAFT_VOCAB, AUX)
+        head = DraftHead(hc, model.embed_tokens)
+        head.d2t.copy_(env["d2t"])
+        head.t2d.copy_(env["t2d"])
+    else:
+        head = DraftHead(HeadConfig.for_target(model.config, "eagle2"), model.embed_tokens,
+                         model.lm_head.weight)
+    return head
+
+
+def capture_batch(env: dict, n: int = 4, split: str = "train") -> dict:
+    from eagle_train.shards import CaptureDataset, pad_collate
+
+    ds = CaptureDataset(env["capture"], split=split)
+    return pad_collate([ds[i] for i in range(n)])
+
+
+def reset_accelerate() -> None:
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+# ---------------------------------------------------------------------------------------------
+# The unroll and its attention mask
+
+
+def test_ttt_mask_is_causal_then_diagonal():
+    m = ttt_mask(4, 2)
+    assert m.shape == (4, 12)
+    assert torch.equal(m[:, :4], torch.ones(4, 4, dtype=torch.bool).tril())
+    assert torch.equal(m[:, 4:8], torch.eye(4, dtype=torch.bool))
+    assert torch.equal(m[:, 8:], torch.eye(4, dtype=torch.bool))
+    assert torch.equal(shift_left(torch.arange(5)[None], 2), torch.tensor([[2, 3, 4, 0, 0]]))
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle2"])
+def test_unroll_matches_step_by_step_drafting(env, kind):
+    """Step s at position t equals an explicit chain draft: step 0 over the prefix 0..t
+    (causal), then one query per step at position t+s seeing the prefix keys and its own
+    earlier steps' keys at t only."""
+    head = fresh_head(env, kind).eval()
+    batch = capture_batch(env, 2)
+    steps = 3
+    with torch.no_grad():
+        outs = unroll(head, batch, steps)
+        states = [batch["aux"].float()] if kind == "eagle3" else [batch["hidden"].float()]
+        feat0 = head.project(states)
+        ids = batch["input_ids"]
+        for b, t in [(0, 0), (0, 5), (1, 9), (1, 14)]:
+            # Step 0 over the prefix: pairs (f_i, x_{i+1}), i = 0..t.
+            pos = torch.arange(t + 1)[None]
+            mask = torch.ones(t + 1, t + 1, dtype=torch.bool).tril()[None]
+            logits, g, (k0, v0) = head(ids[b:b + 1, 1:t + 2], feat0[b:b + 1, :t + 1], pos, mask)
+            torch.testing.assert_close(g[0, t], outs[0][1][b, t], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(logits[0, t], outs[0][0][b, t], atol=1e-4, rtol=1e-4)
+            past = [(k0, v0)]
+            feat = g[:, t:t + 1]
+            for s in range(1, steps):
+                tok = ids[b:b + 1, t + 1 + s:t + 2 + s]
+                mask = torch.ones(1, 1, t + 1 + s, dtype=torch.bool)
+                logits, g, kv = head(tok, feat, torch.tensor([[t + s]]), mask, past_kv=past)
+                torch.testing.assert_close(g[0, 0], outs[s][1][b, t], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(logits[0, 0], outs[s][0][b, t], atol=1e-4, rtol=1e-4)
+                past.append(kv)
+                feat = g
+
+
+def test_unroll_never_looks_ahead(env):
+    """Changing token x_j leaves every (t, s) with t+1+s < j unchanged; changing the target
+    state at j leaves every t < j unchanged (and does change later ones)."""
+    head = fresh_head(env, "eagle3").eval()
+    batch = capture_batch(env, 2)
+    j, steps = 12, 4
+    with torch.no_grad():
+        ref = unroll(head, batch, steps)
+        b2 = dict(batch)
+        b2["input_ids"] = batch["input_ids"].clone()
+        b2["input_ids"][:, j] = (b2["input_ids"][:, j] + 7) % VOCAB
+        tok = unroll(head, b2, steps)
+        b3 = dict(batch)
+        b3["aux"] = batch["aux"].clone()
+        b3["aux"][:, j] += 1.0
+        feat = unroll(head, b3, steps)
+    for s in range(steps):
+        safe = j - 1 - s  # positions t < safe use only tokens before j
+        torch.testing.assert_close(tok[s][1][:, :safe], ref[s][1][:, :safe], atol=0, rtol=0)
+        assert not torch.allclose(tok[s][1][:, safe], ref[s][1][:, safe])
+        torch.testing.assert_close(feat[s][1][:, :j], ref[s][1][:, :j], atol=0, rtol=0)
+        assert not torch.allclose(feat[s][1][:, j], ref[s][1][:, j])
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle2"])
+def test_compact_unroll_equals_full_unroll_where_needed(env, kind):
+    """Steps >= 1 on the needed positions only (what training and eval use) give the same
+    outputs and gradients there as the full unroll."""
+    from eagle_train.losses import needed_positions
+
+    batch = capture_batch(env, 4)
+    steps = 4
+    need = needed_positions(batch["loss_mask"], steps)
+    assert 0 < int(need.sum()) < need.numel()
+    runs = []
+    for compact in (False, True):
+        head = fresh_head(env, kind)
+        outs = unroll(head, batch, steps, needed=need if compact else None)
+        loss = sum((outs[s][0][need].float().logsumexp(-1)).sum() for s in range(steps))
+        loss.backward()
+        runs.append((outs, {n: p.grad.clone() for n, p in head.named_parameters()}))
+    (ref, g_ref), (outs, g_new) = runs
+    torch.testing.assert_close(outs[0][1], ref[0][1], atol=0, rtol=0)
+    for s in range(1, steps):
+        assert float(outs[s][1][~need].detach().abs().max()) == 0.0  # zeros where not needed
+        torch.testing.assert_close(outs[s][1][need], ref[s][1][need], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(outs[s][0][need], ref[s][0][need], atol=1e-4, rtol=1e-4)
+    grads = [g_ref, g_new]
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-4, rtol=1e-3)
+
+
+class OracleHead(torch.nn.Module):
+    """An EAGLE-2-shaped 'head' whose output at (t, s) is the target's own state f_{t+1+s}: its
+    draft is the target's choice everywhere, so every alignment must give full acceptance."""
+
+    eagle3 = False
+    draft_lm_head = None
+    draft_to_target = None
+
+    def __init__(self, hidden, lm_head_w):
+        super().__init__()
+        self.fc = torch.nn.Linear(1, 1)
+        self.hidden = hidden.float()
+        self.w = lm_head_w
+        V = lm_head_w.shape[0]
+        self.config = type("C", (), {"vocab_size": V, "draft_vocab_size": V})
+
+    def project(self, states):
+        return states[0]
+
+    def logits(self, g):
+        return torch.nn.functional.linear(g, self.w)
+
+    def forward(self, tokens, feature, positions, mask, slots=None, past_kv=(), compute_logits=True):
+        # Pair t at step s has RoPE position t+s and predicts the target at t+1+s.
+        idx = (positions + 1).clamp(max=self.hidden.shape[1] - 1)
+        H = self.hidden.shape[-1]
+        g = torch.gather(self.hidden, 1, idx[:, :, None].expand(-1, -1, H)) + 0.0 * feature
+        k = torch.zeros(1)
+        return (self.logits(g) if compute_logits else None), g, (k, k)
+
+
+def test_oracle_draft_is_fully_accepted(env):
+    batch = capture_batch(env, 4, "heldout")
+    w = env["model"].lm_head.weight
+    oracle = OracleHead(batch["hidden"], w)
+    match, valid, lead = leading_matches(oracle, batch, w, 4)
+    assert valid.any() and bool(match[valid].all())
+    start = valid[..., 0]
+    # Leading matches = counted positions of the chain (it stops at the end of the answer).
+    assert torch.equal(lead[start], valid[start].long().cumprod(-1).sum(-1))
+    out = draft_loss(oracle, batch, w, steps=2, feature_weight=1.0, ce_weight=0.1)
+    assert out.correct.tolist() == out.count.tolist() and out.count.min() > 0
+    assert float(out.feature_sum.abs().max()) < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses
+
+
+@pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
+def test_loss_decreases_when_overfitting(env, kind):
+    head = fresh_head(env, kind)
+    batch = capture_batch(env, 4)
+    w = env["model"].lm_head.weight
+    kw = ({"steps": 3, "decay": 0.8} if kind == "eagle3"
+          else {"steps": 1, "noise": 0.2, "ce_weight": 0.1, "feature_weight": 1.0})
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
+    losses, accs = [], []
+    for _ in range(30):
+        out = draft_loss(head, batch, w, **kw)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(float(out.loss.detach()))
+        accs.append((out.correct / out.count.clamp(min=1)).tolist())
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert sum(losses[-5:]) < sum(losses[:5])
+    assert accs[-1][0] > accs[0][0]
+    if kind == "eagle3":
+        # Every unrolled step learns, not only the first.
+        assert all(a_end > a_start for a_start, a_end in zip(accs[0], accs[-1]))
+
+
+def test_eagle3_loss_ignores_targets_outside_draft_vocab(env):
+    head = fresh_head(env, "eagle3")
+    batch = capture_batch(env, 4)
+    w = env["model"].lm_head.weight
+    out = draft_loss(head, batch, w, steps=1)
+    # Count by hand: assistant predictions whose target argmax is in the draft vocabulary.
+    from eagle_train.losses import prediction_mask, target_argmax
+
+    am = shift_left(target_argmax(batch["hidden"], w), 1)
+    expect = prediction_mask(batch["loss_mask"], 0) & env["t2d"][am]
+    assert int(out.count[0]) == int(expect.sum()) > 0
+    head.t2d.fill_(True)  # every token drawable: more positions count
+    head.d2t.zero_()
+    n_all = int(prediction_mask(batch["loss_mask"], 0).sum())
+    assert int(draft_loss(head, batch, w, steps=1).count[0]) == n_all
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipe: resume, saved head
+
+
+def _head_params(head_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(head_dir / "model.safetensors"))
+
+
+def _train(cfg, stop_after=None):
+    from eagle_train.train import TrainRecipe
+
+    reset_accelerate()
+    r = TrainRecipe(cfg)
+    r.setup(cfg)
+    try:
+        summary = r.train(stop_after=stop_after)
+        head = r.acc.unwrap_model(r.model).head
+    finally:
+        r.cleanup()
+    return summary, head
+
+
+def test_checkpoint_resume_equals_uninterrupted_run(env, tmp_path):
+    over = {"train.epochs": 2, "train.grad_accum": 2, "train.batch_size": 2}  # 3 per epoch -> 6 steps
+    cfg_a = make_cfg(env, tmp_path / "a", **over)
+    summary_a, _ = _train(cfg_a)
+    assert summary_a["finished"] and summary_a["step"] == 6
+    cfg_b = make_cfg(env, tmp_path / "b", **over)
+    part, _ = _train(cfg_b, stop_after=3)  # "killed" after step 3: last checkpoint is step 2
+    assert not part["finished"]
+    assert not (tmp_path / "b" / "head" / "model.safetensors").exists()
+    ckpts = sorted(p.name for p in (tmp_path / "b" / "head" / "checkpoints").iterdir())
+    assert ckpts == ["step_2"]
+    summary_b, _ = _train(cfg_b)  # same command again: resumes from step 2
+    assert summary_b["finished"] and summary_b["step"] == 6
+    pa, pb = _head_params(tmp_path / "a" / "head"), _head_params(tmp_path / "b" / "head")
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), k
+    # The log holds each step once, in order, as in the uninterrupted run.
+    log_b = [json.loads(x) for x in (tmp_path / "b" / "head" / "train_log.jsonl").read_text().splitlines()]
+    log_a = [json.loads(x) for x in (tmp_path / "a" / "head" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log_b] == list(range(1, 7))
+    assert [r["loss"] for r in log_b] == pytest.approx([r["loss"] for r in log_a], rel=1e-5)
+    from eagle_train.train import is_complete
+
+    assert is_complete(cfg_b)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle2"])
+def test_trained_head_saved_in_official_layout_reloads(env, tmp_path, kind):
+    cfg = make_cfg(env, tmp_path, kind, **{"train.max_steps": 4})
+    summary, head = _train(cfg)
+    hd = tmp_path / "head"
+    conf = json.loads((hd / "config.json").read_text())
+    sd = _head_params(hd)
+    if kind == "eagle3":
+        assert conf["architectures"] == ["LlamaForCausalLMEagle3"] and conf["draft_vocab_size"] == DRAFT_VOCAB
+        assert conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in AUX]
+        assert sd["lm_head.weight"].dtype == torch.bfloat16 and sd["d2t"].dtype == torch.int64
+        assert torch.equal(sd["d2t"], env["d2t"]) and torch.equal(sd["t2d"], env["t2d"])
+    else:
+        assert "fc.bias" in sd and "layers.0.self_attn.q_proj.weight" in sd
+    for f in ("train_summary.json", "train_log.jsonl", "train_loss.png"):
+        assert (hd / f).is_file(), f
+    assert summary["tokens_per_s"] > 0
+    assert len(summary["final_acc_per_step"]) == (3 if kind == "eagle3" else 1)
+
+    model = env["model"]
+    loaded = load_head(hd, model.config, model.embed_tokens, model.lm_head.weight, dtype=torch.float32)
+    batch = capture_batch(env, 2, "heldout")
+    head = head.float().eval()
+    with torch.no_grad():
+        a = unroll(head, batch, 2)
+        b = unroll(loaded, batch, 2)
+    for (la, _), (lb, _) in zip(a, b):
+        torch.testing.assert_close(lb, la, atol=0.1, rtol=0.05)  # bf16 weights
+        agree = (la.argmax(-1) == lb.argmax(-1)).float().mean()
+        assert agree > 0.9
+
+
+def test_missing_draft_vocab_names_tokenmap_stage(env, tmp_path):
+    from eagle_infer.errors import UserError
+
+    cfg = make_cfg(env, tmp_path, **{"draft.draft_vocab_size": 64})
+    with pytest.raises(UserError, match="stage=tokenmap"):
+        _train(cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Two processes through accelerate launch (gloo on CPU)
+
+
+@pytest.mark.slow
+def test_accelerate_launch_two_processes(env, tmp_path):
+    if shutil.which("accelerate") is None:
+        pytest.skip("accelerate CLI not installed")
+    out = tmp_path / "run"
+    cmd = ["accelerate", "launch", "--config_file", str(REPO / "conf/accelerate/cpu_2proc.yaml"),
+           "-m", "eagle_train", "stage=train", "preset=none", f"model.path={env['target_dir']}",
+           "model.name=tiny", f"capture_dir={env['capture']}", f"workdir={out}", f"head_dir={out / 'head'}",
+           "device=cpu", "train.wandb.mode=disabled", "train.max_steps=3", "train.batch_size=2",
+           "train.max_length=48", "train.bf16=false", "train.save_every=2", "train.log_every=1",
+           f"draft.draft_vocab_size={DRAFT_VOCAB}", "draft.ttt_steps=2"]
+    envv = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MASTER_PORT="29533")
+    p = subprocess.run(cmd, cwd=tmp_path, env=envv, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    summary = json.loads((out / "head" / "train_summary.json").read_text())
+    assert summary["num_processes"] == 2 and summary["finished"] and summary["step"] == 3
+    assert (out / "head" / "model.safetensors").is_file()
+    assert sys.executable  # (the launcher runs the same interpreter's accelerate)
