@@ -210,7 +210,7 @@ def remove_orphans(directory: str | os.PathLike, manifest: dict | None) -> list[
     directory = Path(directory)
     listed = {s["file"] for s in (manifest or {}).get("shards", [])}
     removed = []
-    for f in [*directory.glob("shard-*.safetensors*"), directory / (MANIFEST + ".tmp")]:
+    for f in [*directory.glob("shard-*.safetensors*"), *directory.glob(MANIFEST + ".*tmp")]:
         if f.exists() and f.name not in listed:
             f.unlink()
             removed.append(f.name)
