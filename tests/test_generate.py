@@ -270,7 +270,7 @@ def test_bench_main_plain_only(tmp_path):
 
     out = tmp_path / "bench.json"
     report = main(["--num-prompts", "1", "--max-new-tokens", "3", "--dtype", "fp32", "--no-hf",
-                   "--json", str(out)])
+                   "--no-spec", "--json", str(out)])
     assert report["methods"]["plain"]["tokens"] == 3
     saved = json.loads(out.read_text())
     assert saved["plain_tokens_per_s"] > 0 and saved["floor_tokens_per_s"] > 0
