@@ -1,0 +1,34 @@
+"""The benchmark's speculative report: the fields users compare on, and exactness."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from eagle_infer.bench import main
+from eagle_infer.heads import DraftHead, HeadConfig, save_head
+
+
+def test_bench_speculative_report(tmp_path, default_model_fp32):
+    target = default_model_fp32
+    torch.manual_seed(0)
+    cfg = HeadConfig.for_target(target.config, "eagle3", draft_vocab_size=1024)
+    head = DraftHead(cfg, target.embed_tokens, target.lm_head.weight)
+    head.t2d.zero_()
+    head.t2d[:1024] = True
+    save_head(head, tmp_path / "head")
+    out = tmp_path / "bench.json"
+    main(["--num-prompts", "1", "--max-new-tokens", "6", "--dtype", "fp32", "--no-hf",
+          "--draft", str(tmp_path / "head"), "--num-steps", "3", "--eagle-topk", "2",
+          "--num-draft-tokens", "6", "--sweep", "--sweep-steps", "2", "--sweep-topk", "1",
+          "--sweep-draft-tokens", "3", "--json", str(out)])
+    r = json.loads(out.read_text())
+    for key in ("acceptance_length", "accept_rate_per_position", "tokens_per_s", "plain_tokens_per_s",
+                "hf_tokens_per_s", "speedup_vs_plain", "speedup_vs_hf", "greedy_identical",
+                "draft_ms", "verify_ms", "other_ms"):
+        assert key in r, key
+    assert r["greedy_identical"] is True
+    assert len(r["accept_rate_per_position"]) == 3 and r["acceptance_length"] >= 1.0
+    assert [row["tree"]["eagle_topk"] for row in r["sweep"]] == [2, 1]
+    assert out.with_suffix(".png").stat().st_size > 1000
