@@ -402,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompts", default=None, help="a .jsonl / .json prompt file (default: MT-bench)")
     ap.add_argument("--num-prompts", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                    help="auto = bf16 where the hardware runs it fast (AVX512-BF16/AMX, CUDA), else fp32")
     ap.add_argument("--device", default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--stop-at-eos", action="store_true",
@@ -443,6 +444,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     device = args.device or default_device()
     torch_dtype = resolve_dtype(args.dtype, device)
+    args.dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}[torch_dtype]  # report what ran
     folder = resolve_model_path(args.model_path)
     tok = load_tokenizer(folder)
     prompts = load_prompts(args.prompts, args.num_prompts, tok)

@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                    help="auto = bf16 where the hardware runs it fast, else fp32")
     ap.add_argument("--device", default=None)
     return ap
 

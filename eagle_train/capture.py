@@ -37,6 +37,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from eagle_infer.errors import UserError
+from eagle_infer.loader import cpu_has_fast_bf16
 from eagle_train.shards import (
     HELDOUT_SUBDIR,
     MANIFEST,
@@ -381,16 +382,6 @@ class Capturer:
         return samples
 
 
-def cpu_lacks_fast_bf16() -> bool:
-    """True on an x86 CPU without AVX512-BF16 / AMX: bf16 matmuls are emulated there and run
-    several times slower than fp32 (measured 3-7x for this capture on an AVX2 machine)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "flags" in flags and not any(f in flags for f in ("avx512_bf16", "amx_bf16"))
-
-
 def eos_ids(model_config, tokenizer, folder: str | Path | None = None) -> set[int]:
     """End-of-answer ids: the model config's, the tokenizer's and generation_config.json's."""
     ids = set(model_config.eos_token_ids)
@@ -554,7 +545,7 @@ def run(cfg: DictConfig, model=None, tokenizer=None) -> dict:
     if any(s.todo for s in states):
         dev = (model.embed_tokens.weight.device if model is not None
                else torch.device(resolve_device(cfg.device) or default_device()))
-        if str(cfg.capture.dtype) in ("bf16", "bfloat16") and dev.type == "cpu" and cpu_lacks_fast_bf16():
+        if str(cfg.capture.dtype) in ("bf16", "bfloat16") and dev.type == "cpu" and not cpu_has_fast_bf16():
             log("warning: this CPU has no bf16 instructions (AVX512-BF16/AMX): capture.dtype=bf16 is "
                 "emulated and several times slower than capture.dtype=fp32 here")
         if model is None:
