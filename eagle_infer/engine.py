@@ -1,0 +1,95 @@
+"""Plain (non-speculative) continuous-batching decoder: the server's `--speculative-algorithm NONE`.
+
+Same interface as `SpecDecoder` (add / step / cancel / free_rows / seqs / stats), so the server
+drives either one. Row r of the target's KV cache holds active sequence r; a sequence joins by
+prefilling its prompt into the next free row and leaves by moving the last row into its place.
+
+State per active row:
+    L[r]     tokens in the cache (the prompt and all outputs but the newest)
+    last[r]  the newest output token, not yet in the cache (the next step's input)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagle_infer.errors import UserError
+from eagle_infer.generate import check_fits, kv_len_for, pick_tokens
+from eagle_infer.model import Transformer, causal_mask
+from eagle_infer.sampling import next_token
+from eagle_infer.speculative import Sequence_, SpecStats
+
+
+class PlainDecoder:
+    """One token per sequence per step, for all active sequences at once."""
+
+    def __init__(self, target: Transformer, max_batch: int = 1, max_seq_len: int | None = None):
+        self.target, self.max_batch = target, max_batch
+        self.max_seq_len = max_seq_len or min(target.config.max_position_embeddings, 4096)
+        target.setup_cache(max_batch, self.max_seq_len)
+        self.device = target.embed_tokens.weight.device
+        self.L = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        self.last = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        self.seqs: list[Sequence_] = []
+        self.stats = SpecStats()  # rounds only: nothing is drafted
+
+    @property
+    def free_rows(self) -> int:
+        return self.max_batch - len(self.seqs)
+
+    @torch.no_grad()
+    def add(self, seq: Sequence_) -> None:
+        """Prefill a new sequence into the next free row; its first token is emitted."""
+        if not self.free_rows:
+            raise RuntimeError("no free row: the batch is full")
+        P = len(seq.prompt)
+        check_fits(self.target, [P], seq.max_new_tokens)
+        if P + seq.max_new_tokens > self.max_seq_len:
+            raise UserError(f"prompt of {P} tokens + max_new_tokens {seq.max_new_tokens} exceeds the "
+                            f"context of {self.max_seq_len} tokens")
+        row = len(self.seqs)
+        seq.generator = seq.params.generator(self.device)
+        ids = torch.tensor([seq.prompt], dtype=torch.long, device=self.device)
+        pos = torch.arange(P, device=self.device)[None]
+        zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        logits, _ = self.target(ids, pos, pos, causal_mask(zero, P, kv_len_for(P, self.max_seq_len)),
+                                logits_at=torch.tensor([[P - 1]], device=self.device), row0=row)
+        first = next_token(logits[0, 0], seq.params, seq.generator)
+        self.L[row], self.last[row] = P, first
+        self.seqs.append(seq)
+        seq.emit([first])
+        if seq.done:
+            self._remove(row)
+
+    def cancel(self, seq: Sequence_) -> None:
+        """Drop a sequence now (a client went away); its row is reused at once."""
+        if seq in self.seqs:
+            self._remove(self.seqs.index(seq))
+        seq.done, seq.finish_reason = True, seq.finish_reason or "abort"
+
+    def _remove(self, row: int) -> None:
+        last = len(self.seqs) - 1
+        if row != last:
+            self.target.move_row(last, row)
+            self.L[row], self.last[row] = self.L[last], self.last[last]
+            self.seqs[row] = self.seqs[last]
+        self.seqs.pop()
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[Sequence_, list[int]]]:
+        """One token for every active sequence; returns (sequence, new tokens)."""
+        B = len(self.seqs)
+        if B == 0:
+            return []
+        L = self.L[:B]
+        mask = causal_mask(L, 1, kv_len_for(int(L.max()) + 1, self.max_seq_len))
+        logits, _ = self.target(self.last[:B, None], L[:, None], L[:, None], mask)
+        nxt = pick_tokens(logits[:, 0], [s.params for s in self.seqs], [s.generator for s in self.seqs])
+        self.L[:B] += 1
+        self.last[:B] = nxt
+        results = [(seq, seq.emit([t])) for seq, t in zip(self.seqs, nxt.tolist())]
+        self.stats.rounds += 1
+        for row in reversed(range(B)):
+            if self.seqs[row].done:
+                self._remove(row)
+        return results

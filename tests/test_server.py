@@ -1,0 +1,522 @@
+"""The OpenAI-compatible server: API shape, continuous batching, bad input, disconnects, SIGTERM.
+
+Most tests share one server subprocess: the default target in fp32 with a random-initialised
+EAGLE-3 head (acceptance ~ 0, but the output must still be exact) and a small draft tree so the
+loaded CI machine gets through the load test quickly. Engine faults are injected in-process
+through a fake decoder; the plain decoder is checked against `generate` on a tiny model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from eagle_infer.generate import generate
+from eagle_infer.model import ModelConfig, Transformer
+from eagle_infer.sampling import SamplingParams
+from eagle_infer.speculative import Sequence_, SpecStats
+
+REPO = Path(__file__).resolve().parent.parent
+API_KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+# A small tree (still branching) keeps rounds cheap on a busy CPU.
+SERVER_FLAGS = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "2",
+                "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "3",
+                "--context-length", "512", "--max-running-requests", "8", "--api-key", API_KEY]
+
+
+# ---------------------------------------------------------------------------------------
+# The shared server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def random_eagle3_head(model_dir: Path, out: Path) -> Path:
+    from eagle_infer.heads import DraftHead, HeadConfig, save_head
+    from eagle_infer.loader import read_hf_config
+    from eagle_infer.model import ModelConfig
+
+    target_cfg = ModelConfig.from_hf(read_hf_config(model_dir))
+    cfg = HeadConfig.for_target(target_cfg, "eagle3", draft_vocab_size=2048)
+    head = DraftHead(cfg, torch.nn.Embedding(1, 1))  # the embedding is the target's, not saved
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.copy_(0.02 * torch.randn(p.shape, generator=g))
+        head.d2t.zero_()  # draft id i is target id i
+        head.t2d.zero_()
+        head.t2d[:2048] = True
+    return save_head(head, out)
+
+
+class Server:
+    def __init__(self, args: list[str], log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+        self.log = log
+        self.proc = subprocess.Popen([sys.executable, "-m", "eagle_infer.server", "--port", str(self.port),
+                                      *args], cwd=REPO, env=env, stdout=open(log, "w"),
+                                     stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        pytest.fail(f"server not ready after {timeout}s:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("server")
+    head = random_eagle3_head(default_model_dir, tmp / "head")
+    srv = Server(SERVER_FLAGS + ["--speculative-draft-model-path", str(head)], tmp / "server.log")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+def metrics(server) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def chat(client, content: str, max_tokens: int, stream: bool = False, system: str | None = None,
+         **kw) -> tuple[str, str, object]:
+    """(text, finish_reason, usage) of one greedy chat request."""
+    msgs = [{"role": "system", "content": system}] if system else []
+    msgs.append({"role": "user", "content": content})
+    if not stream:
+        r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=max_tokens,
+                                           temperature=0, **kw)
+        assert r.object == "chat.completion"
+        return r.choices[0].message.content, r.choices[0].finish_reason, r.usage
+    text, finish, usage = "", None, None
+    for c in client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=max_tokens, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}, **kw):
+        assert c.object == "chat.completion.chunk"
+        if c.usage:
+            usage = c.usage
+        for ch in c.choices:
+            text += ch.delta.content or ""
+            finish = ch.finish_reason or finish
+    return text, finish, usage
+
+
+def complete(client, prompt: str, max_tokens: int, stream: bool = False, **kw) -> tuple[str, str, object]:
+    if not stream:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, **kw)
+        assert r.object == "text_completion"
+        return r.choices[0].text, r.choices[0].finish_reason, r.usage
+    text, finish, usage = "", None, None
+    for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                       stream=True, stream_options={"include_usage": True}, **kw):
+        if c.usage:
+            usage = c.usage
+        for ch in c.choices:
+            text += ch.text
+            finish = ch.finish_reason or finish
+    return text, finish, usage
+
+
+# ---------------------------------------------------------------------------------------
+# API shape
+
+
+def test_chat_and_completions_plain_and_streaming(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    text, finish, usage = chat(client, "Name three colors.", 8)
+    assert text and finish in ("stop", "length")
+    assert usage.completion_tokens <= 8 and usage.prompt_tokens > 10
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    spec = usage.model_extra["speculative"]  # per-request statistics, tolerated by the client
+    assert spec["rounds"] >= 1 and spec["acceptance_length"] >= 1.0
+    assert chat(client, "Name three colors.", 8, stream=True)[:2] == (text, finish)
+
+    text, finish, usage = complete(client, "The capital of France is", 8)
+    assert finish == "length" and usage.completion_tokens == 8
+    assert complete(client, "The capital of France is", 8, stream=True)[:2] == (text, finish)
+
+    # A stop string ends the output and is cut, streaming or not.
+    words = text.split()
+    assert len(words) >= 2, text
+    stop = words[1]
+    expected = text[: text.index(stop)]
+    for stream in (False, True):
+        t, f, _ = complete(client, "The capital of France is", 8, stream=stream, stop=[stop, "zzzz"])
+        assert (t, f) == (expected, "stop")
+
+
+# ---------------------------------------------------------------------------------------
+# Bad input
+
+
+def test_bad_requests_get_openai_errors_and_the_server_survives(server, client):
+    url = server.url + "/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    msgs = [{"role": "user", "content": "Hi"}]
+    cases = [
+        (b"{not json", auth, 400, "invalid_json"),
+        (b"[1, 2]", auth, 400, "invalid_json"),
+        ({"model": MODEL}, auth, 422, "missing_field"),
+        ({"messages": "Hi"}, auth, 422, "invalid_type"),
+        ({"messages": msgs, "max_tokens": "8"}, auth, 422, "invalid_type"),
+        ({"messages": [{"role": "user"}]}, auth, 422, "missing_field"),
+        ({"messages": msgs, "model": "gpt-4"}, auth, 404, "model_not_found"),
+        ({"messages": msgs, "max_tokens": 0}, auth, 400, "invalid_value"),
+        ({"messages": msgs, "max_tokens": -3}, auth, 400, "invalid_value"),
+        ({"messages": msgs, "max_tokens": 10_000}, auth, 400, "context_length_exceeded"),
+        ({"messages": [{"role": "user", "content": "word " * 600}], "max_tokens": 4}, auth, 413,
+         "context_length_exceeded"),
+        ({"messages": msgs, "temperature": -0.5}, auth, 400, "invalid_value"),
+        ({"messages": msgs, "top_p": 1.5}, auth, 400, "invalid_value"),
+        ({"messages": msgs, "stop": [""]}, auth, 400, "invalid_value"),
+        ({"messages": msgs, "seed": 2**70}, auth, 400, "invalid_value"),
+        (b'{"messages": [{"role": "user", "content": "Hi"}], "temperature": NaN}', auth, 400, "invalid_json"),
+        ({"messages": msgs, "stop": 5}, auth, 422, "invalid_type"),
+        ({"messages": msgs}, {"Authorization": "Bearer wrong"}, 401, "invalid_api_key"),
+        ({"messages": msgs}, {}, 401, "invalid_api_key"),
+    ]
+    with httpx.Client(timeout=60) as http:
+        for body, headers, status, code in cases:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            r = http.post(url, content=content, headers=headers | {"Content-Type": "application/json"})
+            assert r.status_code == status, (body, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+            assert err["code"] == code, (body, err)
+        r = http.post(server.url + "/v1/completions", json={"prompt": "", "max_tokens": 4}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        r = http.post(server.url + "/v1/completions", json={"prompt": [10**9]}, headers=auth)
+        assert r.status_code == 400
+        assert http.get(server.url + "/v1/nowhere", headers=auth).status_code == 404
+        assert http.get(url, headers=auth).status_code == 405
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=msgs, max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=0, stream=True)
+    # ... and a good request still succeeds.
+    text, finish, _ = chat(client, "Hi", 3)
+    assert finish in ("stop", "length")
+    assert httpx.get(server.url + "/health").status_code == 200
+    m = metrics(server)
+    assert m['eagle_requests_total{status="401"}'] >= 3 and m['eagle_requests_total{status="422"}'] >= 4
+
+
+# ---------------------------------------------------------------------------------------
+# Continuous batching
+
+
+LOAD_REQUESTS = [("chat", "Name three colors.", 8), ("chat", "What is the capital of France?", 10),
+                 ("completion", "The quick brown fox", 8), ("completion", "def fibonacci(n):", 12)]
+
+
+def run_one(client, kind: str, prompt: str, max_tokens: int, stream: bool) -> tuple[str, str]:
+    if kind == "chat":  # a short system prompt: prefill is most of the work on a CPU
+        text, finish, _ = chat(client, prompt, max_tokens, stream=stream, system="Be brief.")
+    else:
+        text, finish, _ = complete(client, prompt, max_tokens, stream=stream)
+    return text, finish
+
+
+def test_32_concurrent_clients_decode_together_and_match_single_requests(server, client):
+    single = {r: run_one(client, *r, stream=False) for r in LOAD_REQUESTS}
+    before = metrics(server)
+    results: dict[int, tuple[str, str] | BaseException] = {}
+
+    def worker(i: int) -> None:
+        try:
+            results[i] = run_one(client, *LOAD_REQUESTS[i % 4], stream=(i // 4) % 2 == 0)
+        except BaseException as e:  # reported below
+            results[i] = e
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    saw_queue = False
+    while any(t.is_alive() for t in threads):
+        m = metrics(server)
+        saw_queue |= m["eagle_queue_length"] > 0
+        assert m["eagle_running_requests"] <= 8
+        time.sleep(0.5)
+    for i in range(32):
+        assert not isinstance(results[i], BaseException), results[i]
+        assert results[i] == single[LOAD_REQUESTS[i % 4]], (i, results[i])
+    after = metrics(server)
+    assert after['eagle_requests_total{status="200"}'] - before['eagle_requests_total{status="200"}'] >= 32
+    assert saw_queue  # 32 clients, 8 rows: the rest waited
+    # Requests shared rounds: far fewer engine steps than per-sequence rounds.
+    steps = after["eagle_engine_steps_total"] - before["eagle_engine_steps_total"]
+    rounds = after["eagle_spec_rounds_total"] - before["eagle_spec_rounds_total"]
+    assert rounds >= 3 * steps, (rounds, steps)
+    assert after["eagle_running_requests"] == 0 and after["eagle_queue_length"] == 0
+
+
+def test_disconnected_stream_frees_its_slot(server, client):
+    before = metrics(server)
+    msgs = [{"role": "user", "content": "Tell a story."}]
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=400, temperature=0,
+                                            stream=True)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    assert metrics(server)["eagle_running_requests"] == 1
+    stream.close()
+    t0 = time.time()
+    while metrics(server)["eagle_running_requests"] != 0:
+        assert time.time() - t0 < 15, "the cancelled request still holds its row"
+        time.sleep(0.2)
+    # A non-streaming client that gives up is cancelled too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 400},
+                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=3)
+    t0 = time.time()
+    while metrics(server)["eagle_running_requests"] != 0:
+        assert time.time() - t0 < 15, "the abandoned request still holds its row"
+        time.sleep(0.2)
+    made = metrics(server)["eagle_completion_tokens_total"] - before["eagle_completion_tokens_total"]
+    assert made < 200
+
+
+def test_sigterm_exits_cleanly(server):
+    # Runs last: it stops the shared server.
+    t0 = time.time()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(15) == 0
+    assert time.time() - t0 < 10
+    assert "Traceback" not in server.log.read_text()
+
+
+# ---------------------------------------------------------------------------------------
+# In-process: engine faults, stop strings, start-up choices, the plain decoder
+
+
+class FakeTokenizer:
+    """Token id t <-> letter chr(97 + t % 26); prompts are token id lists."""
+
+    def __len__(self) -> int:
+        return 1000
+
+    def __call__(self, text: str) -> dict:
+        return {"input_ids": [ord(c) - 97 for c in text]}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(97 + t % 26) for t in ids)
+
+
+class FakeDecoder:
+    """Emits prompt[-1] + 1, + 2, ...; a prompt starting with 7 fails at prefill, 13 in a round."""
+
+    def __init__(self, max_batch: int = 2):
+        self.max_batch, self.seqs, self.stats = max_batch, [], SpecStats()
+
+    @property
+    def free_rows(self) -> int:
+        return self.max_batch - len(self.seqs)
+
+    def add(self, seq: Sequence_) -> None:
+        if seq.prompt[0] == 7:
+            raise RuntimeError("prefill exploded")
+        self.seqs.append(seq)
+        seq.emit([seq.prompt[-1] + 1])
+        if seq.done:
+            self.seqs.remove(seq)
+
+    def step(self):
+        if any(s.prompt[0] == 13 for s in self.seqs):
+            raise RuntimeError("round exploded")
+        out = [(s, s.emit([s.output[-1] + 1])) for s in self.seqs]
+        for s in self.seqs:
+            s.accepted.append(0)
+        self.seqs = [s for s in self.seqs if not s.done]
+        return out
+
+    def cancel(self, seq: Sequence_) -> None:
+        if seq in self.seqs:
+            self.seqs.remove(seq)
+        seq.done = True
+
+
+def fake_app():
+    from eagle_infer.server import Engine, Metrics, ServerConfig, create_app
+
+    engine = Engine(FakeDecoder(), FakeTokenizer(), Metrics(1), speculative=True)
+    app = create_app(engine, FakeTokenizer(), {999}, ServerConfig(["fake"], None, 100))
+    return engine, app
+
+
+def sse_events(text: str) -> list:
+    lines = [ln[len("data: "):] for ln in text.splitlines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_engine_faults_fail_only_that_request_and_stop_strings_cut():
+    engine, app = fake_app()
+    engine.start()
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
+            url = "/v1/completions"
+            r = await http.post(url, json={"prompt": [7, 1], "max_tokens": 4})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_error"
+            r = await http.post(url, json={"prompt": [13, 1], "max_tokens": 4})
+            assert r.status_code == 503 and "round exploded" in r.json()["error"]["message"]
+            r = await http.post(url, json={"prompt": [13, 1], "max_tokens": 4, "stream": True})
+            assert r.status_code == 200  # the first token came before the fault: an error event
+            assert sse_events(r.text)[-1]["error"]["code"] == "engine_error"
+            oks = await asyncio.gather(*[http.post(url, json={"prompt": [1, 2], "max_tokens": 3})
+                                         for _ in range(5)])
+            assert [r.json()["choices"][0]["text"] for r in oks] == ["def"] * 5
+            # Stop strings: "defghi..." stops at "fg" -> "de", also when streamed.
+            body = {"prompt": [1, 2], "max_tokens": 10, "stop": ["fg", "xyz"]}
+            r = await http.post(url, json=body)
+            assert (r.json()["choices"][0]["text"], r.json()["choices"][0]["finish_reason"]) == ("de", "stop")
+            r = await http.post(url, json=body | {"stream": True})
+            events = sse_events(r.text)
+            assert "".join(e["choices"][0]["text"] for e in events) == "de"
+            assert events[-1]["choices"][0]["finish_reason"] == "stop"
+            # EOS (id 999) ends a request with "stop"; ignore_eos decodes through it.
+            r = await http.post(url, json={"prompt": [997], "max_tokens": 4})
+            assert r.json()["choices"][0]["finish_reason"] == "stop"
+            assert r.json()["usage"]["completion_tokens"] == 2
+            r = await http.post(url, json={"prompt": [997], "max_tokens": 4, "ignore_eos": True})
+            assert r.json()["usage"]["completion_tokens"] == 4
+            text = (await http.get("/metrics")).text
+            assert 'eagle_requests_total{status="503"} 2' in text
+            assert "eagle_running_requests 0" in text
+
+    try:
+        asyncio.run(go())
+        assert engine.thread.is_alive()
+    finally:
+        engine.stop()
+    assert not engine.thread.is_alive()
+
+
+def test_stop_prefix_len():
+    from eagle_infer.server import stop_prefix_len
+
+    assert stop_prefix_len("hello wor", ["world"]) == 3
+    assert stop_prefix_len("hello", ["xyz"]) == 0
+    assert stop_prefix_len("ab", ["abc", "bx"]) == 2
+
+
+def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monkeypatch, tmp_path, caplog):
+    from eagle_infer import server
+    from eagle_infer.errors import UserError
+
+    monkeypatch.setattr(server, "DEFAULT_HEAD", tmp_path / "missing-head")
+    args = server.build_parser().parse_args([])
+    assert (args.host, args.port, args.context_length, args.max_running_requests) == (
+        "127.0.0.1", 30000, 2048, 8)
+    assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (
+        5, 4, 16)
+    with caplog.at_level("WARNING"):
+        assert server.resolve_draft(args) == ("NONE", None)
+    assert "missing" in caplog.text
+    with pytest.raises(UserError, match="not found"):
+        server.resolve_draft(server.build_parser().parse_args(
+            ["--speculative-draft-model-path", str(tmp_path / "nope")]))
+    with pytest.raises(UserError, match="needs --speculative-draft-model-path"):
+        server.resolve_draft(server.build_parser().parse_args(["--speculative-algorithm", "EAGLE3"]))
+    (tmp_path / "missing-head").mkdir()
+    assert server.resolve_draft(server.build_parser().parse_args([]))[0] == "EAGLE3"
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models: threads only add latency (and thrash on a busy machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_target() -> Transformer:
+    cfg = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128, eos_token_ids=[])
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    return model.eval().requires_grad_(False)
+
+
+def test_plain_decoder_joins_and_leaves_and_matches_generate(one_thread):
+    from eagle_infer.engine import PlainDecoder
+
+    model = tiny_target()
+    jobs = [([5, 6, 7], 6, SamplingParams()), ([9] * 10, 12, SamplingParams()),
+            ([3, 4], 3, SamplingParams(0.8, seed=3)), (list(range(20, 40)), 9, SamplingParams()),
+            ([11], 1, SamplingParams())]
+    ref = [generate(model, [p], n, params, eos_token_ids=[])[0] for p, n, params in jobs]
+    dec = PlainDecoder(model, max_batch=2, max_seq_len=64)
+    seqs = [Sequence_(p, params, n, set()) for p, n, params in jobs]
+    waiting = list(seqs)
+    while waiting or dec.seqs:
+        while waiting and dec.free_rows:
+            dec.add(waiting.pop(0))
+        dec.step()
+    assert [s.output for s in seqs] == ref
+    assert all(s.finish_reason == "length" for s in seqs)
+    # Cancel frees the row at once and leaves the other sequence untouched.
+    a, b = (Sequence_(p, SamplingParams(), 6, set()) for p in ([5, 6, 7], [9] * 10))
+    dec.add(a)
+    dec.add(b)
+    dec.step()
+    dec.cancel(a)
+    assert dec.free_rows == 1 and a.finish_reason == "abort"
+    while dec.seqs:
+        dec.step()
+    assert b.output == ref[1][:6]
