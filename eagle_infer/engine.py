@@ -17,7 +17,7 @@ from eagle_infer.errors import UserError
 from eagle_infer.generate import check_fits, kv_len_for, pick_tokens
 from eagle_infer.model import Transformer, causal_mask
 from eagle_infer.sampling import next_token
-from eagle_infer.speculative import Sequence_, SpecStats
+from eagle_infer.speculative import RowTable, Sequence_, SpecStats
 
 
 class PlainDecoder:
@@ -30,24 +30,24 @@ class PlainDecoder:
         self.device = target.embed_tokens.weight.device
         self.L = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self.last = torch.zeros(max_batch, dtype=torch.long, device=self.device)
-        self.seqs: list[Sequence_] = []
+        self.rows = RowTable(max_batch, [target], [self.L, self.last])
+        self.seqs = self.rows.seqs
+        self.cancel = self.rows.cancel
         self.stats = SpecStats()  # rounds only: nothing is drafted
 
     @property
     def free_rows(self) -> int:
-        return self.max_batch - len(self.seqs)
+        return self.rows.free
 
     @torch.no_grad()
     def add(self, seq: Sequence_) -> None:
         """Prefill a new sequence into the next free row; its first token is emitted."""
-        if not self.free_rows:
-            raise RuntimeError("no free row: the batch is full")
+        row = self.rows.next_row()
         P = len(seq.prompt)
         check_fits(self.target, [P], seq.max_new_tokens)
         if P + seq.max_new_tokens > self.max_seq_len:
             raise UserError(f"prompt of {P} tokens + max_new_tokens {seq.max_new_tokens} exceeds the "
                             f"context of {self.max_seq_len} tokens")
-        row = len(self.seqs)
         seq.generator = seq.params.generator(self.device)
         ids = torch.tensor([seq.prompt], dtype=torch.long, device=self.device)
         pos = torch.arange(P, device=self.device)[None]
@@ -58,22 +58,7 @@ class PlainDecoder:
         self.L[row], self.last[row] = P, first
         self.seqs.append(seq)
         seq.emit([first])
-        if seq.done:
-            self._remove(row)
-
-    def cancel(self, seq: Sequence_) -> None:
-        """Drop a sequence now (a client went away); its row is reused at once."""
-        if seq in self.seqs:
-            self._remove(self.seqs.index(seq))
-        seq.done, seq.finish_reason = True, seq.finish_reason or "abort"
-
-    def _remove(self, row: int) -> None:
-        last = len(self.seqs) - 1
-        if row != last:
-            self.target.move_row(last, row)
-            self.L[row], self.last[row] = self.L[last], self.last[last]
-            self.seqs[row] = self.seqs[last]
-        self.seqs.pop()
+        self.rows.drop_finished()  # finished on its very first token
 
     @torch.no_grad()
     def step(self) -> list[tuple[Sequence_, list[int]]]:
@@ -89,7 +74,5 @@ class PlainDecoder:
         self.last[:B] = nxt
         results = [(seq, seq.emit([t])) for seq, t in zip(self.seqs, nxt.tolist())]
         self.stats.rounds += 1
-        for row in reversed(range(B)):
-            if self.seqs[row].done:
-                self._remove(row)
+        self.rows.drop_finished()
         return results

@@ -84,6 +84,46 @@ class SpecStats:
         return rates
 
 
+class RowTable:
+    """Which sequence lives in which cache row, kept compact (rows 0..B-1 are the active ones,
+    so every step runs on a plain [:B] slice): a sequence that leaves is replaced by the last
+    one, whose cache rows (`caches`: objects with move_row) and per-row state move with it."""
+
+    def __init__(self, max_batch: int, caches: Sequence, per_row: Sequence[Tensor]):
+        self.max_batch, self.caches, self.per_row = max_batch, list(caches), list(per_row)
+        self.seqs: list[Sequence_] = []
+
+    @property
+    def free(self) -> int:
+        return self.max_batch - len(self.seqs)
+
+    def next_row(self) -> int:
+        if not self.free:
+            raise RuntimeError("no free row: the batch is full")
+        return len(self.seqs)
+
+    def remove(self, row: int) -> None:
+        last = len(self.seqs) - 1
+        if row != last:
+            for cache in self.caches:
+                cache.move_row(last, row)
+            for t in self.per_row:
+                t[row] = t[last]
+            self.seqs[row] = self.seqs[last]
+        self.seqs.pop()
+
+    def cancel(self, seq: Sequence_) -> None:
+        """Drop a sequence now (a client went away); its row is reused at once."""
+        if seq in self.seqs:
+            self.remove(self.seqs.index(seq))
+        seq.done, seq.finish_reason = True, seq.finish_reason or "abort"
+
+    def drop_finished(self) -> None:
+        for row in reversed(range(len(self.seqs))):
+            if self.seqs[row].done:
+                self.remove(row)
+
+
 class SpecDecoder:
     def __init__(self, target: Transformer, head: DraftHead, tree: TreeConfig, max_batch: int = 1,
                  max_seq_len: int | None = None, static_kv: bool = False):
@@ -106,7 +146,9 @@ class SpecDecoder:
         self.root = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.root_g = torch.zeros(max_batch, h, dtype=head.fc.weight.dtype, device=dev)
         self.root_logp = torch.zeros(max_batch, v_draft, dtype=torch.float32, device=dev)
-        self.seqs: list[Sequence_] = []
+        self.rows = RowTable(max_batch, [target, head], [self.L, self.root, self.root_g, self.root_logp])
+        self.seqs = self.rows.seqs
+        self.cancel = self.rows.cancel
         self.stats = SpecStats()
         self.draft_fn = self._draft_step
         self.verify_fn = self._verify
@@ -138,20 +180,18 @@ class SpecDecoder:
 
     @property
     def free_rows(self) -> int:
-        return self.max_batch - len(self.seqs)
+        return self.rows.free
 
     @torch.no_grad()
     def add(self, seq: Sequence_) -> None:
         """Prefill a new sequence into the next free row; its first token is emitted."""
-        if not self.free_rows:
-            raise RuntimeError("no free row: the batch is full")
+        row = self.rows.next_row()
         P = len(seq.prompt)
         room = self.max_seq_len - self.tree.num_draft_tokens - self.tree.eagle_topk * self.tree.num_steps
         check_fits(self.target, [P], seq.max_new_tokens)
         if P + seq.max_new_tokens > room:
             raise UserError(f"prompt of {P} tokens + max_new_tokens {seq.max_new_tokens} exceeds the "
                             f"context of {room} tokens available to speculative decoding")
-        row = len(self.seqs)
         seq.generator = seq.params.generator(self.device)
         ids = torch.tensor([seq.prompt], dtype=torch.long, device=self.device)
         pos = torch.arange(P, device=self.device)[None]
@@ -165,14 +205,7 @@ class SpecDecoder:
         self.L[row], self.root[row] = P, first
         self.seqs.append(seq)
         seq.emit([first])
-        if seq.done:  # finished on its very first token
-            self._remove(row)
-
-    def cancel(self, seq: Sequence_) -> None:
-        """Drop a sequence now (a client went away); its row is reused at once."""
-        if seq in self.seqs:
-            self._remove(self.seqs.index(seq))
-        seq.done, seq.finish_reason = True, seq.finish_reason or "abort"
+        self.rows.drop_finished()  # finished on its very first token
 
     def _draft_extend(self, row0: int, next_tokens: Tensor, feats: Tensor, start: Tensor,
                       count: Tensor) -> None:
@@ -186,16 +219,6 @@ class SpecDecoder:
         g_last = torch.gather(g, 1, (count - 1)[:, None, None].expand(B, 1, g.shape[-1]))[:, 0]
         self.root_g[row0:row0 + B] = g_last
         self.root_logp[row0:row0 + B] = torch.log_softmax(self.head.logits(g_last).float(), -1)
-
-    def _remove(self, row: int) -> None:
-        last = len(self.seqs) - 1
-        if row != last:
-            self.target.move_row(last, row)
-            self.head.move_row(last, row)
-            for t in (self.L, self.root, self.root_g, self.root_logp):
-                t[row] = t[last]
-            self.seqs[row] = self.seqs[last]
-        self.seqs.pop()
 
     # -- one round ---------------------------------------------------------------------------
 
@@ -245,9 +268,7 @@ class SpecDecoder:
             self.stats.accepted.append(k)
             results.append((seq, seq.emit(drafted[b][:k] + [bonus[b]])))
         self.stats.rounds += 1
-        for row in reversed(range(B)):
-            if self.seqs[row].done:
-                self._remove(row)
+        self.rows.drop_finished()
         t5 = time.perf_counter()
         self.stats.draft_s += (t1 - t0) + (t4 - t3)
         self.stats.verify_s += t2 - t1
