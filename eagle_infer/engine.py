@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from eagle_infer.errors import UserError
-from eagle_infer.generate import check_fits, kv_len_for, pick_tokens
+from eagle_infer.generate import kv_len_for, pick_tokens
 from eagle_infer.model import Transformer, causal_mask
-from eagle_infer.sampling import next_token
-from eagle_infer.speculative import RowTable, Sequence_, SpecStats
+from eagle_infer.speculative import RowTable, Sequence_, SpecStats, prefill_row
 
 
 class PlainDecoder:
@@ -44,17 +42,7 @@ class PlainDecoder:
         """Prefill a new sequence into the next free row; its first token is emitted."""
         row = self.rows.next_row()
         P = len(seq.prompt)
-        check_fits(self.target, [P], seq.max_new_tokens)
-        if P + seq.max_new_tokens > self.max_seq_len:
-            raise UserError(f"prompt of {P} tokens + max_new_tokens {seq.max_new_tokens} exceeds the "
-                            f"context of {self.max_seq_len} tokens")
-        seq.generator = seq.params.generator(self.device)
-        ids = torch.tensor([seq.prompt], dtype=torch.long, device=self.device)
-        pos = torch.arange(P, device=self.device)[None]
-        zero = torch.zeros(1, dtype=torch.long, device=self.device)
-        logits, _ = self.target(ids, pos, pos, causal_mask(zero, P, kv_len_for(P, self.max_seq_len)),
-                                logits_at=torch.tensor([[P - 1]], device=self.device), row0=row)
-        first = next_token(logits[0, 0], seq.params, seq.generator)
+        first, _, _ = prefill_row(self.target, seq, row, self.max_seq_len, kv_len_for(P, self.max_seq_len))
         self.L[row], self.last[row] = P, first
         self.seqs.append(seq)
         seq.emit([first])

@@ -124,6 +124,27 @@ class RowTable:
                 self.remove(row)
 
 
+def prefill_row(target: Transformer, seq: Sequence_, row: int, room: int, kv_len: int,
+                hidden_layers: Sequence[int] = (),
+                what: str = "decoding") -> tuple[int, Tensor, list[Tensor]]:
+    """Check that a new sequence fits in `room` cache slots, write its prompt into cache row
+    `row` and sample its first token; returns (first token, prompt ids [1, P], hidden states)."""
+    P = len(seq.prompt)
+    check_fits(target, [P], seq.max_new_tokens)
+    if P + seq.max_new_tokens > room:
+        raise UserError(f"prompt of {P} tokens + max_new_tokens {seq.max_new_tokens} exceeds the "
+                        f"context of {room} tokens available to {what}")
+    dev = target.embed_tokens.weight.device
+    seq.generator = seq.params.generator(dev)
+    ids = torch.tensor([seq.prompt], dtype=torch.long, device=dev)
+    pos = torch.arange(P, device=dev)[None]
+    zero = torch.zeros(1, dtype=torch.long, device=dev)
+    logits, hidden = target(ids, pos, pos, causal_mask(zero, P, kv_len),
+                            logits_at=torch.tensor([[P - 1]], device=dev), hidden_layers=hidden_layers,
+                            row0=row)
+    return next_token(logits[0, 0], seq.params, seq.generator), ids, hidden
+
+
 class SpecDecoder:
     def __init__(self, target: Transformer, head: DraftHead, tree: TreeConfig, max_batch: int = 1,
                  max_seq_len: int | None = None, static_kv: bool = False):
@@ -188,18 +209,9 @@ class SpecDecoder:
         row = self.rows.next_row()
         P = len(seq.prompt)
         room = self.max_seq_len - self.tree.num_draft_tokens - self.tree.eagle_topk * self.tree.num_steps
-        check_fits(self.target, [P], seq.max_new_tokens)
-        if P + seq.max_new_tokens > room:
-            raise UserError(f"prompt of {P} tokens + max_new_tokens {seq.max_new_tokens} exceeds the "
-                            f"context of {room} tokens available to speculative decoding")
-        seq.generator = seq.params.generator(self.device)
-        ids = torch.tensor([seq.prompt], dtype=torch.long, device=self.device)
-        pos = torch.arange(P, device=self.device)[None]
+        first, ids, hidden = prefill_row(self.target, seq, row, room, self.kv_len(P), self.layers,
+                                         what="speculative decoding")
         zero = torch.zeros(1, dtype=torch.long, device=self.device)
-        logits, hidden = self.target(ids, pos, pos, causal_mask(zero, P, self.kv_len(P)),
-                                     logits_at=torch.tensor([[P - 1]], device=self.device),
-                                     hidden_layers=self.layers, row0=row)
-        first = next_token(logits[0, 0], seq.params, seq.generator)
         nxt = torch.cat([ids[:, 1:], torch.tensor([[first]], device=self.device)], 1)
         self._draft_extend(row, nxt, self.head.project(hidden), zero, torch.tensor([P], device=self.device))
         self.L[row], self.root[row] = P, first
