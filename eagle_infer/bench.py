@@ -241,11 +241,7 @@ def bench_spec(model, head, prompts: Sequence[list[int]], max_new_tokens: int, t
     def run(ids: list[int]) -> list[int]:
         out, st = generate_speculative(model, head, [ids], max_new_tokens, params, tree=tree,
                                        eos_token_ids=eos, decoder=dec)
-        total.rounds += st.rounds
-        total.accepted += st.accepted
-        total.draft_s += st.draft_s
-        total.verify_s += st.verify_s
-        total.other_s += st.other_s
+        total.merge(st)
         return out[0]
 
     run(list(prompts[0]))  # warm-up (and compilation), not counted

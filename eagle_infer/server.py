@@ -43,7 +43,7 @@ from eagle_infer.default_model import default_head_path
 from eagle_infer.errors import UserError, cli_errors
 from eagle_infer.generate import chat_prompt_ids
 from eagle_infer.sampling import SamplingParams
-from eagle_infer.speculative import Sequence_, SpecStats
+from eagle_infer.speculative import Sequence_
 
 log = logging.getLogger("eagle_infer.server")
 
@@ -415,8 +415,6 @@ class Engine:
         self.metrics.round(accepted, sum(len(t) for _, t in results))
         for seq, _ in results:
             seq.tag.update()
-        if len(self.dec.stats.accepted) > 100_000:  # the decoder's own stats are unused here
-            self.dec.stats = SpecStats()
 
     def _fail_running(self, message: str) -> None:
         for seq in list(self.dec.seqs):

@@ -65,20 +65,43 @@ class Sequence_:
 @dataclass
 class SpecStats:
     rounds: int = 0
-    accepted: list[int] = field(default_factory=list)  # accepted draft tokens, per (row, round)
+    # accepted_hist[k]: (sequence, round) pairs that accepted k draft tokens. A histogram, not
+    # a list of rounds, so a long-running server's stats stay a few integers.
+    accepted_hist: list[int] = field(default_factory=list)
     draft_s: float = 0.0
     verify_s: float = 0.0
     other_s: float = 0.0
 
+    def record(self, k: int, count: int = 1) -> None:
+        if k >= len(self.accepted_hist):
+            self.accepted_hist += [0] * (k + 1 - len(self.accepted_hist))
+        self.accepted_hist[k] += count
+
+    def merge(self, other: SpecStats) -> None:
+        self.rounds += other.rounds
+        for k, n in enumerate(other.accepted_hist):
+            self.record(k, n)
+        self.draft_s += other.draft_s
+        self.verify_s += other.verify_s
+        self.other_s += other.other_s
+
+    @property
+    def row_rounds(self) -> int:
+        return sum(self.accepted_hist)
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(k * n for k, n in enumerate(self.accepted_hist))
+
     def acceptance_length(self) -> float:
         """tau: accepted drafts + 1 (the bonus token) per verify round, averaged."""
-        return 1.0 + sum(self.accepted) / max(1, len(self.accepted))
+        return 1.0 + self.accepted_tokens / max(1, self.row_rounds)
 
     def accept_rate_per_position(self, num_steps: int) -> list[float]:
         """P(draft position d accepted | position d-1 accepted), d = 1..num_steps."""
-        rates, reached = [], len(self.accepted)
+        rates, reached = [], self.row_rounds
         for d in range(1, num_steps + 1):
-            got = sum(1 for a in self.accepted if a >= d)
+            got = sum(self.accepted_hist[d:])
             rates.append(got / reached if reached else 0.0)
             reached = got
         return rates
@@ -277,7 +300,7 @@ class SpecDecoder:
         for b, seq in enumerate(self.seqs):
             k = int(n[b])
             seq.accepted.append(k)
-            self.stats.accepted.append(k)
+            self.stats.record(k)
             results.append((seq, seq.emit(drafted[b][:k] + [bonus[b]])))
         self.stats.rounds += 1
         self.rows.drop_finished()

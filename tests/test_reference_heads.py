@@ -11,7 +11,7 @@ import pytest
 from eagle_infer.default_model import DEFAULT_MODEL_NAME, default_head_path
 from eagle_infer.generate import chat_prompt_ids, generate
 from eagle_infer.heads import load_head_for
-from eagle_infer.speculative import generate_speculative
+from eagle_infer.speculative import SpecStats, generate_speculative
 from eagle_infer.tree import TreeConfig
 from eagle_train.tokenmap import load_token_map
 
@@ -34,13 +34,13 @@ def plain(default_model_fp32, prompts):
 
 
 def run_spec(target, head, prompts, tree, batch):
-    outs, accepted = [], []
+    outs, total = [], SpecStats()
     for i in range(0, len(prompts), batch):
         o, st = generate_speculative(target, head, prompts[i:i + batch], NEW_TOKENS, tree=tree,
                                      eos_token_ids=[])
         outs += o
-        accepted += st.accepted
-    return outs, 1 + sum(accepted) / len(accepted)
+        total.merge(st)
+    return outs, total.acceptance_length()
 
 
 def test_eagle3_reference_tree_batch4_20_prompts(default_model_fp32, prompts, plain):
