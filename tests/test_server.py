@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,11 +21,11 @@ import pytest
 import torch
 
 from eagle_infer.generate import generate
+from eagle_infer.launch import ServerProcess
 from eagle_infer.model import ModelConfig, Transformer
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import Sequence_, SpecStats
 
-REPO = Path(__file__).resolve().parent.parent
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
 # A small tree (still branching) keeps rounds cheap on a busy CPU.
@@ -40,12 +36,6 @@ SERVER_FLAGS = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", 
 
 # ---------------------------------------------------------------------------------------
 # The shared server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def random_eagle3_head(model_dir: Path, out: Path) -> Path:
@@ -67,37 +57,20 @@ def random_eagle3_head(model_dir: Path, out: Path) -> Path:
     return save_head(head, out)
 
 
-class Server:
+class Server(ServerProcess):
+    """The shared server, one thread (the CI machine is busy), failures as test failures."""
+
     def __init__(self, args: list[str], log: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-        self.log = log
-        self.proc = subprocess.Popen([sys.executable, "-m", "eagle_infer.server", "--port", str(self.port),
-                                      *args], cwd=REPO, env=env, stdout=open(log, "w"),
-                                     stderr=subprocess.STDOUT)
+        super().__init__(args, log, env={"OMP_NUM_THREADS": "1"})
 
     def wait_ready(self, timeout: float = 240) -> None:
-        t0 = time.time()
-        while time.time() - t0 < timeout:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        pytest.fail(f"server not ready after {timeout}s:\n{self.log.read_text()[-3000:]}")
+        try:
+            super().wait_ready(timeout)
+        except RuntimeError as e:
+            pytest.fail(str(e))
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    def stop(self, grace: float = 20) -> None:
+        super().stop(grace)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,63 @@
+"""`python -m eagle_infer.server` as a child process on a free local port (benchmarks, tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """The server with `args` on a free port, its output in `log`; `stop()` sends SIGTERM."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = Path(log)
+        pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        full_env = dict(os.environ, PYTHONPATH=pythonpath, **(env or {}))
+        cmd = [sys.executable, "-m", "eagle_infer.server", "--port", str(self.port), *args]
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=out, stderr=subprocess.STDOUT)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log.read_text()[-chars:] if self.log.is_file() else ""
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        """Poll /health until it answers 200; RuntimeError (with the log's tail) if the server
+        exits or is not ready within `timeout` seconds."""
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}); its log:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"the server was not ready after {timeout:.0f}s; its log:\n{self.log_tail()}")
+
+    def stop(self, grace: float = 60) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
