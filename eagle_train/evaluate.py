@@ -30,7 +30,17 @@ from omegaconf import DictConfig
 
 from eagle_infer.errors import UserError
 from eagle_train.losses import leading_matches
-from eagle_train.train import LOG_FILE, abspath, load_target_io, make_collate, plot_training, read_log, sel
+from eagle_train.train import (
+    LOG_FILE,
+    abspath,
+    draw_loss_curves,
+    load_target_io,
+    loss_records,
+    make_collate,
+    plot_training,
+    read_log,
+    sel,
+)
 
 EVAL_FILE = "eval.json"
 PLOT_FILE = "acceptance.png"
@@ -93,7 +103,7 @@ def plot_eval(result: dict, records: list[dict], path: Path, title: str) -> Path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recs = [r for r in records if "loss" in r]
+    recs = loss_records(records)
     ncols = 2 if recs else 1
     fig, axes = plt.subplots(1, ncols, figsize=(5.5 * ncols, 4), squeeze=False)
     ax = axes[0, 0]
@@ -108,15 +118,8 @@ def plot_eval(result: dict, records: list[dict], path: Path, title: str) -> Path
     ax.set_title(f"acceptance length {result['acceptance_length']:.2f}")
     ax.legend(fontsize=8)
     if recs:
-        ax2 = axes[0, 1]
-        steps = [r["step"] for r in recs]
-        ax2.plot(steps, [r["loss"] for r in recs], color="black", label="total loss")
-        for s in range(len(recs[-1].get("ce", []))):
-            ax2.plot(steps, [r["ce"][s] for r in recs], lw=1, alpha=0.7, label=f"CE step {s}")
-        ax2.set_yscale("log")
-        ax2.set_xlabel("optimizer step")
-        ax2.set_title("training loss")
-        ax2.legend(fontsize=7)
+        draw_loss_curves(axes[0, 1], recs)
+        axes[0, 1].set_title("training loss")
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -354,9 +354,27 @@ def read_log(path: Path) -> list[dict]:
     return out
 
 
+def draw_loss_curves(ax, records: list[dict]) -> None:
+    """Total loss, per-step CE (and EAGLE-2's feature loss) of train_log.jsonl records on ax."""
+    steps = [r["step"] for r in records]
+    ax.plot(steps, [r["loss"] for r in records], label="total loss", color="black")
+    for s in range(len(records[-1].get("ce", []))):
+        ax.plot(steps, [r["ce"][s] for r in records], label=f"CE step {s}", alpha=0.7, lw=1)
+    if any(r.get("feature") and r["feature"][0] for r in records):
+        ax.plot(steps, [r["feature"][0] for r in records], label="feature SmoothL1", ls="--")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+
+
+def loss_records(records: list[dict]) -> list[dict]:
+    return [r for r in records if "step" in r and "loss" in r]
+
+
 def plot_training(records: list[dict], path: Path, title: str = "") -> Path | None:
     """Loss and per-step top-1 accuracy curves from train_log.jsonl records."""
-    recs = [r for r in records if "step" in r and "loss" in r]
+    recs = loss_records(records)
     if not recs:
         return None
     import matplotlib
@@ -366,17 +384,8 @@ def plot_training(records: list[dict], path: Path, title: str = "") -> Path | No
 
     steps = [r["step"] for r in recs]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    a1.plot(steps, [r["loss"] for r in recs], label="total loss", color="black")
-    n = len(recs[-1].get("ce", []))
-    for s in range(n):
-        a1.plot(steps, [r["ce"][s] for r in recs], label=f"CE step {s}", alpha=0.7, lw=1)
-    if any(r.get("feature") and r["feature"][0] for r in recs):
-        a1.plot(steps, [r["feature"][0] for r in recs], label="feature SmoothL1", ls="--")
-    a1.set_xlabel("optimizer step")
-    a1.set_ylabel("loss")
-    a1.set_yscale("log")
-    a1.legend(fontsize=7)
-    for s in range(n):
+    draw_loss_curves(a1, recs)
+    for s in range(len(recs[-1].get("acc", []))):
         a2.plot(steps, [r["acc"][s] for r in recs], label=f"step {s}")
     a2.set_xlabel("optimizer step")
     a2.set_ylabel("top-1 accuracy vs target")
