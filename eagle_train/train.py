@@ -186,7 +186,36 @@ def build_head(cfg: DictConfig, target: TargetIO, manifest: dict):
         d2t, t2d = load_draft_vocab(cfg, tc.vocab_size, dvs)
         head.d2t.copy_(d2t)
         head.t2d.copy_(t2d)
+    init_from = sel(cfg, "train.init_from")
+    if init_from:
+        warm_start(head, abspath(init_from), target)
     return head
+
+
+def warm_start(head, path: Path, target: TargetIO) -> None:
+    """Copy the weights of a trained head (ours or official, same kind, same draft vocabulary)
+    into `head`: a grown capture continues from an earlier head instead of from scratch."""
+    from eagle_infer.heads import load_head
+
+    old = load_head(path, target.config, target.embed_tokens, target.lm_head_weight, dtype=torch.float32)
+    kind = "eagle3" if head.eagle3 else "eagle2"
+    if old.eagle3 != head.eagle3:
+        raise UserError(f"train.init_from={path} is an {'eagle3' if old.eagle3 else 'eagle2'} head, "
+                        f"but this run trains {kind}")
+    if head.eagle3:
+        if old.config.aux_hidden_indices != head.config.aux_hidden_indices:
+            raise UserError(f"train.init_from={path} reads hidden states {old.config.aux_hidden_indices}, "
+                            f"the capture holds {head.config.aux_hidden_indices}")
+        if not torch.equal(old.d2t.cpu(), head.d2t.cpu()):
+            raise UserError(f"train.init_from={path} has another draft vocabulary than this run's "
+                            f"(draft_vocab_size {old.config.draft_vocab_size}): its lm_head rows would "
+                            f"mean other tokens")
+    try:
+        head.load_state_dict(old.state_dict())
+    except RuntimeError as e:  # e.g. an EAGLE-2 fc with / without bias
+        first = str(e).splitlines()[0]
+        raise UserError(f"train.init_from={path} does not fit this run's head: {first}") from None
+    log(f"train: weights initialised from {path}")
 
 
 def loss_settings(cfg: DictConfig) -> dict:

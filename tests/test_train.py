@@ -473,6 +473,28 @@ def test_trained_head_saved_in_official_layout_reloads(env, tmp_path, kind):
         assert agree > 0.9
 
 
+def test_init_from_a_trained_head_starts_from_its_weights(env, tmp_path):
+    from eagle_infer.errors import UserError
+    from eagle_train.train import build_head, load_target_io
+
+    _train(make_cfg(env, tmp_path / "first", **{"train.max_steps": 2}))
+    first = tmp_path / "first" / "head"
+    target = load_target_io(env["target_dir"])
+    manifest = json.loads((env["capture"] / "manifest.json").read_text())
+    cfg = make_cfg(env, tmp_path / "second", **{"train.init_from": str(first)})
+    head = build_head(cfg, target, manifest)
+    saved = _head_params(first)
+    got = head.state_dict()
+    assert set(saved) <= set(got)
+    for k, v in saved.items():
+        torch.testing.assert_close(got[k], v.to(got[k].dtype), msg=k)
+    fresh = build_head(make_cfg(env, tmp_path / "third"), target, manifest)
+    assert not torch.equal(fresh.fc.weight, head.fc.weight)
+    with pytest.raises(UserError, match="eagle3 head, but this run trains eagle2"):
+        cfg2 = make_cfg(env, tmp_path / "e2", "eagle2", **{"train.init_from": str(first)})
+        build_head(cfg2, target, manifest)
+
+
 def test_missing_draft_vocab_names_tokenmap_stage(env, tmp_path):
     from eagle_infer.errors import UserError
 
