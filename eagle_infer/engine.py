@@ -44,9 +44,7 @@ class PlainDecoder:
         P = len(seq.prompt)
         first, _, _ = prefill_row(self.target, seq, row, self.max_seq_len, kv_len_for(P, self.max_seq_len))
         self.L[row], self.last[row] = P, first
-        self.seqs.append(seq)
-        seq.emit([first])
-        self.rows.drop_finished()  # finished on its very first token
+        self.rows.admit(seq, first)
 
     @torch.no_grad()
     def step(self) -> list[tuple[Sequence_, list[int]]]:

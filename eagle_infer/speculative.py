@@ -125,6 +125,13 @@ class RowTable:
             raise RuntimeError("no free row: the batch is full")
         return len(self.seqs)
 
+    def admit(self, seq: Sequence_, first: int) -> None:
+        """Take a sequence prefilled into next_row() and emit its first token; a sequence that
+        finished on that token leaves again at once."""
+        self.seqs.append(seq)
+        seq.emit([first])
+        self.drop_finished()
+
     def remove(self, row: int) -> None:
         last = len(self.seqs) - 1
         if row != last:
@@ -238,9 +245,7 @@ class SpecDecoder:
         nxt = torch.cat([ids[:, 1:], torch.tensor([[first]], device=self.device)], 1)
         self._draft_extend(row, nxt, self.head.project(hidden), zero, torch.tensor([P], device=self.device))
         self.L[row], self.root[row] = P, first
-        self.seqs.append(seq)
-        seq.emit([first])
-        self.rows.drop_finished()  # finished on its very first token
+        self.rows.admit(seq, first)
 
     def _draft_extend(self, row0: int, next_tokens: Tensor, feats: Tensor, start: Tensor,
                       count: Tensor) -> None:

@@ -39,6 +39,7 @@ from eagle_train.train import (
     make_collate,
     plot_training,
     read_log,
+    save_figure,
     sel,
 )
 
@@ -120,12 +121,7 @@ def plot_eval(result: dict, records: list[dict], path: Path, title: str) -> Path
     if recs:
         draw_loss_curves(axes[0, 1], recs)
         axes[0, 1].set_title("training loss")
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)
 
 
 def evaluate_head(head, target, dataset, unroll_steps: int, num_samples: int | None, batch_size: int,

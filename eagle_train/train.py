@@ -397,6 +397,18 @@ def draw_loss_curves(ax, records: list[dict]) -> None:
     ax.legend(fontsize=7)
 
 
+def save_figure(fig, path: Path, title: str = "") -> Path:
+    """Title, lay out, write (parent folders made) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def loss_records(records: list[dict]) -> list[dict]:
     return [r for r in records if "step" in r and "loss" in r]
 
@@ -420,12 +432,7 @@ def plot_training(records: list[dict], path: Path, title: str = "") -> Path | No
     a2.set_ylabel("top-1 accuracy vs target")
     a2.set_ylim(0, 1)
     a2.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)
 
 
 def fingerprint(cfg: DictConfig, manifest: dict) -> dict:
