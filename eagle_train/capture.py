@@ -1,6 +1,7 @@
 """Capture stage: on-policy answers from the target and the hidden states a draft head trains on.
 
-    python -m eagle_train stage=capture [data=...] [capture.limit=...] [capture.regenerate=false]
+    python -m eagle_train stage=capture [data=...] [capture.limit=...] [capture.offset=...]
+                                        [capture.regenerate=false]
 
 For every conversation of the train split (and, into ``capture_dir/heldout``, the held-out
 split that evaluation uses):
@@ -113,6 +114,15 @@ def heldout_limit(cfg: DictConfig) -> int | None:
     return None if n is None else int(n)
 
 
+def capture_offset(cfg: DictConfig) -> int:
+    """capture.offset: train conversations passed over before the first one captured, so that a
+    second capture (say teacher-forced) covers a slice disjoint from the first."""
+    off = int(_sel(cfg, "capture.offset", 0) or 0)
+    if off < 0:
+        raise UserError(f"capture.offset must be >= 0, got {off}")
+    return off
+
+
 def split_dirs(capture_dir: Path) -> dict[str, Path]:
     return {"train": capture_dir, "heldout": capture_dir / HELDOUT_SUBDIR}
 
@@ -130,12 +140,13 @@ def is_complete(cfg: DictConfig) -> bool:
     """True when both splits are fully captured with the current settings (no model load)."""
     capture_dir = Path(cfg.capture_dir)
     limits = {"train": cfg.capture.limit, "heldout": heldout_limit(cfg)}
+    offsets = {"train": capture_offset(cfg), "heldout": 0}
     for split, d in split_dirs(capture_dir).items():
         try:
             m = read_manifest(d)
         except UserError:
             return False
-        if not m.get("complete") or m.get("limit") != limits[split]:
+        if not m.get("complete") or m.get("limit") != limits[split] or m.get("offset", 0) != offsets[split]:
             return False
         aux = m.get("settings", {}).get("aux_layer_ids", [])
         req = requested_aux_layers(cfg)
@@ -408,7 +419,7 @@ class SplitState:
 
 
 def open_split(split: str, directory: Path, planned: list[tuple[int, list[dict]]], limit: int | None,
-               settings: dict, model_info: dict) -> SplitState:
+               settings: dict, model_info: dict, offset: int = 0) -> SplitState:
     """Check an existing capture against the settings, drop leftovers of a killed run, record
     the plan and return the samples still to capture."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -428,7 +439,7 @@ def open_split(split: str, directory: Path, planned: list[tuple[int, list[dict]]
         log(f"{split}: removed leftovers of an interrupted run: {', '.join(removed)}")
     if manifest is None:
         manifest = new_manifest(split, **model_info, settings=settings)
-    manifest.update(limit=limit, planned=len(planned), planned_ids=[sid for sid, _ in planned])
+    manifest.update(limit=limit, offset=offset, planned=len(planned), planned_ids=[sid for sid, _ in planned])
     done = {sid for s in manifest["shards"] for sid in s["sample_ids"]}
     done |= {s["id"] for s in manifest["skipped"]}
     todo = [(sid, conv) for sid, conv in planned if sid not in done]
@@ -517,6 +528,11 @@ def run(cfg: DictConfig, model=None, tokenizer=None) -> dict:
     convs = load_conversations(cfg.data.source, cfg.data.limit)
     train_idx, held_idx = split_heldout(list(range(len(convs))), cfg.data.heldout, int(cfg.data.seed))
     hl = heldout_limit(cfg)
+    off = capture_offset(cfg)
+    if off and off >= len(train_idx):
+        raise UserError(f"capture.offset={off} passes over all {len(train_idx)} training conversations "
+                        f"of {cfg.data.source}")
+    train_idx = train_idx[off:]
     plans = {
         "train": [(i, convs[i]) for i in (train_idx if limit is None else train_idx[: int(limit)])],
         "heldout": [(i, convs[i]) for i in (held_idx if hl is None else held_idx[:hl])],
@@ -538,7 +554,8 @@ def run(cfg: DictConfig, model=None, tokenizer=None) -> dict:
         "store_dtype": str(cfg.capture.store_dtype),
         "eos_token_ids": sorted(eos_ids(mc, tok, folder)),
     }
-    states = [open_split(split, d, plans[split], limits[split], settings, model_info)
+    offsets = {"train": off, "heldout": 0}
+    states = [open_split(split, d, plans[split], limits[split], settings, model_info, offsets[split])
               for split, d in split_dirs(capture_dir).items()]
     save_stage_config(cfg, "capture")
     stats = Stats()

@@ -370,6 +370,63 @@ class CaptureDataset(torch.utils.data.Dataset):
         return convs[row] if row < len(convs) else None
 
 
+class CaptureSet(torch.utils.data.ConcatDataset):
+    """The train splits of several captures of one target, read as one dataset.
+
+    For growing the data with a second kind of capture (say teacher-forced ShareGPT answers
+    beside the on-policy ones) without capturing again: every part must fit the same target
+    and hold the same aux layers and store dtype. ``manifest`` is the first part's with the
+    shards of all parts, so totals and fingerprints count everything; ``index`` in an item is
+    its position in the whole set.
+    """
+
+    def __init__(self, paths: Sequence[str | os.PathLike], **kw: Any):
+        if not paths:
+            raise UserError("CaptureSet needs at least one capture directory")
+        parts = [CaptureDataset(p, **kw) for p in paths]
+        first = parts[0]
+        for p in parts[1:]:
+            for key in ("hidden_size", "vocab_size", "aux_layer_ids", "dtype"):
+                if getattr(p, key) != getattr(first, key):
+                    raise UserError(f"captures {first.path} and {p.path} differ in {key} "
+                                    f"({getattr(first, key)} vs {getattr(p, key)}): train on captures "
+                                    f"of one target with the same capture.aux_layers and store_dtype")
+        super().__init__(parts)
+        self.parts = parts
+        self.path = first.path
+        self.hidden_size, self.vocab_size = first.hidden_size, first.vocab_size
+        self.aux_layer_ids, self.dtype = first.aux_layer_ids, first.dtype
+        self.manifest = merged_manifest([p.manifest for p in parts])
+
+    @property
+    def complete(self) -> bool:
+        return all(p.complete for p in self.parts)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(p.num_tokens for p in self.parts)
+
+    @property
+    def num_assistant_tokens(self) -> int:
+        return sum(p.num_assistant_tokens for p in self.parts)
+
+    def lengths(self) -> list[int]:
+        return [n for p in self.parts for n in p.lengths()]
+
+    def __getitem__(self, i: int) -> dict:
+        item = super().__getitem__(i)
+        item["index"] = i if i >= 0 else i + len(self)
+        return item
+
+
+def merged_manifest(manifests: Sequence[dict]) -> dict:
+    """The first manifest with the shards (and completeness) of all: what a CaptureSet reads."""
+    out = dict(manifests[0])
+    out["shards"] = [s for m in manifests for s in m.get("shards", [])]
+    out["complete"] = all(bool(m.get("complete")) for m in manifests)
+    return out
+
+
 def pad_collate(batch: Sequence[dict], pad_id: int = 0) -> dict:
     """Right-pad a list of CaptureDataset items into a batch (adds ``attention_mask``)."""
     T = max(len(x["input_ids"]) for x in batch)

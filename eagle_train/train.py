@@ -435,6 +435,14 @@ def plot_training(records: list[dict], path: Path, title: str = "") -> Path | No
     return save_figure(fig, path, title)
 
 
+def capture_paths(cfg: DictConfig) -> list[Path]:
+    """capture_dir, then train.extra_captures: the captures whose train splits one run reads."""
+    extra = sel(cfg, "train.extra_captures") or []
+    if isinstance(extra, str):
+        extra = [extra]
+    return [abspath(cfg.capture_dir), *(abspath(p) for p in extra)]
+
+
 def fingerprint(cfg: DictConfig, manifest: dict) -> dict:
     """Settings that change the trained head: a finished head with the same ones is complete."""
     return {
@@ -443,20 +451,22 @@ def fingerprint(cfg: DictConfig, manifest: dict) -> dict:
         "draft": sel(cfg, "draft", {}),
         "capture_samples": sum(s["samples"] for s in manifest.get("shards", [])),
         "capture_tokens": sum(s["tokens"] for s in manifest.get("shards", [])),
+        # Options left unset are left out, so heads trained before they existed stay complete.
         "train": {k: v for k, v in (sel(cfg, "train", {}) or {}).items()
-                  if k not in ("wandb", "log_every", "save_every", "num_workers", "keep_checkpoints")},
+                  if k not in ("wandb", "log_every", "save_every", "num_workers", "keep_checkpoints")
+                  and not (k in ("init_from", "extra_captures") and not v)},
         "seed": int(sel(cfg, "seed", 0)),
     }
 
 
 def is_complete(cfg: DictConfig) -> bool:
     """The head in head_dir was trained to the end with these settings (no model load)."""
-    from eagle_train.shards import read_manifest
+    from eagle_train.shards import merged_manifest, read_manifest
 
     head_dir = abspath(cfg.head_dir)
     try:
         summary = json.loads((head_dir / SUMMARY_FILE).read_text())
-        manifest = read_manifest(abspath(cfg.capture_dir))
+        manifest = merged_manifest([read_manifest(p) for p in capture_paths(cfg)])
     except (OSError, json.JSONDecodeError, UserError):
         return False
     if not ((head_dir / "config.json").is_file() and (head_dir / "model.safetensors").is_file()):
@@ -479,7 +489,7 @@ class TrainRecipe:
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
-        from eagle_train.shards import CaptureDataset
+        from eagle_train.shards import CaptureSet
 
         cfg = self.cfg = cfg if cfg is not None else self.cfg
         t = cfg.train
@@ -505,13 +515,14 @@ class TrainRecipe:
         set_seed(seed)
         self.target = load_target_io(sel(cfg, "model.path", "default"), self.device)
         tc = self.target.config
-        self.dataset = CaptureDataset(self.capture_dir, model=tc,
-                                      model_name=str(sel(cfg, "model.name", "")) or None,
-                                      require_aux=self.kind == "eagle3")
+        paths = capture_paths(cfg)
+        self.dataset = CaptureSet(paths, model=tc, model_name=str(sel(cfg, "model.name", "")) or None,
+                                  require_aux=self.kind == "eagle3")
+        where = ", ".join(str(p) for p in paths)
         if len(self.dataset) == 0:
-            raise UserError(f"capture {self.capture_dir} holds no samples: run stage=capture first")
+            raise UserError(f"capture {where} holds no samples: run stage=capture first")
         if not self.dataset.complete and self.is_main:
-            log(f"warning: capture {self.capture_dir} is incomplete; training on the {len(self.dataset)} "
+            log(f"warning: capture {where} is incomplete; training on the {len(self.dataset)} "
                 f"samples captured so far")
         self.manifest = self.dataset.manifest
 

@@ -213,3 +213,20 @@ def test_capture_refuses_other_settings_and_skips_bad_records(reference_capture,
             capture.plan_conversation(0, conv, regenerate=True, max_turns=None)
     with pytest.raises(capture.Skip, match="no assistant turn"):
         capture.plan_conversation(0, [{"role": "user", "content": "x"}], regenerate=False, max_turns=None)
+
+
+def test_capture_offset_takes_a_disjoint_slice(reference_capture, tmp_path, default_model_fp32, tokenizer):
+    from eagle_train import capture
+
+    cfg, ref = reference_capture
+    over = [*CAPTURE_OVERRIDES, "capture.regenerate=false", "capture.limit=2", "capture.offset=2",
+            f"workdir={tmp_path}"]
+    second = compose(over)
+    out = capture.run(second, model=default_model_fp32, tokenizer=tokenizer)
+    m = out["manifests"]["train"]
+    assert m["offset"] == 2 and m["planned_ids"] == ref["manifests"]["train"]["planned_ids"][2:4]
+    assert capture.is_complete(second)
+    assert not capture.is_complete(compose([*over[:-2], "capture.offset=1", f"workdir={tmp_path}"]))
+    with pytest.raises(UserError, match="capture.offset=10000 passes over all"):
+        capture.run(compose([*over[:-2], "capture.offset=10000", f"workdir={tmp_path / 'x'}"]),
+                    model=default_model_fp32, tokenizer=tokenizer)

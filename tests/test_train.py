@@ -495,6 +495,41 @@ def test_init_from_a_trained_head_starts_from_its_weights(env, tmp_path):
         build_head(cfg2, target, manifest)
 
 
+def test_extra_captures_train_on_the_union(env, tmp_path):
+    from eagle_infer.errors import UserError
+    from eagle_train.shards import CaptureDataset, CaptureSet, commit, new_manifest, read_manifest
+    from eagle_train.train import is_complete
+
+    model = env["model"]
+    extra = tmp_path / "extra"
+    write_capture(model, extra, sample_sequences(model, 3, seed=7), "train")
+    both = CaptureSet([env["capture"], extra])
+    first, second = CaptureDataset(env["capture"]), CaptureDataset(extra)
+    assert len(both) == len(first) + 3 and both.num_tokens == first.num_tokens + second.num_tokens
+    assert both.lengths() == first.lengths() + second.lengths()
+    last = both[len(first) + 2]
+    assert last["index"] == len(first) + 2 and torch.equal(last["hidden"], second[2]["hidden"])
+
+    cfg = make_cfg(env, tmp_path / "run", **{"train.max_steps": 2, "train.extra_captures": f"[{extra}]"})
+    summary, _ = _train(cfg)
+    assert summary["samples"] == len(both)
+    assert summary["fingerprint"]["capture_tokens"] == both.num_tokens
+    assert is_complete(cfg)
+    # A grown extra capture makes the head out of date.
+    m = read_manifest(extra)
+    commit(extra, m, [dict(CaptureDataset(extra)[0], sample_id=99, messages=None)], complete=True)
+    assert not is_complete(cfg)
+
+    odd = tmp_path / "odd"  # other aux layers: refused, naming both captures
+    odd.mkdir()
+    m = new_manifest("train", model_name="tiny", hidden_size=model.config.hidden_size, vocab_size=VOCAB,
+                     num_layers=model.config.num_layers, aux_layer_ids=[1], store_dtype="fp32",
+                     eos_token_ids=[2], settings={})
+    commit(odd, m, [], complete=True)
+    with pytest.raises(UserError, match="differ in aux_layer_ids"):
+        CaptureSet([env["capture"], odd])
+
+
 def test_missing_draft_vocab_names_tokenmap_stage(env, tmp_path):
     from eagle_infer.errors import UserError
 
