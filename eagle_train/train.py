@@ -564,7 +564,7 @@ class TrainRecipe:
         self.fingerprint = json.loads(json.dumps(fingerprint(cfg, self.manifest)))
 
         # Resume from the newest complete checkpoint.
-        self.step, self.micro, self.tokens_total = 0, 0, 0
+        self.step, self.micro, self.tokens_total, self.tokens_run = 0, 0, 0, 0
         self.wandb_id = None
         ckpts = complete_checkpoints(self.head_dir)
         if ckpts:
@@ -634,8 +634,9 @@ class TrainRecipe:
         acc.wait_for_everyone()
         acc.save_state(str(tmp))
         acc.wait_for_everyone()
+        tokens = self.tokens_total + self._tokens_run_all()  # collective: every process calls it
         if self.is_main:
-            state = {"step": self.step, "micro": self.micro, "tokens": self.tokens_total,
+            state = {"step": self.step, "micro": self.micro, "tokens": tokens,
                      "total_steps": self.total_steps, "fingerprint": self.fingerprint,
                      "wandb_id": self.wandb_id, "time": time.time()}
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
@@ -671,7 +672,7 @@ class TrainRecipe:
         win_loss = torch.zeros(2, device=self.device)  # summed loss, micro-batches
         win_tokens = 0
         t_start = t_win = time.perf_counter()
-        tokens_run = 0
+        self.tokens_run = 0
         last: dict = {}
         model.train()
         if self.step < stop_step:
@@ -692,7 +693,7 @@ class TrainRecipe:
                 window += stats.detach()
                 win_loss += torch.stack([loss.detach().float(), torch.ones((), device=self.device)])
                 win_tokens += n_tok
-                tokens_run += n_tok
+                self.tokens_run += n_tok
                 if not acc.sync_gradients:
                     continue
                 self.step += 1
@@ -709,9 +710,9 @@ class TrainRecipe:
                     break
         bar.close()
         elapsed = time.perf_counter() - t_start
-        tok = torch.tensor([tokens_run], device=self.device)
-        tokens_all = int(acc.reduce(tok, reduction="sum").item()) if acc.num_processes > 1 else tokens_run
+        tokens_all = self._tokens_run_all()
         self.tokens_total += tokens_all
+        self.tokens_run = 0
         finished = self.step >= self.total_steps
         summary = {"finished": finished, "step": self.step, "total_steps": self.total_steps}
         if self.is_main:
@@ -724,6 +725,13 @@ class TrainRecipe:
                 summary = self._finish(finished, tokens_all, elapsed, last)
         acc.wait_for_everyone()
         return summary
+
+    def _tokens_run_all(self) -> int:
+        """Tokens trained on since this run (re)started, summed over processes."""
+        if self.acc.num_processes == 1:
+            return self.tokens_run
+        t = torch.tensor([self.tokens_run], device=self.device)
+        return int(self.acc.reduce(t, reduction="sum").item())
 
     def _log(self, window: Tensor, win_loss: Tensor, win_tokens: int, seconds: float, bar) -> dict:
         acc = self.acc

@@ -427,6 +427,7 @@ def test_checkpoint_resume_equals_uninterrupted_run(env, tmp_path):
     assert ckpts == ["step_2"]
     summary_b, _ = _train(cfg_b)  # same command again: resumes from step 2
     assert summary_b["finished"] and summary_b["step"] == 6
+    assert summary_b["tokens_total"] == summary_a["tokens_total"] > summary_b["tokens_this_run"]
     pa, pb = _head_params(tmp_path / "a" / "head"), _head_params(tmp_path / "b" / "head")
     assert pa.keys() == pb.keys()
     for k in pa:
