@@ -114,13 +114,13 @@ def heldout_limit(cfg: DictConfig) -> int | None:
     return None if n is None else int(n)
 
 
-def capture_offset(cfg: DictConfig) -> int:
-    """capture.offset: train conversations passed over before the first one captured, so that a
-    second capture (say teacher-forced) covers a slice disjoint from the first."""
+def split_offsets(cfg: DictConfig) -> dict[str, int]:
+    """Conversations passed over per split before the first one captured: capture.offset for
+    train, so that a second capture (say teacher-forced) covers a slice disjoint from the first."""
     off = int(_sel(cfg, "capture.offset", 0) or 0)
     if off < 0:
         raise UserError(f"capture.offset must be >= 0, got {off}")
-    return off
+    return {"train": off, "heldout": 0}
 
 
 def split_dirs(capture_dir: Path) -> dict[str, Path]:
@@ -140,7 +140,7 @@ def is_complete(cfg: DictConfig) -> bool:
     """True when both splits are fully captured with the current settings (no model load)."""
     capture_dir = Path(cfg.capture_dir)
     limits = {"train": cfg.capture.limit, "heldout": heldout_limit(cfg)}
-    offsets = {"train": capture_offset(cfg), "heldout": 0}
+    offsets = split_offsets(cfg)
     for split, d in split_dirs(capture_dir).items():
         try:
             m = read_manifest(d)
@@ -528,7 +528,8 @@ def run(cfg: DictConfig, model=None, tokenizer=None) -> dict:
     convs = load_conversations(cfg.data.source, cfg.data.limit)
     train_idx, held_idx = split_heldout(list(range(len(convs))), cfg.data.heldout, int(cfg.data.seed))
     hl = heldout_limit(cfg)
-    off = capture_offset(cfg)
+    offsets = split_offsets(cfg)
+    off = offsets["train"]
     if off and off >= len(train_idx):
         raise UserError(f"capture.offset={off} passes over all {len(train_idx)} training conversations "
                         f"of {cfg.data.source}")
@@ -554,7 +555,6 @@ def run(cfg: DictConfig, model=None, tokenizer=None) -> dict:
         "store_dtype": str(cfg.capture.store_dtype),
         "eos_token_ids": sorted(eos_ids(mc, tok, folder)),
     }
-    offsets = {"train": off, "heldout": 0}
     states = [open_split(split, d, plans[split], limits[split], settings, model_info, offsets[split])
               for split, d in split_dirs(capture_dir).items()]
     save_stage_config(cfg, "capture")

@@ -400,7 +400,7 @@ class CaptureSet(torch.utils.data.ConcatDataset):
 
     @property
     def complete(self) -> bool:
-        return all(p.complete for p in self.parts)
+        return bool(self.manifest["complete"])
 
     @property
     def num_tokens(self) -> int:
