@@ -109,4 +109,6 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
 
 def default_head_path(kind: str = "eagle3") -> Path:
     """The reference draft head trained by this project for the default target (heads/)."""
-    return Path(__file__).resolve().parents[1] / "heads" / f"{DEFAULT_MODEL_NAME}-{kind}"
+    from eagle_infer.shipped import shipped_dir
+
+    return shipped_dir("heads") / f"{DEFAULT_MODEL_NAME}-{kind}"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import hydra
 from hydra.errors import HydraException
@@ -19,12 +18,13 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from eagle_infer.errors import UserError
+from eagle_infer.shipped import shipped_dir
 
 USER_ERRORS = (UserError, FileNotFoundError, HydraException, OmegaConfBaseException)
-# ../conf as an absolute path: Hydra would otherwise read a relative config_path as a Python
-# package ("eagle_train/../conf") whenever main() is imported (a console script, tests)
-# instead of run with `python -m`.
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+# conf/ as an absolute path (the checkout's, or the copy a wheel installs): Hydra would
+# otherwise read a relative config_path as a Python package whenever main() is imported (a
+# console script, tests) instead of run with `python -m`.
+CONF_DIR = str(shipped_dir("conf"))
 
 
 _USER_WANTS_TRACE = os.environ.get("HYDRA_FULL_ERROR") == "1"

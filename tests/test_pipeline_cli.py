@@ -170,3 +170,45 @@ def test_later_stage_modules_are_found_or_named(stage, tmp_path):
         assert "is missing" in str(e)
     else:
         assert callable(mod.run)
+
+
+@pytest.mark.slow
+def test_installed_wheel_finds_conf_and_reference_heads(tmp_path):
+    """A wheel has no repository root: conf/ and heads/ must travel inside it, and an installed
+    copy (here: outside any checkout) must compose the config and find the default head."""
+    import shutil
+
+    # Built from a fresh copy of what the wheel is made of: setuptools reuses a build/ folder
+    # left in the checkout, which could still hold files the current pyproject would not ship.
+    src, wheels, site = tmp_path / "src", tmp_path / "wheels", tmp_path / "site"
+    junk = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    for name in ("pyproject.toml", "README.md"):
+        src.mkdir(exist_ok=True)
+        shutil.copy(REPO / name, src / name)
+    for name in ("eagle_infer", "eagle_train", "conf", "heads"):
+        shutil.copytree(REPO / name, src / name, ignore=junk)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", str(src), "--no-deps", "--no-build-isolation", "-w", str(wheels)],
+                   check=True, capture_output=True, timeout=300)
+    (wheel,) = wheels.glob("eagle_spec-*.whl")
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    env = dict(os.environ, PYTHONPATH=str(site), OMP_NUM_THREADS="1")
+    env.pop("HYDRA_FULL_ERROR", None)
+    run = tmp_path / "elsewhere"
+    run.mkdir()
+    probe = ("import eagle_train.__main__ as m, json; "
+             "from eagle_infer.default_model import default_head_path as h; "
+             "print(json.dumps([m.__file__, m.CONF_DIR, str(h('eagle3')), str(h('eagle2'))]))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=run, env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
+    module, conf, head3, head2 = json.loads(out.stdout)
+    for p in (module, conf, head3, head2):
+        assert Path(p).resolve().is_relative_to(site.resolve()), p
+    for head in (head3, head2):
+        assert (Path(head) / "model.safetensors").is_file() and (Path(head) / "config.json").is_file()
+    job = subprocess.run([sys.executable, "-m", "eagle_train", "--cfg", "job", "stage=train", "draft=eagle2"],
+                         cwd=run, env=env, capture_output=True, text=True, timeout=120)
+    assert job.returncode == 0, job.stderr
+    cfg = yaml.safe_load(job.stdout)
+    assert cfg["draft"]["name"] == "eagle2" and cfg["stage"]["name"] == "train"
