@@ -146,6 +146,34 @@ class HeadConfig:
         )
 
 
+@dataclass
+class UnrolledMask:
+    """Keys of an unrolled training step (training-time test): step 0's keys (``past_kv[0]``)
+    under ``causal`` [B, T, T0]; each later step's keys (``past_kv[1:]`` and this call's) only at
+    the query's own index. That is all a chain draft sees; passing the structure instead of a
+    dense [B, T, T0 + s*T] mask skips scoring s*T keys per query that would all be masked."""
+
+    causal: Tensor
+
+
+def unrolled_attention(q: Tensor, past_kv: Sequence[tuple[Tensor, Tensor]], k: Tensor, v: Tensor,
+                       causal: Tensor) -> Tensor:
+    """Attention of an unrolled step: q [B, nh, T, d]; past_kv[0] [B, T0, nkv, d] each; the later
+    steps' and this call's k, v [B, T, nkv, d]. Returns [B, nh, T, d] (see UnrolledMask)."""
+    B, nh, T, d = q.shape
+    k0, v0 = (x.permute(0, 2, 1, 3)[:, :, None] for x in past_kv[0])  # [B, nkv, 1, T0, d]
+    nkv = k0.shape[1]
+    qg = q.view(B, nkv, nh // nkv, T, d) * d ** -0.5  # query head i reads kv head i // group
+    kd = torch.stack([pk for pk, _ in past_kv[1:]] + [k], 3).transpose(1, 2)  # [B, nkv, T, s, d]
+    vd = torch.stack([pv for _, pv in past_kv[1:]] + [v], 3).transpose(1, 2)
+    scores0 = (qg @ k0.transpose(-1, -2)).masked_fill(~causal[:, None, None], float("-inf"))
+    scores_d = torch.einsum("bkgtd,bktsd->bkgts", qg, kd)
+    w = torch.softmax(torch.cat([scores0, scores_d], -1), -1)
+    T0 = scores0.shape[-1]
+    out = w[..., :T0] @ v0 + torch.einsum("bkgts,bktsd->bkgtd", w[..., T0:], vd)
+    return out.reshape(B, nh, T, d)
+
+
 class DraftAttention(nn.Module):
     def __init__(self, cfg: HeadConfig, in_dim: int):
         super().__init__()
@@ -156,15 +184,19 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.cache: KVCache | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, slots: Tensor | None,
-                past_kv: Sequence[tuple[Tensor, Tensor]],
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | UnrolledMask,
+                slots: Tensor | None, past_kv: Sequence[tuple[Tensor, Tensor]],
                 row0: int = 0) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """Serving: the static cache (written at `slots`); training: this call's keys after
-        `past_kv` (earlier unrolled steps), with `mask` [B, T, S] covering all of them."""
+        `past_kv` (earlier unrolled steps), with `mask` [B, T, S] covering all of them or an
+        UnrolledMask."""
         B, T, _ = x.shape
         q = apply_rope(self.q_proj(x).view(B, T, self.n_heads, self.head_dim), cos, sin)
         k = apply_rope(self.k_proj(x).view(B, T, self.n_kv, self.head_dim), cos, sin)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        if isinstance(mask, UnrolledMask):
+            out = unrolled_attention(q.transpose(1, 2), past_kv, k, v, mask.causal)
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), (k, v)
         if self.cache is not None and slots is not None:
             self.cache.write(slots, k, v, row0)
             keys, values = self.cache.view(row0, B, mask.shape[-1])
@@ -307,7 +339,7 @@ class DraftHead(nn.Module):
         tokens: Tensor,  # [B, T] token t+1 paired with feature t
         feature: Tensor,  # [B, T, h] from project() or the head's own previous output
         positions: Tensor,  # [B, T]
-        mask: Tensor,  # [B, T, S] bool over the keys (cache slots, or past_kv + this call)
+        mask: Tensor | UnrolledMask,  # [B, T, S] bool over the keys (cache slots, or past_kv + this call)
         slots: Tensor | None = None,  # [B, T] cache slots (serving); None = no cache (training)
         past_kv: Sequence[tuple[Tensor, Tensor]] = (),
         compute_logits: bool = True,

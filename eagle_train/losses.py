@@ -10,7 +10,8 @@ distribution at position p, softmax(lm_head(f_p)), is the distribution of x_{p+1
                      i.e. of token x_{t+2+s}
 
 At step s the query at t attends to the step-0 keys at positions <= t (causal) and to the
-keys of steps 1..s at the same t (diagonal): keys = cat(K_0, ..., K_s), mask = [tril | I | I ..].
+keys of steps 1..s at the same t (diagonal): keys = cat(K_0, ..., K_s), mask = [tril | I | I ..]
+(handed to the head as an UnrolledMask, so the identity blocks cost one score per step, not T).
 That is exactly what a chain draft sees at serving time: the verified prefix, then its own
 earlier drafts of the same branch.
 
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from eagle_infer.heads import UnrolledMask
 
 # Rows of target logits computed at once: rows x vocab floats stay around 64 MiB.
 _LOGIT_ELEMS = 1 << 24
@@ -86,9 +89,10 @@ def unroll(head, batch: dict, steps: int, noise: float = 0.0, compute_logits: bo
     if needed is None or steps <= 1:
         past: list[tuple[Tensor, Tensor]] = []
         out: list[tuple[Tensor | None, Tensor]] = []
+        causal = ttt_mask(T, 0, dev)[None].expand(B, -1, -1)
         for s in range(steps):
             tokens = shift_left(ids, 1 + s)
-            mask = ttt_mask(T, s, dev)[None].expand(B, -1, -1)
+            mask = causal if s == 0 else UnrolledMask(causal)
             logits, g, kv = head(tokens, feature, base + s, mask, past_kv=past, compute_logits=compute_logits)
             out.append((logits, g))
             past.append(kv)
@@ -107,14 +111,12 @@ def unroll(head, batch: dict, steps: int, noise: float = 0.0, compute_logits: bo
     live = torch.arange(M, device=dev)[None, :] < cnt[:, None]
     lb, lm = live.nonzero(as_tuple=True)
     lt = tq[lb, lm]
-    causal = torch.arange(T, device=dev)[None, None, :] <= tq[:, :, None]  # [B, M, T] over K_0
-    eye = torch.eye(M, dtype=torch.bool, device=dev)[None].expand(B, M, M)
+    causal = UnrolledMask(torch.arange(T, device=dev)[None, None, :] <= tq[:, :, None])  # [B, M, T]
     feat = torch.gather(g, 1, tq[:, :, None].expand(B, M, g.shape[-1]))
     past = [kv0]
     for s in range(1, steps):
         tokens = torch.gather(shift_left(ids, 1 + s), 1, tq)
-        mask = torch.cat([causal] + [eye] * s, dim=-1)
-        logits_c, g_c, kv = head(tokens, feat, tq + s, mask, past_kv=past, compute_logits=compute_logits)
+        logits_c, g_c, kv = head(tokens, feat, tq + s, causal, past_kv=past, compute_logits=compute_logits)
         g_full = g_c.new_zeros(B, T, g_c.shape[-1])
         g_full = g_full.index_put((lb, lt), g_c[lb, lm])
         logits_full = None

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from eagle_infer.heads import DraftHead, HeadConfig, load_head
 from eagle_train.losses import draft_loss, leading_matches, shift_left, ttt_mask, unroll
@@ -214,6 +215,31 @@ def test_ttt_mask_is_causal_then_diagonal():
     assert torch.equal(m[:, 4:8], torch.eye(4, dtype=torch.bool))
     assert torch.equal(m[:, 8:], torch.eye(4, dtype=torch.bool))
     assert torch.equal(shift_left(torch.arange(5)[None], 2), torch.tensor([[2, 3, 4, 0, 0]]))
+
+
+def test_unrolled_attention_equals_dense_masked_attention():
+    """The structured attention of steps >= 1 equals plain attention over cat(K_0, ..., K_s) with
+    the dense [causal | I | I ..] mask, outputs and gradients, grouped-query heads included."""
+    from eagle_infer.heads import unrolled_attention
+
+    torch.manual_seed(0)
+    B, nh, nkv, T, d, s = 2, 6, 2, 7, 8, 3
+    q = torch.randn(B, nh, T, d, requires_grad=True)
+    kvs = [tuple(torch.randn(B, T, nkv, d, requires_grad=True) for _ in range(2)) for _ in range(s + 1)]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    causal[3, :2] = False  # any key pattern over K_0 (the compact unroll's rows differ per sample)
+    out = unrolled_attention(q, kvs[:-1], *kvs[-1], causal[None].expand(B, T, T))
+    dense = torch.cat([causal] + [torch.eye(T, dtype=torch.bool)] * s, -1)
+    keys = torch.cat([k for k, _ in kvs], 1).transpose(1, 2)
+    values = torch.cat([v for _, v in kvs], 1).transpose(1, 2)
+    ref = F.scaled_dot_product_attention(q, keys, values, attn_mask=dense, enable_gqa=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    leaves = [q] + [x for kv in kvs for x in kv]
+    w = torch.randn_like(ref)
+    g_out = torch.autograd.grad((out * w).sum(), leaves)
+    g_ref = torch.autograd.grad((ref * w).sum(), leaves)
+    for a, b in zip(g_out, g_ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle2"])
