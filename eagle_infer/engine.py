@@ -1,8 +1,9 @@
 """Plain (non-speculative) continuous-batching decoder: the server's `--speculative-algorithm NONE`.
 
-Same interface as `SpecDecoder` (add / step / cancel / free_rows / seqs / stats), so the server
-drives either one. Row r of the target's KV cache holds active sequence r; a sequence joins by
-prefilling its prompt into the next free row and leaves by moving the last row into its place.
+Same interface as `SpecDecoder` (check / add / add_many / step / cancel / free_rows / seqs /
+stats), so the server drives either one. Row r of the target's KV cache holds active sequence
+r; a sequence joins by prefilling its prompt into the next free row (sequences joining together
+share a forward per group of similar lengths) and leaves by moving the last row into its place.
 
 State per active row:
     L[r]     tokens in the cache (the prompt and all outputs but the newest)
@@ -11,11 +12,20 @@ State per active row:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from eagle_infer.generate import kv_len_for, pick_tokens
 from eagle_infer.model import Transformer, causal_mask
-from eagle_infer.speculative import RowTable, Sequence_, SpecStats, prefill_row
+from eagle_infer.speculative import (
+    RowTable,
+    Sequence_,
+    SpecStats,
+    check_admissible,
+    join_groups,
+    prefill_rows,
+)
 
 
 class PlainDecoder:
@@ -37,14 +47,31 @@ class PlainDecoder:
     def free_rows(self) -> int:
         return self.rows.free
 
-    @torch.no_grad()
+    def check(self, seq: Sequence_) -> None:
+        """A UserError unless the sequence's prompt and max_new_tokens fit."""
+        check_admissible(self.target, seq, self.max_seq_len, "decoding")
+
     def add(self, seq: Sequence_) -> None:
         """Prefill a new sequence into the next free row; its first token is emitted."""
-        row = self.rows.next_row()
-        P = len(seq.prompt)
-        first, _, _ = prefill_row(self.target, seq, row, self.max_seq_len, kv_len_for(P, self.max_seq_len))
-        self.L[row], self.last[row] = P, first
-        self.rows.admit(seq, first)
+        self.add_many([seq])
+
+    @torch.no_grad()
+    def add_many(self, seqs: Sequence[Sequence_]) -> None:
+        """Prefill sequences joining together into the next free rows, a forward per group of
+        similar prompt lengths (join_groups); each one's first token is emitted."""
+        if len(seqs) > self.rows.free:
+            raise RuntimeError(f"{len(seqs)} sequences join but {self.rows.free} rows are free")
+        for seq in seqs:
+            self.check(seq)
+        for group in join_groups([len(s.prompt) for s in seqs]):
+            self._join([seqs[i] for i in group])
+
+    def _join(self, seqs: Sequence[Sequence_]) -> None:
+        row0, k = len(self.seqs), len(seqs)
+        lens = torch.tensor([len(s.prompt) for s in seqs], device=self.device)
+        firsts, _ = prefill_rows(self.target, seqs, row0, kv_len_for(int(lens.max()), self.max_seq_len))
+        self.L[row0:row0 + k], self.last[row0:row0 + k] = lens, torch.tensor(firsts, device=self.device)
+        self.rows.admit_many(seqs, firsts)
 
     @torch.no_grad()
     def step(self) -> list[tuple[Sequence_, list[int]]]:

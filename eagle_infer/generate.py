@@ -51,9 +51,10 @@ def ensure_cache(model: Transformer, batch: int, seq_len: int) -> None:
 
 
 @torch.no_grad()
-def prefill(model: Transformer, prompts: Sequence[Sequence[int]],
-            hidden_layers: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Write the prompts (right-padded) into the cache; logits [B, V] at each last token.
+def prefill(model: Transformer, prompts: Sequence[Sequence[int]], hidden_layers: Sequence[int] = (),
+            row0: int = 0, kv_len: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Write the prompts (right-padded) into cache rows row0, row0+1, ...; logits [B, V] at each
+    last token, and the requested hidden states [B, T, H] at every position.
 
     Padding tokens land in slots beyond each prompt, where no later query looks, and are
     overwritten by the first generated tokens.
@@ -65,8 +66,10 @@ def prefill(model: Transformer, prompts: Sequence[Sequence[int]],
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
     pos = torch.arange(T, device=dev)[None].expand(B, T)
-    mask = causal_mask(torch.zeros(B, dtype=torch.long, device=dev), T, kv_len_for(T, model.max_seq_len))
-    logits, hidden = model(tokens, pos, pos, mask, logits_at=(lens - 1)[:, None], hidden_layers=hidden_layers)
+    kv_len = kv_len or kv_len_for(T, model.max_seq_len)
+    mask = causal_mask(torch.zeros(B, dtype=torch.long, device=dev), T, kv_len)
+    logits, hidden = model(tokens, pos, pos, mask, logits_at=(lens - 1)[:, None], hidden_layers=hidden_layers,
+                           row0=row0)
     return logits[:, 0], hidden
 
 

@@ -374,35 +374,54 @@ class Engine:
                 log.exception("cancel failed")
                 self._fail_running("internal engine error")
         self.running = len(self.dec.seqs)
+        joining: list[Job] = []
         for i, job in enumerate(admit):
-            if not self.dec.free_rows:  # (a cancel had not freed a row after all) back to the queue
+            if len(joining) == self.dec.free_rows:  # (a cancel had not freed a row) back to the queue
                 with self.cond:
                     self.pending.extendleft(reversed(admit[i:]))
                 break
-            self._add(job)
+            if self._admissible(job):
+                joining.append(job)
+        self._add(joining)
         self.running = len(self.dec.seqs)
         if self.dec.seqs:
             self._step()
         self.running = len(self.dec.seqs)
 
-    def _add(self, job: Job) -> None:
+    def _admissible(self, job: Job) -> bool:
         if job.cancelled:
-            return
+            return False
         try:
-            self.dec.add(job.seq)
+            self.dec.check(job.seq)
         except UserError as e:
             job.fail(ApiError(400, str(e), param="max_tokens", code="context_length_exceeded"))
+            return False
+        return True
+
+    def _add(self, jobs: list[Job]) -> None:
+        """Prefill the joining requests together; if that fails, each alone, so only the request
+        that breaks prefill fails."""
+        if not jobs:
             return
+        try:
+            self.dec.add_many([job.seq for job in jobs])
         except Exception as e:
+            for job in jobs:
+                if job.seq in self.dec.seqs:
+                    self.dec.cancel(job.seq)
+            if len(jobs) > 1:
+                for job in jobs:
+                    self._add([job])
+                return
             log.exception("prefill failed")
-            if job.seq in self.dec.seqs:
-                self.dec.cancel(job.seq)
-            job.fail(engine_error(f"prefill failed: {type(e).__name__}: {e}"))
+            jobs[0].fail(engine_error(f"prefill failed: {type(e).__name__}: {e}"))
             return
         with self.metrics.lock:
-            self.metrics.prompt_tokens += len(job.seq.prompt)
-            self.metrics.completion_tokens += len(job.seq.output)
-        job.update()
+            for job in jobs:
+                self.metrics.prompt_tokens += len(job.seq.prompt)
+                self.metrics.completion_tokens += len(job.seq.output)
+        for job in jobs:
+            job.update()
 
     def _step(self) -> None:
         try:

@@ -330,18 +330,24 @@ class FakeDecoder:
 
     def __init__(self, max_batch: int = 2):
         self.max_batch, self.seqs, self.stats = max_batch, [], SpecStats()
+        self.joined: list[int] = []  # sizes of the prefill batches
 
     @property
     def free_rows(self) -> int:
         return self.max_batch - len(self.seqs)
 
-    def add(self, seq: Sequence_) -> None:
-        if seq.prompt[0] == 7:
+    def check(self, seq: Sequence_) -> None:
+        pass
+
+    def add_many(self, seqs: list[Sequence_]) -> None:
+        if any(s.prompt[0] == 7 for s in seqs):  # the whole joining batch fails
             raise RuntimeError("prefill exploded")
-        self.seqs.append(seq)
-        seq.emit([seq.prompt[-1] + 1])
-        if seq.done:
-            self.seqs.remove(seq)
+        self.joined.append(len(seqs))
+        for seq in seqs:
+            self.seqs.append(seq)
+            seq.emit([seq.prompt[-1] + 1])
+            if seq.done:
+                self.seqs.remove(seq)
 
     def step(self):
         if any(s.prompt[0] == 13 for s in self.seqs):
@@ -416,6 +422,41 @@ def test_engine_faults_fail_only_that_request_and_stop_strings_cut():
     assert not engine.thread.is_alive()
 
 
+def test_joining_requests_share_one_prefill_and_a_failing_one_fails_alone():
+    from eagle_infer.server import Engine, Job, Metrics
+
+    async def serve(prompts: list[list[int]]) -> tuple[list[int], list[str]]:
+        dec = FakeDecoder(max_batch=4)
+        engine = Engine(dec, FakeTokenizer(), Metrics(1), speculative=True)
+        loop = asyncio.get_running_loop()
+        jobs = [Job(p, SamplingParams(), 3, [], {999}, FakeTokenizer(), loop) for p in prompts]
+        for job in jobs:  # all queued before the engine starts: they join in its first iteration
+            engine.submit(job)
+        engine.start()
+        outcomes = []
+        try:
+            for job in jobs:
+                text = ""
+                while True:
+                    event = await asyncio.wait_for(job.events.get(), 10)
+                    if "error" in event:
+                        text = "error"
+                        break
+                    text += event["delta"]
+                    if "finish_reason" in event:
+                        break
+                outcomes.append(text)
+        finally:
+            engine.stop()
+        return dec.joined, outcomes
+
+    joined, outcomes = asyncio.run(serve([[1, 2], [3, 4], [5, 6]]))
+    assert joined[0] == 3 and outcomes == ["def", "fgh", "hij"]
+    # The batch with a prefill fault is retried one request at a time: only that one fails.
+    joined, outcomes = asyncio.run(serve([[1, 2], [7, 1], [3, 4]]))
+    assert joined[:2] == [1, 1] and outcomes == ["def", "error", "fgh"]
+
+
 def test_stop_prefix_len():
     from eagle_infer.server import stop_prefix_len
 
@@ -483,6 +524,13 @@ def test_plain_decoder_joins_and_leaves_and_matches_generate(one_thread):
         dec.step()
     assert [s.output for s in seqs] == ref
     assert all(s.finish_reason == "length" for s in seqs)
+    # Sequences joining together (prompts of different lengths) share one prefill: same outputs.
+    together = PlainDecoder(model, max_batch=4, max_seq_len=64)
+    seqs = [Sequence_(p, params, n, set()) for p, n, params in jobs[:4]]
+    together.add_many(seqs)
+    while together.seqs:
+        together.step()
+    assert [s.output for s in seqs] == ref[:4]
     # Cancel frees the row at once and leaves the other sequence untouched.
     a, b = (Sequence_(p, SamplingParams(), 6, set()) for p in ([5, 6, 7], [9] * 10))
     dec.add(a)

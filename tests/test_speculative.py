@@ -288,3 +288,17 @@ def test_spec_stats_histogram_merges_and_gives_tau_and_rates():
     # reached position 1: 4 of 5; position 2: 4 of 4; position 3: 2 of 4; 4: 1 of 2; 5: 1 of 1
     assert a.accept_rate_per_position(6) == [4 / 5, 1.0, 0.5, 0.5, 1.0, 0.0]
     assert SpecStats().acceptance_length() == 1.0
+
+
+def test_join_groups_partition_by_length_with_bounded_padding():
+    from eagle_infer.speculative import join_groups
+
+    lengths = [40, 60, 80, 50, 70, 90, 30, 64, 500, 7]
+    groups = join_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        real = sum(lengths[i] for i in g)
+        assert max(lengths[i] for i in g) * len(g) <= 1.25 * real
+    assert [500] in [[lengths[i] for i in g] for g in groups]  # a long prompt does not pad short ones
+    assert len(groups) < len(lengths)  # similar lengths do share a forward
+    assert join_groups([]) == []
