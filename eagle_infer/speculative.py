@@ -164,11 +164,12 @@ def check_admissible(target: Transformer, seq: Sequence_, room: int, what: str =
                         f"context of {room} tokens available to {what}")
 
 
-def join_groups(lengths: Sequence[int], max_padding: float = 0.25) -> list[list[int]]:
+def join_groups(lengths: Sequence[int], max_padding: float = 0.1) -> list[list[int]]:
     """Split sequences joining together into prefill batches: indices, shortest prompts first,
     grouped while the right-padded batch holds at most `max_padding` more tokens than the
-    prompts (a padded token costs as much as a real one; a batch still beats one forward per
-    prompt, by ~25% per token on a CPU and by far more on a GPU)."""
+    prompts. A padded token costs as much as a real one, and on a CPU one forward for 8 equal
+    prompts beats 8 forwards by only ~18% (scripts/bench_join_prefill.py), so padding is kept
+    small; on a GPU, where a short prefill is latency-bound, batching wins far more."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     groups: list[list[int]] = []
     total = 0
