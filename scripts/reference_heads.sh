@@ -8,7 +8,6 @@ cd "$(dirname "$0")/.."
 W='${workdir}'  # resolved by Hydra: runs/SmolLM2-135M-Instruct/sharegpt-reference
 TF_LIMIT="${TF_LIMIT:-1024}"        # teacher-forced conversations (the shipped heads: see README)
 GROWN_STEPS="${GROWN_STEPS:-420}"   # optimizer steps of the grown heads
-PASS2_STEPS="${PASS2_STEPS:-400}"   # optimizer steps of the second pass (the shipped heads)
 
 # 1. On-policy capture: the target regenerates the first answer of the first 1,280 training
 #    conversations (T=0.7, 160 new tokens); conversations over 640 tokens are skipped.
@@ -31,22 +30,14 @@ for d in eagle3 eagle2; do
     train.max_steps="$GROWN_STEPS" train.lr=5e-4
   python -m eagle_train stage=eval preset=reference draft=$d "head_dir=$W/$d-grown" "eval_dir=$W/eval-$d-grown"
 done
-# 6. A second pass over both captures (another sitting): from the grown heads, a new data order
-#    (seed 1), a lower peak lr.
-for d in eagle3 eagle2; do
-  python -m eagle_train stage=train preset=reference draft=$d "head_dir=$W/$d-grown2" \
-    "train.init_from=$W/$d-grown" "train.extra_captures=[$W/capture-teacher]" \
-    train.max_steps="$PASS2_STEPS" train.lr=3e-4 seed=1
-  python -m eagle_train stage=eval preset=reference draft=$d "head_dir=$W/$d-grown2" "eval_dir=$W/eval-$d-grown2"
-done
-# 7. Publish: the last head and its records into heads/ (what serving loads by default).
+# 6. Publish: the grown head and its records into heads/ (what serving loads by default).
 R=runs/SmolLM2-135M-Instruct/sharegpt-reference
 for d in eagle3 eagle2; do
   H=heads/SmolLM2-135M-Instruct-$d
   mkdir -p "$H"
-  cp "$R/$d-grown2"/{config.json,model.safetensors,train_summary.json,train_log.jsonl,train_loss.png} "$H"/
-  cp "$R/$d-grown2/config.yaml" "$H/train_config.yaml"
-  cp "$R/eval-$d-grown2"/{eval.json,acceptance.png} "$H"/
+  cp "$R/$d-grown"/{config.json,model.safetensors,train_summary.json,train_log.jsonl,train_loss.png} "$H"/
+  cp "$R/$d-grown/config.yaml" "$H/train_config.yaml"
+  cp "$R/eval-$d-grown"/{eval.json,acceptance.png} "$H"/
   cp "$R/capture/config.yaml" "$H/capture_config.yaml"
   cp "$R/capture-teacher/config.yaml" "$H/capture_teacher_config.yaml"
 done
