@@ -4,7 +4,8 @@
                                         [capture.regenerate=false]
 
 For every conversation of the train split (and, into ``capture_dir/heldout``, the held-out
-split that evaluation uses):
+split that evaluation uses; its answers are greedy unless ``capture.heldout_temperature`` says
+otherwise, so that evaluation sees the sequences greedy decoding produces):
 
 1. On-policy regeneration (``capture.regenerate``, default on): the target rewrites every
    assistant turn in order, each prompt being the conversation's system/user turns plus the
@@ -84,13 +85,24 @@ def resolve_aux_layers(requested: list[int] | None, num_layers: int, default: li
     return layers
 
 
-def content_settings(cfg: DictConfig, aux_layers: list[int]) -> dict:
-    """Everything that changes what a captured sample contains: must match to resume."""
+def split_temperature(cfg: DictConfig, split: str) -> float:
+    """Sampling temperature of the regenerated answers: capture.temperature for train;
+    capture.heldout_temperature (null = the same) for the held-out split, greedy by default so
+    that stage=eval's chain is exactly what greedy chain drafting meets."""
+    t = _sel(cfg, "capture.heldout_temperature") if split == "heldout" else None
+    t = float(cfg.capture.temperature if t is None else t)
+    if t < 0:
+        raise UserError(f"capture temperature for the {split} split must be >= 0, got {t}")
+    return t
+
+
+def content_settings(cfg: DictConfig, aux_layers: list[int], split: str = "train") -> dict:
+    """Everything that changes what a captured sample of `split` contains: must match to resume."""
     c = cfg.capture
     return {
         "model_name": str(cfg.model.name),
         "regenerate": bool(c.regenerate),
-        "temperature": float(c.temperature),
+        "temperature": split_temperature(cfg, split),
         "top_p": float(c.top_p),
         "max_new_tokens_per_turn": int(c.max_new_tokens_per_turn),
         "max_turns": None if c.max_turns is None else int(c.max_turns),
@@ -150,7 +162,7 @@ def is_complete(cfg: DictConfig) -> bool:
             return False
         aux = m.get("settings", {}).get("aux_layer_ids", [])
         req = requested_aux_layers(cfg)
-        if _diff(m.get("settings"), content_settings(cfg, aux if req is None else req)):
+        if _diff(m.get("settings"), content_settings(cfg, aux if req is None else req, split)):
             return False
     return True
 
@@ -252,7 +264,7 @@ class Capturer:
         model.setup_cache(self.batch_size, min(self.context, limit + self.max_new))
 
     # -- generation ----------------------------------------------------------------------
-    def regenerate(self, jobs: list[Job], skipped: list[dict]) -> list[Job]:
+    def regenerate(self, jobs: list[Job], skipped: list[dict], temperature: float) -> list[Job]:
         from eagle_infer.generate import generate
         from eagle_infer.sampling import SamplingParams
         from eagle_train.data import render_prompt
@@ -291,7 +303,7 @@ class Capturer:
                 prompts.append(ids)
             if not active:
                 break
-            params = [SamplingParams(float(c.temperature), float(c.top_p), 0,
+            params = [SamplingParams(temperature, float(c.top_p), 0,
                                      sample_seed(int(self.cfg.seed), j.sid, turn)) for j in active]
             t0 = time.perf_counter()
             outs = generate(self.model, prompts, self.max_new, params, eos_token_ids=sorted(self.eos))
@@ -371,10 +383,11 @@ class Capturer:
             i = j
         return results
 
-    def process(self, jobs: list[Job], skipped: list[dict]) -> list[dict]:
-        """Regenerate (if asked), render and capture one batch of jobs; returns samples."""
+    def process(self, jobs: list[Job], skipped: list[dict], temperature: float) -> list[dict]:
+        """Regenerate (if asked, at `temperature`), render and capture one batch of jobs; returns
+        samples."""
         if self.cfg.capture.regenerate:
-            jobs = self.regenerate(jobs, skipped)
+            jobs = self.regenerate(jobs, skipped, temperature)
         rendered = []
         for job in jobs:
             try:
@@ -481,7 +494,7 @@ def capture_split(cap: Capturer, state: SplitState) -> dict:
         for b in range(0, len(jobs), cap.batch_size):
             before = len(skipped)
             batch = jobs[b:b + cap.batch_size]
-            got = cap.process(batch, skipped)
+            got = cap.process(batch, skipped, float(manifest["settings"]["temperature"]))
             samples += got
             st.samples += len(got)
             st.tokens += sum(len(s["input_ids"]) for s in got)
@@ -544,7 +557,6 @@ def run(cfg: DictConfig, model=None, tokenizer=None) -> dict:
     mc = model.config if model is not None else ModelConfig.from_hf(read_hf_config(Path(folder)))
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path)
     aux = resolve_aux_layers(requested_aux_layers(cfg), mc.num_layers, mc.eagle3_layer_ids())
-    settings = content_settings(cfg, aux)
     model_info = {
         "model_name": str(cfg.model.name),
         "model_path": str(folder),
@@ -555,7 +567,8 @@ def run(cfg: DictConfig, model=None, tokenizer=None) -> dict:
         "store_dtype": str(cfg.capture.store_dtype),
         "eos_token_ids": sorted(eos_ids(mc, tok, folder)),
     }
-    states = [open_split(split, d, plans[split], limits[split], settings, model_info, offsets[split])
+    states = [open_split(split, d, plans[split], limits[split], content_settings(cfg, aux, split), model_info,
+                         offsets[split])
               for split, d in split_dirs(capture_dir).items()]
     save_stage_config(cfg, "capture")
     stats = Stats()

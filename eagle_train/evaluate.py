@@ -11,7 +11,12 @@ compared with the target's argmax at the same position. Reported in ``eval_dir/e
                                  tau as serving reports it, for a chain of eval.unroll drafts)
 
 A chain stops at the end of the answer (the next token not an assistant token), as a draft
-does. ``eval.head=PATH`` evaluates any head folder (ours, or an official EAGLE-2 / EAGLE-3
+does. On greedy held-out answers (``capture.heldout_temperature=0``, the default) every token fed
+to the unrolled head is the target's argmax (up to rare re-tokenization at BPE boundaries), so
+the chain is greedy chain drafting; on sampled answers it runs on sampled contexts instead
+(``heldout_answers`` in eval.json says which).
+
+``eval.head=PATH`` evaluates any head folder (ours, or an official EAGLE-2 / EAGLE-3
 checkpoint for the same target) instead of ``head_dir``; ``acceptance.png`` plots the
 per-position rates, with the training curves from ``head_dir/train_log.jsonl`` when present.
 """
@@ -49,6 +54,14 @@ PLOT_FILE = "acceptance.png"
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def heldout_answers(settings: dict) -> str:
+    """What the held-out answers are, from the capture manifest's settings."""
+    if not settings.get("regenerate", True):
+        return "dataset"
+    t = settings.get("temperature")
+    return "unknown" if t is None else "greedy" if float(t) == 0.0 else f"sampled at T={float(t):g}"
 
 
 def head_path(cfg: DictConfig) -> Path:
@@ -196,6 +209,7 @@ def run(cfg: DictConfig) -> dict:
                            int(sel(cfg, "eval.batch_size", 4)),
                            int(sel(cfg, "eval.max_length", sel(cfg, "train.max_length", 2048))), device)
     result.update({"head": str(hpath), "kind": head.config.kind, "capture": str(ds.path),
+                   "heldout_answers": heldout_answers(ds.manifest.get("settings") or {}),
                    "model": str(sel(cfg, "model.name", "")), "seconds": round(time.perf_counter() - t0, 2),
                    "fingerprint": fingerprint(cfg, hpath)})
     out_dir = abspath(cfg.eval_dir)
@@ -207,7 +221,8 @@ def run(cfg: DictConfig) -> dict:
     plot_eval(result, records, out_dir / PLOT_FILE, f"{result['model']} {result['kind']} ({hpath.name})")
     rates = " ".join(f"{r:.2f}" for r in result["accept_rate_per_position"])
     log(f"eval: {result['kind']} head {hpath} on {result['num_samples']} held-out samples "
-        f"({result['num_start_positions']:,} start positions): acceptance length "
+        f"({result['heldout_answers']} answers, {result['num_start_positions']:,} start positions): "
+        f"acceptance length "
         f"{result['acceptance_length']:.3f} (chain of {K}); accept rate per position [{rates}]; "
         f"written to {out_dir / EVAL_FILE}")
     return result

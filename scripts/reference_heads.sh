@@ -10,7 +10,8 @@ TF_LIMIT="${TF_LIMIT:-1024}"        # teacher-forced conversations (the shipped 
 GROWN_STEPS="${GROWN_STEPS:-420}"   # optimizer steps of the grown heads
 
 # 1. On-policy capture: the target regenerates the first answer of the first 1,280 training
-#    conversations (T=0.7, 160 new tokens); conversations over 640 tokens are skipped.
+#    conversations (T=0.7, 160 new tokens; the 40 held-out ones greedily, for stage=eval);
+#    conversations over 640 tokens are skipped.
 python -m eagle_train stage=capture preset=reference
 # 2. FR-Spec token maps and the EAGLE-3 draft vocabulary from its assistant tokens.
 python -m eagle_train stage=tokenmap preset=reference

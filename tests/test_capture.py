@@ -115,6 +115,27 @@ def test_stored_states_match_a_fresh_forward(reference_capture, default_model_fp
     assert len(held) == 1 and held.sample_ids[0] not in ds.sample_ids
 
 
+def test_heldout_answers_are_the_targets_greedy_ones(reference_capture, default_model_fp32, tokenizer):
+    """capture.heldout_temperature=0 (the default): the held-out answer is the target's greedy
+    continuation, so stage=eval's chain runs on what greedy decoding produces; train samples."""
+    from eagle_infer.generate import generate
+    from eagle_train.data import render_prompt
+    from eagle_train.evaluate import heldout_answers
+    from eagle_train.shards import CaptureDataset
+
+    cfg, _ = reference_capture
+    held, train = CaptureDataset(cfg.capture_dir, split="heldout"), CaptureDataset(cfg.capture_dir)
+    assert held.manifest["settings"]["temperature"] == 0.0
+    assert train.manifest["settings"]["temperature"] == float(cfg.capture.temperature) == 0.7
+    assert heldout_answers(held.manifest["settings"]) == "greedy"
+    assert heldout_answers(train.manifest["settings"]) == "sampled at T=0.7"
+    conv = held.conversation(0)
+    eos = held.manifest["eos_token_ids"]
+    out = generate(default_model_fp32, [render_prompt(tokenizer, conv[:-1])], 8, eos_token_ids=eos)[0]
+    out = out[:-1] if out[-1] in eos else out
+    assert tokenizer.decode(out, skip_special_tokens=True) == conv[-1]["content"]
+
+
 def test_capture_is_deterministic_and_resumable_after_sigkill(reference_capture, tmp_path,
                                                               default_model_fp32, tokenizer):
     """SIGKILL right after the first shard lands; the rerun finishes with every sample once and
