@@ -444,9 +444,15 @@ def open_split(split: str, directory: Path, planned: list[tuple[int, list[dict]]
             if manifest.get(key) != model_info[key]:
                 diff.append(f"{key}: {manifest.get(key)} -> {model_info[key]}")
         if diff:
+            hint = ""
+            if split == "heldout" and any(d.startswith("temperature:") for d in diff):
+                # Held-out splits captured before heldout_temperature existed were sampled at
+                # the train temperature; the train split beside them is still good.
+                hint = (f"; to keep this split instead: capture.heldout_temperature="
+                        f"{manifest['settings'].get('temperature')}")
             raise UserError(
                 f"capture in {directory} was made with other settings ({'; '.join(diff)}); "
-                f"delete it or use another workdir to capture with the new ones")
+                f"delete it or use another workdir to capture with the new ones{hint}")
     removed = remove_orphans(directory, manifest)
     if removed:
         log(f"{split}: removed leftovers of an interrupted run: {', '.join(removed)}")

@@ -225,6 +225,12 @@ def test_capture_refuses_other_settings_and_skips_bad_records(reference_capture,
     other = compose([*CAPTURE_OVERRIDES, "capture.temperature=0.2", f"workdir={Path(cfg.workdir)}"])
     with pytest.raises(UserError, match=r"other settings \(temperature: 0.7 -> 0.2\)"):
         capture.run(other)
+    # Only the held-out split differs: the message names its folder and how to keep it.
+    other = compose([*CAPTURE_OVERRIDES[:-1], "eval.num_samples=1", "capture.heldout_temperature=0.7",
+                     f"workdir={Path(cfg.workdir)}"])
+    with pytest.raises(UserError, match=r"heldout was made with other settings \(temperature: 0.0 -> 0.7\).*"
+                                        r"to keep this split instead: capture.heldout_temperature=0.0"):
+        capture.run(other)
 
     job = capture.plan_conversation(3, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
                                     regenerate=True, max_turns=None)
