@@ -553,8 +553,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"floor = {bw / 1e9:.1f} GB/s copy bandwidth / {wbytes / 1e6:.0f} MB of weights per token")
     if spec_runs:
         r = report
+        vs_hf = "" if r["speedup_vs_hf"] is None else f"{r['speedup_vs_hf']}x transformers, "
         print(f"speculative: tau {r['acceptance_length']:.2f}, {r['speedup_vs_plain']}x plain, "
-              f"{r['speedup_vs_hf']}x transformers, greedy identical: {r['greedy_identical']}, per round "
+              f"{vs_hf}greedy identical: {r['greedy_identical']}, per round "
               f"draft {r['draft_ms']} ms / verify {r['verify_ms']} ms / other {r['other_ms']} ms")
         print("accept rate per position:", r["accept_rate_per_position"])
     if args.sweep and spec_runs:
