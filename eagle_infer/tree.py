@@ -26,7 +26,7 @@ from torch import Tensor
 
 from eagle_infer.errors import UserError
 from eagle_infer.model import build_attn_mask
-from eagle_infer.sampling import SamplingParams, logits_to_probs
+from eagle_infer.sampling import SamplingParams, logits_to_probs, sample
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,7 @@ def accept_sampling(tree: DraftTree, target_logits: Tensor, params: Sequence[Sam
                 p = p / total
             if nxt is None:
                 leaves.append(node)
-                bonuses.append(int(torch.multinomial(p, 1, generator=gen)))
+                bonuses.append(int(sample(p[None], gen)[0]))
                 break
             node = nxt
     leaf = torch.tensor(leaves, device=tree.tokens.device)

@@ -169,6 +169,23 @@ def test_top_k_then_top_p():
         assert set(torch.nonzero(p).flatten().tolist()) == _smallest_prefix_reaching(row_k, 0.6)
 
 
+def test_sample_draws_each_row_from_its_distribution():
+    """CDF inversion: unnormalised rows, zero-probability tokens never drawn, frequencies right."""
+    from scipy.stats import chisquare
+
+    from eagle_infer.sampling import sample
+
+    probs = torch.tensor([[0.0, 1.0, 0.0, 0.6, 0.4, 0.0],   # sums to 2: rows need not be normalised
+                          [0.0, 0.0, 0.0, 0.0, 0.0, 3.0]])  # one token: always it
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample(probs, g) for _ in range(8000)])  # [n, 2]
+    assert (draws[:, 1] == 5).all()
+    counts = torch.bincount(draws[:, 0], minlength=6)
+    assert counts[[0, 2, 5]].sum() == 0
+    expected = probs[0, [1, 3, 4]] / probs[0].sum() * len(draws)
+    assert chisquare(counts[[1, 3, 4]].numpy(), expected.numpy()).pvalue > 1e-3
+
+
 def test_bad_sampling_params():
     for kwargs in ({"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -2}):
         with pytest.raises(UserError):
