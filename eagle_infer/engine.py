@@ -16,14 +16,13 @@ from collections.abc import Sequence
 
 import torch
 
-from eagle_infer.generate import kv_len_for, pick_tokens
+from eagle_infer.generate import join_groups, kv_len_for, pick_tokens
 from eagle_infer.model import Transformer, causal_mask
 from eagle_infer.speculative import (
     RowTable,
     Sequence_,
     SpecStats,
     check_admissible,
-    join_groups,
     prefill_rows,
 )
 

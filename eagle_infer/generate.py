@@ -50,6 +50,26 @@ def ensure_cache(model: Transformer, batch: int, seq_len: int) -> None:
                                                            max(seq_len, model.max_seq_len)))
 
 
+def join_groups(lengths: Sequence[int], max_padding: float = 0.1) -> list[list[int]]:
+    """Split sequences joining together into prefill batches: indices, shortest prompts first,
+    grouped while the right-padded batch holds at most `max_padding` more tokens than the
+    prompts. A padded token costs as much as a real one, and on a CPU one forward for 8 equal
+    prompts beats 8 forwards by only ~18% (scripts/bench_join_prefill.py), so padding is kept
+    small; on a GPU, where a short prefill is latency-bound, batching wins far more."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    total = 0
+    for i in order:
+        n = lengths[i]
+        if groups and n * (len(groups[-1]) + 1) <= (1 + max_padding) * (total + n):
+            groups[-1].append(i)
+            total += n
+        else:
+            groups.append([i])
+            total = n
+    return groups
+
+
 @torch.no_grad()
 def prefill(model: Transformer, prompts: Sequence[Sequence[int]], hidden_layers: Sequence[int] = (),
             row0: int = 0, kv_len: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -116,13 +136,18 @@ def generate(
         raise UserError(f"max_new_tokens must be > 0, got {max_new_tokens}")
     params = [params or SamplingParams()] * B if not isinstance(params, Sequence) else list(params)
     eos = set(model.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    check_fits(model, [len(p) for p in prompts], max_new_tokens)
+    # Cache rows hold the prompts shortest first, so each prefill group (join_groups) is a run
+    # of rows: one padded forward over very uneven prompts (chat data) computed mostly padding.
+    order = sorted(range(B), key=lambda i: len(prompts[i]))  # row r holds prompt order[r]
+    prompts = [prompts[i] for i in order]
+    params = [params[i] for i in order]
     lens = [len(p) for p in prompts]
-    check_fits(model, lens, max_new_tokens)
     ensure_cache(model, B, max(lens) + max_new_tokens)
     dev = model.embed_tokens.weight.device
     generators = [p.generator(dev) for p in params]
 
-    logits, _ = prefill(model, prompts)
+    logits = torch.cat([prefill(model, prompts[g[0]:g[-1] + 1], row0=g[0])[0] for g in join_groups(lens)])
     cur = torch.tensor(lens, device=dev)  # [B] tokens in the cache so far
     outputs: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
@@ -133,7 +158,7 @@ def generate(
                 continue
             t = int(nxt[b])
             outputs[b].append(t)
-            stop = on_token(b, t) if on_token else False
+            stop = on_token(order[b], t) if on_token else False
             if t in eos or stop or len(outputs[b]) >= max_new_tokens:
                 done[b] = True
         if all(done):
@@ -143,7 +168,10 @@ def generate(
         logits, _ = forward(nxt[:, None], cur[:, None], cur[:, None], causal_mask(cur, 1, kv))
         logits = logits[:, 0]
         cur = cur + 1
-    return outputs
+    by_prompt: list[list[int]] = [[] for _ in range(B)]
+    for r, i in enumerate(order):
+        by_prompt[i] = outputs[r]
+    return by_prompt
 
 
 # ---------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from eagle_infer.errors import UserError
-from eagle_infer.generate import check_fits, kv_len_for, prefill
+from eagle_infer.generate import check_fits, join_groups, kv_len_for, prefill
 from eagle_infer.heads import DraftHead
 from eagle_infer.model import Transformer, build_attn_mask
 from eagle_infer.sampling import SamplingParams, next_token
@@ -162,26 +162,6 @@ def check_admissible(target: Transformer, seq: Sequence_, room: int, what: str =
     if P + seq.max_new_tokens > room:
         raise UserError(f"prompt of {P} tokens + max_new_tokens {seq.max_new_tokens} exceeds the "
                         f"context of {room} tokens available to {what}")
-
-
-def join_groups(lengths: Sequence[int], max_padding: float = 0.1) -> list[list[int]]:
-    """Split sequences joining together into prefill batches: indices, shortest prompts first,
-    grouped while the right-padded batch holds at most `max_padding` more tokens than the
-    prompts. A padded token costs as much as a real one, and on a CPU one forward for 8 equal
-    prompts beats 8 forwards by only ~18% (scripts/bench_join_prefill.py), so padding is kept
-    small; on a GPU, where a short prefill is latency-bound, batching wins far more."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    groups: list[list[int]] = []
-    total = 0
-    for i in order:
-        n = lengths[i]
-        if groups and n * (len(groups[-1]) + 1) <= (1 + max_padding) * (total + n):
-            groups[-1].append(i)
-            total += n
-        else:
-            groups.append([i])
-            total = n
-    return groups
 
 
 def prefill_rows(target: Transformer, seqs: Sequence[Sequence_], row0: int, kv_len: int,

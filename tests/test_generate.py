@@ -55,6 +55,27 @@ def test_batched_equals_one_by_one(default_model_fp32, chat_ids, tokenizer):
         assert out == generate(default_model_fp32, [p], 20)[0]
 
 
+def test_uneven_prompts_prefill_in_length_groups(tiny_models, monkeypatch):
+    """Chat prompts differ wildly in length: the prefill runs one forward per group of similar
+    lengths instead of padding every prompt to the longest, and outputs stay in prompt order."""
+    model, _ = tiny_models("llama")
+    prompts = [list(range(5, 125)), [5, 6, 7], list(range(9, 129)), [9, 10, 11]]
+    alone = [generate(model, [p], 5, eos_token_ids=[])[0] for p in prompts]
+    shapes = []
+    forward = type(model).forward
+
+    def record(self, tokens, *a, **kw):
+        shapes.append(tuple(tokens.shape))
+        return forward(self, tokens, *a, **kw)
+
+    monkeypatch.setattr(type(model), "forward", record)
+    outs = generate(model, prompts, 5, eos_token_ids=[])
+    assert outs == alone
+    prefill_tokens = sum(b * t for b, t in shapes if t > 1)
+    assert prefill_tokens <= 1.1 * sum(len(p) for p in prompts)  # one padded batch: 4 x 120 = 480
+    assert sorted(shapes[:2]) == [(2, 3), (2, 120)]
+
+
 def test_max_new_tokens_eos_and_stop_callback(tiny_models):
     model, _ = tiny_models("llama")
     prompt = [5, 6, 7, 8]

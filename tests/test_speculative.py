@@ -291,7 +291,7 @@ def test_spec_stats_histogram_merges_and_gives_tau_and_rates():
 
 
 def test_join_groups_partition_by_length_with_bounded_padding():
-    from eagle_infer.speculative import join_groups
+    from eagle_infer.generate import join_groups
 
     lengths = [40, 60, 80, 50, 70, 90, 30, 64, 500, 7]
     groups = join_groups(lengths)
