@@ -17,6 +17,10 @@ otherwise, so that evaluation sees the sequences greedy decoding produces):
 2. The conversation is rendered with the chat template and a loss mask (assistant tokens),
    cut to ``data.max_length``, and run teacher-forced through the target once (batched, right
    padded) to record the final normed hidden state and the EAGLE-3 aux states per token.
+   With ``capture.store_states=false`` (online mode) this step is skipped: shards keep tokens
+   and loss masks only, and training / evaluation run the same forward per batch
+   (`OnlineStates`). A teacher-forced capture (``capture.regenerate=false``) is then
+   tokenization alone, with no target loaded.
 3. Samples are written in shards (see `eagle_train.shards`); each shard and then the manifest
    are replaced atomically, so a capture killed at any moment and started again loses and
    duplicates nothing: ids already in the manifest (stored or skipped) are not redone.
@@ -109,6 +113,8 @@ def content_settings(cfg: DictConfig, aux_layers: list[int], split: str = "train
         "dtype": str(c.dtype),
         "store_dtype": str(c.store_dtype),
         "aux_layer_ids": list(aux_layers),
+        # Left out when on, so captures made before the option existed still resume.
+        **({} if store_states_of(cfg) else {"store_states": False}),
         "seed": int(cfg.seed),
         "data": {
             "source": str(cfg.data.source),
@@ -118,6 +124,10 @@ def content_settings(cfg: DictConfig, aux_layers: list[int], split: str = "train
             "max_length": cfg.data.max_length,
         },
     }
+
+
+def store_states_of(cfg: DictConfig) -> bool:
+    return bool(_sel(cfg, "capture.store_states", True))
 
 
 def heldout_limit(cfg: DictConfig) -> int | None:
@@ -241,14 +251,18 @@ class Stats:
 
 
 class Capturer:
-    def __init__(self, cfg: DictConfig, model, tokenizer, aux_layers: list[int]):
+    """`model` may be None when nothing needs the target (teacher-forced and online mode)."""
+
+    def __init__(self, cfg: DictConfig, model, tokenizer, aux_layers: list[int], config=None):
         self.cfg = cfg
         self.model = model
         self.tok = tokenizer
         self.aux = aux_layers
-        self.N = model.config.num_layers
+        mc = config if config is not None else model.config
+        self.N = mc.num_layers
         self.store_dtype = store_dtype(str(cfg.capture.store_dtype))
-        self.context = min(int(cfg.model.context_length or 1 << 30), model.config.max_position_embeddings)
+        self.store_states = store_states_of(cfg)
+        self.context = min(int(cfg.model.context_length or 1 << 30), mc.max_position_embeddings)
         self.max_length = cfg.data.max_length
         self.max_new = int(cfg.capture.max_new_tokens_per_turn)
         if self.max_new <= 0:
@@ -256,12 +270,13 @@ class Capturer:
         self.batch_size = int(cfg.capture.batch_size)
         if self.batch_size <= 0:
             raise UserError(f"capture.batch_size must be > 0, got {self.batch_size}")
-        self.eos = eos_ids(model.config, tokenizer, getattr(model, "source_path", None))
+        self.eos = eos_ids(mc, tokenizer, getattr(model, "source_path", None))
         self.stats = Stats()
         # A cache of fixed size keeps attention shapes (and so the numbers) identical whether a
         # capture runs in one go or is resumed: the same seed gives the same data.
         limit = self.context if self.max_length is None else min(self.context, int(self.max_length))
-        model.setup_cache(self.batch_size, min(self.context, limit + self.max_new))
+        if model is not None:
+            model.setup_cache(self.batch_size, min(self.context, limit + self.max_new))
 
     # -- generation ----------------------------------------------------------------------
     def regenerate(self, jobs: list[Job], skipped: list[dict], temperature: float) -> list[Job]:
@@ -348,9 +363,6 @@ class Capturer:
     @torch.no_grad()
     def forward(self, seqs: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Teacher-forced hidden states per sequence: (final [T, H], aux [T, k*H] or None)."""
-        from eagle_infer.generate import ensure_cache, kv_len_for
-        from eagle_infer.model import causal_mask
-
         model = self.model
         dev = model.embed_tokens.weight.device
         results: list[Any] = [None] * len(seqs)
@@ -365,15 +377,10 @@ class Capturer:
             idx = order[i:j]
             T = max(len(seqs[k]) for k in idx)
             B = len(idx)
-            ensure_cache(model, B, T)
             tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
             for b, k in enumerate(idx):
                 tokens[b, : len(seqs[k])] = torch.tensor(seqs[k], dtype=torch.long)
-            pos = torch.arange(T, device=dev)[None].expand(B, T)
-            mask = causal_mask(torch.zeros(B, dtype=torch.long, device=dev), T,
-                               kv_len_for(T, model.max_seq_len))
-            _, hidden = model(tokens, pos, pos, mask, hidden_layers=[*self.aux, self.N],
-                              compute_logits=False)
+            hidden = teacher_forced_states(model, tokens, [*self.aux, self.N])
             final = hidden[-1]
             aux = torch.cat(hidden[:-1], dim=-1) if self.aux else None
             for b, k in enumerate(idx):
@@ -396,14 +403,66 @@ class Capturer:
                 skipped.append({"id": job.sid, "reason": str(e)})
         if not rendered:
             return []
-        t0 = time.perf_counter()
-        states = self.forward([ids for _, ids, _ in rendered])
-        self.stats.fwd_time += time.perf_counter() - t0
+        if self.store_states:
+            t0 = time.perf_counter()
+            states = self.forward([ids for _, ids, _ in rendered])
+            self.stats.fwd_time += time.perf_counter() - t0
+        else:  # online mode: training runs the target for them
+            states = [(None, None)] * len(rendered)
         samples = []
         for (job, ids, mask), (hid, aux) in zip(rendered, states):
             samples.append({"sample_id": job.sid, "input_ids": ids, "loss_mask": mask, "hidden": hid,
                             "aux": aux, "messages": job.messages, "truncated": any(job.truncated)})
         return samples
+
+
+@torch.no_grad()
+def teacher_forced_states(model, tokens: torch.Tensor, hidden_layers: Sequence[int]) -> list[torch.Tensor]:
+    """One forward of the target over right-padded tokens [B, T]: the hidden states [B, T, H] of
+    `hidden_layers` (HF indices). What capture stores and what online mode computes."""
+    from eagle_infer.generate import ensure_cache, kv_len_for
+    from eagle_infer.model import causal_mask
+
+    B, T = tokens.shape
+    ensure_cache(model, B, T)
+    pos = torch.arange(T, device=tokens.device)[None].expand(B, T)
+    mask = causal_mask(torch.zeros(B, dtype=torch.long, device=tokens.device), T,
+                       kv_len_for(T, model.max_seq_len))
+    _, hidden = model(tokens, pos, pos, mask, hidden_layers=list(hidden_layers), compute_logits=False)
+    return hidden
+
+
+class OnlineStates:
+    """Online mode: the states a capture would have stored, computed for a batch of a capture
+    made with capture.store_states=false. Same forward, same dtype (the capture's), rounded to the
+    store dtype and zero on padding, so a batch is what the stored capture would have given."""
+
+    def __init__(self, model, aux_layers: Sequence[int], dtype: torch.dtype):
+        self.model = model
+        self.layers = [*aux_layers, model.config.num_layers]
+        self.has_aux = bool(aux_layers)
+        self.dtype = dtype
+
+    @classmethod
+    def for_capture(cls, manifest: dict, model_path: Any, device: torch.device,
+                    aux_layers: Sequence[int] | None = None) -> OnlineStates:
+        """Load the target in the capture's dtype; `aux_layers` (HF indices) default to the
+        capture's."""
+        from eagle_infer.loader import load_model
+
+        dtype = str((manifest.get("settings") or {}).get("dtype", "auto"))
+        model = load_model(model_path, dtype, str(device))
+        aux = (manifest.get("aux_layer_ids") or []) if aux_layers is None else aux_layers
+        return cls(model, list(aux), store_dtype(manifest["store_dtype"]))
+
+    def fill(self, batch: dict) -> dict:
+        """Add ``hidden`` [B, T, H] (and ``aux`` [B, T, k*H]) to a collated batch."""
+        pad = ~batch["attention_mask"][..., None]
+        states = teacher_forced_states(self.model, batch["input_ids"], self.layers)
+        batch["hidden"] = states[-1].to(self.dtype).masked_fill(pad, 0)
+        if self.has_aux:
+            batch["aux"] = torch.cat(states[:-1], -1).to(self.dtype).masked_fill(pad, 0)
+        return batch
 
 
 def eos_ids(model_config, tokenizer, folder: str | Path | None = None) -> set[int]:
@@ -572,6 +631,7 @@ def run(cfg: DictConfig, model=None, tokenizer=None) -> dict:
         "aux_layer_ids": aux,
         "store_dtype": str(cfg.capture.store_dtype),
         "eos_token_ids": sorted(eos_ids(mc, tok, folder)),
+        "states": store_states_of(cfg),
     }
     states = [open_split(split, d, plans[split], limits[split], content_settings(cfg, aux, split), model_info,
                          offsets[split])
@@ -584,13 +644,14 @@ def run(cfg: DictConfig, model=None, tokenizer=None) -> dict:
         if str(cfg.capture.dtype) in ("bf16", "bfloat16") and dev.type == "cpu" and not cpu_has_fast_bf16():
             log("warning: this CPU has no bf16 instructions (AVX512-BF16/AMX): capture.dtype=bf16 is "
                 "emulated and several times slower than capture.dtype=fp32 here")
-        if model is None:
+        needs_target = bool(cfg.capture.regenerate) or store_states_of(cfg)
+        if model is None and needs_target:
             t0 = time.perf_counter()
             model = load_model(folder, str(cfg.capture.dtype), resolve_device(cfg.device))
             log(f"loaded target {cfg.model.name} ({mc.num_layers} layers, hidden {mc.hidden_size}, "
                 f"{cfg.capture.dtype}) on {model.embed_tokens.weight.device} in "
                 f"{time.perf_counter() - t0:.1f}s")
-        cap = Capturer(cfg, model, tok, aux)
+        cap = Capturer(cfg, model, tok, aux, config=mc)
         stats = cap.stats
         for state in states:
             capture_split(cap, state)
@@ -602,9 +663,10 @@ def run(cfg: DictConfig, model=None, tokenizer=None) -> dict:
         f"{st.tokens:,} tokens ({st.assistant_tokens:,} assistant), {st.skipped} skipped, "
         f"{st.truncated} with an answer cut at max_new_tokens_per_turn")
     if st.samples:
+        fwd = (f"teacher-forced forward {st.tokens / max(st.fwd_time, 1e-9):.0f} tok/s" if st.fwd_time
+               else "no hidden states stored (online mode: train and eval compute them)")
         log(f"  generated {st.gen_tokens:,} tokens at {st.gen_tokens / max(st.gen_time, 1e-9):.1f} tok/s; "
-            f"teacher-forced forward {st.tokens / max(st.fwd_time, 1e-9):.0f} tok/s; stored "
-            f"{st.tokens / el:.1f} tok/s overall; {st.bytes / 2**20:.1f} MiB written")
+            f"{fwd}; stored {st.tokens / el:.1f} tok/s overall; {st.bytes / 2**20:.1f} MiB written")
     for split, m in manifests.items():
         t = m["totals"]
         log(f"  {split}: {t['samples']} samples, {t['tokens']:,} tokens ({t['assistant_tokens']:,} "

@@ -138,8 +138,9 @@ def plot_eval(result: dict, records: list[dict], path: Path, title: str) -> Path
 
 
 def evaluate_head(head, target, dataset, unroll_steps: int, num_samples: int | None, batch_size: int,
-                  max_length: int, device: torch.device) -> dict:
-    """Acceptance statistics of `head` on the first num_samples items of `dataset`."""
+                  max_length: int, device: torch.device, online=None) -> dict:
+    """Acceptance statistics of `head` on the first num_samples items of `dataset`; `online`
+    (an OnlineStates) computes the target states of a capture that stored none."""
     n = len(dataset) if num_samples is None else min(int(num_samples), len(dataset))
     collate = make_collate(max_length, keep_aux=head.eagle3)
     stats = AcceptanceStats(unroll_steps)
@@ -148,6 +149,8 @@ def evaluate_head(head, target, dataset, unroll_steps: int, num_samples: int | N
     for i in range(0, n, batch_size):
         batch = collate([dataset[j] for j in range(i, min(n, i + batch_size))])
         batch = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        if online is not None:
+            batch = online.fill(batch)
         tokens += int(batch["attention_mask"].sum())
         match, valid, lead = leading_matches(head, batch, w, unroll_steps)
         stats.add(match, valid, lead)
@@ -194,7 +197,13 @@ def run(cfg: DictConfig) -> dict:
     head = load_head(hpath, target.config, target.embed_tokens, target.lm_head_weight, dtype=torch.float32)
     capture_dir = abspath(cfg.capture_dir)
     ds = CaptureDataset(capture_dir, split="heldout", model=target.config, require_aux=head.eagle3)
-    if head.eagle3:
+    online = None
+    if not ds.has_states:  # online mode: any layers the head reads can be computed
+        from eagle_train.capture import OnlineStates
+
+        online = OnlineStates.for_capture(ds.manifest, sel(cfg, "model.path", "default"), device,
+                                          aux_layers=head.config.aux_hidden_indices if head.eagle3 else [])
+    elif head.eagle3:
         have = list(ds.aux_layer_ids)
         if have != head.config.aux_hidden_indices:
             raise UserError(f"head {hpath} reads target hidden states {head.config.aux_hidden_indices} but "
@@ -207,7 +216,8 @@ def run(cfg: DictConfig) -> dict:
         raise UserError(f"eval.unroll={K}: must be >= 1")
     result = evaluate_head(head, target, ds, K, sel(cfg, "eval.num_samples"),
                            int(sel(cfg, "eval.batch_size", 4)),
-                           int(sel(cfg, "eval.max_length", sel(cfg, "train.max_length", 2048))), device)
+                           int(sel(cfg, "eval.max_length", sel(cfg, "train.max_length", 2048))), device,
+                           online)
     result.update({"head": str(hpath), "kind": head.config.kind, "capture": str(ds.path),
                    "heldout_answers": heldout_answers(ds.manifest.get("settings") or {}),
                    "model": str(sel(cfg, "model.name", "")), "seconds": round(time.perf_counter() - t0, 2),

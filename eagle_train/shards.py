@@ -19,6 +19,11 @@ One shard = a group of samples (conversations), their tokens concatenated:
     offsets      [n+1] int64    sample i owns tokens offsets[i]:offsets[i+1]
     sample_ids   [n] int64      source conversation index (in the loaded data set)
 
+A capture made with ``capture.store_states=false`` (online mode) stores no ``hidden`` / ``aux``
+(manifest ``states: false``): training and evaluation run the target for them per batch
+(`eagle_train.capture.OnlineStates`), which trades disk (about 4.6 KB a token for SmolLM2 with
+aux states in bf16, 32 KB for a Llama-3-8B target) for one target forward per batch and epoch.
+
 The safetensors metadata carries the rendered conversations (``conversations``: JSON list of
 message lists) so a sample can be inspected or re-prompted. Tokens are concatenated rather than
 stored per sample so a shard has six tensors whatever its size, and a sample is a slice:
@@ -114,10 +119,11 @@ def write_shard(path: Path, samples: Sequence[dict], dtype: torch.dtype,
     tensors = {
         "input_ids": ids,
         "loss_mask": mask,
-        "hidden": torch.cat([s["hidden"].to(dtype) for s in samples]).contiguous(),
         "offsets": offsets,
         "sample_ids": torch.tensor([s["sample_id"] for s in samples], dtype=torch.int64),
     }
+    if samples[0].get("hidden") is not None:  # None: online mode, tokens only
+        tensors["hidden"] = torch.cat([s["hidden"].to(dtype) for s in samples]).contiguous()
     if samples[0].get("aux") is not None:
         tensors["aux"] = torch.cat([s["aux"].to(dtype) for s in samples]).contiguous()
     meta = {"format": FORMAT_NAME,
@@ -141,7 +147,7 @@ def write_shard(path: Path, samples: Sequence[dict], dtype: torch.dtype,
 
 def new_manifest(split: str, *, model_name: str, hidden_size: int, vocab_size: int, num_layers: int,
                  aux_layer_ids: Sequence[int], store_dtype: str, eos_token_ids: Sequence[int],
-                 settings: dict, model_path: str = "") -> dict:
+                 settings: dict, model_path: str = "", states: bool = True) -> dict:
     """An empty manifest for one split of a capture (`commit` fills it shard by shard)."""
     manifest = {
         "format": FORMAT_NAME,
@@ -155,6 +161,7 @@ def new_manifest(split: str, *, model_name: str, hidden_size: int, vocab_size: i
         "aux_layer_ids": [int(i) for i in aux_layer_ids],  # aux = these states concatenated
         "hidden_layer_id": int(num_layers),  # `hidden` = the final normed state
         "store_dtype": store_dtype,
+        "states": bool(states),  # false: tokens and masks only (online mode)
         "eos_token_ids": sorted(int(i) for i in eos_token_ids),
         "settings": settings,
         "limit": None,
@@ -230,7 +237,8 @@ class CaptureDataset(torch.utils.data.Dataset):
     model. Items are dicts::
 
         input_ids  [T] int64     loss_mask [T] bool
-        hidden     [T, H]        aux       [T, k*H] (only when the capture kept aux states)
+        hidden     [T, H]        aux       [T, k*H] (only when the capture kept aux states;
+                                           neither in an online-mode capture, see has_states)
         sample_id  int           index     int (position in this dataset)
 
     Tensors keep the store dtype (bf16 by default); files are memory-mapped and opened lazily
@@ -273,6 +281,7 @@ class CaptureDataset(torch.utils.data.Dataset):
         self.vocab_size = m["vocab_size"]
         self.aux_layer_ids = list(m.get("aux_layer_ids") or [])
         self.dtype = store_dtype(m["store_dtype"])
+        self.has_states = bool(m.get("states", True))  # False: online mode, tokens only
         self._shards: list[str] = []
         self._index: list[tuple[int, int]] = []  # (shard, row within the shard)
         self.sample_ids: list[int] = []
@@ -343,12 +352,13 @@ class CaptureDataset(torch.utils.data.Dataset):
         item = {
             "input_ids": h.get_slice("input_ids")[a:b].long(),
             "loss_mask": h.get_slice("loss_mask")[a:b].bool(),
-            "hidden": h.get_slice("hidden")[a:b],
             "sample_id": self.sample_ids[i],
             "index": i,
         }
-        if self.aux_layer_ids:
-            item["aux"] = h.get_slice("aux")[a:b]
+        if self.has_states:
+            item["hidden"] = h.get_slice("hidden")[a:b]
+            if self.aux_layer_ids:
+                item["aux"] = h.get_slice("aux")[a:b]
         return item
 
     def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -386,16 +396,18 @@ class CaptureSet(torch.utils.data.ConcatDataset):
         parts = [CaptureDataset(p, **kw) for p in paths]
         first = parts[0]
         for p in parts[1:]:
-            for key in ("hidden_size", "vocab_size", "aux_layer_ids", "dtype"):
+            for key in ("hidden_size", "vocab_size", "aux_layer_ids", "dtype", "has_states"):
                 if getattr(p, key) != getattr(first, key):
                     raise UserError(f"captures {first.path} and {p.path} differ in {key} "
                                     f"({getattr(first, key)} vs {getattr(p, key)}): train on captures "
-                                    f"of one target with the same capture.aux_layers and store_dtype")
+                                    f"of one target with the same capture.aux_layers, store_dtype "
+                                    f"and store_states")
         super().__init__(parts)
         self.parts = parts
         self.path = first.path
         self.hidden_size, self.vocab_size = first.hidden_size, first.vocab_size
         self.aux_layer_ids, self.dtype = first.aux_layer_ids, first.dtype
+        self.has_states = first.has_states
         self.manifest = merged_manifest([p.manifest for p in parts])
 
     @property

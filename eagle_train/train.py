@@ -525,6 +525,13 @@ class TrainRecipe:
             log(f"warning: capture {where} is incomplete; training on the {len(self.dataset)} "
                 f"samples captured so far")
         self.manifest = self.dataset.manifest
+        self.online = None
+        if not self.dataset.has_states:  # online mode: the target computes each batch's states
+            from eagle_train.capture import OnlineStates
+
+            self.online = OnlineStates.for_capture(
+                self.manifest, sel(cfg, "model.path", "default"), self.device,
+                aux_layers=None if self.kind == "eagle3" else [])
 
         head = build_head(cfg, self.target, self.manifest).to(self.device)
         self.loss_kw = loss_settings(cfg)
@@ -598,7 +605,8 @@ class TrainRecipe:
                 f"({n_tok:,} tokens, {self.dataset.num_assistant_tokens:,} assistant); "
                 f"{self.total_steps} steps of {self.batch_size}x{world}x{self.grad_accum} sequences "
                 f"(max {self.max_length} tokens), ttt steps {self.steps_ttt}, mixed precision "
-                f"{self.mixed_precision}, {world} process(es)")
+                f"{self.mixed_precision}, {world} process(es)"
+                + (", target states computed online" if self.online else ""))
         self.wandb = self._init_wandb() if self.is_main else None
 
     def _init_wandb(self):
@@ -679,6 +687,8 @@ class TrainRecipe:
             for batch in self._loader(self.micro, stop_micro):
                 batch = {k: (v.to(self.device, non_blocking=True) if isinstance(v, Tensor) else v)
                          for k, v in batch.items()}
+                if self.online is not None:
+                    batch = self.online.fill(batch)
                 n_tok = int(batch["attention_mask"].sum())
                 with acc.accumulate(model):
                     loss, stats = model(batch)

@@ -257,3 +257,43 @@ def test_capture_offset_takes_a_disjoint_slice(reference_capture, tmp_path, defa
     with pytest.raises(UserError, match="capture.offset=10000 passes over all"):
         capture.run(compose([*over[:-2], "capture.offset=10000", f"workdir={tmp_path / 'x'}"]),
                     model=default_model_fp32, tokenizer=tokenizer)
+
+
+def test_online_capture_stores_tokens_only_and_online_states_match(reference_capture, tmp_path, monkeypatch,
+                                                                   default_model_fp32, tokenizer):
+    """capture.store_states=false: the same samples, tokens and masks only; OnlineStates gives a
+    training batch the states the stored capture holds. A teacher-forced one loads no target."""
+    from eagle_train import capture
+    from eagle_train.shards import CaptureDataset, pad_collate
+    from eagle_train.train import make_collate
+
+    cfg, _ = reference_capture
+    online_cfg = compose([*CAPTURE_OVERRIDES, "capture.store_states=false", f"workdir={tmp_path / 'on'}"])
+    capture.run(online_cfg, model=default_model_fp32, tokenizer=tokenizer)
+    stored, online = CaptureDataset(cfg.capture_dir), CaptureDataset(online_cfg.capture_dir)
+    assert online.manifest["states"] is False and stored.manifest["states"] is True
+    assert not online.has_states and online.aux_layer_ids == stored.aux_layer_ids
+    assert online.manifest["settings"]["store_states"] is False
+    assert len(online) == len(stored)
+    for i in range(len(stored)):
+        a, b = stored[i], online[i]
+        assert "hidden" not in b and "aux" not in b
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+    assert online.manifest["totals"]["bytes"] < stored.manifest["totals"]["bytes"] / 50
+
+    states = capture.OnlineStates(default_model_fp32, online.aux_layer_ids, online.dtype)
+    batch = states.fill(make_collate(512, keep_aux=True)([online[i] for i in range(len(online))]))
+    want = pad_collate([stored[i] for i in range(len(stored))])
+    torch.testing.assert_close(batch["hidden"], want["hidden"], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(batch["aux"], want["aux"], atol=1e-3, rtol=1e-4)
+    assert not batch["hidden"][~batch["attention_mask"]].any()  # zero on padding, as stored batches
+
+    # A stored capture is not resumed as an online one (nor the reverse).
+    with pytest.raises(UserError, match=r"other settings \(store_states: None -> False\)"):
+        capture.run(compose([*CAPTURE_OVERRIDES, "capture.store_states=false", f"workdir={cfg.workdir}"]))
+    # Teacher-forced and online: tokenization only, no target loaded.
+    monkeypatch.setattr("eagle_infer.loader.load_model", lambda *a, **k: pytest.fail("target loaded"))
+    tf = compose([*CAPTURE_OVERRIDES, "capture.store_states=false", "capture.regenerate=false",
+                  f"workdir={tmp_path / 'tf'}"])
+    out = capture.run(tf, tokenizer=tokenizer)
+    assert out["manifests"]["train"]["complete"] and out["manifests"]["train"]["totals"]["samples"] == 4

@@ -557,6 +557,61 @@ def test_extra_captures_train_on_the_union(env, tmp_path):
         CaptureSet([env["capture"], odd])
 
 
+def tokens_only_copy(src: Path, dst: Path) -> Path:
+    """An online-mode copy of a capture (train and heldout splits): tokens and masks, no states."""
+    from eagle_train.shards import HELDOUT_SUBDIR, CaptureDataset, commit, new_manifest
+
+    for split, sub in (("train", ""), ("heldout", HELDOUT_SUBDIR)):
+        ds = CaptureDataset(src, split=split)
+        out = dst / sub
+        out.mkdir(parents=True, exist_ok=True)
+        m = new_manifest(split, model_name="tiny", hidden_size=ds.hidden_size, vocab_size=VOCAB,
+                         num_layers=ds.manifest["num_layers"], aux_layer_ids=AUX, store_dtype="fp32",
+                         eos_token_ids=[2], settings={"dtype": "fp32"}, states=False)
+        items = [ds[i] for i in range(len(ds))]
+        commit(out, m, [{"input_ids": it["input_ids"], "loss_mask": it["loss_mask"], "hidden": None,
+                         "sample_id": it["sample_id"], "messages": None} for it in items], complete=True)
+    return dst
+
+
+def test_online_capture_trains_and_evaluates_like_the_stored_one(env, tmp_path):
+    """capture.store_states=false: shards hold tokens only, training and eval run the target per
+    batch, and get what the stored states give (same losses step by step, same weights, same tau)."""
+    from eagle_infer.errors import UserError
+    from eagle_train import evaluate
+    from eagle_train.shards import CaptureDataset, CaptureSet
+
+    online = tokens_only_copy(env["capture"], tmp_path / "online")
+    name = f"d2t_t2d_{DRAFT_VOCAB}.safetensors"  # the draft vocabulary lives beside the capture
+    shutil.copy(env["capture"] / name, online / name)
+    ds = CaptureDataset(online)
+    assert not ds.has_states and "hidden" not in ds[0] and "aux" not in ds[0]
+    stored_bytes = sum(f.stat().st_size for f in env["capture"].glob("shard-*"))
+    assert sum(f.stat().st_size for f in online.glob("shard-*")) < stored_bytes / 10
+    with pytest.raises(UserError, match="differ in has_states"):
+        CaptureSet([env["capture"], online])
+
+    for kind in ("eagle3", "eagle2"):
+        over = {"train.max_steps": 4, "train.save_every": 0}
+        cfg_s = make_cfg(env, tmp_path / f"stored-{kind}", kind, **over)
+        cfg_o = make_cfg(env, tmp_path / f"online-{kind}", kind, capture_dir=str(online), **over)
+        _train(cfg_s)
+        _train(cfg_o)
+        logs = [[json.loads(x) for x in (tmp_path / f"{w}-{kind}" / "head" / "train_log.jsonl").read_text()
+                 .splitlines()] for w in ("stored", "online")]
+        assert [r["loss"] for r in logs[1]] == pytest.approx([r["loss"] for r in logs[0]], rel=1e-4)
+        ps = _head_params(tmp_path / f"stored-{kind}" / "head")
+        po = _head_params(tmp_path / f"online-{kind}" / "head")
+        for k in ps:
+            torch.testing.assert_close(po[k].float(), ps[k].float(), atol=1e-2, rtol=0, msg=k)
+        # The held-out split is online too: same head, same acceptance.
+        cfg_e = make_cfg(env, tmp_path / f"online-{kind}", kind, capture_dir=str(online),
+                         head_dir=str(tmp_path / f"stored-{kind}" / "head"))
+        tau_o = evaluate.run(cfg_e)["acceptance_length"]
+        tau_s = evaluate.run(cfg_s)["acceptance_length"]
+        assert tau_o == pytest.approx(tau_s, abs=1e-6)
+
+
 def test_missing_draft_vocab_names_tokenmap_stage(env, tmp_path):
     from eagle_infer.errors import UserError
 
