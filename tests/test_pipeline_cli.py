@@ -61,7 +61,8 @@ def test_capture_stage_saves_resolved_config_beside_outputs(tmp_path, monkeypatc
     saved = yaml.safe_load((workdir / "capture" / "config.yaml").read_text())
     assert saved["workdir"] == str(workdir)
     assert saved["capture_dir"] == str(workdir / "capture")
-    assert saved["tokenmap_dir"] == str(tmp_path / "tokenmaps")
+    # The quick preset (the default) keeps its token maps in the run, never over tokenmaps/.
+    assert saved["tokenmap_dir"] == str(workdir / "tokenmaps")
     assert saved["stage"]["name"] == "capture" and saved["data"]["name"] == "mtbench_dummy"
     assert saved["capture"]["limit"] == 0 and "${" not in (workdir / "capture" / "config.yaml").read_text()
     manifest = json.loads((workdir / "capture" / "manifest.json").read_text())
