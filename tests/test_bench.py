@@ -29,6 +29,8 @@ def test_bench_speculative_report(tmp_path, default_model_fp32):
                 "draft_ms", "verify_ms", "other_ms"):
         assert key in r, key
     assert r["greedy_identical"] is True
+    assert r["greedy_agreement_spec_vs_plain"] == {"common_prefix_tokens": [6], "prompts_identical": 1,
+                                                   "prompts": 1}
     assert len(r["accept_rate_per_position"]) == 3 and r["acceptance_length"] >= 1.0
     assert [row["tree"]["eagle_topk"] for row in r["sweep"]] == [2, 1]
     assert out.with_suffix(".png").stat().st_size > 1000
