@@ -44,6 +44,7 @@ from eagle_infer.errors import UserError, cli_errors
 from eagle_infer.generate import chat_prompt_ids
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import Sequence_
+from eagle_infer.tree import TreeConfig
 
 log = logging.getLogger("eagle_infer.server")
 
@@ -779,12 +780,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "default: EAGLE3 with the reference head when it is present, else NONE")
     ap.add_argument("--speculative-draft-model-path", default=None,
                     help=f"draft head folder (default: {DEFAULT_HEAD})")
-    ap.add_argument("--speculative-num-steps", type=int, default=5)
-    ap.add_argument("--speculative-eagle-topk", type=int, default=4)
-    ap.add_argument("--speculative-num-draft-tokens", type=int, default=16)
+    tree_help = "default: 5/4/16 (steps/topk/draft tokens) on a GPU, 3/4/4 on a CPU"
+    ap.add_argument("--speculative-num-steps", type=int, default=None, help=tree_help)
+    ap.add_argument("--speculative-eagle-topk", type=int, default=None, help=tree_help)
+    ap.add_argument("--speculative-num-draft-tokens", type=int, default=None, help=tree_help)
     ap.add_argument("--speculative-token-map", default=None, help="FR-Spec token map (EAGLE-2 heads)")
-    ap.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
-                    help="default: fp32 on CPU, bf16 on CUDA")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                    help="auto = bf16 where the hardware runs it fast (CUDA, AVX512-BF16 / AMX CPUs), "
+                    "else fp32; greedy output is token-identical to plain decoding in fp32")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--context-length", type=int, default=2048)
     ap.add_argument("--max-running-requests", type=int, default=8)
@@ -794,6 +797,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--log-level", default="info")
     return ap
+
+
+def resolve_tree(args: argparse.Namespace, device_type: str) -> TreeConfig:
+    """The tree flags given, the device's default (TreeConfig.default_for) for the others."""
+    base = TreeConfig.default_for(device_type)
+    given = (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
+    return TreeConfig(*(g if g is not None else d
+                        for g, d in zip(given, (base.num_steps, base.eagle_topk, base.num_draft_tokens))))
 
 
 def resolve_draft(args: argparse.Namespace) -> tuple[str, Path | None]:
@@ -827,19 +838,17 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, Any, set[int], Serve
     from eagle_infer.default_model import DEFAULT_MODEL_NAME, resolve_model_path
     from eagle_infer.engine import PlainDecoder
     from eagle_infer.heads import load_head_for
-    from eagle_infer.loader import default_device, load_model, load_tokenizer
+    from eagle_infer.loader import default_device, load_model, load_tokenizer, resolve_dtype
     from eagle_infer.speculative import SpecDecoder
-    from eagle_infer.tree import TreeConfig
 
     if args.max_running_requests < 1:
         raise UserError("--max-running-requests must be >= 1")
     algo, head_path = resolve_draft(args)
-    tree = None
-    if algo != "NONE":  # validate the flags before the slow loading
-        tree = TreeConfig(args.speculative_num_steps, args.speculative_eagle_topk,
-                          args.speculative_num_draft_tokens)
     device = args.device or default_device()
-    dtype = args.dtype or ("fp32" if torch.device(device).type == "cpu" else "bf16")
+    # Validate the flags before the slow loading.
+    tree = None if algo == "NONE" else resolve_tree(args, torch.device(device).type)
+    dtype = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[
+        resolve_dtype(args.dtype, device)]
     folder = resolve_model_path(args.model_path)
     log.info("loading %s (%s, %s, %d CPU threads)", folder, dtype, device, torch.get_num_threads())
     target = load_model(folder, dtype, device)

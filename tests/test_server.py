@@ -29,7 +29,7 @@ from eagle_infer.speculative import Sequence_, SpecStats
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
 # A small tree (still branching) keeps rounds cheap on a busy CPU.
-SERVER_FLAGS = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "2",
+SERVER_FLAGS = ["--dtype", "fp32", "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "2",
                 "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "3",
                 "--context-length", "512", "--max-running-requests", "8", "--api-key", API_KEY]
 
@@ -473,8 +473,14 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
     args = server.build_parser().parse_args([])
     assert (args.host, args.port, args.context_length, args.max_running_requests) == (
         "127.0.0.1", 30000, 2048, 8)
-    assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (
-        5, 4, 16)
+    assert args.dtype == "auto"
+    # No tree flag: the device's tree; a flag given overrides only its own field.
+    assert server.resolve_tree(args, "cuda") == server.TreeConfig(5, 4, 16)
+    assert server.resolve_tree(args, "cpu") == server.TreeConfig(3, 4, 4)
+    one = server.build_parser().parse_args(["--speculative-num-draft-tokens", "8"])
+    assert server.resolve_tree(one, "cpu") == server.TreeConfig(3, 4, 8)
+    with pytest.raises(UserError, match="num_steps >= 1"):
+        server.resolve_tree(server.build_parser().parse_args(["--speculative-num-steps", "0"]), "cpu")
     with caplog.at_level("WARNING"):
         assert server.resolve_draft(args) == ("NONE", None)
     assert "missing" in caplog.text
