@@ -85,12 +85,24 @@ def prefill(model: Transformer, prompts: Sequence[Sequence[int]], hidden_layers:
     tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    return forward_padded(model, tokens, lens, hidden_layers, row0, kv_len)
+
+
+@torch.no_grad()
+def forward_padded(model: Transformer, tokens: torch.Tensor, lens: torch.Tensor | None = None,
+                   hidden_layers: Sequence[int] = (), row0: int = 0,
+                   kv_len: int | None = None) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """One forward from position 0 over right-padded tokens [B, T] into cache rows row0..: logits
+    [B, V] at each row's last token (lens [B]; None = no logits, as capture wants) and the hidden
+    states [B, T, H] of `hidden_layers`. What prefill and the capture's teacher-forced pass share."""
+    B, T = tokens.shape
+    dev = tokens.device
     pos = torch.arange(T, device=dev)[None].expand(B, T)
     kv_len = kv_len or kv_len_for(T, model.max_seq_len)
     mask = causal_mask(torch.zeros(B, dtype=torch.long, device=dev), T, kv_len)
-    logits, hidden = model(tokens, pos, pos, mask, logits_at=(lens - 1)[:, None], hidden_layers=hidden_layers,
-                           row0=row0)
-    return logits[:, 0], hidden
+    logits, hidden = model(tokens, pos, pos, mask, logits_at=None if lens is None else (lens - 1)[:, None],
+                           hidden_layers=hidden_layers, compute_logits=lens is not None, row0=row0)
+    return (None if logits is None else logits[:, 0]), hidden
 
 
 def pick_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],

@@ -420,16 +420,10 @@ class Capturer:
 def teacher_forced_states(model, tokens: torch.Tensor, hidden_layers: Sequence[int]) -> list[torch.Tensor]:
     """One forward of the target over right-padded tokens [B, T]: the hidden states [B, T, H] of
     `hidden_layers` (HF indices). What capture stores and what online mode computes."""
-    from eagle_infer.generate import ensure_cache, kv_len_for
-    from eagle_infer.model import causal_mask
+    from eagle_infer.generate import ensure_cache, forward_padded
 
-    B, T = tokens.shape
-    ensure_cache(model, B, T)
-    pos = torch.arange(T, device=tokens.device)[None].expand(B, T)
-    mask = causal_mask(torch.zeros(B, dtype=torch.long, device=tokens.device), T,
-                       kv_len_for(T, model.max_seq_len))
-    _, hidden = model(tokens, pos, pos, mask, hidden_layers=list(hidden_layers), compute_logits=False)
-    return hidden
+    ensure_cache(model, *tokens.shape)
+    return forward_padded(model, tokens, hidden_layers=list(hidden_layers))[1]
 
 
 class OnlineStates:
