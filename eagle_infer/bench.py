@@ -429,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
 @cli_errors
 def main(argv: list[str] | None = None) -> dict:
     from eagle_infer.default_model import resolve_model_path
-    from eagle_infer.loader import default_device, load_model, load_tokenizer, resolve_dtype
+    from eagle_infer.loader import default_device, dtype_name, load_model, load_tokenizer, resolve_dtype
 
     args = build_parser().parse_args(argv)
     if args.max_new_tokens <= 0:
@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     device = args.device or default_device()
     torch_dtype = resolve_dtype(args.dtype, device)
-    args.dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}[torch_dtype]  # report what ran
+    args.dtype = dtype_name(torch_dtype)  # report what ran
     folder = resolve_model_path(args.model_path)
     tok = load_tokenizer(folder)
     prompts = load_prompts(args.prompts, args.num_prompts, tok)

@@ -17,6 +17,11 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The short name (fp32, bf16, fp16) of a dtype resolve_dtype returns: what runs, for logs."""
+    return next(name for name in ("fp32", "bf16", "fp16") if DTYPES[name] == dtype)
+
+
 def cpu_has_fast_bf16() -> bool:
     """True on a CPU with bf16 instructions (AVX512-BF16 / AMX). Without them bf16 matmuls are
     emulated and run several times slower than fp32 (measured 3-50x on an AVX2 EPYC)."""

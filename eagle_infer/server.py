@@ -838,7 +838,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, Any, set[int], Serve
     from eagle_infer.default_model import DEFAULT_MODEL_NAME, resolve_model_path
     from eagle_infer.engine import PlainDecoder
     from eagle_infer.heads import load_head_for
-    from eagle_infer.loader import default_device, load_model, load_tokenizer, resolve_dtype
+    from eagle_infer.loader import default_device, dtype_name, load_model, load_tokenizer, resolve_dtype
     from eagle_infer.speculative import SpecDecoder
 
     if args.max_running_requests < 1:
@@ -847,8 +847,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, Any, set[int], Serve
     device = args.device or default_device()
     # Validate the flags before the slow loading.
     tree = None if algo == "NONE" else resolve_tree(args, torch.device(device).type)
-    dtype = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[
-        resolve_dtype(args.dtype, device)]
+    dtype = dtype_name(resolve_dtype(args.dtype, device))
     folder = resolve_model_path(args.model_path)
     log.info("loading %s (%s, %s, %d CPU threads)", folder, dtype, device, torch.get_num_threads())
     target = load_model(folder, dtype, device)
