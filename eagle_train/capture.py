@@ -251,18 +251,18 @@ class Stats:
 
 
 class Capturer:
-    """`model` may be None when nothing needs the target (teacher-forced and online mode)."""
+    """`model` may be None when nothing needs the target (teacher-forced and online mode);
+    `config` is its ModelConfig and `eos` its end-of-answer ids (eos_ids)."""
 
-    def __init__(self, cfg: DictConfig, model, tokenizer, aux_layers: list[int], config=None):
+    def __init__(self, cfg: DictConfig, model, tokenizer, aux_layers: list[int], config, eos: set[int]):
         self.cfg = cfg
         self.model = model
         self.tok = tokenizer
         self.aux = aux_layers
-        mc = config if config is not None else model.config
-        self.N = mc.num_layers
+        self.N = config.num_layers
         self.store_dtype = store_dtype(str(cfg.capture.store_dtype))
         self.store_states = store_states_of(cfg)
-        self.context = min(int(cfg.model.context_length or 1 << 30), mc.max_position_embeddings)
+        self.context = min(int(cfg.model.context_length or 1 << 30), config.max_position_embeddings)
         self.max_length = cfg.data.max_length
         self.max_new = int(cfg.capture.max_new_tokens_per_turn)
         if self.max_new <= 0:
@@ -270,7 +270,7 @@ class Capturer:
         self.batch_size = int(cfg.capture.batch_size)
         if self.batch_size <= 0:
             raise UserError(f"capture.batch_size must be > 0, got {self.batch_size}")
-        self.eos = eos_ids(mc, tokenizer, getattr(model, "source_path", None))
+        self.eos = set(eos)
         self.stats = Stats()
         # A cache of fixed size keeps attention shapes (and so the numbers) identical whether a
         # capture runs in one go or is resumed: the same seed gives the same data.
@@ -645,7 +645,7 @@ def run(cfg: DictConfig, model=None, tokenizer=None) -> dict:
             log(f"loaded target {cfg.model.name} ({mc.num_layers} layers, hidden {mc.hidden_size}, "
                 f"{cfg.capture.dtype}) on {model.embed_tokens.weight.device} in "
                 f"{time.perf_counter() - t0:.1f}s")
-        cap = Capturer(cfg, model, tok, aux, config=mc)
+        cap = Capturer(cfg, model, tok, aux, mc, set(model_info["eos_token_ids"]))
         stats = cap.stats
         for state in states:
             capture_split(cap, state)
