@@ -1,0 +1,273 @@
+"""The same MT-bench decoding benchmark as `python -m eagle_infer.bench`, run through vLLM for
+CPU (the engine to beat on this hardware): plain decoding and with our EAGLE heads.
+
+    python scripts/bench_vllm.py                                  # plain + shipped EAGLE-3 head, k=3
+    python scripts/bench_vllm.py --heads heads/SmolLM2-135M-Instruct-eagle3 heads/SmolLM2-135M-Instruct-eagle2 \
+        --num-speculative-tokens 3 --ours --json results/bench_vllm.json
+
+vLLM pins its own torch and transformers, so it runs in its own virtual environment
+(`scripts/vllm_env.sh` builds it once). This file plays two parts: run with the project's
+Python it tokenizes the prompts exactly as our bench does (chat template, first MT-bench
+turns), starts one vLLM worker process per configuration (the same file, `--worker`, with the
+vLLM environment's Python), and writes one JSON whose fields follow our bench's: per method
+`tokens`, `seconds`, `tokens_per_s`, `per_prompt`, plus `warmup_s` (engine start-up and first
+request, never inside tokens/s) and, with a head, `acceptance_length` (tau = accepted drafts
+per round + 1) and `accept_rate_per_position` from vLLM's own spec-decode counters
+(`vllm:spec_decode_num_drafts`, `..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos`).
+vLLM drafts chains only: k draft tokens per round. `--ours` runs our bench on the same prompts
+in the same sitting (plain, and chain drafting with the same k) and adds its numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens")
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+# ---------------------------------------------------------------------------------------
+# Worker: runs inside the vLLM environment; imports nothing of ours.
+
+
+def _spec_counts(llm) -> dict[str, object]:
+    """vLLM's spec-decode counters, summed over engines."""
+    out: dict[str, object] = {name: 0 for name in SPEC_COUNTERS}
+    per_pos: list[int] = []
+    for m in llm.get_metrics():
+        if m.name in SPEC_COUNTERS:
+            out[m.name] += m.value
+        elif m.name == PER_POS:
+            per_pos = [a + b for a, b in zip(per_pos, m.values)] if per_pos else list(m.values)
+    out[PER_POS] = per_pos
+    return out
+
+
+def run_worker(request_path: str) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    req = json.loads(Path(request_path).read_text())
+    t0 = time.perf_counter()
+    llm = LLM(model=req["model"], tokenizer=req["model"], dtype=req["dtype"], seed=0,
+              speculative_config=req["speculative_config"], enforce_eager=req["enforce_eager"],
+              max_model_len=req["max_model_len"], gpu_memory_utilization=0.3,
+              disable_log_stats=False)
+    params = SamplingParams(temperature=0.0, max_tokens=req["max_new_tokens"], ignore_eos=req["ignore_eos"])
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
+    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up, as our bench does
+    warmup_s = time.perf_counter() - t0
+
+    before = _spec_counts(llm)
+    outputs, seconds = [], []
+    for p in prompts:  # batch 1, prompt after prompt, as our bench
+        t = time.perf_counter()
+        out = llm.generate([p], params, use_tqdm=False)[0]
+        seconds.append(time.perf_counter() - t)
+        outputs.append(list(out.outputs[0].token_ids))
+    after = _spec_counts(llm)
+
+    result: dict[str, object] = {"outputs": outputs, "seconds": seconds, "warmup_s": warmup_s}
+    if req["speculative_config"]:
+        delta = {k: after[k] - before[k] for k in SPEC_COUNTERS}
+        pos = [a - b for a, b in zip(after[PER_POS], before[PER_POS] or [0] * len(after[PER_POS]))]
+        result["spec"] = {**delta, "accepted_per_pos": pos}
+    Path(req["out"]).write_text(json.dumps(result))
+    del llm
+    gc.collect()
+
+
+# ---------------------------------------------------------------------------------------
+# Driver: the project's environment.
+
+
+def vllm_python() -> str:
+    """The vLLM environment's python (built once by scripts/vllm_env.sh)."""
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "vllm_env.sh")], check=True,
+                         stdout=subprocess.PIPE, text=True).stdout
+    return out.strip().splitlines()[-1]
+
+
+def head_method(head_dir: Path) -> str:
+    """vLLM's method name for a head folder: eagle3 for EAGLE-3 configs, else eagle."""
+    cfg = json.loads((head_dir / "config.json").read_text())
+    eagle3 = ("LlamaForCausalLMEagle3" in cfg.get("architectures", [])
+              or cfg.get("speculators_model_type") == "eagle3")
+    return "eagle3" if eagle3 else "eagle"
+
+
+def run_vllm(python: str, model: str, prompts: list[list[int]], *, head: Path | None, k: int,
+             max_new_tokens: int, dtype: str, ignore_eos: bool, enforce_eager: bool,
+             threads: int | None = None, timeout: float = 1800) -> dict:
+    """One vLLM configuration in its own worker process: outputs, timings, spec counters."""
+    spec = None
+    if head is not None:
+        spec = {"method": head_method(head), "model": str(head), "num_speculative_tokens": k}
+    max_len = max(len(p) for p in prompts) + max_new_tokens + k + 8
+    with tempfile.TemporaryDirectory() as tmp:
+        req = {"model": model, "prompts": prompts, "speculative_config": spec, "dtype": dtype,
+               "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, "enforce_eager": enforce_eager,
+               "max_model_len": max(256, max_len), "out": str(Path(tmp) / "out.json")}
+        (Path(tmp) / "req.json").write_text(json.dumps(req))
+        env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+                   TOKENIZERS_PARALLELISM="false")
+        if threads:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
+        proc = subprocess.run([python, __file__, "--worker", str(Path(tmp) / "req.json")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        if proc.returncode != 0 or not Path(req["out"]).is_file():
+            raise RuntimeError(f"vLLM worker failed (exit {proc.returncode}); its output ends:\n"
+                               + proc.stdout[-4000:])
+        return json.loads(Path(req["out"]).read_text())
+
+
+def summarize(raw: dict, k: int) -> dict:
+    """Our bench's fields for one vLLM run."""
+    tokens = sum(len(o) for o in raw["outputs"])
+    secs = sum(raw["seconds"])
+    out = {"tokens": tokens, "seconds": round(secs, 4), "tokens_per_s": round(tokens / secs, 3),
+           "per_prompt": [{"tokens": len(o), "seconds": round(s, 4)}
+                          for o, s in zip(raw["outputs"], raw["seconds"])],
+           "warmup_s": round(raw["warmup_s"], 2)}
+    if "spec" in raw:
+        s = raw["spec"]
+        drafts = s["vllm:spec_decode_num_drafts"]
+        out.update({
+            "num_speculative_tokens": k,
+            "num_drafts": drafts,
+            "num_draft_tokens": s["vllm:spec_decode_num_draft_tokens"],
+            "num_accepted_tokens": s["vllm:spec_decode_num_accepted_tokens"],
+            "accepted_per_pos": s["accepted_per_pos"],
+            "acceptance_length": round(1 + s["vllm:spec_decode_num_accepted_tokens"] / drafts, 3)
+            if drafts else None,
+            "accept_rate_per_position": [round(a / drafts, 4) for a in s["accepted_per_pos"]]
+            if drafts else [],
+        })
+    return out
+
+
+def cpu_info() -> dict:
+    flags = ""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        pass
+    name = next((line.split(":", 1)[1].strip() for line in flags.splitlines()
+                 if line.startswith("model name")), platform.processor())
+    return {"cpu": name, "cpu_count": os.cpu_count(), "avx512f": " avx512f" in flags,
+            "avx512_bf16": " avx512_bf16" in flags, "amx_bf16": " amx_bf16" in flags,
+            "python": platform.python_version()}
+
+
+def run_ours(args: argparse.Namespace, head: Path | None) -> dict:
+    """Our bench on the same prompts and settings (plain; chain drafting with the same k)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "ours.json"
+        cmd = [sys.executable, "-m", "eagle_infer.bench", "--num-prompts", str(args.num_prompts),
+               "--max-new-tokens", str(args.max_new_tokens), "--dtype", args.dtype, "--no-hf",
+               "--json", str(out)]
+        if head is None:
+            cmd.append("--no-spec")
+        else:
+            cmd += ["--draft", str(head), "--num-steps", str(args.num_speculative_tokens), "--eagle-topk", "1",
+                    "--num-draft-tokens", str(args.num_speculative_tokens + 1)]
+        if args.stop_at_eos:
+            cmd.append("--stop-at-eos")
+        subprocess.run(cmd, check=True, cwd=ROOT)
+        return json.loads(out.read_text())
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--model-path", default="default", help="HF folder; 'default' = embedded SmolLM2")
+    ap.add_argument("--heads", nargs="*", default=None,
+                    help="head folders to serve in vLLM (default: the shipped EAGLE-3 head)")
+    ap.add_argument("--num-speculative-tokens", type=int, default=3)
+    ap.add_argument("--num-prompts", type=int, default=5)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--stop-at-eos", action="store_true", help="stop at EOS (default: ignore it, as our bench)")
+    ap.add_argument("--enforce-eager", action="store_true", help="skip vLLM's compilation (faster start)")
+    ap.add_argument("--no-plain", action="store_true", help="skip vLLM's plain decoding")
+    ap.add_argument("--ours", action="store_true", help="also run our bench on the same prompts")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return run_worker(args.worker)
+
+    sys.path.insert(0, str(ROOT))
+    from eagle_infer.bench import load_prompts
+    from eagle_infer.default_model import resolve_model_path
+    from eagle_infer.loader import load_tokenizer
+    from eagle_infer.shipped import shipped_dir
+
+    model = str(resolve_model_path(args.model_path))
+    tokenizer = load_tokenizer(model)
+    prompts = load_prompts(None, args.num_prompts, tokenizer)
+    heads = ([Path(h) for h in args.heads] if args.heads is not None
+             else [shipped_dir("heads") / "SmolLM2-135M-Instruct-eagle3"])
+    python = vllm_python()
+    dtype = {"bf16": "bfloat16", "fp32": "float32"}[args.dtype]
+    k = args.num_speculative_tokens
+    common = dict(max_new_tokens=args.max_new_tokens, dtype=dtype, ignore_eos=not args.stop_at_eos,
+                  enforce_eager=args.enforce_eager, k=k)
+    methods: dict[str, dict] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    runs = ([] if args.no_plain else [("vllm plain", None)]) + [(f"vllm {h.name} k{k}", h) for h in heads]
+    for name, head in runs:
+        print(f"[bench_vllm] {name} ...", file=sys.stderr, flush=True)
+        raw = run_vllm(python, model, prompts, head=head, **common)
+        methods[name] = summarize(raw, k)
+        outputs[name] = raw["outputs"]
+        print(f"[bench_vllm] {name}: {methods[name]['tokens_per_s']} tok/s"
+              + (f", tau {methods[name]['acceptance_length']}" if head else ""), file=sys.stderr)
+
+    result: dict[str, object] = {
+        "engine": "vllm-cpu 0.32.0",
+        "settings": {"model_path": model, "prompts": "MT-bench first turns", "num_prompts": len(prompts),
+                     "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": args.max_new_tokens,
+                     "dtype": args.dtype, "batch_size": 1, "greedy": True, "ignore_eos": not args.stop_at_eos,
+                     "num_speculative_tokens": k, "enforce_eager": args.enforce_eager},
+        "machine": cpu_info(),
+        "methods": methods,
+        "outputs": outputs,
+    }
+    plain = methods.get("vllm plain")
+    if plain:
+        result["plain_tokens_per_s"] = plain["tokens_per_s"]
+        for name, m in methods.items():
+            if name != "vllm plain":
+                m["speedup_vs_vllm_plain"] = round(m["tokens_per_s"] / plain["tokens_per_s"], 3)
+                m["greedy_identical_to_vllm_plain"] = outputs[name] == outputs["vllm plain"]
+    if args.ours:
+        ours_plain = run_ours(args, None)
+        result["ours"] = {"plain": ours_plain["methods"]["plain"]}
+        for h in heads:
+            r = run_ours(args, h)
+            result["ours"][f"{h.name} chain k{k}"] = {
+                "tokens_per_s": r["tokens_per_s"], "acceptance_length": r["acceptance_length"],
+                "accept_rate_per_position": r["accept_rate_per_position"],
+                "speedup_vs_ours_plain": r["speedup_vs_plain"]}
+    text = json.dumps(result, indent=1)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    print("\n".join(f"{n}: {m['tokens_per_s']} tok/s" + (f", tau {m['acceptance_length']}"
+                                                           if "acceptance_length" in m else "")
+                    for n, m in methods.items()))
+
+
+if __name__ == "__main__":
+    main()

