@@ -197,9 +197,9 @@ class DraftAttention(nn.Module):
         if isinstance(mask, UnrolledMask):
             out = unrolled_attention(q.transpose(1, 2), past_kv, k, v, mask.causal)
             return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), (k, v)
-        if self.cache is not None and slots is not None:
-            self.cache.write(slots, k, v, row0)
-            keys, values = self.cache.view(row0, B, mask.shape[-1])
+        if self.cache is not None and slots is not None:  # serving: layer 0 of a one-layer KVCache
+            keys, values = self.cache.update(0, self.cache.write_index(slots, row0), k, v, row0,
+                                             mask.shape[-1])
         else:
             keys = torch.cat([pk for pk, _ in past_kv] + [k], dim=1).transpose(1, 2)
             values = torch.cat([pv for _, pv in past_kv] + [v], dim=1).transpose(1, 2)
@@ -320,7 +320,8 @@ class DraftHead(nn.Module):
     def setup_cache(self, max_batch: int, max_seq_len: int) -> None:
         w = self.fc.weight
         c = self.config
-        self.layer.self_attn.cache = KVCache(max_batch, c.num_kv_heads, max_seq_len, c.head_dim,
+        self.layer.self_attn.cache = None  # free the old one first
+        self.layer.self_attn.cache = KVCache(1, max_batch, c.num_kv_heads, max_seq_len, c.head_dim,
                                              w.dtype, w.device)
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self._rope = None

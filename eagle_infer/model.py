@@ -1,13 +1,18 @@
 """The target model: a Llama-family / Qwen2 decoder with a static KV cache.
 
 Everything the speculative runtime asks of the target is here and nothing more:
-  * a preallocated cache [batch, kv_heads, max_seq_len, head_dim] per layer, written at
-    explicit per-token slots, with explicit per-token RoPE positions (a tree node's slot and
-    position differ: slot = prefix + node index, position = prefix + depth);
+  * one preallocated cache for all layers, [layers, 2, batch, kv_heads, max_seq_len, head_dim],
+    written at explicit per-token slots, with explicit per-token RoPE positions (a tree node's
+    slot and position differ: slot = prefix + node index, position = prefix + depth);
   * an attention mask over (new tokens x cache slots), so a whole draft tree is scored in one
     call;
   * logits only where asked, and the hidden states of the layers asked for;
-  * `keep_slots`, which moves the accepted path's cache entries to contiguous slots.
+  * `keep_slots`, which moves the accepted path's cache entries to contiguous slots (one
+    gather and one scatter over every layer at once).
+
+What depends only on the step (RoPE cos/sin at the positions, the additive attention mask,
+the cache write indices) is computed once per forward and shared by all layers: eager
+dispatch costs a few microseconds per op, and a 30-layer step is thousands of ops.
 
 Shapes: B batch, T new tokens, S cache slots (kv_len), H hidden, V vocab, D head dim.
 Hidden-state indices follow Hugging Face `output_hidden_states`: index i is the input of
@@ -19,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -137,6 +142,22 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def rope_at(cos_table: Tensor, sin_table: Tensor, positions: Tensor,
+            dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, signed sin [B, T, 1, D] at positions [B, T], for `rotate`: gathered once per step.
+    The sign of rotate-half's negated half is folded into sin (exact: -(a*b) == a*(-b))."""
+    half = cos_table.shape[-1] // 2
+    cos, sin = cos_table[positions], sin_table[positions]
+    sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)
+    return cos[:, :, None].to(dtype), sin[:, :, None].to(dtype)
+
+
+def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """apply_rope with tables from rope_at: x [B, T, heads, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([x2, x1], dim=-1) * signed_sin
+
+
 # ---------------------------------------------------------------------------------------
 # Masks
 
@@ -164,6 +185,13 @@ def causal_mask(prefix_len: Tensor, T: int, kv_len: int) -> Tensor:
     return build_attn_mask(prefix_len, tril, kv_len)
 
 
+def attn_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """Bool mask [B, T, S] -> additive mask [B, 1, T, S] (0 / -inf), built once per step:
+    SDPA would otherwise convert the bool mask in every layer."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return bias.masked_fill_(~mask, float("-inf"))[:, None]
+
+
 # ---------------------------------------------------------------------------------------
 # Modules
 
@@ -183,68 +211,89 @@ class RMSNorm(nn.Module):
 
 
 class KVCache(nn.Module):
-    def __init__(self, batch: int, kv_heads: int, max_seq_len: int, head_dim: int, dtype, device):
+    """Keys and values of every layer in one tensor, kv [layers, 2, batch, kv_heads, S, D].
+
+    A step computes its write indices once (`write_index`) and each layer writes with one
+    index_copy_; committing an accepted path (`keep`) and moving a row (`move_row`) are one or
+    two index ops over all layers at once, not two per layer.
+    """
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, max_seq_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str | None):
         super().__init__()
-        shape = (batch, kv_heads, max_seq_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        shape = (layers, 2, batch, kv_heads, max_seq_len, head_dim)
+        self.register_buffer("kv", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        # base[(l, k|v), row, head] = row index of slot 0 in the cache viewed as [-1, D]; for one
+        # layer's writes (kv[l] viewed the same way) the first two entries of dim 0 serve.
+        lk = torch.arange(2 * layers, device=device)[:, None, None]
+        rows = torch.arange(batch, device=device)[None, :, None]
+        heads = torch.arange(kv_heads, device=device)[None, None, :]
+        base = ((lk * batch + rows) * kv_heads + heads) * max_seq_len  # [2L, batch, heads]
+        self.register_buffer("base", base[..., None], persistent=False)  # [2L, batch, heads, 1]
 
-    def _flat_index(self, rows: Tensor, slots: Tensor) -> Tensor:
-        """Row-major indices into the cache viewed as [B * heads * S, D], for (row, head, slot)."""
-        H, S = self.k.shape[1], self.k.shape[2]
-        heads = torch.arange(H, device=slots.device)[None, :, None]
-        return ((rows[:, None, None] * H + heads) * S + slots[:, None, :]).reshape(-1)
+    def write_index(self, slots: Tensor, row0: int = 0) -> Tensor:
+        """Indices into one layer's cache as [-1, D] of new tokens at slots [B, T] in rows
+        row0..: [2 * B * heads * T], ordered (k|v, row, head, token) as `update` lays them out."""
+        B = slots.shape[0]
+        return (self.base[:2, row0:row0 + B] + slots[None, :, None, :]).reshape(-1)
 
-    def write(self, slots: Tensor, k: Tensor, v: Tensor, row0: int = 0) -> None:
-        """slots [B, T]; k, v [B, T, kv_heads, D]; batch row b lives in cache row row0 + b."""
-        # index_copy_ on a flat view: advanced-index assignment is ~100x slower on CPU.
-        B, D = slots.shape[0], k.shape[-1]
-        idx = self._flat_index(row0 + torch.arange(B, device=slots.device), slots)
-        self.k.view(-1, D).index_copy_(0, idx, k.transpose(1, 2).reshape(-1, D))
-        self.v.view(-1, D).index_copy_(0, idx, v.transpose(1, 2).reshape(-1, D))
+    def update(self, layer: int, index: Tensor, k: Tensor, v: Tensor, row0: int,
+               kv_len: int) -> tuple[Tensor, Tensor]:
+        """Write k, v [B, T, kv_heads, D] at `index` (write_index) of one layer; returns that
+        layer's keys and values [B, kv_heads, kv_len, D] for rows row0..row0+B-1."""
+        cache = self.kv[layer]  # [2, batch, heads, S, D]
+        D, B = cache.shape[-1], k.shape[0]
+        new = torch.stack([k, v]).transpose(2, 3)  # [2, B, heads, T, D]
+        cache.view(-1, D).index_copy_(0, index, new.reshape(-1, D))  # index_put_ is ~100x slower on CPU
+        keys, values = cache.narrow(1, row0, B).narrow(3, 0, kv_len).unbind(0)
+        return keys, values
 
     def keep(self, src: Tensor, dst: Tensor) -> None:
-        """Copy entries at slots src [B, K] to slots dst [B, K], per sequence."""
-        rows = torch.arange(src.shape[0], device=src.device)
-        si, di = self._flat_index(rows, src), self._flat_index(rows, dst)
-        for cache in (self.k, self.v):
-            flat = cache.view(-1, cache.shape[-1])
-            flat.index_copy_(0, di, flat.index_select(0, si))  # gathered first: overlap is safe
+        """Copy entries at slots src [B, K] to slots dst [B, K], per sequence, in every layer."""
+        B, D = src.shape[0], self.kv.shape[-1]
+        base = self.base[:, :B]  # [2L, B, heads, 1]
+        si, di = (base + src[None, :, None, :]).reshape(-1), (base + dst[None, :, None, :]).reshape(-1)
+        flat = self.kv.view(-1, D)
+        flat.index_copy_(0, di, flat.index_select(0, si))  # gathered first: overlap is safe
 
     def move_row(self, src: int, dst: int) -> None:
         """Copy one sequence's whole cache row (a finished sequence's row is reused)."""
-        self.k[dst].copy_(self.k[src])
-        self.v[dst].copy_(self.v[src])
+        self.kv[:, :, dst].copy_(self.kv[:, :, src])
 
-    def view(self, row0: int, B: int, kv_len: int) -> tuple[Tensor, Tensor]:
-        return self.k[row0 : row0 + B, :, :kv_len], self.v[row0 : row0 + B, :, :kv_len]
+
+class StepInputs(NamedTuple):
+    """What every layer of one forward shares, computed once per step."""
+
+    cache: KVCache
+    shape: tuple[int, int]  # (B, T)
+    cos: Tensor  # [B, T, 1, D]
+    sin: Tensor  # [B, T, 1, D], signed (rope_at)
+    bias: Tensor  # [B, 1, T, kv_len] additive mask
+    write_index: Tensor  # [2 * B * kv_heads * T] (KVCache.write_index)
+    row0: int
+    kv_len: int
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.layer = layer  # index into the shared KVCache
         q_out, kv_out = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         # q, k and v in one matmul: fewer kernel launches per layer.
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=False)
-        self.split = (q_out, kv_out, kv_out)
-        self.cache: KVCache | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor,
-                kv_len: int, row0: int) -> Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = apply_rope(q.view(B, T, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(B, T, self.n_kv, self.head_dim), cos, sin)
-        v = v.view(B, T, self.n_kv, self.head_dim)
-        assert self.cache is not None, "call setup_cache() before forward()"
-        self.cache.write(slots, k, v, row0)
-        keys, values = self.cache.view(row0, B, kv_len)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=mask[:, None], enable_gqa=self.n_kv != self.n_heads
-        )  # [B, heads, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+    def forward(self, x: Tensor, s: StepInputs) -> Tensor:
+        """x [B*T, H] -> [B*T, H]."""
+        B, T = s.shape
+        nh, nkv = self.n_heads, self.n_kv
+        qk, v = self.qkv_proj(x).view(B, T, nh + 2 * nkv, self.head_dim).split([nh + nkv, nkv], 2)
+        q, k = rotate(qk, s.cos, s.sin).split([nh, nkv], 2)  # q and k rotated together
+        keys, values = s.cache.update(self.layer, s.write_index, k, v, s.row0, s.kv_len)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=s.bias,
+                                             enable_gqa=nkv != nh)  # [B, heads, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B * T, -1))
 
 
 class MLP(nn.Module):
@@ -259,16 +308,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor,
-                kv_len: int, row0: int) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask, kv_len, row0)
+    def forward(self, x: Tensor, s: StepInputs) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), s)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -277,13 +325,14 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.max_batch = 0
         self.max_seq_len = 0
+        self.cache: KVCache | None = None
 
     def setup_cache(self, max_batch: int, max_seq_len: int) -> None:
         """Preallocate the KV cache (and RoPE tables) for up to max_batch x max_seq_len."""
@@ -292,11 +341,10 @@ class Transformer(nn.Module):
                 f"max_seq_len {max_seq_len} exceeds the model's context "
                 f"({self.config.max_position_embeddings})"
             )
-        w = self.embed_tokens.weight
-        for layer in self.layers:
-            c = self.config
-            layer.self_attn.cache = KVCache(max_batch, c.num_kv_heads, max_seq_len, c.head_dim,
-                                            w.dtype, w.device)
+        w, c = self.embed_tokens.weight, self.config
+        self.cache = None  # free the old one first
+        self.cache = KVCache(c.num_layers, max_batch, c.num_kv_heads, max_seq_len, c.head_dim,
+                             w.dtype, w.device)
         cos, sin = rope_tables(self.config, max_seq_len)
         self.register_buffer("rope_cos", cos.to(w.device), persistent=False)
         self.register_buffer("rope_sin", sin.to(w.device), persistent=False)
@@ -314,28 +362,31 @@ class Transformer(nn.Module):
         row0: int = 0,  # batch row b uses cache row row0 + b
     ) -> tuple[Tensor | None, list[Tensor]]:
         """Returns logits [B, K, V] (or None) and the hidden states asked for, each [B, T, H]."""
-        kv_len = mask.shape[-1]
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        x = self.embed_tokens(tokens)
+        assert self.cache is not None, "call setup_cache() before forward()"
+        B, T = tokens.shape
+        x = self.embed_tokens(tokens).view(B * T, -1)  # [B*T, H]: 2-D linears dispatch fewer ops
+        cos, sin = rope_at(self.rope_cos, self.rope_sin, positions, x.dtype)
+        s = StepInputs(self.cache, (B, T), cos, sin, attn_bias(mask, x.dtype),
+                       self.cache.write_index(slots, row0), row0, mask.shape[-1])
         wanted = set(hidden_layers)
         taps: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in wanted:
                 taps[i] = x
-            x = layer(x, cos, sin, slots, mask, kv_len, row0)
+            x = layer(x, s)
         x = self.norm(x)
         taps[len(self.layers)] = x
-        hidden = [taps[i] for i in hidden_layers]
+        hidden = [taps[i].view(B, T, -1) for i in hidden_layers]
         if not compute_logits:
             return None, hidden
+        x = x.view(B, T, -1)
         if logits_at is not None:
             x = torch.gather(x, 1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         return self.lm_head(x), hidden
 
     @torch.no_grad()
     def move_row(self, src: int, dst: int) -> None:
-        for layer in self.layers:
-            layer.self_attn.cache.move_row(src, dst)
+        self.cache.move_row(src, dst)
 
     @torch.no_grad()
     def keep_slots(self, src: Tensor, dst_start: Tensor) -> None:
@@ -346,8 +397,7 @@ class Transformer(nn.Module):
         never looks.
         """
         dst = dst_start[:, None] + torch.arange(src.shape[1], device=src.device)[None, :]
-        for layer in self.layers:
-            layer.self_attn.cache.keep(src, dst)
+        self.cache.keep(src, dst)
 
 
 # ---------------------------------------------------------------------------------------
