@@ -2,8 +2,8 @@
 CPU (the engine to beat on this hardware): plain decoding and with our EAGLE heads.
 
     python scripts/bench_vllm.py                                  # plain + shipped EAGLE-3 head, k=3
-    python scripts/bench_vllm.py --heads heads/SmolLM2-135M-Instruct-eagle3 heads/SmolLM2-135M-Instruct-eagle2 \
-        --num-speculative-tokens 3 --ours --json results/bench_vllm.json
+    python scripts/bench_vllm.py --heads heads/SmolLM2-135M-Instruct-eagle3 \
+        heads/SmolLM2-135M-Instruct-eagle2 --num-speculative-tokens 3 --ours --json results/bench_vllm.json
 
 vLLM pins its own torch and transformers, so it runs in its own virtual environment
 (`scripts/vllm_env.sh` builds it once). This file plays two parts: run with the project's
@@ -180,8 +180,9 @@ def run_ours(args: argparse.Namespace, head: Path | None) -> dict:
         if head is None:
             cmd.append("--no-spec")
         else:
-            cmd += ["--draft", str(head), "--num-steps", str(args.num_speculative_tokens), "--eagle-topk", "1",
-                    "--num-draft-tokens", str(args.num_speculative_tokens + 1)]
+            k = args.num_speculative_tokens
+            cmd += ["--draft", str(head), "--num-steps", str(k), "--eagle-topk", "1",
+                    "--num-draft-tokens", str(k + 1)]
         if args.stop_at_eos:
             cmd.append("--stop-at-eos")
         subprocess.run(cmd, check=True, cwd=ROOT)
@@ -198,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-prompts", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    ap.add_argument("--stop-at-eos", action="store_true", help="stop at EOS (default: ignore it, as our bench)")
+    ap.add_argument("--stop-at-eos", action="store_true",
+                    help="stop at EOS (default: ignore it, like our bench)")
     ap.add_argument("--enforce-eager", action="store_true", help="skip vLLM's compilation (faster start)")
     ap.add_argument("--no-plain", action="store_true", help="skip vLLM's plain decoding")
     ap.add_argument("--ours", action="store_true", help="also run our bench on the same prompts")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,9 @@ TINY_SEED = 1234
 
 
 def pytest_configure(config):
+    # Tests run `.venv/bin/python -m pytest` without activating the environment: put its bin/
+    # first on PATH so the CLIs they start (accelerate, deepspeed) are this interpreter's.
+    os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
     # One torch thread by default: on a small machine shared with other jobs, OpenMP threads
     # spinning against each other made the suite 5-30x slower (13 min vs 3 min measured on
     # the 2-core box under load). EAGLE_TEST_THREADS=N picks N; 0 keeps torch's default.
