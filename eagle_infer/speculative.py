@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from eagle_infer.errors import UserError
-from eagle_infer.generate import check_fits, join_groups, kv_len_for, prefill
+from eagle_infer.generate import check_fits, compile_step, join_groups, kv_bucket, kv_len_for, prefill
 from eagle_infer.heads import DraftHead
 from eagle_infer.model import Transformer, build_attn_mask
 from eagle_infer.sampling import SamplingParams, next_token
@@ -186,6 +186,7 @@ class SpecDecoder:
         self.max_batch = max_batch
         # static_kv: attend over the whole cache every call, so shapes never change (graphs).
         self.static_kv = static_kv
+        self.compiled = False
         target.setup_cache(max_batch, self.max_seq_len)
         head.setup_cache(max_batch, self.max_seq_len)
         self.layers = head.target_layers(target.config.num_layers)
@@ -218,15 +219,21 @@ class SpecDecoder:
         return logits, hidden
 
     def compile(self, mode: str | None = None) -> SpecDecoder:
-        """torch.compile both steps with full graphs and fixed shapes (kv over the whole cache).
-        On CUDA, mode="reduce-overhead" captures them as CUDA graphs."""
-        self.static_kv = True
-        self.draft_fn = torch.compile(self._draft_step, fullgraph=True, dynamic=False, mode=mode)
-        self.verify_fn = torch.compile(self._verify, fullgraph=True, dynamic=False, mode=mode)
+        """torch.compile both steps with full graphs and fixed shapes: kv_len in power-of-two
+        buckets (kv_bucket), one graph per (batch, bucket). On CPU with Inductor weight freezing;
+        on CUDA, mode="reduce-overhead" captures them as CUDA graphs."""
+        self.compiled = True
+        dev = self.device.type
+        self.draft_fn = compile_step(self._draft_step, dev, mode)
+        self.verify_fn = compile_step(self._verify, dev, mode)
         return self
 
     def kv_len(self, needed: int) -> int:
-        return self.max_seq_len if self.static_kv else kv_len_for(needed, self.max_seq_len)
+        if self.static_kv:
+            return self.max_seq_len
+        if self.compiled:
+            return kv_bucket(needed, self.max_seq_len)
+        return kv_len_for(needed, self.max_seq_len)
 
     # -- joining and leaving -----------------------------------------------------------------
 
