@@ -8,8 +8,8 @@ CPU (the engine to beat on this hardware): plain decoding and with our EAGLE hea
 vLLM pins its own torch and transformers, so it runs in its own virtual environment
 (`scripts/vllm_env.sh` builds it once). This file plays two parts: run with the project's
 Python it tokenizes the prompts exactly as our bench does (chat template, first MT-bench
-turns), starts one vLLM worker process per configuration (the same file, `--worker`, with the
-vLLM environment's Python), and writes one JSON whose fields follow our bench's: per method
+turns), starts one vLLM engine per configuration (`eagle_infer/vllm_client.py`: a worker
+process run by the vLLM environment's Python), and writes one JSON whose fields follow our bench's: per method
 `tokens`, `seconds`, `tokens_per_s`, `per_prompt`, plus `warmup_s` (engine start-up and first
 request, never inside tokens/s) and, with a head, `acceptance_length` (tau = accepted drafts
 per round + 1) and `accept_rate_per_position` from vLLM's own spec-decode counters
@@ -21,82 +21,20 @@ in the same sitting (plain, and chain drafting with the same k) and adds its num
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-                 "vllm:spec_decode_num_accepted_tokens")
-PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-
+sys.path.insert(0, str(ROOT))
+from eagle_infer.vllm_worker import PER_POS, SPEC_COUNTERS  # noqa: E402  (stdlib-only module)
 
 # ---------------------------------------------------------------------------------------
-# Worker: runs inside the vLLM environment; imports nothing of ours.
-
-
-def _spec_counts(llm) -> dict[str, object]:
-    """vLLM's spec-decode counters, summed over engines."""
-    out: dict[str, object] = {name: 0 for name in SPEC_COUNTERS}
-    per_pos: list[int] = []
-    for m in llm.get_metrics():
-        if m.name in SPEC_COUNTERS:
-            out[m.name] += m.value
-        elif m.name == PER_POS:
-            per_pos = [a + b for a, b in zip(per_pos, m.values)] if per_pos else list(m.values)
-    out[PER_POS] = per_pos
-    return out
-
-
-def run_worker(request_path: str) -> None:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    req = json.loads(Path(request_path).read_text())
-    t0 = time.perf_counter()
-    llm = LLM(model=req["model"], tokenizer=req["model"], dtype=req["dtype"], seed=0,
-              speculative_config=req["speculative_config"], enforce_eager=req["enforce_eager"],
-              max_model_len=req["max_model_len"], gpu_memory_utilization=0.3,
-              disable_log_stats=False)
-    params = SamplingParams(temperature=0.0, max_tokens=req["max_new_tokens"], ignore_eos=req["ignore_eos"])
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
-    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up, as our bench does
-    warmup_s = time.perf_counter() - t0
-
-    before = _spec_counts(llm)
-    outputs, seconds = [], []
-    for p in prompts:  # batch 1, prompt after prompt, as our bench
-        t = time.perf_counter()
-        out = llm.generate([p], params, use_tqdm=False)[0]
-        seconds.append(time.perf_counter() - t)
-        outputs.append(list(out.outputs[0].token_ids))
-    after = _spec_counts(llm)
-
-    result: dict[str, object] = {"outputs": outputs, "seconds": seconds, "warmup_s": warmup_s}
-    if req["speculative_config"]:
-        delta = {k: after[k] - before[k] for k in SPEC_COUNTERS}
-        pos = [a - b for a, b in zip(after[PER_POS], before[PER_POS] or [0] * len(after[PER_POS]))]
-        result["spec"] = {**delta, "accepted_per_pos": pos}
-    Path(req["out"]).write_text(json.dumps(result))
-    del llm
-    gc.collect()
-
-
-# ---------------------------------------------------------------------------------------
-# Driver: the project's environment.
-
-
-def vllm_python() -> str:
-    """The vLLM environment's python (built once by scripts/vllm_env.sh)."""
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "vllm_env.sh")], check=True,
-                         stdout=subprocess.PIPE, text=True).stdout
-    return out.strip().splitlines()[-1]
+# Driver (the project's environment); vLLM runs in eagle_infer/vllm_worker.py.
 
 
 def head_method(head_dir: Path) -> str:
@@ -107,29 +45,33 @@ def head_method(head_dir: Path) -> str:
     return "eagle3" if eagle3 else "eagle"
 
 
-def run_vllm(python: str, model: str, prompts: list[list[int]], *, head: Path | None, k: int,
-             max_new_tokens: int, dtype: str, ignore_eos: bool, enforce_eager: bool,
-             threads: int | None = None, timeout: float = 1800) -> dict:
+def run_vllm(model: str, prompts: list[list[int]], *, head: Path | None, k: int, max_new_tokens: int,
+             dtype: str, ignore_eos: bool, enforce_eager: bool, python: str | None = None) -> dict:
     """One vLLM configuration in its own worker process: outputs, timings, spec counters."""
+    from eagle_infer.vllm_client import VLLMEngine
+
     spec = None
     if head is not None:
         spec = {"method": head_method(head), "model": str(head), "num_speculative_tokens": k}
-    max_len = max(len(p) for p in prompts) + max_new_tokens + k + 8
-    with tempfile.TemporaryDirectory() as tmp:
-        req = {"model": model, "prompts": prompts, "speculative_config": spec, "dtype": dtype,
-               "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, "enforce_eager": enforce_eager,
-               "max_model_len": max(256, max_len), "out": str(Path(tmp) / "out.json")}
-        (Path(tmp) / "req.json").write_text(json.dumps(req))
-        env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-                   TOKENIZERS_PARALLELISM="false")
-        if threads:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
-        proc = subprocess.run([python, __file__, "--worker", str(Path(tmp) / "req.json")], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
-        if proc.returncode != 0 or not Path(req["out"]).is_file():
-            raise RuntimeError(f"vLLM worker failed (exit {proc.returncode}); its output ends:\n"
-                               + proc.stdout[-4000:])
-        return json.loads(Path(req["out"]).read_text())
+    max_len = max(256, max(len(p) for p in prompts) + max_new_tokens + k + 8)
+    params = {"temperature": 0.0, "max_tokens": max_new_tokens, "ignore_eos": ignore_eos}
+    with VLLMEngine(model, dtype=dtype, speculative_config=spec, enforce_eager=enforce_eager,
+                    max_model_len=max_len, python=python) as llm:
+        _, first_s = llm.generate(prompts[:1], [params])  # warm-up, as our bench does
+        warmup_s = llm.startup_s + first_s
+        before = llm.spec_counts()
+        outputs, seconds = [], []
+        for p in prompts:  # batch 1, prompt after prompt, as our bench
+            out, secs = llm.generate([p], [params])
+            outputs.append(out[0])
+            seconds.append(secs)
+        after = llm.spec_counts()
+    result: dict = {"outputs": outputs, "seconds": seconds, "warmup_s": warmup_s}
+    if spec:
+        delta = {k_: after[k_] - before[k_] for k_ in SPEC_COUNTERS}
+        pos = [a - b for a, b in zip(after[PER_POS], before[PER_POS] or [0] * len(after[PER_POS]))]
+        result["spec"] = {**delta, "accepted_per_pos": pos}
+    return result
 
 
 def summarize(raw: dict, k: int) -> dict:
@@ -191,7 +133,6 @@ def run_ours(args: argparse.Namespace, head: Path | None) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model-path", default="default", help="HF folder; 'default' = embedded SmolLM2")
     ap.add_argument("--heads", nargs="*", default=None,
                     help="head folders to serve in vLLM (default: the shipped EAGLE-3 head)")
@@ -206,10 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ours", action="store_true", help="also run our bench on the same prompts")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    if args.worker:
-        return run_worker(args.worker)
 
-    sys.path.insert(0, str(ROOT))
     from eagle_infer.bench import load_prompts
     from eagle_infer.default_model import resolve_model_path
     from eagle_infer.loader import load_tokenizer
@@ -220,7 +158,6 @@ def main(argv: list[str] | None = None) -> None:
     prompts = load_prompts(None, args.num_prompts, tokenizer)
     heads = ([Path(h) for h in args.heads] if args.heads is not None
              else [shipped_dir("heads") / "SmolLM2-135M-Instruct-eagle3"])
-    python = vllm_python()
     dtype = {"bf16": "bfloat16", "fp32": "float32"}[args.dtype]
     k = args.num_speculative_tokens
     common = dict(max_new_tokens=args.max_new_tokens, dtype=dtype, ignore_eos=not args.stop_at_eos,
@@ -230,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = ([] if args.no_plain else [("vllm plain", None)]) + [(f"vllm {h.name} k{k}", h) for h in heads]
     for name, head in runs:
         print(f"[bench_vllm] {name} ...", file=sys.stderr, flush=True)
-        raw = run_vllm(python, model, prompts, head=head, **common)
+        raw = run_vllm(model, prompts, head=head, **common)
         methods[name] = summarize(raw, k)
         outputs[name] = raw["outputs"]
         print(f"[bench_vllm] {name}: {methods[name]['tokens_per_s']} tok/s"

@@ -42,10 +42,9 @@ def vllm(default_model_dir, tokenizer, mtbench_prompts):
     bv = _bench_vllm()
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": m}])
                for m in mtbench_prompts[:NUM_PROMPTS]]
-    python = bv.vllm_python()
 
     def run(head: Path | None) -> dict:
-        raw = bv.run_vllm(python, str(default_model_dir), prompts, head=head, k=K, max_new_tokens=MAX_NEW,
+        raw = bv.run_vllm(str(default_model_dir), prompts, head=head, k=K, max_new_tokens=MAX_NEW,
                           dtype="float32", ignore_eos=False, enforce_eager=True)
         return {"outputs": raw["outputs"], **bv.summarize(raw, K)}
 
