@@ -123,6 +123,7 @@ class BenchResult:
     name: str
     outputs: list[list[int]] = field(default_factory=list)  # new tokens per prompt
     seconds: list[float] = field(default_factory=list)  # wall time per prompt
+    warmup_s: float = 0.0  # the untimed warm-up call (compilation included), never in tokens/s
 
     @property
     def tokens(self) -> int:
@@ -141,6 +142,7 @@ class BenchResult:
             "tokens": self.tokens,
             "seconds": round(self.total_seconds, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
+            "warmup_s": round(self.warmup_s, 3),
             "per_prompt": [{"tokens": len(o), "seconds": round(s, 4)}
                            for o, s in zip(self.outputs, self.seconds)],
         }
@@ -150,9 +152,11 @@ def time_decoding(name: str, fn: DecodeFn, prompts: Sequence[list[int]], warmup:
     """Run fn on each prompt (batch 1) and time each call, after one untimed warm-up call."""
     from tqdm.auto import tqdm
 
-    if warmup:
-        fn(list(prompts[0]))
     res = BenchResult(name)
+    if warmup:  # on the longest prompt: compiled steps then meet every cache size and kv bucket here
+        t0 = time.perf_counter()
+        fn(list(max(prompts, key=len)))
+        res.warmup_s = time.perf_counter() - t0
     for p in tqdm(prompts, desc=name, unit="prompt", leave=False, file=sys.stderr):
         t0 = time.perf_counter()
         out = fn(list(p))
@@ -206,9 +210,21 @@ class SpecRun:
     result: BenchResult
     stats: SpecStats
     tree: TreeConfig
+    decoder: object = None  # the SpecDecoder (for op counts)
 
-    def to_json(self) -> dict:
+    def to_json(self, plain_ms_per_token: float | None = None) -> dict:
+        """The run's numbers; with plain decoding's ms per token, the round's parts relative
+        to one plain step (the runtime's share of the speedup, whatever the head's tau)."""
         st, rounds = self.stats, max(1, self.stats.rounds)
+        verify_ms, draft_ms = 1e3 * st.verify_s / rounds, 1e3 * st.draft_s / rounds
+        rel = {}
+        if plain_ms_per_token:
+            rel = {"plain_ms_per_token": round(plain_ms_per_token, 3),
+                   "verify_vs_plain_step": round(verify_ms / plain_ms_per_token, 3),
+                   # num_steps draft forwards per round: num_steps - 1 tree steps + the catch-up
+                   "draft_step_vs_plain_step": round(draft_ms / self.tree.num_steps / plain_ms_per_token, 3),
+                   "round_vs_plain_step": round(1e3 * (st.draft_s + st.verify_s + st.other_s) / rounds
+                                                / plain_ms_per_token, 3)}
         return {
             "tree": {"num_steps": self.tree.num_steps, "eagle_topk": self.tree.eagle_topk,
                      "num_draft_tokens": self.tree.num_draft_tokens},
@@ -217,9 +233,11 @@ class SpecRun:
             "accept_rate_per_position": [round(r, 4)
                                          for r in st.accept_rate_per_position(self.tree.num_steps)],
             "rounds": st.rounds,
-            "draft_ms": round(1e3 * st.draft_s / rounds, 3),
-            "verify_ms": round(1e3 * st.verify_s / rounds, 3),
+            "draft_ms": round(draft_ms, 3),
+            "verify_ms": round(verify_ms, 3),
             "other_ms": round(1e3 * st.other_s / rounds, 3),
+            "warmup_s": round(self.result.warmup_s, 3),
+            **rel,
         }
 
 
@@ -244,10 +262,72 @@ def bench_spec(model, head, prompts: Sequence[list[int]], max_new_tokens: int, t
         total.merge(st)
         return out[0]
 
-    run(list(prompts[0]))  # warm-up (and compilation), not counted
+    t0 = time.perf_counter()
+    run(list(max(prompts, key=len)))  # warm-up (and compilation: every kv bucket), not counted
+    warmup_s = time.perf_counter() - t0
     total.__init__()
     res = time_decoding(name, run, prompts, warmup=False)
-    return SpecRun(res, total, tree)
+    res.warmup_s = warmup_s
+    return SpecRun(res, total, tree, dec)
+
+
+def count_aten_ops(model, head, prompt: list[int], tree: TreeConfig, rounds: int = 8) -> dict:
+    """ATen ops dispatched (eager) per plain decode step and per speculative round, the round
+    split by phase: what eager dispatch costs per token (a few us an op on a CPU), counted with a
+    TorchDispatchMode. Leaves the model's cache set up for a fresh decoder."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from eagle_infer.generate import generate
+    from eagle_infer.speculative import Sequence_, SpecDecoder
+
+    class Ops(TorchDispatchMode):
+        phase, by = "other", Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.by[self.phase] += 1
+            return func(*args, **(kwargs or {}))
+
+    ops = Ops()
+
+    def plain_ops(n: int) -> int:
+        ops.by.clear()
+        with ops:
+            generate(model, [prompt], n, eos_token_ids=[])
+        return sum(ops.by.values())
+
+    out = {"plain_step": (plain_ops(9) - plain_ops(5)) / 4}
+    if head is None:
+        return out
+    room = (rounds + 4) * (tree.num_steps + 1) + 2 * tree.num_draft_tokens
+    dec = SpecDecoder(model, head, tree, max_batch=1, max_seq_len=len(prompt) + room)
+    dec.add(Sequence_(list(prompt), SamplingParams(), (rounds + 3) * (tree.num_steps + 1), set()))
+    dec.step()  # first round: lazy set-up
+
+    def phase(obj, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+
+        def wrapped(*a, **k):
+            old, ops.phase = ops.phase, label
+            try:
+                return fn(*a, **k)
+            finally:
+                ops.phase = old
+        setattr(obj, name, wrapped)
+
+    phase(dec, "draft_fn", "draft_tree_steps")
+    phase(dec, "verify_fn", "verify")
+    phase(dec, "_draft_extend", "draft_catch_up")
+    phase(dec.target, "keep_slots", "keep_slots")
+    ops.by.clear()
+    with ops:
+        for _ in range(rounds):
+            dec.step()
+    del dec.target.keep_slots  # the instance attribute set by phase()
+    out["round"] = sum(ops.by.values()) / rounds
+    out.update({f"round_{k}": v / rounds for k, v in sorted(ops.by.items())})
+    return out
 
 
 def measure_copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5, device: str = "cpu") -> float:
@@ -305,6 +385,9 @@ def machine_info(dtype: str, device: str) -> dict:
     }
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name()
+    else:  # dtype auto is bf16 only where the CPU has these
+        info["avx512_bf16"] = torch.cpu._is_avx512_bf16_supported()
+        info["amx_tile"] = torch.cpu._is_amx_tile_supported()
     return info
 
 
@@ -391,6 +474,13 @@ def plot_sweep(runs: Sequence[SpecRun], plain_tps: float, path: str | os.PathLik
     plt.close(fig)
 
 
+def compile_default(device: str) -> bool:
+    """Whether the bench compiles its steps unless told: on a CPU, yes (fp32 on a 2-core Xeon
+    with AVX-512: the compiled plain step ran ~3x faster than eager in one process, compile time
+    apart; results/bench_mtbench_compile_*.json). On CUDA not measured here: eager unless asked."""
+    return device == "cpu"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m eagle_infer.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -414,8 +504,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--num-draft-tokens", type=int, default=16)
     sp.add_argument("--token-map", default=None, help="FR-Spec token map for an EAGLE-2 head")
     sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    sp.add_argument("--compile", action="store_true",
-                    help="torch.compile the decode step (plain) and the draft and verify steps (speculative)")
+    sp.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="torch.compile the decode step (plain) and the draft and verify steps "
+                         "(speculative), Inductor weight freezing on CPU; compile time goes to warmup_s. "
+                         "Default: on where it measured faster (see compile_default)")
+    sp.add_argument("--count-ops", action="store_true",
+                    help="also count eager ATen ops per plain step and per speculative round (by phase)")
     sp.add_argument("--sweep", action="store_true",
                     help="grid over --sweep-steps x --sweep-topk x --sweep-draft-tokens; table + PNG")
     sp.add_argument("--sweep-steps", type=int, nargs="+", default=[3, 5, 7])
@@ -457,7 +551,8 @@ def main(argv: list[str] | None = None) -> dict:
         from eagle_infer.heads import load_head_for
 
         head = load_head_for(args.draft or default_head_path("eagle3"), model)
-    results = [bench_plain(model, prompts, args.max_new_tokens, ignore_eos, args.compile)]
+    compile_steps = compile_default(device) if args.compile is None else args.compile
+    results = [bench_plain(model, prompts, args.max_new_tokens, ignore_eos, compile_steps)]
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
 
@@ -480,7 +575,7 @@ def main(argv: list[str] | None = None) -> dict:
         for t in trees:
             label = f"spec s{t.num_steps}k{t.eagle_topk}n{t.num_draft_tokens}"
             spec_runs.append(bench_spec(model, head, prompts, args.max_new_tokens, t, ignore_eos, params,
-                                        args.compile, name=label))
+                                        compile_steps, name=label))
         results.append(spec_runs[0].result)
         for path in args.token_map_sweep or []:
             from eagle_train.tokenmap import load_token_map
@@ -488,7 +583,7 @@ def main(argv: list[str] | None = None) -> dict:
             ids = None if path == "none" else load_token_map(path, model.config.vocab_size)
             head.set_token_map(ids)
             run = bench_spec(model, head, prompts, args.max_new_tokens, main_tree, ignore_eos, params,
-                             args.compile, name=f"map {Path(path).name}")
+                             compile_steps, name=f"map {Path(path).name}")
             size = len(ids) if ids is not None else model.config.vocab_size
             fr_rows.append({"token_map": path, "size": size,
                             "lm_head_us": round(1e6 * time_draft_lm_head(head), 1), **run.to_json()})
@@ -519,15 +614,22 @@ def main(argv: list[str] | None = None) -> dict:
             "prompt_lookup_num_tokens": 10,
         },
         "machine": machine_info(args.dtype, device),
+        "compiled": compile_steps,
+        "warmup_s": {r.name: round(r.warmup_s, 3) for r in results},
         "methods": {r.name: r.to_json() for r in results},
     }
+    plain = by_name["plain"]
+    plain_ms = 1e3 * plain.total_seconds / max(1, plain.tokens)  # prefill included
+    if args.count_ops:
+        report["aten_ops_eager"] = count_aten_ops(model, head, prompts[0], TreeConfig(
+            args.num_steps, args.eagle_topk, args.num_draft_tokens))
     if "hf" in by_name:
         report["greedy_agreement_plain_vs_hf"] = greedy_agreement(by_name["plain"], by_name["hf"],
                                                                   model.config.eos_token_ids)
     if spec_runs:
         main_run, plain_tps = spec_runs[0], by_name["plain"].tokens_per_s
         spec_tps = main_run.result.tokens_per_s
-        report.update(main_run.to_json())
+        report.update({k: v for k, v in main_run.to_json(plain_ms).items() if k != "warmup_s"})
         report.update({
             "tokens_per_s": round(spec_tps, 3),
             "speedup_vs_plain": round(spec_tps / plain_tps, 3) if plain_tps else None,
@@ -544,10 +646,10 @@ def main(argv: list[str] | None = None) -> dict:
             if plain_tps else None,
             "draft": str(args.draft or "reference eagle3"),
             "temperature": args.temperature,
-            "compiled": args.compile,
         })
         if args.sweep:
-            report["sweep"] = [r.to_json() | {"speedup_vs_plain": round(r.result.tokens_per_s / plain_tps, 3)}
+            report["sweep"] = [r.to_json(plain_ms)
+                               | {"speedup_vs_plain": round(r.result.tokens_per_s / plain_tps, 3)}
                                for r in spec_runs]
         if fr_rows:
             report["frspec"] = fr_rows
@@ -561,7 +663,10 @@ def main(argv: list[str] | None = None) -> dict:
         vs_hf = "" if r["speedup_vs_hf"] is None else f"{r['speedup_vs_hf']}x transformers, "
         print(f"speculative: tau {r['acceptance_length']:.2f}, {r['speedup_vs_plain']}x plain, "
               f"{vs_hf}greedy identical: {r['greedy_identical']}, per round "
-              f"draft {r['draft_ms']} ms / verify {r['verify_ms']} ms / other {r['other_ms']} ms")
+              f"draft {r['draft_ms']} ms / verify {r['verify_ms']} ms / other {r['other_ms']} ms; "
+              f"verify = {r['verify_vs_plain_step']}x and each draft step {r['draft_step_vs_plain_step']}x "
+              f"a plain step ({r['plain_ms_per_token']} ms)")
+        print(f"warm-up (compilation included, not in tokens/s): {report['warmup_s']} s")
         print("accept rate per position:", r["accept_rate_per_position"])
         agree = r["greedy_agreement_spec_vs_plain"]
         if agree and not r["greedy_identical"]:
@@ -571,6 +676,8 @@ def main(argv: list[str] | None = None) -> dict:
                   + (f" (plain vs transformers: {hf_agree})" if hf_agree else "")
                   + ("; bf16 rounding differs between a many-token verify and a one-token step: "
                      "token identity holds in fp32" if args.dtype != "fp32" else ""))
+    if "aten_ops_eager" in report:
+        print("eager ATen ops:", report["aten_ops_eager"])
     if args.sweep and spec_runs:
         print("\n| num_steps | eagle_topk | num_draft_tokens | tau | tok/s | speedup vs plain |")
         print("|---|---|---|---|---|---|")

@@ -22,12 +22,16 @@ def test_bench_speculative_report(tmp_path, default_model_fp32):
     main(["--num-prompts", "1", "--max-new-tokens", "6", "--dtype", "fp32", "--no-hf",
           "--draft", str(tmp_path / "head"), "--num-steps", "3", "--eagle-topk", "2",
           "--num-draft-tokens", "6", "--sweep", "--sweep-steps", "2", "--sweep-topk", "1",
-          "--sweep-draft-tokens", "3", "--json", str(out)])
+          "--sweep-draft-tokens", "3", "--no-compile", "--count-ops", "--json", str(out)])
     r = json.loads(out.read_text())
     for key in ("acceptance_length", "accept_rate_per_position", "tokens_per_s", "plain_tokens_per_s",
                 "hf_tokens_per_s", "speedup_vs_plain", "speedup_vs_hf", "greedy_identical",
-                "draft_ms", "verify_ms", "other_ms"):
+                "draft_ms", "verify_ms", "other_ms", "warmup_s", "verify_vs_plain_step",
+                "draft_step_vs_plain_step", "plain_ms_per_token"):
         assert key in r, key
+    assert r["compiled"] is False and r["warmup_s"]["plain"] > 0
+    ops = r["aten_ops_eager"]
+    assert ops["plain_step"] > 0 and ops["round_keep_slots"] < 40, ops  # one index op pair, all layers
     assert r["greedy_identical"] is True
     assert r["greedy_agreement_spec_vs_plain"] == {"common_prefix_tokens": [6], "prompts_identical": 1,
                                                    "prompts": 1}
