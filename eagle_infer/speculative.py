@@ -45,6 +45,17 @@ class Sequence_:
     generator: torch.Generator | None = None
     accepted: list[int] = field(default_factory=list)  # accepted drafts per round
     tag: object = None  # caller's handle (the server's request)
+    # logprobs (the server's `logprobs`): None = not asked; k = per emitted token, its log-prob
+    # under the raw target distribution and the k most likely alternatives. The decoders hand
+    # emit() the target logits they already computed (set_logits); no extra forward.
+    logprobs: int | None = None
+    token_logprobs: list[tuple[float, list[int], list[float]]] = field(default_factory=list)
+    _logits: Tensor | None = field(default=None, repr=False)
+
+    def set_logits(self, logits: Tensor) -> None:
+        """logprobs: the target's logits [n, V] in front of each of the next tokens emit() gets."""
+        if self.logprobs is not None:
+            self._logits = logits
 
     def emit(self, tokens: Sequence[int]) -> list[int]:
         """Append tokens until EOS / stop / length; returns what was actually appended."""
@@ -59,6 +70,14 @@ class Sequence_:
                 self.done, self.finish_reason = True, "stop"
             elif len(self.output) >= self.max_new_tokens:
                 self.done, self.finish_reason = True, "length"
+        if self._logits is not None and out:  # logprobs
+            lp = torch.log_softmax(self._logits[: len(out)].float(), -1)
+            chosen = lp.gather(1, torch.tensor(out, device=lp.device)[:, None])[:, 0].tolist()
+            top = lp.topk(self.logprobs, -1) if self.logprobs else None
+            for i, c in enumerate(chosen):
+                self.token_logprobs.append((c, top.indices[i].tolist() if top else [],
+                                            top.values[i].tolist() if top else []))
+        self._logits = None
         return out
 
 
@@ -173,6 +192,8 @@ def prefill_rows(target: Transformer, seqs: Sequence[Sequence_], row0: int, kv_l
     for seq in seqs:
         seq.generator = seq.params.generator(dev)
     logits, hidden = prefill(target, [s.prompt for s in seqs], hidden_layers, row0=row0, kv_len=kv_len)
+    for i, s in enumerate(seqs):
+        s.set_logits(logits[i:i + 1])  # logprobs of the first token
     return [next_token(logits[i], s.params, s.generator) for i, s in enumerate(seqs)], hidden
 
 
@@ -335,6 +356,7 @@ class SpecDecoder:
             k = int(n[b])
             seq.accepted.append(k)
             self.stats.record(k)
+            seq.set_logits(logits[b, acc.path[b, :k + 1]])  # logprobs: verify logits in front of each token
             results.append((seq, seq.emit(drafted[b][:k] + [bonus[b]])))
         self.stats.rounds += 1
         self.rows.drop_finished()
