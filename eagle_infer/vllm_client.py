@@ -39,11 +39,13 @@ class VLLMEngine:
 
     def __init__(self, model: str | os.PathLike, *, dtype: str = "float32",
                  speculative_config: dict[str, Any] | None = None, enforce_eager: bool = False,
-                 max_model_len: int = 2048, seed: int = 0, python: str | None = None):
+                 max_model_len: int = 2048, seed: int = 0, python: str | None = None,
+                 **llm_args: Any):
+        """llm_args: more `vllm.LLM` arguments (tensor_parallel_size, gpu_memory_utilization, ...)."""
         kwargs = {"model": str(model), "tokenizer": str(model), "dtype": dtype, "seed": seed,
                   "speculative_config": speculative_config, "enforce_eager": enforce_eager,
                   "max_model_len": max_model_len, "gpu_memory_utilization": 0.3,
-                  "disable_log_stats": False}
+                  "disable_log_stats": False, **llm_args}
         env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
                    TOKENIZERS_PARALLELISM="false")
         env.pop("PYTHONPATH", None)  # our packages must not shadow the vLLM environment's

@@ -74,3 +74,34 @@ def test_shipped_head_accepts_in_vllm_like_in_our_runtime(kind, vllm, default_mo
     # Same target, greedy text, head and chain length in both engines: acceptance must agree.
     tau, _ = our_chain_tau(default_model_fp32, head_dir, prompts)
     assert abs(got["acceptance_length"] - tau) <= 0.10 * tau, (kind, got["acceptance_length"], tau)
+
+
+@pytest.mark.slow
+def test_capture_regenerated_by_vllm_equals_ours(tmp_path, default_model_fp32, tokenizer):
+    """capture.backend=vllm: vLLM writes the on-policy answers (greedy here), our forward the
+    hidden states. Same greedy text as our own regeneration, so the same samples and states."""
+    import torch
+    from test_capture import CAPTURE_OVERRIDES, compose
+
+    from eagle_train import capture
+    from eagle_train.shards import CaptureDataset
+
+    over = [*CAPTURE_OVERRIDES, "capture.limit=3", "capture.max_new_tokens_per_turn=24",
+            "capture.temperature=0"]
+    ours = compose([*over, f"workdir={tmp_path / 'ours'}"])
+    theirs = compose([*over, "capture.backend=vllm", "+capture.vllm_args.enforce_eager=true",
+                      f"workdir={tmp_path / 'vllm'}"])
+    capture.run(ours, model=default_model_fp32, tokenizer=tokenizer)
+    capture.run(theirs, model=default_model_fp32, tokenizer=tokenizer)
+
+    a, b = CaptureDataset(ours.capture_dir), CaptureDataset(theirs.capture_dir)
+    assert b.manifest["settings"]["backend"] == "vllm" and "backend" not in a.manifest["settings"]
+    assert len(a) == len(b) == 3
+    for i in range(len(a)):
+        assert b.conversation(i) == a.conversation(i)
+        x, y = a[i], b[i]
+        assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
+        assert torch.allclose(x["aux"], y["aux"]) and torch.allclose(x["hidden"], y["hidden"])
+    with pytest.raises(Exception, match="backend"):  # another generator's capture is not resumed as ours
+        capture.run(compose([*over, f"workdir={tmp_path / 'vllm'}"]), model=default_model_fp32,
+                    tokenizer=tokenizer)
