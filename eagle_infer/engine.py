@@ -84,7 +84,10 @@ class PlainDecoder:
         nxt = pick_tokens(logits[:, 0], [s.params for s in self.seqs], [s.generator for s in self.seqs])
         self.L[:B] += 1
         self.last[:B] = nxt
-        results = [(seq, seq.emit([t])) for seq, t in zip(self.seqs, nxt.tolist())]
+        results = []
+        for b, (seq, t) in enumerate(zip(self.seqs, nxt.tolist())):
+            seq.set_logits(logits[b])  # logprobs (when asked): the logits this token came from
+            results.append((seq, seq.emit([t])))
         self.stats.rounds += 1
         self.rows.drop_finished()
         return results

@@ -5,8 +5,9 @@
     python -m eagle_infer.server --model-path /m/llama --speculative-algorithm EAGLE \\
         --speculative-draft-model-path /m/eagle2-head --speculative-token-map /m/freq_32k.pt
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions (both with `stream`), GET /v1/models,
-GET /health, GET /metrics (Prometheus text). Flags follow SGLang's names.
+Endpoints: POST /v1/chat/completions, POST /v1/completions (both with `stream`, `logprobs`),
+GET /v1/models, GET /health, GET /metrics (Prometheus, vLLM's names under `eagle:`, see
+metrics.py). Flags follow SGLang's names.
 
 One engine thread owns the decoder (SpecDecoder, or PlainDecoder for NONE). Between rounds it
 drops cancelled requests and admits queued ones into free rows (up to --max-running-requests);
@@ -31,17 +32,31 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from eagle_infer.api_schema import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Generation,
+    LogprobEntry,
+    chat_logprobs,
+    check_logprobs,
+    completion_logprobs,
+    engine_error,
+)
 from eagle_infer.default_model import default_head_path
+from eagle_infer.detokenize import IncrementalDetokenizer
 from eagle_infer.errors import UserError, cli_errors
 from eagle_infer.generate import chat_prompt_ids
+from eagle_infer.metrics import CONTENT_TYPE, Metrics
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import Sequence_
 from eagle_infer.tree import TreeConfig
@@ -52,138 +67,6 @@ DEFAULT_HEAD = default_head_path("eagle3")
 MAX_BODY_BYTES = 1 << 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOPS = 16
-
-
-# ---------------------------------------------------------------------------------------
-# Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type_ or ("server_error" if status >= 500 else "invalid_request_error")
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def engine_error(message: str) -> ApiError:
-    """A failure inside the engine: the request fails, the server keeps serving."""
-    return ApiError(503, message, code="engine_error")
-
-
-# ---------------------------------------------------------------------------------------
-# Request bodies (strict JSON types; unknown OpenAI fields are accepted and ignored)
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-
-
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
-
-
-class Message(_Body):
-    role: str
-    content: str | list[TextPart]
-
-
-class StreamOptions(_Body):
-    include_usage: bool = False
-
-
-class _Generation(_Body):
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # extension (SGLang / vLLM); -1 or 0 = off
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = 1
-    ignore_eos: bool = False  # extension (SGLang / vLLM), for benchmarks
-
-
-class ChatRequest(_Generation):
-    messages: list[Message]
-    max_completion_tokens: int | None = None
-
-
-class CompletionRequest(_Generation):
-    prompt: str | list[int] | list[str]
-
-
-# ---------------------------------------------------------------------------------------
-# Metrics
-
-
-class Metrics:
-    """Counters the engine thread and the handlers update; rendered in Prometheus text format."""
-
-    def __init__(self, num_steps: int):
-        self.lock = threading.Lock()
-        self.num_steps = num_steps
-        self.requests: collections.Counter[str] = collections.Counter()
-        self.prompt_tokens = self.completion_tokens = 0
-        self.engine_steps = self.spec_rounds = 0
-        self.accepted_at = [0] * num_steps  # sequence-rounds whose draft at depth d+1 was accepted
-        self.accept_len = [0] * (num_steps + 1)  # sequence-rounds that committed k+1 tokens
-
-    def request_done(self, status: int) -> None:
-        with self.lock:
-            self.requests[str(status)] += 1
-
-    def round(self, accepted: list[int], tokens: int) -> None:
-        with self.lock:
-            self.engine_steps += 1
-            self.completion_tokens += tokens
-            for k in accepted:
-                self.spec_rounds += 1
-                self.accept_len[min(k, self.num_steps)] += 1
-                for d in range(min(k, self.num_steps)):
-                    self.accepted_at[d] += 1
-
-    def render(self, queued: int, running: int) -> str:
-        out: list[str] = []
-
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            out.append(f"# HELP {name} {help_}")
-            out.append(f"# TYPE {name} {kind}")
-            out.extend(f"{name}{labels} {value}" for labels, value in samples)
-
-        with self.lock:
-            reqs = sorted(self.requests.items()) or [("200", 0)]
-            metric("eagle_requests_total", "counter", "API requests finished, by HTTP status.",
-                   [(f'{{status="{s}"}}', n) for s, n in reqs])
-            metric("eagle_prompt_tokens_total", "counter", "Prompt tokens prefilled.",
-                   [("", self.prompt_tokens)])
-            metric("eagle_completion_tokens_total", "counter", "Tokens generated.",
-                   [("", self.completion_tokens)])
-            metric("eagle_engine_steps_total", "counter",
-                   "Decode rounds run by the engine (all running requests at once).",
-                   [("", self.engine_steps)])
-            metric("eagle_spec_rounds_total", "counter", "Speculative verify rounds, counted per sequence.",
-                   [("", self.spec_rounds)])
-            metric("eagle_spec_accepted_tokens_total", "counter",
-                   "Sequence-rounds whose draft token at this depth was accepted.",
-                   [(f'{{position="{d + 1}"}}', n) for d, n in enumerate(self.accepted_at)])
-            cum, buckets = 0, []
-            for k, n in enumerate(self.accept_len):
-                cum += n
-                buckets.append((f'_bucket{{le="{k + 1}"}}', cum))
-            total = sum((k + 1) * n for k, n in enumerate(self.accept_len))
-            metric("eagle_spec_acceptance_length", "histogram",
-                   "Tokens committed per speculative round and sequence (accepted drafts + 1).",
-                   buckets + [('_bucket{le="+Inf"}', cum), ("_sum", total), ("_count", cum)])
-        metric("eagle_queue_length", "gauge", "Requests waiting for a free row.", [("", queued)])
-        metric("eagle_running_requests", "gauge", "Requests being decoded.", [("", running)])
-        return "\n".join(out) + "\n"
 
 
 # ---------------------------------------------------------------------------------------
@@ -204,37 +87,47 @@ def stop_prefix_len(text: str, stops: list[str]) -> int:
 class Job:
     """A request's sequence, its text so far, and the queue its handler reads events from.
 
-    Events: {"delta": str} while decoding; {"delta", "finish_reason", "usage"} at the end;
-    {"error": ApiError} on failure. Text is released only once it can no longer turn into a
-    stop string or an incomplete UTF-8 character; a matched stop string and what follows it are
-    cut. Everything but `cancel` runs on the engine thread.
+    Events: {"delta": str, "logprobs": [...]} while decoding; with "finish_reason" and "usage"
+    at the end; {"error": ApiError} on failure. The engine thread detokenizes each token as it
+    is emitted (incrementally, IncrementalDetokenizer) and checks stop strings on the new text
+    only, so a stop string that straddles tokens of one speculative round stops the sequence
+    right there. Text is released only once it can no longer turn into a stop string or an
+    incomplete UTF-8 character; a matched stop string and what follows it are cut. logprobs
+    travel with the text of their tokens. Everything but `cancel` runs on the engine thread.
     """
 
     def __init__(self, prompt: list[int], params: SamplingParams, max_tokens: int, stops: list[str],
-                 eos: set[int], tokenizer, loop: asyncio.AbstractEventLoop):
+                 eos: set[int], tokenizer, loop: asyncio.AbstractEventLoop, logprobs: int | None = None):
         self.id = uuid.uuid4().hex[:24]
         self.created = int(time.time())
+        self.arrival = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.last_token_at = 0.0
+        self.recorded = False  # counted in the finished-request metrics
         self.stops, self.tok, self.loop = stops, tokenizer, loop
-        self.seq = Sequence_(prompt, params, max_tokens, eos,
-                             on_token=self._on_token if stops else None, tag=self)
+        self.seq = Sequence_(prompt, params, max_tokens, eos, on_token=self._on_token, tag=self,
+                             logprobs=logprobs)
+        self.detok = IncrementalDetokenizer(tokenizer)
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.sent = 0  # characters already released
+        self.lp_sent = 0  # tokens whose logprobs were released
         self.cut: str | None = None  # the final text when a stop string matched
         self.failure: Exception | None = None
         self.finished = False  # the final event was pushed
+        self.failed = False
         self.cancelled = False
-
-    def _decode(self) -> str:
-        return self.tok.decode(self.seq.output, skip_special_tokens=True)
 
     def _on_token(self, token: int) -> bool:
         """Called by Sequence_.emit after each token: True stops the sequence."""
         try:
-            text = self._decode()
+            before = len(self.detok.text)
+            if not self.detok.add(token) or not self.stops:
+                return False
         except Exception as e:  # never let one request break the round of all of them
             self.failure = e
             return True
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        text = self.detok.text
+        hits = [i for i in (text.find(s, max(0, before - len(s) + 1)) for s in self.stops) if i >= 0]
         if hits:
             self.cut = text[: min(hits)]
             return True
@@ -269,22 +162,46 @@ class Job:
             log.exception("detokenizing request %s failed", self.id)
             self.fail(engine_error(f"decoding the output failed: {type(e).__name__}: {e}"))
 
+    def _logprob_entries(self, end: int) -> tuple[list[LogprobEntry], list[int]]:
+        """Tokens lp_sent..end-1 as (id, text, log-prob, top alternatives), and their text offsets."""
+        if self.seq.logprobs is None or end <= self.lp_sent:
+            return [], []
+        piece = lambda t: self.tok.decode([t], skip_special_tokens=False)
+        out = []
+        for i in range(self.lp_sent, end):
+            lp, top_ids, top_lps = self.seq.token_logprobs[i]
+            t = self.seq.output[i]
+            out.append((t, piece(t), lp, [(a, piece(a), v) for a, v in zip(top_ids, top_lps)]))
+        offsets = self.detok.offsets[self.lp_sent:end]
+        self.lp_sent = end
+        return out, offsets
+
     def _release(self) -> None:
+        d = self.detok
         if self.seq.done:
-            text = self.cut if self.cut is not None else self._decode()
-            self.push({"delta": text[self.sent:], "finish_reason": self.seq.finish_reason,
-                       "usage": self.usage()})
-            self.finished = True
+            if self.cut is None:
+                d.flush()
+            text = self.cut if self.cut is not None else d.text
+            # Tokens whose text starts before a stop string's cut; all of them otherwise.
+            n = len(self.seq.output) if self.cut is None else sum(o < len(text) for o in d.offsets)
+            entries, offsets = self._logprob_entries(n)
+            self.finished = True  # before the push: a handler that sees the end must not cancel
+            self.push({"delta": text[self.sent:], "logprobs": entries, "offsets": offsets,
+                       "finish_reason": self.seq.finish_reason, "usage": self.usage()})
             return
-        text = self._decode().rstrip("\ufffd")
-        text = text[: len(text) - stop_prefix_len(text, self.stops)]
-        if len(text) > self.sent:
-            self.push({"delta": text[self.sent:]})
-            self.sent = len(text)
+        end = len(d.text) - stop_prefix_len(d.text, self.stops)
+        # Tokens the detokenizer has read whose text ends within what is released.
+        n = self.lp_sent
+        while n < d.read and (d.offsets[n + 1] if n + 1 < len(d.offsets) else len(d.text)) <= end:
+            n += 1
+        entries, offsets = self._logprob_entries(n)
+        if end > self.sent or entries:
+            self.push({"delta": d.text[self.sent:end], "logprobs": entries, "offsets": offsets})
+            self.sent = max(self.sent, end)
 
     def fail(self, err: ApiError) -> None:
         if not self.finished:
-            self.finished = True
+            self.finished = self.failed = True
             self.push({"error": err})
 
 
@@ -318,6 +235,7 @@ class Engine:
             if self.stopping:
                 raise ApiError(503, "the server is shutting down", code="shutting_down")
             self.pending.append(job)
+            self.metrics.waiting.set(len(self.pending))
             self.cond.notify()
 
     def cancel(self, job: Job) -> None:
@@ -328,9 +246,11 @@ class Engine:
             job.cancelled = True
             if job in self.pending:
                 self.pending.remove(job)
+                self.metrics.waiting.set(len(self.pending))
             else:
                 self.cancels.append(job)
             self.cond.notify()
+        self.metrics.finish(job, "abort", time.perf_counter())
 
     def queued(self) -> int:
         return len(self.pending)
@@ -344,6 +264,10 @@ class Engine:
 
     # -- the engine thread -------------------------------------------------------------------
 
+    def _set_running(self) -> None:
+        self.running = len(self.dec.seqs)
+        self.metrics.running.set(self.running)
+
     def _loop(self) -> None:
         while True:
             with self.cond:
@@ -355,6 +279,7 @@ class Engine:
                 admit = []
                 while self.pending and len(admit) < self.dec.free_rows + len(cancels):
                     admit.append(self.pending.popleft())
+                self.metrics.waiting.set(len(self.pending))
             try:
                 self._iteration(cancels, admit)
             except Exception:  # a bug here must not stop the server
@@ -374,20 +299,21 @@ class Engine:
             except Exception:
                 log.exception("cancel failed")
                 self._fail_running("internal engine error")
-        self.running = len(self.dec.seqs)
+        self._set_running()
         joining: list[Job] = []
         for i, job in enumerate(admit):
             if len(joining) == self.dec.free_rows:  # (a cancel had not freed a row) back to the queue
                 with self.cond:
                     self.pending.extendleft(reversed(admit[i:]))
+                    self.metrics.waiting.set(len(self.pending))
                 break
             if self._admissible(job):
                 joining.append(job)
         self._add(joining)
-        self.running = len(self.dec.seqs)
+        self._set_running()
         if self.dec.seqs:
             self._step()
-        self.running = len(self.dec.seqs)
+        self._set_running()
 
     def _admissible(self, job: Job) -> bool:
         if job.cancelled:
@@ -417,12 +343,13 @@ class Engine:
             log.exception("prefill failed")
             jobs[0].fail(engine_error(f"prefill failed: {type(e).__name__}: {e}"))
             return
-        with self.metrics.lock:
-            for job in jobs:
-                self.metrics.prompt_tokens += len(job.seq.prompt)
-                self.metrics.completion_tokens += len(job.seq.output)
+        now = time.perf_counter()
         for job in jobs:
-            job.update()
+            self.metrics.prompt_tokens.inc(len(job.seq.prompt))
+            self.metrics.generation_tokens.inc(len(job.seq.output))
+            job.first_token_at = job.last_token_at = now
+            self.metrics.ttft.observe(now - job.arrival)
+            self._update(job, now)
 
     def _step(self) -> None:
         try:
@@ -433,8 +360,17 @@ class Engine:
             return
         accepted = [s.accepted[-1] for s, _ in results if s.accepted] if self.speculative else []
         self.metrics.round(accepted, sum(len(t) for _, t in results))
+        now = time.perf_counter()
         for seq, _ in results:
-            seq.tag.update()
+            job = seq.tag
+            self.metrics.itl.observe(now - job.last_token_at)
+            job.last_token_at = now
+            self._update(job, now)
+
+    def _update(self, job: Job, now: float) -> None:
+        job.update()
+        if job.finished and not job.failed:
+            self.metrics.finish(job, job.seq.finish_reason or "stop", now)
 
     def _fail_running(self, message: str) -> None:
         for seq in list(self.dec.seqs):
@@ -444,7 +380,7 @@ class Engine:
                 log.exception("cancel failed; dropping the batch")
                 self.dec.seqs.clear()
             seq.tag.fail(engine_error(message))
-        self.running = len(self.dec.seqs)
+        self._set_running()
 
     def _shutdown(self) -> None:
         with self.cond:
@@ -477,8 +413,8 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+def _json(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
 
 
 async def _client_gone(request: Request) -> None:
@@ -510,7 +446,7 @@ class RequestCounter:
             status[0] = 503  # what the catch-all handler answers
             raise
         finally:
-            self.metrics.request_done(status[0])
+            self.metrics.http_response(status[0])
 
 
 def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> FastAPI:
@@ -540,7 +476,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        return error_response(ApiError(422, str(exc.errors()[:1]), code="invalid_value"))
+        return error_response(ApiError(400, str(exc.errors()[:1]), code="invalid_value"))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
@@ -556,7 +492,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             raise ApiError(401, "invalid API key: pass it as 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
-    async def parse(request: Request, schema: type[_Generation]) -> _Generation:
+    async def parse(request: Request, schema: type[Generation]) -> Generation:
         check_auth(request)
         size = request.headers.get("content-length")
         if size and size.isdigit() and int(size) > MAX_BODY_BYTES:
@@ -576,19 +512,19 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             first = e.errors()[0]
             param = ".".join(str(p) for p in first["loc"] if not _is_type_tag(p)) or None
             code = "missing_field" if first["type"] == "missing" else "invalid_type"
-            raise ApiError(422, f"{param}: {first['msg']}", param=param, code=code) from None
+            raise ApiError(400, f"{param}: {first['msg']}", param=param, code=code) from None
         if req.model is not None and req.model not in cfg.model_names:
             raise ApiError(404, f"model '{req.model}' does not exist; this server serves "
                                 f"'{cfg.model_names[0]}'", param="model", code="model_not_found")
         return req
 
-    def make_job(req: _Generation, prompt: list[int], prompt_param: str, default_max: int | None) -> Job:
+    def make_job(req: Generation, prompt: list[int], prompt_param: str, default_max: int | None) -> Job:
         if req.n != 1:
             raise ApiError(400, "only n=1 is supported", param="n", code="invalid_value")
         if not prompt:
             raise ApiError(400, "the prompt is empty", param=prompt_param, code="invalid_value")
         if len(prompt) >= cfg.context:
-            raise ApiError(413, f"the prompt has {len(prompt)} tokens; the context holds {cfg.context} "
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens; the context holds {cfg.context} "
                                 f"(prompt + max_tokens)", param=prompt_param, code="context_length_exceeded")
         max_tokens = req.max_tokens
         if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
@@ -612,13 +548,15 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         if req.temperature < 0:
             raise ApiError(400, f"temperature must be >= 0, got {req.temperature}", param="temperature",
                            code="invalid_value")
+        logprobs = req.top_logprobs_asked()
+        check_logprobs(logprobs, "top_logprobs" if isinstance(req, ChatRequest) else "logprobs")
         try:
             params = SamplingParams(req.temperature, req.top_p, max(req.top_k, 0), req.seed)
         except UserError as e:
             param = next((p for p in ("top_p", "top_k") if p in str(e)), None)
             raise ApiError(400, str(e), param=param, code="invalid_value") from None
         return Job(prompt, params, max_tokens, stops, set() if req.ignore_eos else eos, engine.tokenizer,
-                   asyncio.get_running_loop())
+                   asyncio.get_running_loop(), logprobs)
 
     async def run(request: Request, job: Job, kind: str, stream: bool, include_usage: bool) -> Response:
         engine.submit(job)
@@ -645,18 +583,31 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             gone.cancel()
             await asyncio.gather(gone, return_exceptions=True)
         if stream:
-            return StreamingResponse(sse_stream(job, kind, events[0], include_usage),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(full_response(job, kind, "".join(e["delta"] for e in events), events[-1]))
+            # sse-starlette frames the events, pings, and cancels the generator when the client
+            # disconnects or the server shuts down (its finally cancels the job).
+            return EventSourceResponse(sse_stream(job, kind, events[0], include_usage), sep="\n",
+                                       headers={"Cache-Control": "no-cache"})
+        return JSONResponse(full_response(job, kind, events))
 
-    def full_response(job: Job, kind: str, text: str, last: dict[str, Any]) -> dict[str, Any]:
+    def logprobs_obj(kind: str, entries: list[LogprobEntry], offsets: list[int],
+                     base: int) -> dict[str, Any]:
         if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            return chat_logprobs(entries)
+        return completion_logprobs(entries, [base + o for o in offsets])
+
+    def full_response(job: Job, kind: str, events: list[dict[str, Any]]) -> dict[str, Any]:
+        text = "".join(e["delta"] for e in events)
+        last = events[-1]
+        lp = None
+        if job.seq.logprobs is not None:
+            entries = [x for e in events for x in e["logprobs"]]
+            lp = logprobs_obj(kind, entries, [o for e in events for o in e["offsets"]], 0)
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                       "finish_reason": last["finish_reason"]}
             obj, prefix = "chat.completion", "chatcmpl-"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last["finish_reason"]}
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": last["finish_reason"]}
             obj, prefix = "text_completion", "cmpl-"
         return {"id": prefix + job.id, "object": obj, "created": job.created, "model": cfg.model_names[0],
                 "choices": [choice], "usage": last["usage"]}
@@ -667,35 +618,41 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         head = {"id": ("chatcmpl-" if chat else "cmpl-") + job.id,
                 "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": job.created, "model": cfg.model_names[0]}
+        # OpenAI: with include_usage every chunk carries "usage": null, the extra last one the usage.
+        tail = {"usage": None} if include_usage else {}
 
-        def chunk(text: str | None, finish: str | None = None, role: bool = False) -> str:
+        def chunk(ev: dict[str, Any] | None, finish: str | None = None, role: bool = False) -> str:
+            text = ev["delta"] if ev else None
+            lp = None
+            if ev and job.seq.logprobs is not None:
+                lp = logprobs_obj(kind, ev["logprobs"], ev["offsets"], 0)
             if chat:
-                delta: dict[str, Any] = {"role": "assistant"} if role else {}
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
                 if text is not None:
                     delta["content"] = text
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            return _sse(head | {"choices": [choice]})
+                choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
+            return _json(head | {"choices": [choice]} | tail)
 
         try:
             if chat:
-                yield chunk("", role=True)
+                yield chunk(None, role=True)
             ev = first
             while True:
                 if "error" in ev:
-                    yield _sse(ev["error"].body())
+                    yield _json(ev["error"].body())
                     break
-                if ev["delta"]:
-                    yield chunk(ev["delta"])
+                if ev["delta"] or ev["logprobs"]:
+                    yield chunk(ev)
                 if "finish_reason" in ev:
                     yield chunk(None, ev["finish_reason"])
                     if include_usage:
-                        yield _sse(head | {"choices": [], "usage": ev["usage"]})
+                        yield _json(head | {"choices": [], "usage": ev["usage"]})
                     break
                 ev = await job.events.get()
-            yield "data: [DONE]\n\n"
-        finally:  # also when the client disconnects mid-stream (the task is cancelled)
+            yield "[DONE]"
+        finally:  # also when the client disconnects mid-stream (sse-starlette cancels us)
             engine.cancel(job)
 
     @app.post("/v1/chat/completions")
@@ -761,8 +718,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        text = engine.metrics.render(engine.queued(), engine.running)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
     return app
 
@@ -880,7 +836,9 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, Any, set[int], Serve
     eos = set(target.config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
-    metrics = Metrics(tree.num_steps if tree else 1)
+    # Draft positions a round can accept: the tree's depth, at most its node count.
+    depth = min(tree.num_steps, tree.num_draft_tokens - 1) if tree else 0
+    metrics = Metrics(depth, model_name=name)
     engine = Engine(decoder, load_tokenizer(folder), metrics, tree is not None)
     return engine, tokenizer, eos, ServerConfig(names, args.api_key, usable, target.config.vocab_size)
 

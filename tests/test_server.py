@@ -90,14 +90,20 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
 
 
-def metrics(server) -> dict[str, float]:
-    text = httpx.get(server.url + "/metrics", timeout=10).text
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {'name{label="v"}': value}, the model_name label left out."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return out
+
+
+def metrics(server) -> dict[str, float]:
+    return parse_metrics(httpx.get(server.url + "/metrics", timeout=10).text)
 
 
 def chat(client, content: str, max_tokens: int, stream: bool = False, system: str | None = None,
@@ -177,22 +183,22 @@ def test_bad_requests_get_openai_errors_and_the_server_survives(server, client):
     cases = [
         (b"{not json", auth, 400, "invalid_json"),
         (b"[1, 2]", auth, 400, "invalid_json"),
-        ({"model": MODEL}, auth, 422, "missing_field"),
-        ({"messages": "Hi"}, auth, 422, "invalid_type"),
-        ({"messages": msgs, "max_tokens": "8"}, auth, 422, "invalid_type"),
-        ({"messages": [{"role": "user"}]}, auth, 422, "missing_field"),
+        ({"model": MODEL}, auth, 400, "missing_field"),
+        ({"messages": "Hi"}, auth, 400, "invalid_type"),
+        ({"messages": msgs, "max_tokens": "8"}, auth, 400, "invalid_type"),
+        ({"messages": [{"role": "user"}]}, auth, 400, "missing_field"),
         ({"messages": msgs, "model": "gpt-4"}, auth, 404, "model_not_found"),
         ({"messages": msgs, "max_tokens": 0}, auth, 400, "invalid_value"),
         ({"messages": msgs, "max_tokens": -3}, auth, 400, "invalid_value"),
         ({"messages": msgs, "max_tokens": 10_000}, auth, 400, "context_length_exceeded"),
-        ({"messages": [{"role": "user", "content": "word " * 600}], "max_tokens": 4}, auth, 413,
+        ({"messages": [{"role": "user", "content": "word " * 600}], "max_tokens": 4}, auth, 400,
          "context_length_exceeded"),
         ({"messages": msgs, "temperature": -0.5}, auth, 400, "invalid_value"),
         ({"messages": msgs, "top_p": 1.5}, auth, 400, "invalid_value"),
         ({"messages": msgs, "stop": [""]}, auth, 400, "invalid_value"),
         ({"messages": msgs, "seed": 2**70}, auth, 400, "invalid_value"),
         (b'{"messages": [{"role": "user", "content": "Hi"}], "temperature": NaN}', auth, 400, "invalid_json"),
-        ({"messages": msgs, "stop": 5}, auth, 422, "invalid_type"),
+        ({"messages": msgs, "stop": 5}, auth, 400, "invalid_type"),
         ({"messages": msgs}, {"Authorization": "Bearer wrong"}, 401, "invalid_api_key"),
         ({"messages": msgs}, {}, 401, "invalid_api_key"),
     ]
@@ -221,7 +227,8 @@ def test_bad_requests_get_openai_errors_and_the_server_survives(server, client):
     assert finish in ("stop", "length")
     assert httpx.get(server.url + "/health").status_code == 200
     m = metrics(server)
-    assert m['eagle_requests_total{status="401"}'] >= 3 and m['eagle_requests_total{status="422"}'] >= 4
+    assert m['eagle:http_requests_total{status="401"}'] >= 3
+    assert m['eagle:http_requests_total{status="400"}'] >= 16
 
 
 # ---------------------------------------------------------------------------------------
@@ -257,20 +264,21 @@ def test_32_concurrent_clients_decode_together_and_match_single_requests(server,
     saw_queue = False
     while any(t.is_alive() for t in threads):
         m = metrics(server)
-        saw_queue |= m["eagle_queue_length"] > 0
-        assert m["eagle_running_requests"] <= 8
+        saw_queue |= m["eagle:num_requests_waiting"] > 0
+        assert m["eagle:num_requests_running"] <= 8
         time.sleep(0.5)
     for i in range(32):
         assert not isinstance(results[i], BaseException), results[i]
         assert results[i] == single[LOAD_REQUESTS[i % 4]], (i, results[i])
     after = metrics(server)
-    assert after['eagle_requests_total{status="200"}'] - before['eagle_requests_total{status="200"}'] >= 32
+    ok = 'eagle:http_requests_total{status="200"}'
+    assert after[ok] - before[ok] >= 32
     assert saw_queue  # 32 clients, 8 rows: the rest waited
     # Requests shared rounds: far fewer engine steps than per-sequence rounds.
-    steps = after["eagle_engine_steps_total"] - before["eagle_engine_steps_total"]
-    rounds = after["eagle_spec_rounds_total"] - before["eagle_spec_rounds_total"]
+    steps = after["eagle:engine_steps_total"] - before["eagle:engine_steps_total"]
+    rounds = after["eagle:spec_decode_num_drafts_total"] - before["eagle:spec_decode_num_drafts_total"]
     assert rounds >= 3 * steps, (rounds, steps)
-    assert after["eagle_running_requests"] == 0 and after["eagle_queue_length"] == 0
+    assert after["eagle:num_requests_running"] == 0 and after["eagle:num_requests_waiting"] == 0
 
 
 def test_disconnected_stream_frees_its_slot(server, client):
@@ -281,10 +289,10 @@ def test_disconnected_stream_frees_its_slot(server, client):
     for i, _ in enumerate(stream):
         if i == 2:
             break
-    assert metrics(server)["eagle_running_requests"] == 1
+    assert metrics(server)["eagle:num_requests_running"] == 1
     stream.close()
     t0 = time.time()
-    while metrics(server)["eagle_running_requests"] != 0:
+    while metrics(server)["eagle:num_requests_running"] != 0:
         assert time.time() - t0 < 15, "the cancelled request still holds its row"
         time.sleep(0.2)
     # A non-streaming client that gives up is cancelled too.
@@ -292,10 +300,10 @@ def test_disconnected_stream_frees_its_slot(server, client):
         httpx.post(server.url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 400},
                    headers={"Authorization": f"Bearer {API_KEY}"}, timeout=3)
     t0 = time.time()
-    while metrics(server)["eagle_running_requests"] != 0:
+    while metrics(server)["eagle:num_requests_running"] != 0:
         assert time.time() - t0 < 15, "the abandoned request still holds its row"
         time.sleep(0.2)
-    made = metrics(server)["eagle_completion_tokens_total"] - before["eagle_completion_tokens_total"]
+    made = metrics(server)["eagle:generation_tokens_total"] - before["eagle:generation_tokens_total"]
     assert made < 200
 
 
@@ -410,9 +418,9 @@ def test_engine_faults_fail_only_that_request_and_stop_strings_cut():
             assert r.json()["usage"]["completion_tokens"] == 2
             r = await http.post(url, json={"prompt": [997], "max_tokens": 4, "ignore_eos": True})
             assert r.json()["usage"]["completion_tokens"] == 4
-            text = (await http.get("/metrics")).text
-            assert 'eagle_requests_total{status="503"} 2' in text
-            assert "eagle_running_requests 0" in text
+            m = parse_metrics((await http.get("/metrics")).text)
+            assert m['eagle:http_requests_total{status="503"}'] == 2
+            assert m["eagle:num_requests_running"] == 0
 
     try:
         asyncio.run(go())

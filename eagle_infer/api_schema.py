@@ -1,0 +1,119 @@
+"""OpenAI API shapes: request bodies (strict JSON types; unknown OpenAI fields are accepted and
+ignored), the error body, and the logprobs objects of chat and completions answers."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs (vLLM's default max_logprobs is 20 too)
+
+
+class ApiError(Exception):
+    """An answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}.
+
+    Every invalid request is a 400 `invalid_request_error` (as OpenAI and vLLM answer), 401 a bad
+    key, 404 an unknown model or route, 413 a body over the size cap, 503 an engine failure."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type_ or ("server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def engine_error(message: str) -> ApiError:
+    """A failure inside the engine: the request fails, the server keeps serving."""
+    return ApiError(503, message, code="engine_error")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: str
+    content: str | list[TextPart]
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class Generation(_Body):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # extension (SGLang / vLLM); -1 or 0 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    ignore_eos: bool = False  # extension (SGLang / vLLM), for benchmarks
+
+    def top_logprobs_asked(self) -> int | None:
+        """None: no logprobs; k: the emitted token's log-prob and k alternatives."""
+        raise NotImplementedError
+
+
+class ChatRequest(Generation):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def top_logprobs_asked(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs",
+                           code="invalid_value")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(Generation):
+    prompt: str | list[int] | list[str]
+    logprobs: int | None = None  # the legacy API: an int, the number of alternatives
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+
+def check_logprobs(k: int | None, param: str) -> None:
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise ApiError(400, f"{param} must be in [0, {MAX_LOGPROBS}], got {k}", param=param,
+                       code="invalid_value")
+
+
+# ---------------------------------------------------------------------------------------
+# logprobs in the answer. `entries`: per token (token id, text, log-prob, [(id, text, log-prob)])
+
+
+LogprobEntry = tuple[int, str, float, list[tuple[int, str, float]]]
+
+
+def chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
+    """{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]} (chat completions)."""
+
+    def one(text: str, lp: float) -> dict[str, Any]:
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    return {"content": [one(text, lp) | {"top_logprobs": [one(t, v) for _, t, v in top]}
+                        for _, text, lp, top in entries], "refusal": None}
+
+
+def completion_logprobs(entries: list[LogprobEntry], offsets: list[int]) -> dict[str, Any]:
+    """{"tokens", "token_logprobs", "top_logprobs": [{text: lp}], "text_offset"} (legacy completions)."""
+    return {"tokens": [text for _, text, _, _ in entries],
+            "token_logprobs": [lp for _, _, lp, _ in entries],
+            "top_logprobs": [{t: v for _, t, v in top} for _, _, _, top in entries],
+            "text_offset": offsets}
