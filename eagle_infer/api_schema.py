@@ -61,6 +61,7 @@ class Generation(_Body):
     stream_options: StreamOptions | None = None
     n: int = 1
     ignore_eos: bool = False  # extension (SGLang / vLLM), for benchmarks
+    return_tokens_as_token_ids: bool = False  # extension (vLLM): logprobs tokens as "token_id:{id}"
 
     def top_logprobs_asked(self) -> int | None:
         """None: no logprobs; k: the emitted token's log-prob and k alternatives."""

@@ -97,14 +97,15 @@ class Job:
     """
 
     def __init__(self, prompt: list[int], params: SamplingParams, max_tokens: int, stops: list[str],
-                 eos: set[int], tokenizer, loop: asyncio.AbstractEventLoop, logprobs: int | None = None):
+                 eos: set[int], tokenizer, loop: asyncio.AbstractEventLoop, logprobs: int | None = None,
+                 tokens_as_ids: bool = False):
         self.id = uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.arrival = time.perf_counter()
         self.first_token_at: float | None = None
         self.last_token_at = 0.0
         self.recorded = False  # counted in the finished-request metrics
-        self.stops, self.tok, self.loop = stops, tokenizer, loop
+        self.stops, self.tok, self.loop, self.tokens_as_ids = stops, tokenizer, loop, tokens_as_ids
         self.seq = Sequence_(prompt, params, max_tokens, eos, on_token=self._on_token, tag=self,
                              logprobs=logprobs)
         self.detok = IncrementalDetokenizer(tokenizer)
@@ -166,7 +167,10 @@ class Job:
         """Tokens lp_sent..end-1 as (id, text, log-prob, top alternatives), and their text offsets."""
         if self.seq.logprobs is None or end <= self.lp_sent:
             return [], []
-        piece = lambda t: self.tok.decode([t], skip_special_tokens=False)
+        if self.tokens_as_ids:
+            piece = lambda t: f"token_id:{t}"
+        else:
+            piece = lambda t: self.tok.decode([t], skip_special_tokens=False)
         out = []
         for i in range(self.lp_sent, end):
             lp, top_ids, top_lps = self.seq.token_logprobs[i]
@@ -556,7 +560,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             param = next((p for p in ("top_p", "top_k") if p in str(e)), None)
             raise ApiError(400, str(e), param=param, code="invalid_value") from None
         return Job(prompt, params, max_tokens, stops, set() if req.ignore_eos else eos, engine.tokenizer,
-                   asyncio.get_running_loop(), logprobs)
+                   asyncio.get_running_loop(), logprobs, req.return_tokens_as_token_ids)
 
     async def run(request: Request, job: Job, kind: str, stream: bool, include_usage: bool) -> Response:
         engine.submit(job)
