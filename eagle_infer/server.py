@@ -104,6 +104,7 @@ class Job:
         self.arrival = time.perf_counter()
         self.first_token_at: float | None = None
         self.last_token_at = 0.0
+        self.metrics: Metrics | None = None  # the engine's, set by submit
         self.recorded = False  # counted in the finished-request metrics
         self.stops, self.tok, self.loop, self.tokens_as_ids = stops, tokenizer, loop, tokens_as_ids
         self.seq = Sequence_(prompt, params, max_tokens, eos, on_token=self._on_token, tag=self,
@@ -190,6 +191,8 @@ class Job:
             n = len(self.seq.output) if self.cut is None else sum(o < len(text) for o in d.offsets)
             entries, offsets = self._logprob_entries(n)
             self.finished = True  # before the push: a handler that sees the end must not cancel
+            if self.metrics is not None:  # counted before the client can see the end (and scrape)
+                self.metrics.finish(self, self.seq.finish_reason or "stop", time.perf_counter())
             self.push({"delta": text[self.sent:], "logprobs": entries, "offsets": offsets,
                        "finish_reason": self.seq.finish_reason, "usage": self.usage()})
             return
@@ -238,6 +241,7 @@ class Engine:
         with self.cond:
             if self.stopping:
                 raise ApiError(503, "the server is shutting down", code="shutting_down")
+            job.metrics = self.metrics
             self.pending.append(job)
             self.metrics.waiting.set(len(self.pending))
             self.cond.notify()
@@ -347,13 +351,14 @@ class Engine:
             log.exception("prefill failed")
             jobs[0].fail(engine_error(f"prefill failed: {type(e).__name__}: {e}"))
             return
+        self._set_running()
         now = time.perf_counter()
         for job in jobs:
             self.metrics.prompt_tokens.inc(len(job.seq.prompt))
             self.metrics.generation_tokens.inc(len(job.seq.output))
             job.first_token_at = job.last_token_at = now
             self.metrics.ttft.observe(now - job.arrival)
-            self._update(job, now)
+            job.update()
 
     def _step(self) -> None:
         try:
@@ -364,17 +369,13 @@ class Engine:
             return
         accepted = [s.accepted[-1] for s, _ in results if s.accepted] if self.speculative else []
         self.metrics.round(accepted, sum(len(t) for _, t in results))
+        self._set_running()  # gauges and counters first: a client that sees its end may scrape next
         now = time.perf_counter()
         for seq, _ in results:
             job = seq.tag
             self.metrics.itl.observe(now - job.last_token_at)
             job.last_token_at = now
-            self._update(job, now)
-
-    def _update(self, job: Job, now: float) -> None:
-        job.update()
-        if job.finished and not job.failed:
-            self.metrics.finish(job, job.seq.finish_reason or "stop", now)
+            job.update()
 
     def _fail_running(self, message: str) -> None:
         for seq in list(self.dec.seqs):
