@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from eagle_infer.api_schema import (
     ApiError,
@@ -482,6 +483,10 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         return error_response(ApiError(400, str(exc.errors()[:1]), code="invalid_value"))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, exc: ClientDisconnect):
+        return Response(status_code=499)  # left while sending its body: nobody to answer
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
