@@ -555,3 +555,35 @@ def test_plain_decoder_joins_and_leaves_and_matches_generate(one_thread):
     while dec.seqs:
         dec.step()
     assert b.output == ref[1][:6]
+
+
+def test_incremental_detokenizer_equals_a_full_decode_at_bounded_cost(tokenizer):
+    import random
+
+    from eagle_infer.detokenize import IncrementalDetokenizer
+
+    # Multi-byte characters split over tokens, special tokens, random ids (invalid UTF-8 too).
+    base = tokenizer("Hello , world . 你好 🦅 don't <|im_end|> été ok\n\n  x")["input_ids"]
+    rng = random.Random(0)
+    for _ in range(100):
+        ids = [rng.choice(base) if rng.random() < 0.7 else rng.randrange(len(tokenizer))
+               for _ in range(rng.randrange(1, 40))]
+        d = IncrementalDetokenizer(tokenizer)
+        streamed = "".join(d.add(t) for t in ids) + d.flush()
+        assert streamed == d.text == tokenizer.decode(ids, skip_special_tokens=True)
+        assert d.offsets == sorted(d.offsets) and len(d.offsets) == len(ids)
+
+    class Counting:  # counts the token ids decoded: linear in the output, not quadratic
+        decoded = 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            Counting.decoded += len(ids)
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    d = IncrementalDetokenizer(Counting())
+    long = base * 100  # ~2,000 tokens
+    for t in long:
+        d.add(t)
+    d.flush()
+    assert d.text == tokenizer.decode(long, skip_special_tokens=True)
+    assert Counting.decoded < 10 * len(long), Counting.decoded
