@@ -26,7 +26,7 @@ from torch import Tensor
 
 from eagle_infer.errors import UserError
 from eagle_infer.model import build_attn_mask
-from eagle_infer.sampling import SamplingParams, logits_to_probs, sample
+from eagle_infer.sampling import SamplingParams, logits_to_probs
 
 
 @dataclass(frozen=True)
@@ -195,42 +195,51 @@ def accept_sampling(tree: DraftTree, target_logits: Tensor, params: Sequence[Sam
     probability p(x); on rejection set p(x) = 0 and renormalise (the residual relu(p - q) for a
     one-hot q). If every child is rejected, the bonus token is drawn from what is left. Each
     emitted token is therefore distributed exactly as p, whatever the draft proposed.
+
+    On-device, all rows at once, no host reads: the chain of tries at a node is one vector test
+    (child r is accepted iff u_r * (1 - P_<r) < p(x_r), P_<r the mass of the children tried
+    before it: the renormalised test without dividing), walked once per depth. Greedy rows
+    (one-hot p) accept exactly what accept_greedy does.
     """
     B, N = tree.tokens.shape
-    leaves, bonuses = [], []
-    parent, tokens = tree.parent.tolist(), tree.tokens.tolist()
-    for b in range(B):
-        p_b = params[b]
-        if p_b.greedy:
-            a = accept_greedy(DraftTree(tree.tokens[b:b + 1], tree.parent[b:b + 1], tree.depth[b:b + 1],
-                                        tree.mask[b:b + 1]), target_logits[b:b + 1], max_depth)
-            leaves.append(int(a.path[0, a.n_accepted[0]]))
-            bonuses.append(int(a.bonus[0]))
-            continue
-        children: list[list[int]] = [[] for _ in range(N)]
-        for j in range(1, N):
-            children[parent[b][j]].append(j)
-        probs = logits_to_probs(target_logits[b], p_b.temperature, p_b.top_p, p_b.top_k)  # [N, V]
-        gen = generators[b]
-        node = 0
-        while True:
-            p = probs[node].clone()
-            nxt = None
-            for c in children[node]:
-                x = tokens[b][c]
-                if float(torch.rand((), generator=gen)) < float(p[x]):
-                    nxt = c
-                    break
-                p[x] = 0.0
-                total = p.sum()
-                if total <= 0:
-                    break
-                p = p / total
-            if nxt is None:
-                leaves.append(node)
-                bonuses.append(int(sample(p[None], gen)[0]))
-                break
-            node = nxt
-    leaf = torch.tensor(leaves, device=tree.tokens.device)
-    n = torch.gather(tree.depth, 1, leaf[:, None])[:, 0]
-    return Acceptance(_path_from_leaf(tree, leaf, max_depth), n, torch.tensor(bonuses, device=leaf.device))
+    dev, V = tree.tokens.device, target_logits.shape[-1]
+    probs = torch.empty(B, N, V, dtype=torch.float32, device=dev)
+    by_setting: dict[tuple, list[int]] = {}  # one logits_to_probs per distinct setting
+    for b, p in enumerate(params):
+        by_setting.setdefault((p.temperature, p.top_p, p.top_k), []).append(b)
+    for (temp, top_p, top_k), rows in by_setting.items():
+        idx = torch.tensor(rows, device=dev)
+        probs[idx] = logits_to_probs(target_logits[idx], temp, top_p, top_k)
+    # children[b, j, r]: node j's r-th child in node order, else N (a dummy node).
+    nodes = torch.arange(N, device=dev)
+    is_child = (tree.parent[:, None, :] == nodes[None, :, None]) & (nodes[None, None, :] > 0)  # [B, j, c]
+    rank = is_child.cumsum(-1) - 1
+    children = torch.full((B, N + 1, N), N, dtype=torch.long, device=dev)
+    children[:, :N].scatter_(2, torch.where(is_child, rank, N - 1), torch.where(is_child, nodes, N))
+    tokens = torch.cat([tree.tokens, torch.full((B, 1), V, dtype=torch.long, device=dev)], 1)  # dummy: V
+    # One uniform per (depth, child rank) and one for the bonus, from each row's own generator.
+    u = torch.stack([torch.rand((max_depth + 1) * N + 1, generator=g, device=dev) for g in generators])
+    node = torch.zeros(B, dtype=torch.long, device=dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    rows = torch.arange(B, device=dev)
+    for d in range(max_depth + 1):
+        p = torch.cat([probs[rows, node], torch.zeros(B, 1, device=dev)], 1)  # [B, V + 1]
+        kids = children[rows, node]  # [B, N]
+        px = torch.gather(p, 1, tokens.gather(1, kids))  # p of each child's token, 0 for dummies
+        tried = px.cumsum(1) - px  # mass of the children tried before
+        ok = (u[:, d * N:(d + 1) * N] * (1 - tried) < px) & (kids < N) & ~done[:, None]
+        first = torch.where(ok.any(1), ok.float().argmax(1), -1)
+        moved = first >= 0  # never at max_depth: those nodes have no children
+        stop = ~done & ~moved  # stays here: the bonus is drawn from this node's residual
+        resid = p.scatter(1, tokens.gather(1, kids), 0.0)[:, :V]  # its tried children zeroed
+        if d == 0:
+            bonus_p = resid
+        else:
+            bonus_p = torch.where(stop[:, None], resid, bonus_p)
+        node = torch.where(moved & ~done, kids.gather(1, first.clamp(min=0)[:, None])[:, 0], node)
+        done = done | stop
+    # Inverse CDF at the last uniform (as sampling.sample, with a pre-drawn number).
+    cdf = bonus_p.double().cumsum(-1)
+    bonus = torch.searchsorted(cdf, u[:, -1:].double() * cdf[:, -1:], right=True)[:, 0].clamp_(max=V - 1)
+    n = torch.gather(tree.depth, 1, node[:, None])[:, 0]
+    return Acceptance(_path_from_leaf(tree, node, max_depth), n, bonus)
