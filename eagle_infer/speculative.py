@@ -45,6 +45,7 @@ class Sequence_:
     generator: torch.Generator | None = None
     accepted: list[int] = field(default_factory=list)  # accepted drafts per round
     tag: object = None  # caller's handle (the server's request)
+    cached: int = 0  # tokens in the caches (L of its row), known on the host: no read to size a step
     # logprobs (the server's `logprobs`): None = not asked; k = per emitted token, its log-prob
     # under the raw target distribution and the k most likely alternatives. The decoders hand
     # emit() the target logits they already computed (set_logits); no extra forward.
@@ -293,18 +294,21 @@ class SpecDecoder:
         for i, (s, first) in enumerate(zip(seqs, firsts)):
             nxt[i, :len(s.prompt)] = torch.tensor(s.prompt[1:] + [first], dtype=torch.long)
         zero = torch.zeros(k, dtype=torch.long, device=dev)
-        self._draft_extend(row0, nxt, self.head.project(hidden), zero, lens)
+        self._draft_extend(row0, nxt, self.head.project(hidden), zero, lens, self.kv_len(P))
         self.L[row0:row0 + k], self.root[row0:row0 + k] = lens, torch.tensor(firsts, device=dev)
+        for s in seqs:
+            s.cached = len(s.prompt)
         self.rows.admit_many(seqs, firsts)
 
     def _draft_extend(self, row0: int, next_tokens: Tensor, feats: Tensor, start: Tensor,
-                      count: Tensor) -> None:
+                      count: Tensor, kv_len: int) -> None:
         """Draft catch-up: pairs (feature_i, token_{i+1}) at positions start..start+count-1
-        (padded to T); remember the draft's output after the last real pair."""
+        (padded to T; kv_len covers start + T); remember the draft's output after the last real
+        pair."""
         B, T = next_tokens.shape
         pos = start[:, None] + torch.arange(T, device=self.device)[None]
         tril = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
-        mask = build_attn_mask(start, tril, self.kv_len(int((start + T).max())))
+        mask = build_attn_mask(start, tril, kv_len)
         _, g, _ = self.head(next_tokens, feats, pos, mask, slots=pos, compute_logits=False, row0=row0)
         g_last = torch.gather(g, 1, (count - 1)[:, None, None].expand(B, 1, g.shape[-1]))[:, 0]
         self.root_g[row0:row0 + B] = g_last
@@ -320,15 +324,16 @@ class SpecDecoder:
             return []
         cfg, dev = self.tree, self.device
         L = self.L[:B]
+        L_max = max(s.cached for s in self.seqs)  # = L.max(), from the host: no read
         t0 = time.perf_counter()
         tree: DraftTree = draft_tree(
             cfg, self.draft_fn, self.root[:B], self.root_logp[:B], self.root_g[:B], L,
-            self.kv_len(int(L.max()) + cfg.num_steps * cfg.eagle_topk), self.head.draft_to_target)
+            self.kv_len(L_max + cfg.num_steps * cfg.eagle_topk), self.head.draft_to_target)
         t1 = time.perf_counter()
         N = cfg.num_draft_tokens
         pos = L[:, None] + tree.depth
         slots = L[:, None] + torch.arange(N, device=dev)[None]
-        mask = build_attn_mask(L, tree.mask, self.kv_len(int(L.max()) + N))
+        mask = build_attn_mask(L, tree.mask, self.kv_len(L_max + N))
         logits, hidden = self.verify_fn(tree.tokens, pos, slots, mask)
         t2 = time.perf_counter()
         params = [s.params for s in self.seqs]
@@ -346,18 +351,21 @@ class SpecDecoder:
         feats = self.head.project([torch.gather(h, 1, acc.path[:, :, None].expand(-1, -1, h.shape[-1]))
                                    for h in hidden])
         t3 = time.perf_counter()
-        self._draft_extend(0, next_tokens, feats, L, n + 1)
+        self._draft_extend(0, next_tokens, feats, L, n + 1, self.kv_len(L_max + next_tokens.shape[1]))
         t4 = time.perf_counter()
         self.L[:B] = L + n + 1
         self.root[:B] = acc.bonus
         results = []
-        drafted, bonus = path_tokens[:, 1:].tolist(), acc.bonus.tolist()
-        for b, seq in enumerate(self.seqs):
-            k = int(n[b])
+        # The round's one host read: drafted tokens on the path, bonus and count per row.
+        rows = torch.cat([path_tokens[:, 1:], acc.bonus[:, None], n[:, None]], 1).tolist()
+        for b, (seq, row) in enumerate(zip(self.seqs, rows)):
+            k = row[-1]
+            drafted, bonus = row[:k], row[-2]
+            seq.cached += k + 1
             seq.accepted.append(k)
             self.stats.record(k)
             seq.set_logits(logits[b, acc.path[b, :k + 1]])  # logprobs: verify logits in front of each token
-            results.append((seq, seq.emit(drafted[b][:k] + [bonus[b]])))
+            results.append((seq, seq.emit(drafted + [bonus])))
         self.stats.rounds += 1
         self.rows.drop_finished()
         t5 = time.perf_counter()
