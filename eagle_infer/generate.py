@@ -216,7 +216,8 @@ def generate(
     params = [params[i] for i in order]
     lens = [len(p) for p in prompts]
     if compile:  # sized in buckets too: a new cache tensor means new graphs
-        ensure_cache(model, batch_bucket(B), kv_bucket(max(lens) + max_new_tokens, model.config.max_position_embeddings))
+        ctx = model.config.max_position_embeddings
+        ensure_cache(model, batch_bucket(B), kv_bucket(max(lens) + max_new_tokens, ctx))
     else:
         ensure_cache(model, B, max(lens) + max_new_tokens)
     step = compiled_decode(model) if compile else None
