@@ -22,8 +22,13 @@ otherwise, so that evaluation sees the sequences greedy decoding produces):
    (`OnlineStates`). A teacher-forced capture (``capture.regenerate=false``) is then
    tokenization alone, with no target loaded.
 3. Samples are written in shards (see `eagle_train.shards`); each shard and then the manifest
-   are replaced atomically, so a capture killed at any moment and started again loses and
-   duplicates nothing: ids already in the manifest (stored or skipped) are not redone.
+   are replaced atomically, so a capture killed at any moment (mid-generation, mid-forward,
+   mid-shard-write, between shard and manifest) and started again loses and duplicates
+   nothing: ids already in the manifest (stored or skipped) are not redone, leftovers are
+   deleted, and the redone samples come out identical, hidden states included (every answer
+   has its own seed, and batches depend only on the shard's samples).
+   tests/test_crash_resume.py SIGKILLs it mid-generation, mid-shard-write, between shard and
+   manifest and mid-manifest-write, and compares with an uninterrupted capture.
 
 Bad records (no assistant turn, empty, a prompt longer than the context or than
 ``data.max_length``) are skipped with a message naming the record; nothing captured is touched.
@@ -48,6 +53,7 @@ from eagle_train.shards import (
     HELDOUT_SUBDIR,
     MANIFEST,
     commit,
+    kill_point,
     new_manifest,
     read_manifest,
     remove_orphans,
@@ -364,6 +370,7 @@ class Capturer:
             else:
                 outs = generate(self.model, prompts, self.max_new, params, eos_token_ids=sorted(self.eos))
             self.stats.gen_time += time.perf_counter() - t0
+            kill_point("capture_generate")
             for job, out in zip(active, outs):
                 self.stats.gen_tokens += len(out)
                 hit_eos = bool(out) and out[-1] in self.eos
@@ -448,6 +455,7 @@ class Capturer:
             t0 = time.perf_counter()
             states = self.forward([ids for _, ids, _ in rendered])
             self.stats.fwd_time += time.perf_counter() - t0
+            kill_point("capture_forward")
         else:  # online mode: training runs the target for them
             states = [(None, None)] * len(rendered)
         samples = []

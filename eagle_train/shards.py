@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,6 +69,54 @@ def store_dtype(name: str) -> torch.dtype:
     return STORE_DTYPES[name]
 
 
+KILL_ENV = "EAGLE_TEST_KILL_AT"
+_kill_counts: dict[str, int] = {}
+
+
+def kill_point(site: str) -> None:
+    """Crash-test hook. With ``EAGLE_TEST_KILL_AT=<site>:<n>[,<site>:<n>...]`` in the environment
+    the process SIGKILLs itself the n-th time (1-based) it passes `site`, so a test can stop a
+    capture or a training run at an exact point (mid-generation, mid-shard-write, mid-step,
+    mid-checkpoint) instead of racing a timer. Without the variable it does nothing.
+
+    Sites: capture_generate, capture_forward, shard_write, shard_commit (capture);
+    train_backward, train_step, ckpt_write, ckpt_saved (train); atomic_write:<file name> (a
+    manifest, log or summary written through atomic_write_text)."""
+    spec = os.environ.get(KILL_ENV)
+    if not spec:
+        return
+    n = _kill_counts[site] = _kill_counts.get(site, 0) + 1
+    for item in spec.split(","):
+        name, _, count = item.strip().rpartition(":")
+        if name == site and count.isdigit() and int(count) == n:
+            # The line tells the test where the process died (it cannot tell from the signal).
+            print(f"{KILL_ENV}: SIGKILL at {site}:{n} (pid {os.getpid()})", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename or a new entry in directory `path` durable (POSIX; a no-op elsewhere)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on directories; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | os.PathLike) -> None:
+    """fsync every file and directory under `root` (before renaming it into place)."""
+    for d, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(d, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(d)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write text so that `path` holds either the old or the new content, never a mix."""
     # A per-process temp name: ranks of a multi-process launch may write the same file.
@@ -75,7 +125,9 @@ def atomic_write_text(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    kill_point(f"atomic_write:{path.name}")  # e.g. atomic_write:manifest.json:3 (temp written, not renamed)
     os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -131,9 +183,11 @@ def write_shard(path: Path, samples: Sequence[dict], dtype: torch.dtype,
     meta.update(metadata or {})
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
+    kill_point("shard_write")  # a temp shard on disk, not renamed: the next run deletes it
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(path.parent)
     return {
         "file": path.name,
         "samples": len(samples),
@@ -203,6 +257,7 @@ def commit(directory: str | os.PathLike, manifest: dict, samples: Sequence[dict]
         path = directory / SHARD_PATTERN.format(len(manifest["shards"]))
         entry = write_shard(path, sorted(samples, key=lambda s: s["sample_id"]), dtype,
                             {"split": manifest.get("split", "")})
+        kill_point("shard_commit")  # the shard in place, the manifest not yet: an orphan
         manifest["shards"].append(entry)
     manifest["skipped"] += list(skipped)
     if complete is not None:

@@ -24,10 +24,18 @@ Multi-process: ``accelerate launch`` drives it. On a CPU-only machine accelerate
 
     accelerate launch --multi_gpu --num_processes 8 -m eagle_train stage=train
     accelerate launch --use_deepspeed --deepspeed_config_file conf/deepspeed/zero2.json \\
-        --num_processes 8 -m eagle_train stage=train          # DeepSpeed ZeRO-2 (not on CPU)
+        --num_processes 8 -m eagle_train stage=train          # DeepSpeed ZeRO-2
+
+DeepSpeed also runs on a CPU-only machine (its CPU accelerator over gloo; the same command with
+``--num_processes 2``): tests/test_deepspeed.py checks it against the plain two-process run.
+"auto" values in the DeepSpeed config follow train.batch_size / grad_accum / grad_clip.
 
 Resume: checkpoints land every ``train.save_every`` optimizer steps (and at the end); the same
-command picks up the newest complete one (weights, optimizer, scheduler, RNG, data position).
+command picks up the newest complete one (weights, optimizer, scheduler, RNG, data position)
+and continues exactly as an uninterrupted run would, bit for bit on the same machine. A
+checkpoint is written into ``step_N.partial``, fsynced and renamed into place, so a run killed
+at any moment (mid-step, mid-checkpoint-write) leaves only complete checkpoints behind, plus
+leftovers the next start deletes; tests/test_crash_resume.py SIGKILLs runs to check it.
 """
 
 from __future__ import annotations
@@ -48,8 +56,11 @@ from torch import Tensor, nn
 
 from eagle_infer.errors import UserError
 from eagle_train.losses import draft_loss, unpack_stats, unroll  # noqa: F401  (unroll: public API)
+from eagle_train.shards import atomic_write_text, fsync_dir, fsync_tree, kill_point
 
 CHECKPOINTS = "checkpoints"
+PARTIAL = ".partial"  # suffix of a checkpoint being written
+DISCARDED = ".discarded"  # suffix of a checkpoint being deleted
 STATE_FILE = "trainer_state.json"
 LOG_FILE = "train_log.jsonl"
 PLOT_FILE = "train_loss.png"
@@ -345,6 +356,18 @@ def bf16_supported(device: torch.device) -> bool:
     return False
 
 
+def skip_deepspeed_shm_op() -> None:
+    """Keep DeepSpeed on CPU from JIT-compiling its shared-memory all-reduce (gcc, minutes on a
+    small machine, at every fresh install): only its inference all-reduce uses it, training's
+    collectives go through the gloo process group either way. The dict is DeepSpeed's own
+    per-launch probe result, which it keeps editable for this."""
+    import deepspeed.ops
+
+    probed = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(probed, dict):
+        probed["deepspeed_shm_comm"] = False
+
+
 def mixed_precision_for(value: Any, device: torch.device) -> str:
     v = str(value).lower()
     if v in ("false", "no", "0", "none", "fp32", "off"):
@@ -361,6 +384,8 @@ def mixed_precision_for(value: Any, device: torch.device) -> str:
 
 
 def complete_checkpoints(head_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint, oldest first. Complete = renamed into place
+    as step_N (save_checkpoint renames only a fully written, fsynced folder) with its state."""
     root = head_dir / CHECKPOINTS
     out = []
     if root.is_dir():
@@ -369,6 +394,31 @@ def complete_checkpoints(head_dir: Path) -> list[tuple[int, Path]]:
             if d.is_dir() and d.name.startswith("step_") and num.isdigit() and (d / STATE_FILE).is_file():
                 out.append((int(num), d))
     return sorted(out)
+
+
+def discard_dir(path: Path) -> None:
+    """Delete a folder so that a kill midway cannot leave something that looks complete: it is
+    renamed out of the step_N namespace first (atomic), then removed."""
+    doomed = path.with_name(path.name + DISCARDED)
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def remove_checkpoint_leftovers(head_dir: Path) -> list[str]:
+    """Delete what a killed run can leave in checkpoints/: half-written (.partial) and
+    half-deleted (.discarded) folders, and step_N folders without a trainer state (none are
+    made any more, but older versions renamed nothing). Returns the names removed."""
+    root = head_dir / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    removed = []
+    for d in sorted(root.iterdir()):
+        half = d.name.endswith((PARTIAL, DISCARDED))
+        if d.is_dir() and d.name.startswith("step_") and (half or not (d / STATE_FILE).is_file()):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d.name)
+    return removed
 
 
 def read_log(path: Path) -> list[dict]:
@@ -504,9 +554,29 @@ class TrainRecipe:
         probe = torch.device("cpu" if use_cpu else "cuda")
         self.mixed_precision = mixed_precision_for(sel(cfg, "train.bf16", "auto"), probe)
         self.grad_accum = max(1, int(sel(cfg, "train.grad_accum", 1)))
-        self.acc = Accelerator(cpu=use_cpu, mixed_precision=self.mixed_precision,
+        self.grad_clip = float(sel(cfg, "train.grad_clip", 0.0) or 0.0)
+        handlers = []
+        ds_plugin = None
+        self.deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+        if self.deepspeed:  # accelerate launch --use_deepspeed --deepspeed_config_file ...
+            from accelerate.utils import DeepSpeedPlugin
+
+            # "auto" accumulation and clipping in the DeepSpeed config follow train.grad_accum
+            # and train.grad_clip (accelerate alone would fill 1 and 1.0).
+            ds_plugin = DeepSpeedPlugin(gradient_accumulation_steps=self.grad_accum,
+                                        gradient_clipping=self.grad_clip)
+            if use_cpu:
+                # accelerate's cpu=True silently drops DeepSpeed, and without a GPU it finds no
+                # process-group backend by itself: DeepSpeed's CPU accelerator over gloo.
+                from accelerate.utils import InitProcessGroupKwargs
+
+                os.environ.setdefault("DS_ACCELERATOR", "cpu")
+                handlers.append(InitProcessGroupKwargs(backend="gloo"))
+                skip_deepspeed_shm_op()
+        self.acc = Accelerator(cpu=use_cpu and not self.deepspeed, mixed_precision=self.mixed_precision,
                                gradient_accumulation_steps=self.grad_accum,
-                               step_scheduler_with_optimizer=False)
+                               step_scheduler_with_optimizer=False, kwargs_handlers=handlers,
+                               deepspeed_plugin=ds_plugin)
         acc = self.acc
         self.is_main = acc.is_main_process
         self.device = acc.device
@@ -563,16 +633,24 @@ class TrainRecipe:
                 dsc["train_micro_batch_size_per_gpu"] = self.batch_size
             if dsc.get("train_batch_size", "auto") == "auto":
                 dsc["train_batch_size"] = self.batch_size * world * self.grad_accum
+            clip = float(dsc.get("gradient_clipping", 0.0) or 0.0)
+            if clip != self.grad_clip and self.is_main:
+                log(f"warning: the DeepSpeed config clips gradients at {clip}, train.grad_clip is "
+                    f"{self.grad_clip}: DeepSpeed's value applies (\"auto\" follows train.grad_clip)")
         self.model, self.opt, self.sched = acc.prepare(model, opt, sched)
-        self.grad_clip = float(sel(cfg, "train.grad_clip", 0.0) or 0.0)
         self.log_every = max(1, int(sel(cfg, "train.log_every", 10)))
         self.save_every = int(sel(cfg, "train.save_every", 0) or 0)
         self.keep = max(1, int(sel(cfg, "train.keep_checkpoints", 2)))
         self.fingerprint = json.loads(json.dumps(fingerprint(cfg, self.manifest)))
 
-        # Resume from the newest complete checkpoint.
+        # Resume from the newest complete checkpoint; leftovers of a kill are deleted first.
         self.step, self.micro, self.tokens_total, self.tokens_run = 0, 0, 0, 0
         self.wandb_id = None
+        if self.is_main:
+            removed = remove_checkpoint_leftovers(self.head_dir)
+            if removed:
+                log(f"train: removed leftovers of an interrupted run: {', '.join(removed)}")
+        acc.wait_for_everyone()
         ckpts = complete_checkpoints(self.head_dir)
         if ckpts:
             step, path = ckpts[-1]
@@ -597,7 +675,7 @@ class TrainRecipe:
         if self.is_main:
             self.head_dir.mkdir(parents=True, exist_ok=True)
             recs = [r for r in read_log(self.head_dir / LOG_FILE) if r.get("step", 0) <= self.step]
-            (self.head_dir / LOG_FILE).write_text("".join(json.dumps(r) + "\n" for r in recs))
+            atomic_write_text(self.head_dir / LOG_FILE, "".join(json.dumps(r) + "\n" for r in recs))
             self.records = recs
             n_tok = self.dataset.num_tokens
             log(f"train: {self.kind} head, {self.num_params / 1e6:.1f}M parameters, target "
@@ -632,26 +710,35 @@ class TrainRecipe:
     # -- checkpoints -----------------------------------------------------------------------------
 
     def save_checkpoint(self) -> Path:
+        """Write checkpoints/step_N atomically: every process saves its part into
+        step_N.partial, the main process adds the trainer state, fsyncs the tree and renames it
+        into place. A kill at any point leaves either no step_N (resume takes the one before;
+        the .partial folder is deleted at the next start) or a complete one."""
         acc = self.acc
         root = self.head_dir / CHECKPOINTS
         final = root / f"step_{self.step}"
-        tmp = root / f"step_{self.step}.partial"
+        tmp = root / f"step_{self.step}{PARTIAL}"
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
-        acc.save_state(str(tmp))
+        acc.save_state(str(tmp))  # weights, optimizer (DeepSpeed: one partition per process), RNG
         acc.wait_for_everyone()
+        kill_point("ckpt_write")
         tokens = self.tokens_total + self._tokens_run_all()  # collective: every process calls it
         if self.is_main:
             state = {"step": self.step, "micro": self.micro, "tokens": tokens,
                      "total_steps": self.total_steps, "fingerprint": self.fingerprint,
                      "wandb_id": self.wandb_id, "time": time.time()}
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
-            shutil.rmtree(final, ignore_errors=True)
+            fsync_tree(tmp)
+            if final.exists():  # (a rerun of a finished step) out of the way atomically, then gone
+                discard_dir(final)
             os.replace(tmp, final)
+            fsync_dir(root)
+            kill_point("ckpt_saved")
             for _, old in complete_checkpoints(self.head_dir)[:-self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+                discard_dir(old)
         acc.wait_for_everyone()
         return final
 
@@ -661,8 +748,13 @@ class TrainRecipe:
         sampler = StreamSampler(*self.sampler_args, start_micro, stop_micro, lengths=self.lengths)
         collate = make_collate(self.max_length, keep_aux=self.kind == "eagle3")
         nw = int(sel(self.cfg, "train.num_workers", 0) or 0)
+        # A DataLoader draws its workers' base seed when iterated, from the global RNG unless it
+        # has a generator of its own: that draw would shift EAGLE-2's input noise of a resumed
+        # run (its loader starts after the checkpoint's RNG state is restored) against an
+        # uninterrupted one. Seeded by where the loader starts, so workers are reproducible too.
+        gen = torch.Generator().manual_seed(int(sel(self.cfg, "seed", 0)) * 1_000_003 + start_micro)
         return torch.utils.data.DataLoader(self.dataset, batch_sampler=sampler, collate_fn=collate,
-                                           num_workers=nw, persistent_workers=False,
+                                           num_workers=nw, persistent_workers=False, generator=gen,
                                            pin_memory=self.device.type == "cuda")
 
     def train(self, stop_after: int | None = None) -> dict:
@@ -693,6 +785,7 @@ class TrainRecipe:
                 with acc.accumulate(model):
                     loss, stats = model(batch)
                     acc.backward(loss)
+                    kill_point("train_backward")  # mid-step: gradients computed, weights not updated
                     if acc.sync_gradients and self.grad_clip > 0:
                         acc.clip_grad_norm_(model.parameters(), self.grad_clip)
                     self.opt.step()
@@ -707,6 +800,7 @@ class TrainRecipe:
                 if not acc.sync_gradients:
                     continue
                 self.step += 1
+                kill_point("train_step")
                 bar.update(1)
                 end = self.step >= stop_step
                 if self.step % self.log_every == 0 or end or self.step == self.total_steps:
@@ -801,7 +895,8 @@ class TrainRecipe:
         if finished:
             head = self.acc.unwrap_model(self.model).head
             save_head(head, self.head_dir, dtype=torch.bfloat16)
-            (self.head_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+            # Last, and atomically: its presence says the head beside it is complete.
+            atomic_write_text(self.head_dir / SUMMARY_FILE, json.dumps(summary, indent=1) + "\n")
             accs = " ".join(f"{a:.3f}" for a in (summary["final_acc_per_step"] or []))
             log(f"train: done, {self.step} steps, {tps:,.0f} tokens/s this run ({tokens:,} tokens in "
                 f"{elapsed:.1f}s), final loss {summary['final_loss']}, top-1 per step [{accs}]; "

@@ -440,12 +440,13 @@ def _train(cfg, stop_after=None):
     return summary, head
 
 
-def test_checkpoint_resume_equals_uninterrupted_run(env, tmp_path):
+@pytest.mark.parametrize("kind", ["eagle3", "eagle2"])  # eagle2: input noise, so the RNG must resume too
+def test_checkpoint_resume_equals_uninterrupted_run(env, tmp_path, kind):
     over = {"train.epochs": 2, "train.grad_accum": 2, "train.batch_size": 2}  # 3 per epoch -> 6 steps
-    cfg_a = make_cfg(env, tmp_path / "a", **over)
+    cfg_a = make_cfg(env, tmp_path / "a", kind, **over)
     summary_a, _ = _train(cfg_a)
     assert summary_a["finished"] and summary_a["step"] == 6
-    cfg_b = make_cfg(env, tmp_path / "b", **over)
+    cfg_b = make_cfg(env, tmp_path / "b", kind, **over)
     part, _ = _train(cfg_b, stop_after=3)  # "killed" after step 3: last checkpoint is step 2
     assert not part["finished"]
     assert not (tmp_path / "b" / "head" / "model.safetensors").exists()
