@@ -756,6 +756,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "else fp32; greedy output is token-identical to plain decoding in fp32")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--context-length", type=int, default=2048)
+    # CUDA graphs (SGLang's flag names); the decoder reads args.cuda_graph_max_bs / use_cuda_graph.
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=None, dest="cuda_graph_max_bs",
+                    help="CUDA: largest batch bucket captured as a CUDA graph (default: "
+                    "--max-running-requests); larger batches run eagerly")
+    ap.add_argument("--disable-cuda-graph", action="store_false", dest="use_cuda_graph",
+                    help="CUDA: run draft and verify eagerly (default: CUDA graphs per batch bucket)")
     ap.add_argument("--max-running-requests", type=int, default=8)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
