@@ -23,6 +23,17 @@ import torch
 from test_train import _head_params, _train, tiny_env
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # several interpreter start-ups each (still run in CI)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The in-process reference runs must compute exactly as the one-thread subprocesses
+    (OMP_NUM_THREADS=1) do, whatever EAGLE_TEST_THREADS says."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from test_train import DRAFT_VOCAB, tiny_env
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4
+pytestmark = pytest.mark.slow  # three launches of two processes (still run in CI)
 
 
 def free_port() -> int:
