@@ -279,7 +279,52 @@ def _worker() -> dict:
     return out
 
 
+def _compile_for_cuda() -> dict:
+    """Compile both kernels to PTX and cubin for sm_80 (no GPU needed): the interpreter does not
+    type-check like the compiler does. The sampled kernel must have no fused multiply-adds, or
+    its rounding would differ from the reference's."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from eagle_infer.kernels import _tree_accept_triton as k
+
+    ptr, out = "*i64", {}
+    sig = dict(tokens_ptr=ptr, parent_ptr=ptr, pred_ptr=ptr, path_ptr=ptr, n_ptr=ptr, bonus_ptr=ptr, N="i32",
+               NUM_STEPS="constexpr", BLOCK_N="constexpr")
+    src = ASTSource(fn=k.accept_greedy_kernel, signature=sig, constexprs=dict(NUM_STEPS=5, BLOCK_N=16))
+    out["greedy"] = sorted(triton.compile(src, target=GPUTarget("cuda", 80, 32)).asm)
+    sig = dict(tokens_ptr=ptr, parent_ptr=ptr, probs_ptr="*fp32", u_ptr="*fp32", path_ptr=ptr, n_ptr=ptr,
+               bonus_ptr=ptr, N="i32", V="i32", NUM_STEPS="constexpr", R="constexpr", BLOCK_N="constexpr",
+               BLOCK_V="constexpr")
+    src = ASTSource(fn=k.accept_sampling_kernel, signature=sig,
+                    constexprs=dict(NUM_STEPS=5, R=4, BLOCK_N=16, BLOCK_V=1024))
+    asm = triton.compile(src, target=GPUTarget("cuda", 80, 32)).asm
+    out["sampling"] = sorted(asm)
+    out["sampling_fma"] = len(re.findall(r"\bfma\.", asm["ptx"]))
+    return out
+
+
 # -- tests ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (it installs on linux x86_64)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OMP_NUM_THREADS="1", TRITON_DEFAULT_FP_FUSION="1")  # the default, said aloud: no warning
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--compile"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_kernels_compile_for_cuda(compiled):
+    assert "cubin" in compiled["greedy"] and "cubin" in compiled["sampling"], compiled
+    assert compiled["sampling_fma"] == 0
 
 
 @pytest.fixture(scope="module")
@@ -387,4 +432,4 @@ def test_reference_cases_hit_their_edges(name):
 
 
 if __name__ == "__main__":
-    print(json.dumps(_worker()))
+    print(json.dumps(_compile_for_cuda() if sys.argv[1:] == ["--compile"] else _worker()))
