@@ -25,7 +25,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from eagle_infer.kernels.tree_accept import TreeAccept, accept_greedy_reference, accept_sampling_reference
+from eagle_infer.kernels.tree_accept import (
+    TreeAccept,
+    accept_greedy_reference,
+    accept_sampling_reference,
+    kernel_available,
+)
 from eagle_infer.sampling import logits_to_probs
 from eagle_infer.tree import DraftTree, accept_greedy, ancestor_mask
 
@@ -95,11 +100,13 @@ def make_case(name: str) -> dict:
     elif name == "wide":  # the root has more children than are tried
         S, N, R, tree_kw = 2, 9, 3, dict(max_kids=8)
     elif name == "random_b8":
-        S, N, R, V, B, tree_kw, boost = 5, 16, 4, 256, 8, dict(max_kids=4), 6.0
+        S, N, R, V, B, tree_kw, boost = 5, 16, 15, 256, 8, dict(max_kids=4), 6.0  # R = N - 1, as tree.py
         settings = dict(temperature=0.7, top_p=0.9, top_k=0)
     elif name == "topk_topp":
         N, R, V = 10, 4, 128
         settings = dict(temperature=1.3, top_p=0.8, top_k=20)
+    elif name == "vocab_tiles":  # the kernel scans V in tiles of 32: prefix sums carry across tiles
+        V, B, R, boost = 200, 6, 3, 1.0
     elif name == "untried":  # R = 1 on bushy trees: later siblings are never tried
         N, R = 12, 1
     elif name == "duplicates":
@@ -148,11 +155,11 @@ def make_case(name: str) -> dict:
             probs[b, 0, kids] = torch.linspace(0.1, 0.3, len(kids))  # sums to < 1: never px >= rem
         u[:, 0, :R] = 1.0 - 2.0 ** -24
     return dict(tokens=tokens, parent=parent, depth=depth, probs=probs.contiguous(), uniforms=u, pred=pred,
-                num_steps=S, edge=edge)
+                num_steps=S, edge=edge, block_v=32 if name == "vocab_tiles" else None)
 
 
-KERNEL_CASES = ["chain", "wide", "random_b8", "topk_topp", "untried", "duplicates", "greedy_rows",
-                "nothing_accepted", "whole_path", "all_rejected", "empty_residual"]
+KERNEL_CASES = ["chain", "wide", "random_b8", "topk_topp", "vocab_tiles", "untried", "duplicates",
+                "greedy_rows", "nothing_accepted", "whole_path", "all_rejected", "empty_residual"]
 
 
 def check_edge(case: dict, acc: TreeAccept) -> str | None:
@@ -250,7 +257,7 @@ def _worker() -> dict:
         c = make_case(name)
         res: dict = {}
         ref = accept_sampling_reference(c["tokens"], c["parent"], c["depth"], c["probs"], c["uniforms"])
-        ker = fused_accept_sampling(c["tokens"], c["parent"], c["probs"], c["uniforms"])
+        ker = fused_accept_sampling(c["tokens"], c["parent"], c["probs"], c["uniforms"], block_v=c["block_v"])
         res["sampling_equal"] = equal(ref, ker)
         res["sampling_detail"] = f"ref {[x.tolist() for x in ref]} kernel {[x.tolist() for x in ker]}"
         res["edge"] = check_edge(c, ker)
@@ -407,6 +414,10 @@ def test_reference_sampling_second_token_is_lossless(settings):
     second = torch.where(acc.n_accepted[rows] >= 2, tokens[0][acc.path[rows, 2]], acc.bonus[rows])
     assert rows.sum() > 2000
     assert chi_square_p(probs[0, c].tolist(), torch.bincount(second, minlength=V).tolist()) > 0.01
+
+
+def test_kernel_only_dispatched_on_cuda():
+    assert not kernel_available(torch.zeros(2, 3))
 
 
 def test_reference_greedy_equals_accept_greedy():

@@ -166,11 +166,10 @@ def _triton_ok() -> bool:
 
 
 def kernel_available(t: Tensor) -> bool:
-    """Whether the fused kernel runs on t's device: CUDA with triton, or any device under the
-    Triton interpreter (tests)."""
-    if not _triton_ok():
-        return False
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether the fused kernels should run for tensors like t: on CUDA, with triton installed.
+    (Under TRITON_INTERPRET=1 they run anywhere, slowly: tests call them directly, and callers
+    that dispatch on this keep the torch path there.)"""
+    return t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and _triton_ok()
 
 
 def _next_pow2(n: int) -> int:
@@ -195,9 +194,12 @@ def fused_accept_greedy(tokens: Tensor, parent: Tensor, pred: Tensor, num_steps:
     return TreeAccept(path, n, bonus)
 
 
-def fused_accept_sampling(tokens: Tensor, parent: Tensor, probs: Tensor, uniforms: Tensor) -> TreeAccept:
+def fused_accept_sampling(tokens: Tensor, parent: Tensor, probs: Tensor, uniforms: Tensor,
+                          block_v: int | None = None) -> TreeAccept:
     """The sampled walk and the bonus draw in one launch, one program per row; the same contract
-    as accept_sampling_reference (which takes depth too: the kernel counts it while walking)."""
+    as accept_sampling_reference (which takes depth too: the kernel counts it while walking).
+    block_v: the vocabulary tile, a power of two (default: chosen from N; tests pass a small
+    one to cross tiles)."""
     from eagle_infer.kernels import _tree_accept_triton as k
 
     B, N = tokens.shape
@@ -210,7 +212,7 @@ def fused_accept_sampling(tokens: Tensor, parent: Tensor, probs: Tensor, uniform
     block_n = _next_pow2(N)
     # The residual pass compares each vocabulary block with the leaf's child tokens: keep
     # BLOCK_V x BLOCK_N near 16k elements.
-    block_v = max(16, min(1024, 16384 // block_n, _next_pow2(V)))
+    block_v = block_v or max(16, min(1024, 16384 // block_n, _next_pow2(V)))
     k.accept_sampling_kernel[(B,)](
         tokens.long().contiguous(), parent.long().contiguous(), probs.float().contiguous(),
         uniforms.float().contiguous(), path, n, bonus, N, V,
