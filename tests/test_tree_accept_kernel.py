@@ -416,6 +416,33 @@ def test_reference_sampling_second_token_is_lossless(settings):
     assert chi_square_p(probs[0, c].tolist(), torch.bincount(second, minlength=V).tolist()) > 0.01
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="needs CUDA and triton")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiled kernels only")
+def test_kernels_on_cuda_equal_reference():
+    """On a GPU: the compiled kernels equal the torch reference run on the same CUDA tensors
+    (the reference's CUDA cumsum and the kernel's scans must still agree: integer masses)."""
+    from eagle_infer.kernels.tree_accept import fused_accept_greedy, fused_accept_sampling
+
+    assert kernel_available(torch.zeros(1, device="cuda"))
+    for name in KERNEL_CASES:
+        c = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in make_case(name).items()}
+        ref = accept_sampling_reference(c["tokens"], c["parent"], c["depth"], c["probs"], c["uniforms"])
+        ker = fused_accept_sampling(c["tokens"], c["parent"], c["probs"], c["uniforms"], block_v=c["block_v"])
+        assert equal(ref, ker), name
+        g_ref = accept_greedy_reference(c["tokens"], c["parent"], c["pred"], c["num_steps"])
+        assert equal(g_ref, fused_accept_greedy(c["tokens"], c["parent"], c["pred"], c["num_steps"])), name
+    # A real vocabulary, several tiles, many rows.
+    g = torch.Generator().manual_seed(5)
+    B, N, S, V = 64, 16, 5, 49152
+    tokens, parent, depth = random_tree(g, B, N, S, V, max_kids=4)
+    probs = logits_to_probs(boosted_logits(g, tokens, parent, V, 12.0), 0.8, 0.95)
+    u = torch.rand(B, S + 1, N, generator=g)
+    args = [t.cuda() for t in (tokens, parent, depth, probs, u)]
+    assert equal(accept_sampling_reference(*args), fused_accept_sampling(args[0], args[1], args[3], args[4]))
+
+
 def test_kernel_only_dispatched_on_cuda():
     assert not kernel_available(torch.zeros(2, 3))
 
