@@ -16,7 +16,9 @@ rejection p(x_r) is zeroed and the next child is tried. If every child is reject
 has none), the walk stops and the bonus token is drawn from the residual (p with the tried
 children's tokens zeroed) by inverse CDF at u[d, max_children]. Only the first `max_children`
 children of a node are tried; leaving drafts untried is still lossless (it only shortens
-acceptance), and `max_children = N - 1` never leaves any out.
+acceptance), and `max_children = N - 1` never leaves any out. A sibling repeating an earlier
+sibling's token finds p(x) already zeroed (never accepted). The walk stops at depth num_steps;
+a leaf reached there was not tried, so its residual is its full p.
 
 Masses are fixed-point integers, so that sums are exact and the kernel's block-wise scans and
 torch's cumsum agree whatever order they add in: q(x) = trunc(p(x) * 2^60) (int64; exact for
