@@ -194,7 +194,8 @@ def draft_loss(head, batch: dict, lm_head_w: Tensor, *, steps: int, decay: float
     """Training-time-test loss of `head` on a batch.
 
     EAGLE-3: sum_s decay^s * soft-CE(target probs restricted to the draft vocabulary, draft
-    log-probs), counted where the target's argmax lies in the draft vocabulary.
+    log-probs), over the predictions whose target argmax lies in the draft vocabulary; top-1
+    accuracy (``correct / count``) over all assistant predictions, out-of-vocabulary ones as misses.
     EAGLE-2: per step decay^s * (feature_weight * SmoothL1(g, f_{t+1+s}) + ce_weight * soft-CE
     over the full vocabulary); steps=1 is the published recipe.
     Each step's terms are means over its counted predictions. Target logits (lm_head_w @ f)
@@ -238,11 +239,16 @@ def draft_loss(head, batch: dict, lm_head_w: Tensor, *, steps: int, decay: float
         b, t = valid.nonzero(as_tuple=True)
         rows = row_of[b, t + 1 + s]
         am = tgt_am[rows]
-        if t2d is not None:  # the target's choice must be drawable by the draft
+        n_all = b.numel()
+        if t2d is not None:  # the loss needs the target's choice drawable by the draft
             keep = t2d[am]
             b, t, rows, am = b[keep], t[keep], rows[keep], am[keep]
         n = b.numel()
-        count[s] = n
+        # Accuracy is over every assistant prediction: one whose target token lies outside the
+        # draft vocabulary is a guaranteed rejection in serving, so it counts as a miss (leaving
+        # it out of the denominator read optimistic). CE stays a mean over the in-vocabulary
+        # predictions it is computed on: its sum is scaled to n_all so that ce_sum / count is it.
+        count[s] = n_all
         if n == 0:
             # Keep every parameter in the graph (DDP expects a gradient for each of them).
             total = total + 0.0 * head.logits(g[:1, :1]).float().sum()
@@ -255,7 +261,7 @@ def draft_loss(head, batch: dict, lm_head_w: Tensor, *, steps: int, decay: float
             pred = logp.argmax(-1)
             pred = d2t[pred] if d2t is not None else pred
             correct[s] = (pred == am).sum()
-            ce_sum[s] = ce.detach().sum()
+            ce_sum[s] = ce.detach().sum() * (n_all / n)
         if feature_weight:
             fl = F.smooth_l1_loss(gs.float(), hidden[b, t + 1 + s].float(), reduction="none").mean(-1)
             step_loss = step_loss + feature_weight * fl.mean()
