@@ -176,6 +176,18 @@ def is_complete(cfg: DictConfig) -> bool:
 
 
 @torch.no_grad()
+def draft_vocab_coverage(ds, t2d: torch.Tensor) -> float:
+    """Share of the assistant tokens of a capture split that the draft vocabulary (t2d) holds."""
+    t2d = t2d.bool().cpu()
+    hit = total = 0
+    for ids, mask in ds.iter_token_shards():
+        ids, mask = torch.as_tensor(ids).long(), torch.as_tensor(mask).bool()
+        toks = ids[mask]
+        total += toks.numel()
+        hit += int(t2d[toks].sum())
+    return hit / total if total else 0.0
+
+
 def run(cfg: DictConfig) -> dict:
     from eagle_infer.heads import load_head
     from eagle_train.shards import CaptureDataset
@@ -218,6 +230,10 @@ def run(cfg: DictConfig) -> dict:
                            int(sel(cfg, "eval.batch_size", 4)),
                            int(sel(cfg, "eval.max_length", sel(cfg, "train.max_length", 2048))), device,
                            online)
+    if head.eagle3 and head.t2d is not None:
+        # Every held-out answer token outside the draft vocabulary is a rejection no training
+        # can fix; on greedy held-out answers these are the target's own greedy tokens.
+        result["draft_vocab_coverage_heldout"] = draft_vocab_coverage(ds, head.t2d)
     result.update({"head": str(hpath), "kind": head.config.kind, "capture": str(ds.path),
                    "heldout_answers": heldout_answers(ds.manifest.get("settings") or {}),
                    "model": str(sel(cfg, "model.name", "")), "seconds": round(time.perf_counter() - t0, 2),
@@ -230,6 +246,10 @@ def run(cfg: DictConfig) -> dict:
     records = read_log(hpath / LOG_FILE)
     plot_eval(result, records, out_dir / PLOT_FILE, f"{result['model']} {result['kind']} ({hpath.name})")
     rates = " ".join(f"{r:.2f}" for r in result["accept_rate_per_position"])
+    cov = result.get("draft_vocab_coverage_heldout")
+    if cov is not None:
+        log(f"eval: the draft vocabulary ({int(head.t2d.sum()):,} tokens) covers {cov:.2%} of the held-out "
+            f"answer tokens")
     log(f"eval: {result['kind']} head {hpath} on {result['num_samples']} held-out samples "
         f"({result['heldout_answers']} answers, {result['num_start_positions']:,} start positions): "
         f"acceptance length "

@@ -32,6 +32,8 @@ STAGE_MODULES = {"capture": "eagle_train.capture", "train": "eagle_train.train",
 PATH_KEYS = ("workdir", "capture_dir", "tokenmap_dir", "head_dir", "eval_dir")
 TOKENMAP_RECORD = "tokenmap.json"
 DEFAULT_DRAFT_VOCAB = 8192
+SHIPPED = "shipped"  # train.init_from value: the reference head shipped for this target (heads/)
+BENCH_FILE = "bench.json"
 
 
 def log(msg: str) -> None:
@@ -67,8 +69,57 @@ def prepare_config(cfg: DictConfig) -> DictConfig:
     tsrc = OmegaConf.select(out, "tokenmap.source")
     if tsrc is not None and str(tsrc) != "capture":
         out.tokenmap.source = absolute(tsrc)
+    init = OmegaConf.select(out, "train.init_from")
+    if init is not None and str(init) == SHIPPED:
+        shipped = shipped_head(out)
+        out.train.init_from = None if shipped is None else str(shipped)
+        log(f"train.init_from=shipped: warm start from the reference head {shipped}, adapted on this data "
+            f"(from scratch: train.init_from=null)" if shipped is not None else
+            f"train.init_from=shipped: no reference head ships for {OmegaConf.select(out, 'model.name')}: "
+            f"training from scratch")
+    elif init:
+        out.train.init_from = absolute(init)
     OmegaConf.set_struct(out, True)
     return out
+
+
+def shipped_head(cfg: DictConfig) -> Path | None:
+    """The shipped reference head of this draft kind when the target is the embedded default
+    (the only target heads/ holds heads for), else None."""
+    from eagle_infer.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME, default_head_path
+
+    mpath = str(OmegaConf.select(cfg, "model.path", default=DEFAULT_MODEL_ALIAS))
+    if mpath not in (DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME):
+        return None
+    try:
+        path = default_head_path(str(OmegaConf.select(cfg, "draft.name", default="eagle3")))
+    except FileNotFoundError:
+        return None
+    return path if (path / "config.json").is_file() else None
+
+
+def init_head_vocab(cfg: DictConfig) -> tuple[Any, Any, Path] | None:
+    """(d2t, t2d, head) of the EAGLE-3 head that train.init_from warm-starts from, or None (no
+    warm start, or an EAGLE-2 head). Its lm_head rows mean its own draft tokens, so a warm-started
+    run must train with exactly that vocabulary, not a freshly mined one."""
+    from safetensors import safe_open
+
+    init = OmegaConf.select(cfg, "train.init_from")
+    if not init or str(OmegaConf.select(cfg, "draft.name", default="eagle3")) != "eagle3":
+        return None
+    head = Path(str(init))
+    weights = head / "model.safetensors"
+    if not weights.is_file():
+        raise UserError(f"train.init_from={head}: no model.safetensors there")
+    with safe_open(str(weights), framework="pt") as st:
+        if "d2t" not in st.keys() or "t2d" not in st.keys():
+            return None  # full-vocabulary head
+        d2t, t2d = st.get_tensor("d2t").long(), st.get_tensor("t2d").bool()
+    if d2t.numel() != draft_vocab_size(cfg):
+        raise UserError(f"train.init_from={head} drafts over {d2t.numel()} tokens but "
+                        f"draft.draft_vocab_size={draft_vocab_size(cfg)}: set "
+                        f"draft.draft_vocab_size={d2t.numel()}, or train from scratch (train.init_from=null)")
+    return d2t, t2d, head
 
 
 def resolve_device(name: Any) -> str | None:
@@ -182,12 +233,34 @@ def _source_fingerprint(cfg: DictConfig) -> dict:
             "mtime": st.st_mtime if st else None}
 
 
-def run_tokenmap(cfg: DictConfig) -> dict:
-    """Count tokens (assistant tokens of the capture, or a corpus), mine the FR-Spec maps and the
-    EAGLE-3 draft vocabulary, and copy d2t/t2d beside the capture for training."""
+def heldout_counts(cfg: DictConfig, vocab: int) -> Any:
+    """Assistant-token counts of the capture's held-out split (greedy answers by default: the
+    target's own greedy tokens on prompts the maps were not mined from), or None if it is empty."""
     import torch
 
-    from eagle_train.tokenmap import count_corpus, count_tokens, mine_token_maps
+    from eagle_train.shards import CaptureDataset
+    from eagle_train.tokenmap import count_tokens
+
+    try:
+        ds = CaptureDataset(cfg.capture_dir, split="heldout")
+    except (UserError, FileNotFoundError):
+        return None
+    if len(ds) == 0:
+        return None
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for ids, mask in ds.iter_token_shards():
+        counts += count_tokens(ids, mask, vocab_size=vocab)
+    return counts if int(counts.sum()) else None
+
+
+def run_tokenmap(cfg: DictConfig) -> dict:
+    """Count tokens (assistant tokens of the capture, or a corpus), mine the FR-Spec maps and the
+    EAGLE-3 draft vocabulary, and copy d2t/t2d beside the capture for training (the warm-start
+    head's own d2t/t2d instead when train.init_from is an EAGLE-3 head). Reports each map's
+    coverage of the held-out answers too: mined coverage is optimistic (same tokens)."""
+    import torch
+
+    from eagle_train.tokenmap import count_corpus, count_tokens, coverage, load_token_map, mine_token_maps
 
     src = str(cfg.tokenmap.source)
     t0 = time.perf_counter()
@@ -229,14 +302,51 @@ def run_tokenmap(cfg: DictConfig) -> dict:
     dest = draft_vocab_file(cfg)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(dest.name + ".tmp")
-    shutil.copyfile(mined, tmp)
+    warm = init_head_vocab(cfg)
+    if warm is None:
+        shutil.copyfile(mined, tmp)
+        vocab_from, t2d_used = "mined", None
+    else:
+        from safetensors.torch import save_file
+
+        d2t_w, t2d_used, head = warm
+        save_file({"d2t": d2t_w.contiguous(), "t2d": t2d_used.contiguous()}, str(tmp))
+        vocab_from = str(head)
     tmp.replace(dest)
+    if t2d_used is None:
+        from safetensors.torch import load_file
+
+        t2d_used = load_file(str(dest))["t2d"].bool()
+    vocab_ids = t2d_used.nonzero().flatten()
+    train_cov = coverage(counts, vocab_ids)
+    held = heldout_counts(cfg, vocab) if src == "capture" else None
+    held_cov: dict[str, float] = {}
+    if held is not None:
+        held_cov["draft_vocab"] = coverage(held, vocab_ids)
+        for f in summary.get("files", []):
+            if Path(f).name.startswith("frspec_"):
+                held_cov[Path(f).stem] = coverage(held, load_token_map(f, vocab))
+        if warm is not None:
+            held_cov["draft_vocab_mined"] = coverage(held, _mined_ids(mined))
     record = {"source": _source_fingerprint(cfg), "sizes": sorted(int(s) for s in cfg.tokenmap.sizes),
-              "draft_vocab_size": dvs, "draft_vocab_file": str(dest), "summary": summary}
+              "draft_vocab_size": dvs, "draft_vocab_file": str(dest), "draft_vocab_from": vocab_from,
+              "draft_vocab_train_coverage": train_cov, "heldout_coverage": held_cov,
+              "heldout_tokens": int(held.sum()) if held is not None else 0, "summary": summary}
     atomic_write_json(Path(cfg.capture_dir) / TOKENMAP_RECORD, record)
-    log(f"tokenmap: draft vocabulary ({dvs} ids, coverage "
-        f"{summary['draft_vocab_coverage'].get(str(dvs), 0.0):.2%}) copied to {dest}")
+    held_msg = (f", {held_cov['draft_vocab']:.2%} of the {int(held.sum()):,} held-out answer tokens"
+                if held is not None else "")
+    what = "mined here" if warm is None else f"the warm-start head's own, {vocab_from}"
+    log(f"tokenmap: draft vocabulary ({dvs} ids, {what}; covers {train_cov:.2%} of the counted tokens"
+        f"{held_msg}) copied to {dest}")
+    if held_cov:
+        log("tokenmap: held-out coverage " + ", ".join(f"{k} {v:.2%}" for k, v in held_cov.items()))
     return summary
+
+
+def _mined_ids(path: Path) -> Any:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))["t2d"].bool().nonzero().flatten()
 
 
 def tokenmap_is_complete(cfg: DictConfig) -> bool:
@@ -249,6 +359,12 @@ def tokenmap_is_complete(cfg: DictConfig) -> bool:
     except (json.JSONDecodeError, UserError, OSError):
         return False
     if rec.get("source") != fp or rec.get("draft_vocab_size") != draft_vocab_size(cfg):
+        return False
+    try:
+        warm = init_head_vocab(cfg)
+    except UserError:
+        return False
+    if rec.get("draft_vocab_from", "mined") != ("mined" if warm is None else str(warm[2])):
         return False
     if rec.get("sizes") != sorted(int(s) for s in cfg.tokenmap.sizes):
         return False
@@ -294,6 +410,66 @@ def run_stage(stage: str, cfg: DictConfig) -> Any:
     return mod.run(cfg)
 
 
+def cpu_name() -> str:
+    """The CPU model (what a speedup on CPU depends on), from /proc/cpuinfo where there is one."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_bench(cfg: DictConfig) -> dict | None:
+    """A short end-of-pipeline benchmark of the trained head: plain vs speculative greedy decoding
+    (eagle_infer.bench) on the first ``stage.bench.num_prompts`` MT-bench prompts with a small
+    tree (3/4/4 by default: what pays on a CPU). Writes ``<workdir>/bench.json``; 0 prompts = off."""
+    import torch
+
+    from eagle_infer.bench import bench_plain, bench_spec, load_prompts
+    from eagle_infer.heads import load_head_for
+    from eagle_infer.loader import default_device, dtype_name, load_model, load_tokenizer, resolve_dtype
+    from eagle_infer.tree import TreeConfig
+
+    b = OmegaConf.select(cfg, "stage.bench")
+    n = int(OmegaConf.select(cfg, "stage.bench.num_prompts", default=0) or 0)
+    head_dir = Path(cfg.head_dir)
+    if b is None or n <= 0 or not (head_dir / "config.json").is_file():
+        return None
+    device = resolve_device(cfg.device) or default_device()
+    dtype = dtype_name(resolve_dtype(str(b.get("dtype", "auto")), device))
+    model_path = OmegaConf.select(cfg, "model.path")
+    tok = load_tokenizer(model_path)
+    prompts = load_prompts(None, n, tok)
+    model = load_model(model_path, dtype, device)
+    head = load_head_for(head_dir, model)
+    tree = TreeConfig(int(b.num_steps), int(b.eagle_topk), int(b.num_draft_tokens))
+    new = int(b.max_new_tokens)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        plain = bench_plain(model, prompts, new)
+        spec = bench_spec(model, head, prompts, new, tree)
+    plain_tps, spec_tps = plain.tokens_per_s, spec.result.tokens_per_s
+    tau = spec.stats.acceptance_length()
+    report = {"head": str(head_dir), "init_from": OmegaConf.select(cfg, "train.init_from"),
+              "prompts": f"MT-bench first turns 1..{len(prompts)}", "max_new_tokens": new,
+              "tree": [tree.num_steps, tree.eagle_topk, tree.num_draft_tokens], "dtype": dtype,
+              "device": device, "cpu": cpu_name(), "threads": torch.get_num_threads(),
+              "plain_tokens_per_s": round(plain_tps, 3), "spec_tokens_per_s": round(spec_tps, 3),
+              "speedup": round(spec_tps / plain_tps, 3) if plain_tps else None,
+              "acceptance_length": round(tau, 3), "greedy_identical": spec.result.outputs == plain.outputs,
+              "seconds": round(time.perf_counter() - t0, 1)}
+    atomic_write_json(Path(cfg.workdir) / BENCH_FILE, report)
+    log(f"bench: {len(prompts)} MT-bench prompts x {new} tokens, tree {tree.num_steps}/{tree.eagle_topk}/"
+        f"{tree.num_draft_tokens}, {dtype} on {device} ({report['cpu']}, {report['threads']} threads): "
+        f"plain {plain_tps:.1f} tok/s, speculative {spec_tps:.1f} tok/s = {report['speedup']}x, "
+        f"runtime tau {tau:.2f}; written to {Path(cfg.workdir) / BENCH_FILE}")
+    return report
+
+
 def run_pipeline(cfg: DictConfig) -> dict[str, str]:
     """capture -> tokenmap -> train -> eval, skipping stages whose outputs are complete."""
     save_stage_config(cfg, "pipeline")
@@ -310,9 +486,30 @@ def run_pipeline(cfg: DictConfig) -> dict[str, str]:
         t0 = time.perf_counter()
         run_stage(stage, cfg)
         done[stage] = f"{time.perf_counter() - t0:.1f}s"
+    t0 = time.perf_counter()
+    bench = run_bench(cfg)
+    if bench is not None:
+        done["bench"] = f"{time.perf_counter() - t0:.1f}s"
     log(f"pipeline finished in {time.perf_counter() - t_all:.1f}s: "
         + ", ".join(f"{k} {v}" for k, v in done.items()))
+    summarize(cfg, bench)
     return done
+
+
+def summarize(cfg: DictConfig, bench: dict | None) -> None:
+    """The result a newcomer looks for, in two lines: where the head came from, its held-out tau,
+    and what the benchmark measured."""
+    ev_path = Path(cfg.eval_dir) / "eval.json"
+    ev = json.loads(ev_path.read_text()) if ev_path.is_file() else {}
+    init = OmegaConf.select(cfg, "train.init_from")
+    origin = (f"warm-started from {init} and adapted on this data (from scratch: train.init_from=null)"
+              if init else "trained from scratch")
+    tau = ev.get("acceptance_length")
+    msg = f"result: head {cfg.head_dir}, {origin}; held-out chain tau " + (f"{tau:.3f}" if tau else "n/a")
+    if bench is not None:
+        msg += (f"; runtime tau {bench['acceptance_length']:.2f} and speedup {bench['speedup']}x vs plain "
+                f"(tree {'/'.join(map(str, bench['tree']))}, {bench['dtype']}, {bench['cpu']})")
+    log(msg)
 
 
 def main_task(raw_cfg: DictConfig) -> Any:

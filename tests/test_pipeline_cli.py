@@ -119,7 +119,7 @@ def test_tokenmap_stage_from_a_capture(tmp_path, monkeypatch, capsys):
     tokens = _synthetic_capture(tmp_path / "w" / "capture")
     monkeypatch.chdir(tmp_path)
     rc = run_main(["stage=tokenmap", "workdir=w", "tokenmap_dir=maps", "tokenmap.sizes=[4,16]",
-                   "draft.draft_vocab_size=64"], monkeypatch)
+                   "draft.draft_vocab_size=64", "train.init_from=null"], monkeypatch)
     out = capsys.readouterr()
     assert rc == 0, out.err
     folder = tmp_path / "maps" / "SmolLM2-135M-Instruct"
@@ -145,10 +145,53 @@ def test_tokenmap_stage_from_a_capture(tmp_path, monkeypatch, capsys):
     from eagle_train.pipeline import tokenmap_is_complete
 
     cfg = compose(["stage=tokenmap", f"workdir={tmp_path / 'w'}", f"tokenmap_dir={tmp_path / 'maps'}",
-                   "tokenmap.sizes=[4,16]", "draft.draft_vocab_size=64"])
+                   "tokenmap.sizes=[4,16]", "draft.draft_vocab_size=64", "train.init_from=null"])
     assert tokenmap_is_complete(cfg)
     cfg.tokenmap.sizes = [4, 32]
     assert not tokenmap_is_complete(cfg)
+
+
+def test_quick_preset_warm_starts_from_the_shipped_head_only_for_its_target(tmp_path):
+    from eagle_infer.default_model import default_head_path
+
+    for kind in ("eagle3", "eagle2"):
+        cfg = compose([f"workdir={tmp_path}", f"draft={kind}"])  # quick is the default preset
+        assert cfg.train.init_from == str(default_head_path(kind))
+    assert compose([f"workdir={tmp_path}", "train.init_from=null"]).train.init_from is None
+    other = tmp_path / "other-model"
+    other.mkdir()
+    cfg = compose([f"workdir={tmp_path}", f"model.path={other}", "model.name=other"])
+    assert cfg.train.init_from is None  # no shipped head for another target: from scratch
+    assert compose([f"workdir={tmp_path}", "preset=reference"]).train.init_from is None
+
+
+def test_warm_started_tokenmap_keeps_the_heads_own_draft_vocab(tmp_path, monkeypatch, capsys):
+    """The warm-start head's lm_head rows mean its own draft tokens: the tokenmap stage must hand
+    train its d2t/t2d, not the vocabulary it mines (which here differs: three samples' tokens)."""
+    from safetensors.torch import load_file
+
+    from eagle_infer.default_model import default_head_path
+    from eagle_infer.errors import UserError
+    from eagle_train.pipeline import run_stage, tokenmap_is_complete
+
+    _synthetic_capture(tmp_path / "w" / "capture")
+    head = load_file(str(default_head_path("eagle3") / "model.safetensors"))
+    args = [f"workdir={tmp_path / 'w'}", f"tokenmap_dir={tmp_path / 'maps'}", "tokenmap.sizes=[16]"]
+    cfg = compose(["stage=tokenmap", *args])
+    run_stage("tokenmap", cfg)
+    used = load_file(str(tmp_path / "w" / "capture" / "d2t_t2d_8192.safetensors"))
+    mined = load_file(str(tmp_path / "maps" / "SmolLM2-135M-Instruct" / "d2t_t2d_8192.safetensors"))
+    assert torch.equal(used["d2t"], head["d2t"].long()) and torch.equal(used["t2d"], head["t2d"].bool())
+    assert not torch.equal(mined["d2t"], used["d2t"])
+    rec = json.loads((tmp_path / "w" / "capture" / "tokenmap.json").read_text())
+    assert rec["draft_vocab_from"] == str(default_head_path("eagle3"))
+    assert "warm-start head's own" in capsys.readouterr().err
+    assert tokenmap_is_complete(cfg)
+    # From scratch, the same outputs are not complete: the mined vocabulary must replace the head's.
+    assert not tokenmap_is_complete(compose(["stage=tokenmap", *args, "train.init_from=null"]))
+    # Another draft vocabulary size cannot warm-start from an 8192-token head.
+    with pytest.raises(UserError, match=r"drafts over 8192 tokens .*train.init_from=null"):
+        run_stage("tokenmap", compose(["stage=tokenmap", *args, "draft.draft_vocab_size=64"]))
 
 
 def test_tokenmap_stage_without_capture_names_the_missing_capture(tmp_path):
@@ -213,3 +256,23 @@ def test_installed_wheel_finds_conf_and_reference_heads(tmp_path):
     assert job.returncode == 0, job.stderr
     cfg = yaml.safe_load(job.stdout)
     assert cfg["draft"]["name"] == "eagle2" and cfg["stage"]["name"] == "train"
+
+
+def test_pipeline_bench_measures_plain_vs_speculative(tmp_path, capsys):
+    """The end-of-pipeline bench: speculative output = plain output (fp32 greedy), tau >= 1, a
+    speedup and the CPU in bench.json and in the closing summary; 0 prompts turns it off."""
+    from eagle_infer.default_model import default_head_path
+    from eagle_train.pipeline import run_bench, summarize
+
+    head = default_head_path("eagle3")
+    args = [f"workdir={tmp_path}", f"head_dir={head}", "stage.bench.num_prompts=1",
+            "stage.bench.max_new_tokens=6", "stage.bench.dtype=fp32"]
+    cfg = compose(args)
+    report = run_bench(cfg)
+    assert report is not None and report["greedy_identical"] is True
+    assert report["acceptance_length"] >= 1.0 and report["speedup"] > 0 and report["tree"] == [3, 4, 4]
+    assert json.loads((tmp_path / "bench.json").read_text()) == report
+    summarize(cfg, report)
+    err = capsys.readouterr().err
+    assert "warm-started from" in err and f"speedup {report['speedup']}x" in err and report["cpu"] in err
+    assert run_bench(compose([*args, "stage.bench.num_prompts=0"])) is None
