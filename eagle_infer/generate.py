@@ -139,9 +139,10 @@ def kv_bucket(needed: int, max_seq_len: int) -> int:
 
 def compile_step(fn: Callable, device_type: str, mode: str | None = None) -> Callable:
     """torch.compile with full graphs and static shapes. On CPU, Inductor freezing: weights
-    become constants, pre-packed for oneDNN (measured: the whole plain step 3x faster than eager
-    on a 2-core Xeon, fp32). Several buckets share one code object, so the recompile limit is
-    raised to hold them all."""
+    become constants, pre-packed for oneDNN. Measured in one process on a 2-core Xeon (AVX-512,
+    no AVX512-BF16: fp32), 1 thread, default model: plain step 72 ms compiled vs 83 ms eager,
+    16-token verify 157 vs 169 ms; each graph compiles in 60-80 s. Several buckets share one code
+    object, so the recompile limit is raised to hold them all."""
     import torch._dynamo.config
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
