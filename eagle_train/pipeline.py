@@ -441,6 +441,19 @@ def run_bench(cfg: DictConfig) -> dict | None:
         return None
     device = resolve_device(cfg.device) or default_device()
     dtype = dtype_name(resolve_dtype(str(b.get("dtype", "auto")), device))
+    # Like the stages, a rerun skips a bench already measured for this head with these settings.
+    weights = head_dir / "model.safetensors"
+    key = {"settings": OmegaConf.to_container(b, resolve=True), "dtype": dtype,
+           "head_mtime_ns": weights.stat().st_mtime_ns if weights.is_file() else None}
+    out = Path(cfg.workdir) / BENCH_FILE
+    if out.is_file():
+        try:
+            old = json.loads(out.read_text())
+        except json.JSONDecodeError:
+            old = {}
+        if old.get("key") == key and old.get("head") == str(head_dir):
+            log(f"bench: {out} already measured this head with these settings, skipped")
+            return old
     model_path = OmegaConf.select(cfg, "model.path")
     tok = load_tokenizer(model_path)
     prompts = load_prompts(None, n, tok)
@@ -461,12 +474,12 @@ def run_bench(cfg: DictConfig) -> dict | None:
               "plain_tokens_per_s": round(plain_tps, 3), "spec_tokens_per_s": round(spec_tps, 3),
               "speedup": round(spec_tps / plain_tps, 3) if plain_tps else None,
               "acceptance_length": round(tau, 3), "greedy_identical": spec.result.outputs == plain.outputs,
-              "seconds": round(time.perf_counter() - t0, 1)}
-    atomic_write_json(Path(cfg.workdir) / BENCH_FILE, report)
+              "seconds": round(time.perf_counter() - t0, 1), "key": key}
+    atomic_write_json(out, report)
     log(f"bench: {len(prompts)} MT-bench prompts x {new} tokens, tree {tree.num_steps}/{tree.eagle_topk}/"
         f"{tree.num_draft_tokens}, {dtype} on {device} ({report['cpu']}, {report['threads']} threads): "
         f"plain {plain_tps:.1f} tok/s, speculative {spec_tps:.1f} tok/s = {report['speedup']}x, "
-        f"runtime tau {tau:.2f}; written to {Path(cfg.workdir) / BENCH_FILE}")
+        f"runtime tau {tau:.2f}; written to {out}")
     return report
 
 
