@@ -74,7 +74,7 @@ def prepare_config(cfg: DictConfig) -> DictConfig:
         shipped = shipped_head(out)
         out.train.init_from = None if shipped is None else str(shipped)
         log(f"train.init_from=shipped: warm start from the reference head {shipped}, adapted on this data "
-            f"(from scratch: train.init_from=null)" if shipped is not None else
+            f"(from scratch: train.init_from=null train.lr=3e-4)" if shipped is not None else
             f"train.init_from=shipped: no reference head ships for {OmegaConf.select(out, 'model.name')}: "
             f"training from scratch")
     elif init:
@@ -515,8 +515,8 @@ def summarize(cfg: DictConfig, bench: dict | None) -> None:
     ev_path = Path(cfg.eval_dir) / "eval.json"
     ev = json.loads(ev_path.read_text()) if ev_path.is_file() else {}
     init = OmegaConf.select(cfg, "train.init_from")
-    origin = (f"warm-started from {init} and adapted on this data (from scratch: train.init_from=null)"
-              if init else "trained from scratch")
+    origin = (f"warm-started from {init} and adapted on this data "
+              f"(from scratch: train.init_from=null train.lr=3e-4)" if init else "trained from scratch")
     tau = ev.get("acceptance_length")
     msg = f"result: head {cfg.head_dir}, {origin}; held-out chain tau " + (f"{tau:.3f}" if tau else "n/a")
     if bench is not None:
