@@ -19,7 +19,9 @@ Both heads share one calling convention, so drafting code never branches on the 
                            -> (logits [B, T, V_draft], g [B, T, h], (k, v))
     head.draft_to_target   -> [V_draft] target ids of the logits' columns, or None (identity)
 
-Checkpoints use the official layouts (reference.md section 4), which SGLang and vLLM load.
+Checkpoints are written in the official layouts (reference.md section 4), which SGLang and vLLM
+load; load_head also reads the other published forms (yuhuili's EAGLE-1/2/3, SpecForge, vLLM
+speculators; safetensors or .bin, sharded or not): see head_formats.py.
 """
 
 from __future__ import annotations
@@ -33,14 +35,19 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from eagle_infer.errors import UserError
+from eagle_infer.head_formats import (
+    EAGLE2_ARCH,
+    EAGLE3_ARCH,
+    canonical_state_dict,
+    is_speculators,
+    read_weights,
+    speculators_to_flat,
+    write_head_folder,
+)
 from eagle_infer.model import KVCache, ModelConfig, RMSNorm, apply_rope, rope_tables
-
-EAGLE3_ARCH = "LlamaForCausalLMEagle3"
-EAGLE2_ARCH = "LlamaForCausalLM"
 
 
 @dataclass
@@ -57,13 +64,19 @@ class HeadConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 4096
-    fc_bias: bool = True  # EAGLE-2 only; SGLang always builds fc with a bias
+    # EAGLE-2 only. Off by default: vLLM builds fc without a bias and reads config "bias" as the
+    # attention bias, so a head with fc.bias loads there with empty q/k/v/o biases and accepts
+    # nothing; SGLang builds fc with bias=config.bias. Official EAGLE-1 heads (bias true) still load.
+    fc_bias: bool = False
     # Official convention: the *output* index of the target layers (hidden index - 1).
     aux_layer_ids: list[int] = field(default_factory=list)
+    # EAGLE-3 only: the residual is hidden_norm(h) instead of h (vLLM speculators' variant; SGLang
+    # and EAGLE's own heads add the un-normed h).
+    norm_before_residual: bool = False
 
     @classmethod
     def for_target(cls, target: ModelConfig, kind: str, draft_vocab_size: int | None = None,
-                   aux_hidden_indices: Sequence[int] | None = None, fc_bias: bool = True) -> HeadConfig:
+                   aux_hidden_indices: Sequence[int] | None = None, fc_bias: bool = False) -> HeadConfig:
         """A head sized for `target` (the shapes the target's features dictate)."""
         if kind not in ("eagle2", "eagle3"):
             raise UserError(f"unknown draft kind '{kind}': use eagle2 or eagle3")
@@ -117,19 +130,37 @@ class HeadConfig:
                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": self.aux_layer_ids,
                                  "use_aux_hidden_state": True},
             })
+            if self.norm_before_residual:  # vLLM reads it from the top level of an EAGLE-3 config
+                cfg["norm_before_residual"] = True
         else:
             cfg.update({"architectures": [EAGLE2_ARCH], "bias": self.fc_bias})
         return cfg
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any], state_keys: Sequence[str] = ()) -> HeadConfig:
+    def from_hf(cls, cfg: dict[str, Any], state_keys: Sequence[str] | None = None) -> HeadConfig:
+        """Any published head config (official EAGLE-1/2/3, SpecForge, vLLM speculators); pass the
+        checkpoint's keys where known (they settle the kind and the fc bias)."""
+        if is_speculators(cfg):
+            cfg = speculators_to_flat(cfg)
         arch = (cfg.get("architectures") or [""])[0]
-        keys = set(state_keys)
-        is3 = (arch == EAGLE3_ARCH or cfg.get("speculators_model_type") == "eagle3"
-               or "draft_vocab_size" in cfg or any(k.startswith("midlayer.") for k in keys))
+        keys = set(state_keys or ())
+        is3 = (arch == EAGLE3_ARCH or "draft_vocab_size" in cfg
+               or any(k.removeprefix("model.").startswith("midlayer.") for k in keys))
+        layers = cfg.get("num_hidden_layers", 1)
+        if layers != 1:
+            raise UserError(f"{layers} decoder layers; this runtime runs one-layer EAGLE heads")
         n_heads = cfg["num_attention_heads"]
+        target_h = cfg.get("target_hidden_size")
+        if is3 and target_h is not None and target_h != cfg["hidden_size"]:
+            raise UserError(f"target_hidden_size {target_h} != the head's hidden size {cfg['hidden_size']}: "
+                            f"heads narrower than their target are not supported")
         eagle_cfg = cfg.get("eagle_config") or {}
         rope = dict(cfg.get("rope_parameters") or {})
+        scaling = cfg.get("rope_scaling") or None
+        if rope and rope.get("rope_type", "default") != "default":  # transformers >= 5 spelling
+            scaling = rope
+        # The fc bias is what the checkpoint holds; only without its keys does config "bias" decide.
+        fc_bias = ("fc.bias" in keys or "model.fc.bias" in keys) if keys else bool(cfg.get("bias", False))
         return cls(
             kind="eagle3" if is3 else "eagle2",
             hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
@@ -139,10 +170,11 @@ class HeadConfig:
             draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            fc_bias=bool(cfg.get("bias", "fc.bias" in keys)) or "fc.bias" in keys,
+            fc_bias=fc_bias and not is3,
             aux_layer_ids=list(eagle_cfg.get("eagle_aux_hidden_state_layer_ids") or []),
+            norm_before_residual=bool(cfg.get("norm_before_residual", False)) and is3,
         )
 
 
@@ -227,6 +259,7 @@ class DraftLayer(nn.Module):
         super().__init__()
         h = cfg.hidden_size
         self.eagle3 = cfg.kind == "eagle3"
+        self.norm_before_residual = self.eagle3 and cfg.norm_before_residual
         if self.eagle3:
             self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
             self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
@@ -236,7 +269,13 @@ class DraftLayer(nn.Module):
 
     def forward(self, emb: Tensor, h: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
                 slots: Tensor | None, past_kv, row0: int = 0) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], -1) if self.eagle3 else h
+        if self.eagle3:
+            hn = self.hidden_norm(h)
+            x = torch.cat([self.input_layernorm(emb), hn], -1)
+            if self.norm_before_residual:
+                h = hn
+        else:
+            x = h
         a, kv = self.self_attn(x, cos, sin, mask, slots, past_kv, row0)
         g = h + a
         return g + self.mlp(self.post_attention_layernorm(g)), kv
@@ -387,68 +426,65 @@ def save_head(head: DraftHead, out_dir: str | os.PathLike, extra: dict[str, Any]
               dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write config.json + model.safetensors in the official layout (atomically); bf16 by
     default, as published heads are."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().contiguous().cpu() for k, v in head.head_state_dict().items()}
-    sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()}
     cfg = head.config.to_hf() | {"torch_dtype": str(dtype).removeprefix("torch.")} | (extra or {})
-    tmp = out / "model.safetensors.tmp"
-    save_file(sd, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return out
+    return write_head_folder(out_dir, cfg, head.head_state_dict(), dtype)
 
 
-def _official_to_ours(sd: dict[str, Tensor], cfg: HeadConfig) -> dict[str, Tensor]:
-    out = {}
-    for k, v in sd.items():
-        if k.startswith("model."):
-            k = k[len("model."):]
-        if cfg.kind == "eagle3" and k.startswith("layers.0."):  # vLLM speculators layout
-            k = "midlayer." + k[len("layers.0."):]
-        if k in ("embed_tokens.weight", "lm_head.weight") and cfg.kind == "eagle2":
-            continue  # EAGLE-2 shares the target's embedding and lm_head
-        if k == "embed_tokens.weight":
-            continue
-        out[k] = v
-    return out
-
-
-def load_head(path: str | os.PathLike, target_cfg: ModelConfig, embed_tokens: nn.Embedding,
-              target_lm_head: Tensor | None = None, dtype: torch.dtype | None = None) -> DraftHead:
-    """Load our own or an official EAGLE-2 / EAGLE-3 checkpoint; refuse one for another target."""
+def read_head(path: str | os.PathLike) -> tuple[HeadConfig, dict[str, Tensor]]:
+    """A head folder in any published layout: its HeadConfig and its weights under our key names
+    (EAGLE-3 without d2t/t2d gets the identity map). No target needed (export uses it)."""
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise UserError(f"draft head not found: {folder} has no config.json")
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise UserError(f"draft head {folder} has no safetensors weights")
-    sd: dict[str, Tensor] = {}
-    for f in files:
-        sd.update(load_file(str(f)))
-    hf = json.loads((folder / "config.json").read_text())
-    cfg = HeadConfig.from_hf(hf, sd.keys())
-    if cfg.kind == "eagle3" and not cfg.aux_layer_ids:
-        cfg.aux_layer_ids = [i - 1 for i in target_cfg.eagle3_layer_ids()]
-    check_head_against_target(cfg, target_cfg, str(folder))
-    sd = _official_to_ours(sd, cfg)
-    rows = sd["lm_head.weight"].shape[0] if "lm_head.weight" in sd else cfg.draft_vocab_size
-    if cfg.kind == "eagle3" and rows != cfg.draft_vocab_size:
-        raise UserError(f"draft head {folder}: lm_head has {sd['lm_head.weight'].shape[0]} rows but "
-                        f"draft_vocab_size is {cfg.draft_vocab_size}")
-    head = DraftHead(cfg, embed_tokens, target_lm_head)
+    raw = read_weights(folder)
+    try:
+        cfg = HeadConfig.from_hf(json.loads((folder / "config.json").read_text()), raw.keys())
+    except KeyError as e:
+        raise UserError(f"draft head {folder}: config.json lacks {e}") from None
+    except UserError as e:
+        raise UserError(f"draft head {folder}: {e}") from None
+    sd = canonical_state_dict(raw, cfg.kind)
     if cfg.kind == "eagle3":
         if "d2t" not in sd:  # a full-vocabulary EAGLE-3 head
             sd["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
             sd["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
         sd["d2t"], sd["t2d"] = sd["d2t"].long(), sd["t2d"].bool()
-        if sd["t2d"].shape[0] != target_cfg.vocab_size:
-            raise UserError(f"draft head {folder}: t2d covers {sd['t2d'].shape[0]} tokens but the target "
-                            f"vocabulary has {target_cfg.vocab_size}")
-    missing, unexpected = head.load_state_dict(sd, strict=False)
+    return cfg, sd
+
+
+def _check_layout(head: DraftHead, sd: dict[str, Tensor], where: str) -> None:
+    """Refuse weights that do not fill this head exactly, naming the tensors (before load_state_dict,
+    whose shape errors are tracebacks)."""
+    want = {k: v.shape for k, v in head.state_dict().items() if k not in ("token_map", "draft_lm_head")}
+    missing = sorted(set(want) - set(sd))
+    unexpected = sorted(set(sd) - set(want))
     if missing or unexpected:
-        raise UserError(f"draft head {folder} does not match the {cfg.kind} layout: "
+        raise UserError(f"draft head {where} does not match the {head.config.kind} layout: "
                         f"missing {missing[:6]}, unexpected {unexpected[:6]}")
+    wrong = [f"{k} {tuple(sd[k].shape)} (expected {tuple(s)})" for k, s in want.items() if sd[k].shape != s]
+    if wrong:
+        raise UserError(f"draft head {where}: tensors of the wrong shape: " + "; ".join(wrong[:4]))
+
+
+def load_head(path: str | os.PathLike, target_cfg: ModelConfig, embed_tokens: nn.Embedding,
+              target_lm_head: Tensor | None = None, dtype: torch.dtype | None = None) -> DraftHead:
+    """Load our own or a published EAGLE-2 / EAGLE-3 checkpoint (any layout read_head reads);
+    refuse one for another target, naming the mismatch."""
+    folder = Path(path)
+    cfg, sd = read_head(folder)
+    if cfg.kind == "eagle3" and not cfg.aux_layer_ids:
+        cfg.aux_layer_ids = [i - 1 for i in target_cfg.eagle3_layer_ids()]
+    check_head_against_target(cfg, target_cfg, str(folder))
+    if cfg.kind == "eagle3" and sd["t2d"].shape[0] != target_cfg.vocab_size:
+        raise UserError(f"draft head {folder}: t2d covers {sd['t2d'].shape[0]} tokens but the target "
+                        f"vocabulary has {target_cfg.vocab_size}")
+    rows = sd["lm_head.weight"].shape[0] if "lm_head.weight" in sd else cfg.draft_vocab_size
+    if cfg.kind == "eagle3" and rows != cfg.draft_vocab_size:
+        raise UserError(f"draft head {folder}: lm_head has {sd['lm_head.weight'].shape[0]} rows but "
+                        f"draft_vocab_size is {cfg.draft_vocab_size}")
+    head = DraftHead(cfg, embed_tokens, target_lm_head)
+    _check_layout(head, sd, str(folder))
+    head.load_state_dict(sd, strict=True)
     w = embed_tokens.weight
     head = head.to(device=w.device, dtype=dtype or w.dtype)
     if cfg.kind == "eagle3":

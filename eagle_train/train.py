@@ -191,7 +191,7 @@ def build_head(cfg: DictConfig, target: TargetIO, manifest: dict):
                             f"capture again with these layers, or drop the override")
         dvs = sel(cfg, "draft.draft_vocab_size")
         dvs = tc.vocab_size if dvs is None or int(dvs) >= tc.vocab_size else int(dvs)
-    hcfg = HeadConfig.for_target(tc, kind, dvs, aux, fc_bias=bool(sel(cfg, "draft.fc_bias", True)))
+    hcfg = HeadConfig.for_target(tc, kind, dvs, aux, fc_bias=bool(sel(cfg, "draft.fc_bias", False)))
     head = DraftHead(hcfg, target.embed_tokens, target.lm_head_weight)
     if kind == "eagle3" and dvs < tc.vocab_size:
         d2t, t2d = load_draft_vocab(cfg, tc.vocab_size, dvs)

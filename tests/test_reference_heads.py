@@ -63,3 +63,15 @@ def test_eagle2_reference_with_token_map_tree_batch4(default_model_fp32, prompts
     outs, tau = run_spec(default_model_fp32, head, prompts[:4], TreeConfig(4, 4, 12), batch=4)
     assert outs == plain[:4]
     assert tau > 1.25
+
+
+def test_eagle2_reference_head_is_bias_free():
+    """The shipped EAGLE-2 head has no fc bias and says "bias": false: vLLM builds the EAGLE fc
+    without a bias and reads "bias" as the attention bias (with it, vLLM accepted no drafts)."""
+    import json
+
+    from eagle_infer.head_formats import read_weights
+
+    folder = default_head_path("eagle2")
+    assert json.loads((folder / "config.json").read_text())["bias"] is False
+    assert "fc.bias" not in read_weights(folder)
