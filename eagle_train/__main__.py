@@ -1,4 +1,4 @@
-"""python -m eagle_train [stage=capture|tokenmap|train|eval|pipeline] [preset=...] [key=value ...]
+"""python -m eagle_train [stage=capture|tokenmap|train|eval|pipeline|export|publish] [key=value ...]
 
 Hydra composes conf/config.yaml with the overrides; `eagle_train.pipeline` runs the stage.
 Relative paths resolve against the directory the command runs in; Hydra's own log and

@@ -29,6 +29,7 @@ from eagle_train.shards import atomic_write_json, atomic_write_text
 STAGES = ("capture", "tokenmap", "train", "eval")
 STAGE_MODULES = {"capture": "eagle_train.capture", "train": "eagle_train.train",
                  "eval": "eagle_train.evaluate"}
+TOOL_STAGES = {"export": "eagle_train.export", "publish": "eagle_train.publish"}
 PATH_KEYS = ("workdir", "capture_dir", "tokenmap_dir", "head_dir", "eval_dir")
 TOKENMAP_RECORD = "tokenmap.json"
 DEFAULT_DRAFT_VOCAB = 8192
@@ -531,4 +532,6 @@ def main_task(raw_cfg: DictConfig) -> Any:
     stage = str(cfg.stage.name)
     if stage == "pipeline":
         return run_pipeline(cfg)
+    if stage in TOOL_STAGES:  # act on a finished head; not part of the pipeline
+        return importlib.import_module(TOOL_STAGES[stage]).run(cfg)
     return run_stage(stage, cfg)

@@ -315,3 +315,22 @@ def test_export_official_from_bin_and_eagle2_refused_as_speculators(target, tmp_
     with pytest.raises(UserError, match="speculators format is for EAGLE-3"):
         export_head(src, tmp_path / "spec", "speculators")
 
+
+def test_export_stage_cli(target, tmp_path, monkeypatch):
+    """python -m eagle_train stage=export ... (in process, the same entry point)."""
+    import sys
+
+    from eagle_train.__main__ import main
+
+    ours = random_head(target, "eagle3")
+    save_head(ours, tmp_path / "head", dtype=torch.float32)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["eagle_train", "stage=export", "export.head=head", "export.out=spec",
+                                      "export.format=speculators", "export.verifier=tiny/llama",
+                                      f"workdir={tmp_path}/wd", "hydra/job_logging=none",
+                                      "hydra/hydra_logging=none"])
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    main()
+    cfg = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "tiny/llama"
+    assert_same(ours, load(tmp_path / "spec", target), target)
