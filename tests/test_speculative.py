@@ -63,7 +63,6 @@ def oracle_head(target: Transformer, noise: float = 0.0) -> DraftHead:
     with torch.no_grad():
         head.fc.weight.zero_()
         head.fc.weight[:, :h] = torch.eye(h) + noise * torch.randn(h, h)
-        head.fc.bias.zero_()
         head.layers[0].self_attn.o_proj.weight.zero_()
         head.layers[0].mlp.down_proj.weight.zero_()
     return head

@@ -490,7 +490,7 @@ def test_trained_head_saved_in_official_layout_reloads(env, tmp_path, kind):
         assert sd["lm_head.weight"].dtype == torch.bfloat16 and sd["d2t"].dtype == torch.int64
         assert torch.equal(sd["d2t"], env["d2t"]) and torch.equal(sd["t2d"], env["t2d"])
     else:
-        assert "fc.bias" in sd and "layers.0.self_attn.q_proj.weight" in sd
+        assert "fc.bias" not in sd and conf["bias"] is False and "layers.0.self_attn.q_proj.weight" in sd
     for f in ("train_summary.json", "train_log.jsonl", "train_loss.png"):
         assert (hd / f).is_file(), f
     assert summary["tokens_per_s"] > 0
