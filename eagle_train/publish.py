@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,9 @@ def bench_summary(b: dict[str, Any]) -> dict[str, Any]:
             + (" --stop-at-eos" if s.get("ignore_eos") is False else ""))
         return out
     if "speedup" in b:  # the pipeline's bench.json
-        n = b.get("prompts")
+        n = b.get("prompts")  # "MT-bench first turns 1..N"
+        if isinstance(n, str) and re.search(r"\.\.(\d+)$", n):
+            n = int(re.search(r"\.\.(\d+)$", n).group(1))
         return {"speedup": b["speedup"], "spec_tokens_per_s": b.get("spec_tokens_per_s"),
                 "plain_tokens_per_s": b.get("plain_tokens_per_s"), "tau": b.get("acceptance_length"),
                 "tree": list(b.get("tree") or []), "dtype": b.get("dtype"), "device": b.get("device"),

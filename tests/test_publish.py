@@ -217,3 +217,35 @@ def test_publish_refuses_a_bad_repo_id_and_a_foreign_folder(trained, tmp_path, t
     assert publish([], tmp_path, tiny_model_dir, monkeypatch) == 2
     assert "was not written by stage=publish" in capsys.readouterr().err
     assert (tmp_path / "out" / "precious.txt").read_text() == "keep me"
+
+
+def test_publish_defaults_to_the_pipelines_own_head_eval_and_bench(target, tmp_path, tiny_model_dir,
+                                                                   monkeypatch):
+    """No publish.head: the pipeline's head_dir, with eval.json and acceptance.png from eval_dir and
+    the pipeline's bench.json (its own shape: speedup, spec_tokens_per_s, tree as a list)."""
+    from eagle_train.__main__ import main
+
+    wd = tmp_path / "wd"
+    save_head(random_head(target, "eagle3"), wd / "eagle3", dtype=torch.float32)
+    (wd / "eval-eagle3").mkdir()
+    (wd / "eval-eagle3" / "eval.json").write_text(json.dumps(EVAL))
+    (wd / "eval-eagle3" / "acceptance.png").write_bytes(PNG)
+    bench = {"head": str(wd / "eagle3"), "prompts": "MT-bench first turns 1..3", "max_new_tokens": 64,
+             "tree": [3, 4, 4], "dtype": "fp32", "device": "cpu", "cpu": "Xeon", "threads": 1,
+             "plain_tokens_per_s": 8.1, "spec_tokens_per_s": 11.8, "speedup": 1.457,
+             "acceptance_length": 1.47, "greedy_identical": True}
+    (wd / "bench.json").write_text(json.dumps(bench))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(sys, "argv", [
+        "eagle_train", "stage=publish", f"publish.repo_id={REPO_ID}", "publish.base_model=tiny/llama",
+        f"model.path={tiny_model_dir('llama')}", "model.name=tiny", f"workdir={wd}",
+        "hydra/job_logging=none", "hydra/hydra_logging=none"])
+    main()
+    out = wd / "publish" / "tiny-eagle3"
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "acceptance.png", "bench.json",
+                                                     "config.json", "eval.json", "model.safetensors"]
+    card = (out / "README.md").read_text()
+    assert "3 MT-bench prompts x 64 new tokens" in card
+    nums = card_numbers(card)
+    assert nums["tau"] == round(EVAL["acceptance_length"], 4)
+    assert nums["speed"] == [1.457, 11.8, 8.1, 1.47]
