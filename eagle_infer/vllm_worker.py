@@ -39,6 +39,10 @@ def spec_counts(llm) -> dict:
 
 
 def main() -> None:
+    # Run as a script, its own folder (eagle_infer/) would lead sys.path, and our subpackages
+    # would shadow pip packages of the same name (transformers probes for `kernels`).
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     # Answers go to the original stdout; anything vLLM (or its C++ side, or a child process)
     # writes to stdout lands on stderr instead, so it cannot corrupt them.
     reply = os.fdopen(os.dup(1), "w")

@@ -208,8 +208,11 @@ def test_logprobs_are_the_raw_target_log_probabilities(clients, tokenizer, refer
             assert [int(e.top_logprobs[0].token.removeprefix("token_id:")) for e in entries if k] == (
                 out if k else [])
     assert got["greedy"]["text"] == got["plain"]["text"]
-    assert [(e.token, e.logprob) for e in got["stream"]["logprobs"]] == [
-        (tokenizer.decode([int(e.token[9:])]), e.logprob) for e in got["greedy"]["logprobs"]]
+    # Same tokens; the numbers agree to float noise (the two requests may share a batch differently).
+    assert [e.token for e in got["stream"]["logprobs"]] == [
+        tokenizer.decode([int(e.token[9:])]) for e in got["greedy"]["logprobs"]]
+    assert [e.logprob for e in got["stream"]["logprobs"]] == pytest.approx(
+        [e.logprob for e in got["greedy"]["logprobs"]], abs=LOGPROB_TOL)
     first_alt = [int(e.top_logprobs[0].token[9:]) for e in got["greedy"]["logprobs"]]
     assert [e.top_logprobs[0].bytes for e in got["stream"]["logprobs"]] == [
         list(tokenizer.decode([t]).encode()) for t in first_alt]
