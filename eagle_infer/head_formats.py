@@ -18,8 +18,9 @@ Files: `model.safetensors` or `pytorch_model.bin`, either one file or shards lis
 The aux layer ids mean different things per layout, read in the engines' code: SGLang adds one
 to `eagle_config.eagle_aux_hidden_state_layer_ids` (id i = the *output* of layer i), while vLLM
 uses the speculators ids as they are (id k = the hidden state after k layers, HF
-`hidden_states[k]`). HeadConfig keeps SGLang's convention; speculators ids are shifted on the way
-in and out.
+`hidden_states[k]`), and reads a top-level `eagle_aux_hidden_state_layer_ids` before
+`eagle_config`. HeadConfig keeps SGLang's convention; speculators ids are shifted on the way in and
+out, and our official EAGLE-3 configs carry both keys, each in its engine's convention.
 
 This module works on plain dicts and tensors; `heads.py` turns them into a HeadConfig and a
 DraftHead, and `export_head` (below) rewrites any readable head in another layout.

@@ -50,6 +50,15 @@ from eagle_infer.head_formats import (
 from eagle_infer.model import KVCache, ModelConfig, RMSNorm, apply_rope, rope_tables
 
 
+def aux_layer_ids_of(cfg: dict[str, Any]) -> list[int]:
+    """EAGLE-3 aux layer ids in SGLang's convention (id i = output of layer i): from
+    `eagle_config`, else from vLLM's top-level key (id k = state after k layers, so k - 1)."""
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids:
+        return [int(i) for i in ids]
+    return [int(k) - 1 for k in cfg.get("eagle_aux_hidden_state_layer_ids") or []]
+
+
 @dataclass
 class HeadConfig:
     kind: str  # "eagle2" | "eagle3"
@@ -129,6 +138,9 @@ class HeadConfig:
                 "target_hidden_size": self.hidden_size,
                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": self.aux_layer_ids,
                                  "use_aux_hidden_state": True},
+                # vLLM reads this key first and takes id k as the state after k layers; SGLang reads
+                # eagle_config (id i = output of layer i). Both then capture the trained layers.
+                "eagle_aux_hidden_state_layer_ids": self.aux_hidden_indices,
             })
             if self.norm_before_residual:  # vLLM reads it from the top level of an EAGLE-3 config
                 cfg["norm_before_residual"] = True
@@ -154,7 +166,6 @@ class HeadConfig:
         if is3 and target_h is not None and target_h != cfg["hidden_size"]:
             raise UserError(f"target_hidden_size {target_h} != the head's hidden size {cfg['hidden_size']}: "
                             f"heads narrower than their target are not supported")
-        eagle_cfg = cfg.get("eagle_config") or {}
         rope = dict(cfg.get("rope_parameters") or {})
         scaling = cfg.get("rope_scaling") or None
         if rope and rope.get("rope_type", "default") != "default":  # transformers >= 5 spelling
@@ -173,7 +184,7 @@ class HeadConfig:
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             fc_bias=fc_bias and not is3,
-            aux_layer_ids=list(eagle_cfg.get("eagle_aux_hidden_state_layer_ids") or []),
+            aux_layer_ids=aux_layer_ids_of(cfg),
             norm_before_residual=bool(cfg.get("norm_before_residual", False)) and is3,
         )
 

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from eagle_infer.errors import UserError
+from eagle_infer.kernels.tree_accept import fused_accept_greedy, fused_accept_sampling, kernel_available
 from eagle_infer.model import build_attn_mask
 from eagle_infer.sampling import SamplingParams, logits_to_probs
 
@@ -178,6 +179,8 @@ def _path_from_leaf(tree: DraftTree, leaf: Tensor, max_depth: int) -> Tensor:
 def accept_greedy(tree: DraftTree, target_logits: Tensor, max_depth: int) -> Acceptance:
     """Longest root path whose every token equals the target's argmax after its parent."""
     pred = target_logits.argmax(-1)  # [B, N] the target's choice after each node
+    if kernel_available(pred):  # CUDA: the walk in one Triton launch (eagle_infer/kernels)
+        return Acceptance(*fused_accept_greedy(tree.tokens, tree.parent, pred, max_depth))
     ok = tree.tokens == torch.gather(pred, 1, tree.parent)
     ok[:, 0] = True
     on_good_path = ~(tree.mask & ~ok[:, None, :]).any(-1)  # every ancestor-or-self ok
@@ -210,6 +213,11 @@ def accept_sampling(tree: DraftTree, target_logits: Tensor, params: Sequence[Sam
     for (temp, top_p, top_k), rows in by_setting.items():
         idx = torch.tensor(rows, device=dev)
         probs[idx] = logits_to_probs(target_logits[idx], temp, top_p, top_k)
+    if kernel_available(probs):  # CUDA: walk + bonus draw in one Triton launch (eagle_infer/kernels)
+        # u[b, d, r]: child r's try at depth d, u[b, d, N - 1]: the bonus if the walk stops at d.
+        # N - 1 children per node bounds any tree (draft_tree's have <= eagle_topk).
+        u = torch.stack([torch.rand(max_depth + 1, N, generator=g, device=dev) for g in generators])
+        return Acceptance(*fused_accept_sampling(tree.tokens, tree.parent, probs, u))
     # children[b, j, r]: node j's r-th child in node order, else N (a dummy node).
     nodes = torch.arange(N, device=dev)
     is_child = (tree.parent[:, None, :] == nodes[None, :, None]) & (nodes[None, None, :] > 0)  # [B, j, c]

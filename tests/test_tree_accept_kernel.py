@@ -246,6 +246,43 @@ def _first_token_counts(kernel: bool, n: int, seed: int) -> tuple[list[float], l
     return p.tolist(), torch.bincount(first, minlength=V).tolist()
 
 
+def _tree_dispatch() -> dict:
+    """tree.accept_greedy / accept_sampling with their CUDA branch forced (kernel_available is
+    True only on CUDA): the same greedy acceptance as their torch path, greedy rows through
+    accept_sampling too, and the first sampled token (through the uniforms tree.py lays out
+    for the kernel) following the target's root distribution."""
+    from eagle_infer import tree as tree_mod
+    from eagle_infer.sampling import SamplingParams
+
+    c = make_case("random_b8")
+    t, S = as_tree(c), c["num_steps"]
+    B = c["tokens"].shape[0]
+    logits = torch.nn.functional.one_hot(c["pred"], c["probs"].shape[-1]).float()
+    logits = logits + 0.01 * torch.randn(logits.shape, generator=torch.Generator().manual_seed(5))
+    torch_path = tree_mod.accept_greedy(t, logits, S)
+    n, V = 400, 8
+    tok1 = torch.tensor([[5, 1, 2, 3]]).expand(n, 4)
+    par1 = torch.tensor([[0, 0, 0, 1]]).expand(n, 4)
+    t1 = DraftTree(tok1, par1, torch.tensor([[0, 1, 1, 2]]).expand(n, 4), ancestor_mask(par1, 2))
+    lg = torch.randn(1, 4, V, generator=torch.Generator().manual_seed(6)).expand(n, 4, V)
+    params = [SamplingParams(temperature=1.0, seed=i) for i in range(n)]
+    saved = tree_mod.kernel_available
+    tree_mod.kernel_available = lambda x: True
+    try:
+        kernel_path = tree_mod.accept_greedy(t, logits, S)
+        greedy = [SamplingParams(temperature=0.0)] * B
+        greedy_rows = tree_mod.accept_sampling(t, logits, greedy, [None] * B, S)
+        acc = tree_mod.accept_sampling(t1, lg, params, [q.generator() for q in params], 2)
+    finally:
+        tree_mod.kernel_available = saved
+    first = torch.where(acc.n_accepted > 0, tok1[0][acc.path[:, 1]], acc.bonus)
+    return {"greedy_equal": equal(TreeAccept(*_fields(torch_path)), TreeAccept(*_fields(kernel_path))),
+            "greedy_rows_equal": equal(TreeAccept(*_fields(torch_path)), TreeAccept(*_fields(greedy_rows))),
+            "reaches": int(torch_path.n_accepted.max()),
+            "chi_square": (logits_to_probs(lg[0, 0], 1.0).tolist(),
+                           torch.bincount(first, minlength=V).tolist())}
+
+
 def _worker() -> dict:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     _speed_up_interpreter()
@@ -282,6 +319,7 @@ def _worker() -> dict:
         fused_accept_greedy(c["tokens"], c["parent"], logits, c["num_steps"]),
         accept_greedy_reference(c["tokens"], c["parent"], logits.argmax(-1), c["num_steps"]))
     out["chi_square"] = _first_token_counts(kernel=True, n=600, seed=11)
+    out["dispatch"] = _tree_dispatch()
     out["seconds"] = time.perf_counter() - t0
     return out
 
@@ -385,6 +423,15 @@ def test_kernel_sampling_is_lossless(interpreted):
     the interpreter affords; the reference, equal to the kernel above, is tested at 40k)."""
     p, counts = interpreted["chi_square"]
     assert chi_square_p(p, counts) > 0.01, counts
+
+
+def test_tree_dispatches_to_the_kernels(interpreted):
+    """tree.py's CUDA branch, forced on the interpreter: same acceptance as its torch path, and
+    sampling through it stays lossless."""
+    d = interpreted["dispatch"]
+    assert d["reaches"] >= 2
+    assert d["greedy_equal"] and d["greedy_rows_equal"]
+    assert chi_square_p(*d["chi_square"]) > 0.01, d["chi_square"]
 
 
 def test_reference_sampling_is_lossless():
