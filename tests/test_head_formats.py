@@ -159,6 +159,22 @@ def test_yuhuili_eagle3_bin_without_eagle_config(target, tmp_path):
     assert_same(ours, loaded, target)
 
 
+def test_eagle3_aux_ids_in_both_engines_conventions(target, tmp_path):
+    """Our EAGLE-3 config names the trained layers for SGLang (eagle_config: output of layer i)
+    and for vLLM (top-level key, read first: state after k layers); a config with only the
+    top-level key (written for vLLM) loads to the same layers."""
+    ours = random_head(target, "eagle3")
+    ours.config.aux_layer_ids = [0, 1, 2]
+    save_head(ours, tmp_path / "ours", dtype=torch.float32)
+    cfg = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    del cfg["eagle_config"]
+    loaded = load(write(tmp_path / "vllm", cfg, weights(ours)), target)
+    assert loaded.config.aux_layer_ids == [0, 1, 2]
+    assert_same(ours, loaded, target)
+
+
 def test_specforge_eagle3_sharded_safetensors(target, tmp_path):
     """SpecForge: eagle_config.eagle_aux_hidden_state_layer_ids (SGLang's convention: output of
     layer i), target_hidden_size, an embed_tokens copy, sharded safetensors with an index."""
