@@ -112,8 +112,9 @@ def cpu_info() -> dict:
             "python": platform.python_version()}
 
 
-def run_ours(args: argparse.Namespace, head: Path | None) -> dict:
-    """Our bench on the same prompts and settings (plain; chain drafting with the same k)."""
+def run_ours(args: argparse.Namespace, head: Path | None, tree: tuple[int, int, int] | None = None) -> dict:
+    """Our bench on the same prompts and settings (plain; chain drafting with the same k, or
+    the draft tree `tree` = (num_steps, eagle_topk, num_draft_tokens))."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ours.json"
         cmd = [sys.executable, "-m", "eagle_infer.bench", "--num-prompts", str(args.num_prompts),
@@ -123,8 +124,9 @@ def run_ours(args: argparse.Namespace, head: Path | None) -> dict:
             cmd.append("--no-spec")
         else:
             k = args.num_speculative_tokens
-            cmd += ["--draft", str(head), "--num-steps", str(k), "--eagle-topk", "1",
-                    "--num-draft-tokens", str(k + 1)]
+            steps, topk, n = tree or (k, 1, k + 1)
+            cmd += ["--draft", str(head), "--num-steps", str(steps), "--eagle-topk", str(topk),
+                    "--num-draft-tokens", str(n)]
         if args.stop_at_eos:
             cmd.append("--stop-at-eos")
         subprocess.run(cmd, check=True, cwd=ROOT)
@@ -145,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--enforce-eager", action="store_true", help="skip vLLM's compilation (faster start)")
     ap.add_argument("--no-plain", action="store_true", help="skip vLLM's plain decoding")
     ap.add_argument("--ours", action="store_true", help="also run our bench on the same prompts")
+    ap.add_argument("--ours-tree", type=int, nargs=3, default=None, metavar=("STEPS", "TOPK", "N"),
+                    help="with --ours: also our tree drafting with each head (e.g. 3 4 4, the CPU default)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -199,13 +203,23 @@ def main(argv: list[str] | None = None) -> None:
                 "tokens_per_s": r["tokens_per_s"], "acceptance_length": r["acceptance_length"],
                 "accept_rate_per_position": r["accept_rate_per_position"],
                 "speedup_vs_ours_plain": r["speedup_vs_plain"]}
+            if args.ours_tree:
+                r = run_ours(args, h, tuple(args.ours_tree))
+                result["ours"][f"{h.name} tree {'/'.join(map(str, args.ours_tree))}"] = {
+                    "tokens_per_s": r["tokens_per_s"], "acceptance_length": r["acceptance_length"],
+                    "accept_rate_per_position": r["accept_rate_per_position"],
+                    "speedup_vs_ours_plain": r["speedup_vs_plain"]}
+    if args.ours and plain:
+        for m in result["ours"].values():
+            m["vs_vllm_plain"] = round(m["tokens_per_s"] / plain["tokens_per_s"], 3)
     text = json.dumps(result, indent=1)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(text + "\n")
+    rows = [*methods.items(), *[(f"ours {n}", m) for n, m in result.get("ours", {}).items()]]
     print("\n".join(f"{n}: {m['tokens_per_s']} tok/s" + (f", tau {m['acceptance_length']}"
-                                                           if "acceptance_length" in m else "")
-                    for n, m in methods.items()))
+                                                           if m.get("acceptance_length") else "")
+                    for n, m in rows))
 
 
 if __name__ == "__main__":

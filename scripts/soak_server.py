@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from eagle_infer.launch import ServerProcess  # noqa: E402
+from eagle_infer.metrics import parse_metrics  # noqa: E402
 
 API_KEY = "soak-key"
 MODEL = "SmolLM2-135M-Instruct"
@@ -72,17 +73,6 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "model_name")
-            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
-    return out
 
 
 # ---------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ TOKEN_MAP = default_head_path("eagle3").parents[1] / "tokenmaps" / DEFAULT_MODEL
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer, mtbench_prompts):
-    return [chat_prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in mtbench_prompts[:20]]
+    return [chat_prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in mtbench_prompts[:12]]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def run_spec(target, head, prompts, tree, batch):
     return outs, total.acceptance_length()
 
 
-def test_eagle3_reference_tree_batch4_20_prompts(default_model_fp32, prompts, plain):
+def test_eagle3_reference_tree_batch4_12_prompts(default_model_fp32, prompts, plain):
     head = load_head_for(default_head_path("eagle3"), default_model_fp32)
     outs, tau = run_spec(default_model_fp32, head, prompts, TreeConfig(5, 4, 16), batch=4)
     assert outs == plain

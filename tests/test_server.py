@@ -22,6 +22,7 @@ import torch
 
 from eagle_infer.generate import generate
 from eagle_infer.launch import ServerProcess
+from eagle_infer.metrics import parse_metrics
 from eagle_infer.model import ModelConfig, Transformer
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import Sequence_, SpecStats
@@ -88,18 +89,6 @@ def server(default_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {'name{label="v"}': value}, the model_name label left out."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "model_name")
-            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
-    return out
 
 
 def metrics(server) -> dict[str, float]:
