@@ -290,3 +290,33 @@ def test_cli_missing_model_is_one_error_line():
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "/nope" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_cpu_fp32_linears_are_column_major_with_the_same_values(tiny_model_dir):
+    """load_model stores fp32 Linear weights on CPU transposed-contiguous (fast few-row GEMMs for
+    tree verification): same values and names as the checkpoint, tied embedding still shared,
+    and a 4-token forward equal to the row-major model's."""
+    from eagle_infer.loader import column_major_linears
+
+    path = tiny_model_dir("llama")
+    col = load_model(path, dtype="fp32", device="cpu")
+    row = load_model(path, dtype="fp32", device="cpu")
+    for m in row.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.weight.data = m.weight.data.contiguous()
+    linears = [(n, m.weight) for n, m in col.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(w.t().is_contiguous() and not w.is_contiguous() for _, w in linears)
+    rows = dict(row.named_parameters())
+    assert all(torch.equal(w, rows[n + ".weight"]) for n, w in linears)
+    if col.config.tie_word_embeddings:
+        assert col.lm_head.weight is col.embed_tokens.weight
+    for m in (col, row):
+        m.setup_cache(1, 64)
+    tokens = torch.tensor([[5, 9, 2, 7]])
+    pos = torch.arange(4)[None]
+    mask = causal_mask(torch.tensor([0]), 4, 64)
+    with torch.no_grad():
+        a, b = col(tokens, pos, pos, mask)[0], row(tokens, pos, pos, mask)[0]
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    column_major_linears(col)  # idempotent
+    assert all(w.t().is_contiguous() for _, w in linears)
