@@ -197,15 +197,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.ours:
         ours_plain = run_ours(args, None)
         result["ours"] = {"plain": ours_plain["methods"]["plain"]}
+        trees = [(f"chain k{k}", None)]
+        if args.ours_tree:
+            trees.append((f"tree {'/'.join(map(str, args.ours_tree))}", tuple(args.ours_tree)))
         for h in heads:
-            r = run_ours(args, h)
-            result["ours"][f"{h.name} chain k{k}"] = {
-                "tokens_per_s": r["tokens_per_s"], "acceptance_length": r["acceptance_length"],
-                "accept_rate_per_position": r["accept_rate_per_position"],
-                "speedup_vs_ours_plain": r["speedup_vs_plain"]}
-            if args.ours_tree:
-                r = run_ours(args, h, tuple(args.ours_tree))
-                result["ours"][f"{h.name} tree {'/'.join(map(str, args.ours_tree))}"] = {
+            for label, tree in trees:
+                r = run_ours(args, h, tree)
+                result["ours"][f"{h.name} {label}"] = {
                     "tokens_per_s": r["tokens_per_s"], "acceptance_length": r["acceptance_length"],
                     "accept_rate_per_position": r["accept_rate_per_position"],
                     "speedup_vs_ours_plain": r["speedup_vs_plain"]}
