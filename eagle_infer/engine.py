@@ -16,7 +16,15 @@ from collections.abc import Sequence
 
 import torch
 
-from eagle_infer.generate import join_groups, kv_len_for, pick_tokens
+from eagle_infer.generate import (
+    batch_bucket,
+    compiled_cache_rows,
+    compiled_decode,
+    join_groups,
+    kv_bucket,
+    kv_len_for,
+    pick_tokens,
+)
 from eagle_infer.model import Transformer, causal_mask
 from eagle_infer.speculative import (
     RowTable,
@@ -41,6 +49,22 @@ class PlainDecoder:
         self.seqs = self.rows.seqs
         self.cancel = self.rows.cancel
         self.stats = SpecStats()  # rounds only: nothing is drafted
+        self.compiled_step, self.max_bs = None, 0
+
+    def compile(self, mode: str | None = None, max_bs: int | None = None) -> PlainDecoder:
+        """Run each step (forward + argmax) as a compiled graph per (batch, kv) bucket
+        (CompiledDecode; batches whose bucket is over max_bs, default the bucket of max_batch,
+        run eagerly). On CUDA, mode="reduce-overhead" replays CUDA graphs."""
+        if self.seqs:
+            raise RuntimeError("compile a decoder before any sequence joins")
+        self.max_bs = batch_bucket(self.max_batch) if max_bs is None else max_bs
+        self.target.setup_cache(compiled_cache_rows(self.max_batch, self.max_bs), self.max_seq_len)
+        self.compiled_step = compiled_decode(self.target, mode)
+        return self
+
+    @property
+    def compiled(self) -> bool:
+        return self.compiled_step is not None
 
     @property
     def free_rows(self) -> int:
@@ -70,6 +94,8 @@ class PlainDecoder:
         lens = torch.tensor([len(s.prompt) for s in seqs], device=self.device)
         firsts, _ = prefill_rows(self.target, seqs, row0, kv_len_for(int(lens.max()), self.max_seq_len))
         self.L[row0:row0 + k], self.last[row0:row0 + k] = lens, torch.tensor(firsts, device=self.device)
+        for s in seqs:
+            s.cached = len(s.prompt)
         self.rows.admit_many(seqs, firsts)
 
     @torch.no_grad()
@@ -79,13 +105,21 @@ class PlainDecoder:
         if B == 0:
             return []
         L = self.L[:B]
-        mask = causal_mask(L, 1, kv_len_for(int(L.max()) + 1, self.max_seq_len))
-        logits, _ = self.target(self.last[:B, None], L[:, None], L[:, None], mask)
-        nxt = pick_tokens(logits[:, 0], [s.params for s in self.seqs], [s.generator for s in self.seqs])
+        L_max = max(s.cached for s in self.seqs)  # = L.max(), from the host: no read
+        if self.compiled_step is not None and batch_bucket(B) <= self.max_bs:
+            logits, greedy = self.compiled_step(self.last[:B], L, kv_bucket(L_max + 1, self.max_seq_len))
+            logits = logits[:, None]
+        else:
+            mask = causal_mask(L, 1, kv_len_for(L_max + 1, self.max_seq_len))
+            logits, _ = self.target(self.last[:B, None], L[:, None], L[:, None], mask)
+            greedy = None
+        params, gens = [s.params for s in self.seqs], [s.generator for s in self.seqs]
+        nxt = pick_tokens(logits[:, 0], params, gens, greedy)
         self.L[:B] += 1
         self.last[:B] = nxt
         results = []
         for b, (seq, t) in enumerate(zip(self.seqs, nxt.tolist())):
+            seq.cached += 1
             seq.set_logits(logits[b])  # logprobs (when asked): the logits this token came from
             results.append((seq, seq.emit([t])))
         self.stats.rounds += 1

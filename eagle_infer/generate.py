@@ -137,6 +137,12 @@ def kv_bucket(needed: int, max_seq_len: int) -> int:
     return min(max_seq_len, max(128, 1 << (needed - 1).bit_length()))
 
 
+def compiled_cache_rows(max_batch: int, max_bs: int) -> int:
+    """Cache rows a decoder of max_batch rows needs when batches up to the bucket max_bs run
+    padded to their bucket."""
+    return max(max_batch, batch_bucket(min(max_batch, max_bs)))
+
+
 def compile_step(fn: Callable, device_type: str, mode: str | None = None) -> Callable:
     """torch.compile with full graphs and static shapes. On CPU, Inductor freezing: weights
     become constants, pre-packed for oneDNN. Measured in one process on a 2-core Xeon (AVX-512,
@@ -150,15 +156,41 @@ def compile_step(fn: Callable, device_type: str, mode: str | None = None) -> Cal
     return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode, options=options)
 
 
+class BucketedStep:
+    """A compiled fixed-shape step run at batch buckets (batch_bucket), so a new batch size
+    reuses a captured graph instead of compiling one. Inputs are padded by repeating the last
+    real row: the padding rows' cache writes land in the rows past the active ones, which no
+    sequence reads (a joining sequence's prefill overwrites them), so the cache needs
+    batch_bucket(max_batch) rows. Batches whose bucket is over max_bs run the eager step."""
+
+    def __init__(self, eager: Callable, compiled: Callable, max_bs: int, clone: bool = False):
+        self.eager, self.compiled, self.max_bs = eager, compiled, max_bs
+        self.clone = clone  # CUDA graphs reuse their output buffers at the next replay
+
+    def __call__(self, *args: torch.Tensor):
+        from torch.utils._pytree import tree_map
+
+        B = args[0].shape[0]
+        Bp = batch_bucket(B)
+        if Bp > self.max_bs:
+            return self.eager(*args)
+        if Bp > B:
+            args = tuple(torch.cat([a, a[-1:].expand(Bp - B, *a.shape[1:])]) for a in args)
+        out = self.compiled(*args)
+        if Bp == B and not self.clone:
+            return out
+        return tree_map(lambda t: t[:B].clone() if self.clone else t[:B], out)
+
+
 class CompiledDecode:
     """The plain decode step, forward + argmax, as one compiled graph per (batch, kv) bucket.
 
     Rows past the real batch are padding: they decode token 0 at slot 0 of their own cache rows
     (the caller sizes the cache for batch_bucket(B) rows), which no real row ever reads."""
 
-    def __init__(self, model: Transformer):
-        self.model = model
-        self.fn = compile_step(self._step, model.embed_tokens.weight.device.type)
+    def __init__(self, model: Transformer, mode: str | None = None):
+        self.model, self.mode = model, mode
+        self.fn = compile_step(self._step, model.embed_tokens.weight.device.type, mode)
 
     def _step(self, tokens: torch.Tensor, cur: torch.Tensor,
               kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,17 +206,19 @@ class CompiledDecode:
             tokens, cur = F.pad(tokens, (0, pad)), F.pad(cur, (0, pad))
         kv_len = kv_len or kv_bucket(int(cur.max()) + 1, m.max_seq_len)
         logits, greedy = self.fn(tokens, cur, kv_len)
+        if self.mode == "reduce-overhead":  # CUDA graphs reuse their output buffers
+            return logits[:B].clone(), greedy[:B].clone()
         return logits[:B], greedy[:B]
 
 
-_COMPILED: dict[int, CompiledDecode] = {}
+_COMPILED: dict[tuple[int, str | None], CompiledDecode] = {}
 
 
-def compiled_decode(model: Transformer) -> CompiledDecode:
-    """The model's compiled decode step, built once per model."""
-    key = id(model)
+def compiled_decode(model: Transformer, mode: str | None = None) -> CompiledDecode:
+    """The model's compiled decode step, built once per model and mode."""
+    key = (id(model), mode)
     if key not in _COMPILED or _COMPILED[key].model is not model:
-        _COMPILED[key] = CompiledDecode(model)
+        _COMPILED[key] = CompiledDecode(model, mode)
     return _COMPILED[key]
 
 

@@ -756,12 +756,20 @@ def build_parser() -> argparse.ArgumentParser:
                     "else fp32; greedy output is token-identical to plain decoding in fp32")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--context-length", type=int, default=2048)
-    # CUDA graphs (SGLang's flag names); the decoder reads args.cuda_graph_max_bs / use_cuda_graph.
+    # Compiled steps, with SGLang's flag names: CUDA graphs by default on CUDA, torch.compile
+    # on request on a CPU (compile_settings).
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None, dest="cuda_graph_max_bs",
-                    help="CUDA: largest batch bucket captured as a CUDA graph (default: "
-                    "--max-running-requests); larger batches run eagerly")
+                    help="CUDA: largest batch bucket (1, 2, 4, 8, 16, ...) replayed as a CUDA graph "
+                    "(default: the bucket of --max-running-requests); larger batches run eagerly")
     ap.add_argument("--disable-cuda-graph", action="store_false", dest="use_cuda_graph",
                     help="CUDA: run draft and verify eagerly (default: CUDA graphs per batch bucket)")
+    ap.add_argument("--enable-torch-compile", action="store_true",
+                    help="torch.compile the decode steps (on a CPU: Inductor with frozen weights) per "
+                    "batch and KV-length bucket; each new bucket compiles on first use (about a "
+                    "minute per graph on a 2-core CPU; torch's compile cache shortens later starts)")
+    ap.add_argument("--torch-compile-max-bs", type=int, default=None,
+                    help="with --enable-torch-compile: largest batch bucket compiled (default: the "
+                    "bucket of --max-running-requests); larger batches run eagerly")
     ap.add_argument("--max-running-requests", type=int, default=8)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
@@ -777,6 +785,17 @@ def resolve_tree(args: argparse.Namespace, device_type: str) -> TreeConfig:
     given = (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
     return TreeConfig(*(g if g is not None else d
                         for g, d in zip(given, (base.num_steps, base.eagle_topk, base.num_draft_tokens))))
+
+
+def compile_settings(args: argparse.Namespace, device_type: str) -> tuple[str | None, int | None] | None:
+    """(torch.compile mode, largest batch bucket compiled), or None for eager steps: CUDA graphs
+    ("reduce-overhead") on CUDA unless --disable-cuda-graph, Inductor where
+    --enable-torch-compile asks for it."""
+    if device_type == "cuda" and args.use_cuda_graph:
+        return "reduce-overhead", args.cuda_graph_max_bs
+    if args.enable_torch_compile:
+        return None, args.torch_compile_max_bs
+    return None
 
 
 def resolve_draft(args: argparse.Namespace) -> tuple[str, Path | None]:
@@ -815,6 +834,9 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, Any, set[int], Serve
 
     if args.max_running_requests < 1:
         raise UserError("--max-running-requests must be >= 1")
+    for flag in ("cuda_graph_max_bs", "torch_compile_max_bs"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
     algo, head_path = resolve_draft(args)
     device = args.device or default_device()
     # Validate the flags before the slow loading.
@@ -846,6 +868,12 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, Any, set[int], Serve
         if usable < 2:
             raise UserError(f"--context-length {ctx} leaves no room next to the draft tree")
         log.info("speculative decoding: %s head %s, %s", kind, head_path, tree)
+    compiled = compile_settings(args, torch.device(device).type)
+    if compiled is not None:
+        mode, max_bs = compiled
+        decoder.compile(mode, max_bs)
+        log.info("compiled steps (%s) for batches up to %d: the first round of each batch and KV-length "
+                 "bucket compiles its graphs", "CUDA graphs" if mode else "torch.compile", decoder.max_bs)
     name = args.served_model_name or (DEFAULT_MODEL_NAME if str(args.model_path) == "default"
                                       else Path(folder).name)
     names = list(dict.fromkeys([name, str(args.model_path), Path(folder).name]))

@@ -23,7 +23,17 @@ import torch
 from torch import Tensor
 
 from eagle_infer.errors import UserError
-from eagle_infer.generate import check_fits, compile_step, join_groups, kv_bucket, kv_len_for, prefill
+from eagle_infer.generate import (
+    BucketedStep,
+    batch_bucket,
+    check_fits,
+    compile_step,
+    compiled_cache_rows,
+    join_groups,
+    kv_bucket,
+    kv_len_for,
+    prefill,
+)
 from eagle_infer.heads import DraftHead
 from eagle_infer.model import Transformer, build_attn_mask
 from eagle_infer.sampling import SamplingParams, next_token
@@ -240,14 +250,23 @@ class SpecDecoder:
         logits, hidden = self.target(tokens, pos, slots, mask, hidden_layers=self.layers)
         return logits, hidden
 
-    def compile(self, mode: str | None = None) -> SpecDecoder:
-        """torch.compile both steps with full graphs and fixed shapes: kv_len in power-of-two
-        buckets (kv_bucket), one graph per (batch, bucket). On CPU with Inductor weight freezing;
-        on CUDA, mode="reduce-overhead" captures them as CUDA graphs."""
-        self.compiled = True
-        dev = self.device.type
-        self.draft_fn = compile_step(self._draft_step, dev, mode)
-        self.verify_fn = compile_step(self._verify, dev, mode)
+    def compile(self, mode: str | None = None, max_bs: int | None = None) -> SpecDecoder:
+        """torch.compile both steps with full graphs and fixed shapes: the batch in buckets of
+        1, 2, 4, 8, then multiples of 8 (BucketedStep; a bucket over max_bs, default the bucket
+        of max_batch, runs eagerly), kv_len in power-of-two buckets (kv_bucket): one graph per
+        (batch, kv) bucket. On CPU with Inductor weight freezing; on CUDA, mode="reduce-overhead"
+        captures them as CUDA graphs."""
+        if self.seqs:
+            raise RuntimeError("compile a decoder before any sequence joins")
+        max_bs = batch_bucket(self.max_batch) if max_bs is None else max_bs
+        rows = compiled_cache_rows(self.max_batch, max_bs)
+        self.target.setup_cache(rows, self.max_seq_len)  # padding rows write past the active ones
+        self.head.setup_cache(rows, self.max_seq_len)
+        self.compiled, self.max_bs = True, max_bs
+        dev, clone = self.device.type, mode == "reduce-overhead"
+        draft, verify = (compile_step(f, dev, mode) for f in (self._draft_step, self._verify))
+        self.draft_fn = BucketedStep(self._draft_step, draft, max_bs, clone)
+        self.verify_fn = BucketedStep(self._verify, verify, max_bs, clone)
         return self
 
     def kv_len(self, needed: int) -> int:

@@ -111,7 +111,9 @@ def draft_tree(
     parents = [torch.full((B, K), -1, device=dev, dtype=torch.long)]  # -1 = the root
     depths = [torch.ones(B, K, device=dev, dtype=torch.long)]
     f_index = arK.expand(B, K)  # candidate index of each frontier node
-    f_feat = root_g[:, None, :].expand(B, K, root_g.shape[-1])
+    # Contiguous like the gathered frontiers after it: a compiled step guards on strides, and an
+    # expanded view here compiled a second graph per batch bucket.
+    f_feat = root_g[:, None, :].expand(B, K, root_g.shape[-1]).contiguous()
     anc = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)  # frontier rows over the window
     next_index = K
     for d in range(1, cfg.num_steps):  # feed the depth-d frontier

@@ -6,9 +6,11 @@ without speculative decoding, on MT-bench prompts, through the OpenAI-compatible
     python scripts/bench_server.py --url http://127.0.0.1:30000  # a running server, as it is
 
 Each level sends max(--num-requests, concurrency) greedy chat requests (the first turn of each
-MT-bench question, cycled) from `concurrency` client threads, after one warm-up request. EOS is
-ignored by default (`ignore_eos`) so every request produces --max-tokens tokens. Throughput is
-the sum of `usage.completion_tokens` over the level's wall time; latency is per request, from
+MT-bench question, cycled) from `concurrency` client threads, after a warm-up (the longest
+prompt at full length, `concurrency` copies at once: a compiled server, e.g.
+`--server-arg=--enable-torch-compile`, compiles its buckets there, `warmup_s`). EOS is ignored
+by default (`ignore_eos`) so every request produces --max-tokens tokens. Throughput is the sum
+of `usage.completion_tokens` over the level's wall time; latency is per request, from
 send to the complete response. Writes JSON (--out) and prints a markdown table.
 """
 
@@ -71,7 +73,14 @@ def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency
                "temperature": 0, "ignore_eos": ignore_eos} for i in range(n_requests)]
     limits = httpx.Limits(max_connections=concurrency + 1)
     with httpx.Client(headers=headers, timeout=timeout, limits=limits) as http:
-        one_request(http, url, bodies[0] | {"max_tokens": min(8, max_tokens)})  # warm-up
+        # Warm-up: the level's longest prompt at full length, `concurrency` copies at once, so a
+        # compiled server (--enable-torch-compile, CUDA graphs) meets its batch and KV-length
+        # buckets before the timing, not inside it.
+        longest = max(bodies, key=lambda b: len(b["messages"][0]["content"]))
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(lambda b: one_request(http, url, b), [longest] * concurrency))
+        warmup = time.perf_counter() - t0
         t0 = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
             results = list(pool.map(lambda b: one_request(http, url, b), bodies))
@@ -83,7 +92,7 @@ def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency
     return {
         "concurrency": concurrency, "requests": n_requests, "errors": len(results) - len(ok),
         "first_error": next((r["error"] for r in results if "error" in r), None),
-        "output_tokens": tokens, "wall_s": round(wall, 3),
+        "output_tokens": tokens, "wall_s": round(wall, 3), "warmup_s": round(warmup, 3),
         "output_tok_per_s": round(tokens / wall, 2) if wall else 0.0,
         "latency_mean_s": round(sum(lat) / len(lat), 3) if lat else None,
         "latency_p50_s": round(percentile(lat, 50), 3) if lat else None,

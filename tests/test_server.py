@@ -490,6 +490,39 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
     assert server.resolve_draft(server.build_parser().parse_args([]))[0] == "EAGLE3"
 
 
+def test_compile_flags_reach_the_decoder(default_model_dir):
+    """SGLang's flags: CUDA graphs unless --disable-cuda-graph (up to --cuda-graph-max-bs), and
+    torch.compile where --enable-torch-compile asks (up to --torch-compile-max-bs); the decoder
+    the server builds is the compiled one, its cache sized for the padded bucket."""
+    from eagle_infer import server
+    from eagle_infer.errors import UserError
+
+    def parse(*flags: str):
+        return server.build_parser().parse_args(list(flags))
+
+    assert server.compile_settings(parse(), "cpu") is None
+    assert server.compile_settings(parse(), "cuda") == ("reduce-overhead", None)
+    assert server.compile_settings(parse("--cuda-graph-max-bs", "4"), "cuda") == ("reduce-overhead", 4)
+    assert server.compile_settings(parse("--disable-cuda-graph"), "cuda") is None
+    compiled = parse("--disable-cuda-graph", "--enable-torch-compile")
+    assert server.compile_settings(compiled, "cuda") == (None, None)
+    capped = parse("--enable-torch-compile", "--torch-compile-max-bs", "2")
+    assert server.compile_settings(capped, "cpu") == (None, 2)
+    base = ["--model-path", str(default_model_dir), "--dtype", "fp32", "--device", "cpu",
+            "--max-running-requests", "3", "--context-length", "256"]
+    def decoder(algo: str, *flags: str):
+        return server.build_engine(parse(*base, "--speculative-algorithm", algo, *flags))[0].dec
+
+    for algo in ("NONE", "EAGLE3"):
+        assert not decoder(algo).compiled
+        dec = decoder(algo, "--enable-torch-compile")
+        assert dec.compiled and dec.max_bs == 4 and dec.target.cache.kv.shape[2] == 4
+        capped = decoder(algo, "--enable-torch-compile", "--torch-compile-max-bs", "2")
+        assert capped.max_bs == 2 and capped.target.cache.kv.shape[2] == 3
+    with pytest.raises(UserError, match="--torch-compile-max-bs must be >= 1"):
+        decoder("NONE", "--enable-torch-compile", "--torch-compile-max-bs", "0")
+
+
 @pytest.fixture
 def one_thread():
     """Tiny models: threads only add latency (and thrash on a busy machine)."""

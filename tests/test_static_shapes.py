@@ -7,8 +7,10 @@ import pytest
 import torch
 from test_speculative import prompts_for, random_head, tiny_target
 
+from eagle_infer.engine import PlainDecoder
 from eagle_infer.generate import generate
-from eagle_infer.speculative import SpecDecoder, generate_speculative
+from eagle_infer.sampling import SamplingParams
+from eagle_infer.speculative import Sequence_, SpecDecoder, generate_speculative
 from eagle_infer.tree import TreeConfig
 
 torch.set_num_threads(1)
@@ -38,6 +40,48 @@ def test_compiled_plain_decode_exact_one_graph_per_batch_bucket():
         assert generate(target, prompts, 10, compile=True) == generate(target, prompts, 10), lens
     # 8 runs over batch buckets 8, 1, 2, 4, 1, 4, 2, 8 and one cache (8 rows, kv bucket 128).
     assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
+
+
+def serve_all(dec, jobs: list[tuple[list[int], int]]) -> tuple[list[list[int]], list[int]]:
+    """Run (prompt, max_new_tokens) jobs through a decoder the way the server does: join while
+    rows are free, one step at a time; returns the outputs and the batch size of every step."""
+    seqs = [Sequence_(p, SamplingParams(), n, set()) for p, n in jobs]
+    waiting, batches = list(seqs), []
+    while waiting or dec.seqs:
+        while waiting and dec.free_rows:
+            dec.add(waiting.pop(0))
+        batches.append(len(dec.seqs))
+        dec.step()
+    return [s.output for s in seqs], batches
+
+
+def test_server_decoders_compiled_at_batch_buckets_exact():
+    """The server's decoders, compiled: batches of 3 run padded to the bucket of 4 (the padding
+    rows write only to rows no sequence holds), 1 and 2 at their own; a bucket over max_bs runs
+    eagerly. Output equals plain greedy decoding at every batch size the steps went through, and
+    graphs are compiled per bucket, not per batch size."""
+    from torch._dynamo.utils import counters
+
+    target = tiny_target(layers=2)
+    head = random_head(target, "eagle3", draft_vocab=40)
+    tree = TreeConfig(num_steps=3, eagle_topk=2, num_draft_tokens=6)
+    prompts = prompts_for(target.config.vocab_size, lens=(5, 9, 3, 7))
+    jobs = list(zip(prompts, (6, 14, 10, 18)))  # finishing apart: batches 3, 2, 1 and back
+    ref = [generate(target, [p], n)[0] for p, n in jobs]
+    for make in (lambda: PlainDecoder(target, max_batch=3, max_seq_len=128),
+                 lambda: SpecDecoder(target, head, tree, max_batch=3, max_seq_len=128)):
+        counters.clear()
+        dec = make().compile()
+        assert dec.max_bs == 4 and target.cache.kv.shape[2] == 4  # cache rows for the padded bucket
+        out, batches = serve_all(dec, jobs)
+        assert out == ref and {1, 2, 3} <= set(batches), batches
+        graphs = counters["stats"]["unique_graphs"]
+        steps = 1 if isinstance(dec, PlainDecoder) else 2  # plain: decode; speculative: draft, verify
+        assert 0 < graphs <= 3 * steps, dict(counters["stats"])  # buckets 1, 2, 4 at kv 128
+        counters.clear()
+        eager_over = make().compile(max_bs=2)  # batches of 3 (bucket 4) run eagerly
+        assert serve_all(eager_over, jobs)[0] == ref
+        assert counters["stats"]["unique_graphs"] <= 2 * steps  # buckets 1 and 2 only, if new
 
 
 @pytest.mark.cuda
