@@ -6,8 +6,8 @@ without speculative decoding, on MT-bench prompts, through the OpenAI-compatible
     python scripts/bench_server.py --url http://127.0.0.1:30000  # a running server, as it is
 
 Each level sends max(--num-requests, concurrency) greedy chat requests (the first turn of each
-MT-bench question, cycled) from `concurrency` client threads, after a warm-up (the longest
-prompt at full length, `concurrency` copies at once: a compiled server, e.g.
+MT-bench question, cycled) from `concurrency` client threads, after a warm-up (the shortest and
+the longest prompt at full length, `concurrency` copies at once: a compiled server, e.g.
 `--server-arg=--enable-torch-compile`, compiles its buckets there, `warmup_s`). EOS is ignored
 by default (`ignore_eos`) so every request produces --max-tokens tokens. Throughput is the sum
 of `usage.completion_tokens` over the level's wall time; latency is per request, from
@@ -73,13 +73,14 @@ def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency
                "temperature": 0, "ignore_eos": ignore_eos} for i in range(n_requests)]
     limits = httpx.Limits(max_connections=concurrency + 1)
     with httpx.Client(headers=headers, timeout=timeout, limits=limits) as http:
-        # Warm-up: the level's longest prompt at full length, `concurrency` copies at once, so a
-        # compiled server (--enable-torch-compile, CUDA graphs) meets its batch and KV-length
-        # buckets before the timing, not inside it.
-        longest = max(bodies, key=lambda b: len(b["messages"][0]["content"]))
+        # Warm-up: the level's shortest and longest prompts at full length, `concurrency` copies
+        # at once, so a compiled server (--enable-torch-compile, CUDA graphs) meets its batch
+        # and KV-length buckets (from the shortest prompt's up) before the timing, not inside it.
+        by_len = sorted(bodies, key=lambda b: len(b["messages"][0]["content"]))
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(concurrency) as pool:
-            list(pool.map(lambda b: one_request(http, url, b), [longest] * concurrency))
+        for body in (by_len[0], by_len[-1]):
+            with ThreadPoolExecutor(concurrency) as pool:
+                list(pool.map(lambda b: one_request(http, url, b), [body] * concurrency))
         warmup = time.perf_counter() - t0
         t0 = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:

@@ -55,15 +55,15 @@ def serve_all(dec, jobs: list[tuple[list[int], int]]) -> tuple[list[list[int]], 
     return [s.output for s in seqs], batches
 
 
-def test_server_decoders_compiled_at_batch_buckets_exact():
+def check_decoders_at_batch_buckets(device: str, mode: str | None) -> None:
     """The server's decoders, compiled: batches of 3 run padded to the bucket of 4 (the padding
     rows write only to rows no sequence holds), 1 and 2 at their own; a bucket over max_bs runs
     eagerly. Output equals plain greedy decoding at every batch size the steps went through, and
     graphs are compiled per bucket, not per batch size."""
     from torch._dynamo.utils import counters
 
-    target = tiny_target(layers=2)
-    head = random_head(target, "eagle3", draft_vocab=40)
+    target = tiny_target(layers=2).to(device)
+    head = random_head(target, "eagle3", draft_vocab=40).to(device)
     tree = TreeConfig(num_steps=3, eagle_topk=2, num_draft_tokens=6)
     prompts = prompts_for(target.config.vocab_size, lens=(5, 9, 3, 7))
     jobs = list(zip(prompts, (6, 14, 10, 18)))  # finishing apart: batches 3, 2, 1 and back
@@ -71,7 +71,7 @@ def test_server_decoders_compiled_at_batch_buckets_exact():
     for make in (lambda: PlainDecoder(target, max_batch=3, max_seq_len=128),
                  lambda: SpecDecoder(target, head, tree, max_batch=3, max_seq_len=128)):
         counters.clear()
-        dec = make().compile()
+        dec = make().compile(mode)
         assert dec.max_bs == 4 and target.cache.kv.shape[2] == 4  # cache rows for the padded bucket
         out, batches = serve_all(dec, jobs)
         assert out == ref and {1, 2, 3} <= set(batches), batches
@@ -79,9 +79,19 @@ def test_server_decoders_compiled_at_batch_buckets_exact():
         steps = 1 if isinstance(dec, PlainDecoder) else 2  # plain: decode; speculative: draft, verify
         assert 0 < graphs <= 3 * steps, dict(counters["stats"])  # buckets 1, 2, 4 at kv 128
         counters.clear()
-        eager_over = make().compile(max_bs=2)  # batches of 3 (bucket 4) run eagerly
+        eager_over = make().compile(mode, max_bs=2)  # batches of 3 (bucket 4) run eagerly
         assert serve_all(eager_over, jobs)[0] == ref
         assert counters["stats"]["unique_graphs"] <= 2 * steps  # buckets 1 and 2 only, if new
+
+
+def test_server_decoders_compiled_at_batch_buckets_exact():
+    check_decoders_at_batch_buckets("cpu", None)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_server_decoders_replay_cuda_graphs_at_batch_buckets_exact():
+    check_decoders_at_batch_buckets("cuda", "reduce-overhead")
 
 
 @pytest.mark.cuda
