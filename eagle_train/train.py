@@ -89,13 +89,16 @@ def abspath(p: Any) -> Path:
 
 
 class TargetIO(nn.Module):
-    """What a draft head needs of its target: config, frozen embedding and lm_head weight."""
+    """What a draft head needs of its target: config, frozen embedding and lm_head weight (and the
+    final norm's weight, which an EAGLE-3 readout can start from)."""
 
-    def __init__(self, config, embed_tokens: nn.Embedding, lm_head_weight: Tensor, source: Path):
+    def __init__(self, config, embed_tokens: nn.Embedding, lm_head_weight: Tensor, source: Path,
+                 final_norm_weight: Tensor | None = None):
         super().__init__()
         self.config = config
         self.embed_tokens = embed_tokens.requires_grad_(False)
         self.lm_head_weight = lm_head_weight.requires_grad_(False)
+        self.final_norm_weight = final_norm_weight
         self.source_path = source
 
 
@@ -111,7 +114,7 @@ def load_target_io(path: Any, device: str | torch.device = "cpu") -> TargetIO:
     folder = resolve_model_path(None if path is None else str(path))
     cfg = ModelConfig.from_hf(read_hf_config(folder))
     want = {"embed": ("model.embed_tokens.weight", "embed_tokens.weight"),
-            "head": ("lm_head.weight", "model.lm_head.weight")}
+            "head": ("lm_head.weight", "model.lm_head.weight"), "norm": ("model.norm.weight", "norm.weight")}
     found: dict[str, Tensor] = {}
     for f in safetensors_files(folder):
         with safe_open(str(f), framework="pt") as st:
@@ -123,12 +126,14 @@ def load_target_io(path: Any, device: str | torch.device = "cpu") -> TargetIO:
         from eagle_infer.loader import load_model
 
         model = load_model(folder, "fp32", str(device))
-        return TargetIO(model.config, model.embed_tokens, model.lm_head.weight, folder)
+        return TargetIO(model.config, model.embed_tokens, model.lm_head.weight, folder,
+                        model.norm.weight.detach().float())
     emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
     emb.weight = nn.Parameter(found["embed"].float().to(device), requires_grad=False)
     head_w = emb.weight if cfg.tie_word_embeddings or "head" not in found else \
         nn.Parameter(found["head"].float().to(device), requires_grad=False)
-    return TargetIO(cfg, emb, head_w, folder)
+    norm = found["norm"].float().to(device) if "norm" in found else None
+    return TargetIO(cfg, emb, head_w, folder, norm)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,10 +202,26 @@ def build_head(cfg: DictConfig, target: TargetIO, manifest: dict):
         d2t, t2d = load_draft_vocab(cfg, tc.vocab_size, dvs)
         head.d2t.copy_(d2t)
         head.t2d.copy_(t2d)
+    if kind == "eagle3" and bool(sel(cfg, "draft.readout_from_target", False)):
+        readout_from_target(head, target)
     init_from = sel(cfg, "train.init_from")
     if init_from:
         warm_start(head, abspath(init_from), target)
     return head
+
+
+def readout_from_target(head, target: TargetIO) -> None:
+    """EAGLE-3 readout = the target's: lm_head rows of the draft vocabulary and the final norm
+    (vLLM speculators' initialisation), so the head starts out speaking the target's hidden
+    space instead of learning a 4.7M-parameter readout from scratch."""
+    if target.final_norm_weight is None:
+        raise UserError(f"draft.readout_from_target: {target.source_path} has no final norm weight "
+                        f"(model.norm.weight)")
+    with torch.no_grad():
+        rows = torch.arange(head.d2t.numel(), device=head.d2t.device) + head.d2t  # draft id -> target id
+        head.lm_head.weight.copy_(target.lm_head_weight[rows])
+        head.norm.weight.copy_(target.final_norm_weight)
+    log("train: EAGLE-3 readout initialised from the target's lm_head rows and final norm")
 
 
 def warm_start(head, path: Path, target: TargetIO) -> None:
@@ -498,7 +519,8 @@ def fingerprint(cfg: DictConfig, manifest: dict) -> dict:
     return {
         "kind": draft_kind(cfg),
         "model": str(sel(cfg, "model.name", "")),
-        "draft": sel(cfg, "draft", {}),
+        "draft": {k: v for k, v in (sel(cfg, "draft", {}) or {}).items()
+                  if not (k in ("readout_from_target", "freeze_lm_head") and not v)},
         "capture_samples": sum(s["samples"] for s in manifest.get("shards", [])),
         "capture_tokens": sum(s["tokens"] for s in manifest.get("shards", [])),
         # Options left unset are left out, so heads trained before they existed stay complete.
@@ -604,6 +626,8 @@ class TrainRecipe:
                 aux_layers=None if self.kind == "eagle3" else [])
 
         head = build_head(cfg, self.target, self.manifest).to(self.device)
+        if self.kind == "eagle3" and bool(sel(cfg, "draft.freeze_lm_head", False)):
+            head.lm_head.weight.requires_grad_(False)  # AdamW skips it: no grad ever
         self.loss_kw = loss_settings(cfg)
         self.steps_ttt = self.loss_kw["steps"]
         model = TrainModule(head, self.target.lm_head_weight, self.loss_kw)

@@ -531,6 +531,35 @@ def test_init_from_a_trained_head_starts_from_its_weights(env, tmp_path):
         build_head(cfg2, target, manifest)
 
 
+def test_readout_from_target_and_frozen_lm_head(env, tmp_path):
+    """draft.readout_from_target starts the EAGLE-3 readout as the target's (lm_head rows of the
+    draft vocabulary, final norm); draft.freeze_lm_head keeps those rows through training while
+    the rest of the head moves."""
+    from safetensors import safe_open
+
+    from eagle_infer.loader import safetensors_files
+    from eagle_train.train import build_head, load_target_io
+
+    target = load_target_io(env["target_dir"])
+    for f in safetensors_files(env["target_dir"]):
+        with safe_open(str(f), "pt") as st:
+            if "model.norm.weight" in st.keys():
+                norm = st.get_tensor("model.norm.weight").float()
+    rows = target.lm_head_weight[torch.arange(DRAFT_VOCAB) + env["d2t"]]
+    cfg = make_cfg(env, tmp_path / "frozen", **{"train.max_steps": 3, "draft.readout_from_target": True,
+                                                "draft.freeze_lm_head": True})
+    start = build_head(cfg, target, json.loads((env["capture"] / "manifest.json").read_text()))
+    torch.testing.assert_close(start.lm_head.weight, rows)
+    torch.testing.assert_close(start.norm.weight, norm)
+    _, head = _train(cfg)
+    assert torch.equal(head.lm_head.weight.detach(), rows)
+    assert not torch.equal(head.fc.weight.detach(), start.fc.weight)
+    assert not torch.equal(head.norm.weight.detach(), norm)  # only lm_head is frozen
+    free_cfg = make_cfg(env, tmp_path / "free", **{"train.max_steps": 3, "draft.readout_from_target": True})
+    _, free = _train(free_cfg)
+    assert not torch.equal(free.lm_head.weight.detach(), rows)
+
+
 def test_extra_captures_train_on_the_union(env, tmp_path):
     from eagle_infer.errors import UserError
     from eagle_train.shards import CaptureDataset, CaptureSet, commit, new_manifest, read_manifest
