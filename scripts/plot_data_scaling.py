@@ -107,16 +107,27 @@ def main() -> None:
             p = point(w / f"{kind}-tf{n}-{t}", w / f"eval-{kind}-tf{n}-{t}")
             if p:
                 temperature[t] = p
-    shipped = {}
+    shipped, grown = {}, {}
     for kind in ("eagle3", "eagle2"):
         ev = read_json(w / f"eval-{kind}-shipped" / "eval.json")
         head = Path(f"heads/SmolLM2-135M-Instruct-{kind}")
         summ = read_json(head / "train_summary.json")
+        # A published segment of scripts/grow_heads.sh replaces the head's records; the reference
+        # recipe's point is then the first published segment's starting point.
+        published = read_json(head / "grow_segments.json") or []
         if ev and summ:
+            base = published[0]["tokens_seen"] - published[0]["capture"]["tokens"] if published else \
+                summ["fingerprint"]["capture_tokens"]
             shipped[kind] = {"tau": ev["acceptance_length"], "top1_per_position": ev["top1_per_position"],
-                             "capture_tokens": summ["fingerprint"]["capture_tokens"],
+                             "capture_tokens": base,
                              "note": "reference recipe: 700 steps on an on-policy capture, then 420 on it "
                                      "and a teacher-forced one (scripts/reference_heads.sh)"}
+    # Every evaluated segment, published or not (scripts/grow_record.py).
+    for g in read_json(Path("results/grow_segments.json")) or []:
+        grown.setdefault(g["kind"], []).append(
+            {k: g[k] for k in ("segment", "conversations", "tokens_seen", "heldout_tau_before",
+                               "heldout_tau_after", "steps", "epochs", "lr", "published")}
+            | {"data": g["capture"]["data"], "capture_tokens": g["capture"]["tokens"]})
     fits = {k: power_fit([p["train_set"]["tokens"] for p in v], [p["tau"] for p in v])
             for k, v in curves.items()}
     # The same law through the largest from-scratch point and the shipped head, which trained
@@ -126,7 +137,8 @@ def main() -> None:
                        for k in curves if curves[k] and k in shipped}
     out = {"workdir": str(w), "fits_through_shipped": through_shipped,
            "heldout": "greedy answers of the target (capture-t07/heldout)",
-           "curves": curves, "fits": fits, "temperature": temperature, "shipped": shipped}
+           "curves": curves, "fits": fits, "temperature": temperature, "shipped": shipped,
+           "grown": grown}
     Path(args.out + ".json").write_text(json.dumps(out, indent=1) + "\n")
 
     import matplotlib
@@ -150,6 +162,15 @@ def main() -> None:
         if kind in shipped:
             ax.scatter([shipped[kind]["capture_tokens"]], [shipped[kind]["tau"]], marker="*", s=140,
                        color=line.get_color(), zorder=3, label=f"{kind} shipped (reference recipe)")
+        for i, g in enumerate(grown.get(kind, [])):  # each segment: from its starting head to its result
+            x0 = g["tokens_seen"] - g["capture_tokens"]
+            ax.plot([x0, g["tokens_seen"]], [g["heldout_tau_before"], g["heldout_tau_after"]], lw=0.8,
+                    ls="-" if g["published"] else ":", color=line.get_color())
+            ax.scatter([g["tokens_seen"]], [g["heldout_tau_after"]], marker="P", s=60, zorder=3,
+                       color=line.get_color() if g["published"] else "none", edgecolors=line.get_color(),
+                       label=None if i else f"{kind} + grow segment N (hollow: not published)")
+            ax.annotate(f"{g['segment']}", (g["tokens_seen"], g["heldout_tau_after"]),
+                        fontsize=7, xytext=(4, -3), textcoords="offset points", color=line.get_color())
         f2 = through_shipped.get(kind)
         if f2:
             grid = [xs[-1] * (x_end / xs[-1]) ** (i / 50) for i in range(51)]
@@ -180,6 +201,11 @@ def main() -> None:
     for kind, sh in shipped.items():
         print(f"| {kind} shipped | reference recipe | | {sh['capture_tokens']:,} | | | {sh['tau']:.3f} | "
               + " / ".join(f"{x:.2f}" for x in sh["top1_per_position"][:3]) + " |")
+    for kind, gs in grown.items():
+        for g in gs:
+            print(f"| {kind} + segment {g['segment']} ({g['data']}, conversations {g['conversations'][0]}-"
+                  f"{g['conversations'][1] - 1}{'' if g['published'] else ', not published'}) | | "
+                  f"+ {g['capture_tokens']:,} | | + {g['steps']} | {g['heldout_tau_after']:.3f} | |")
     print(json.dumps(fits))
     print(json.dumps(through_shipped))
 

@@ -1,0 +1,84 @@
+"""Record one grow segment of scripts/grow_heads.sh (issue #14, item 3).
+
+Every evaluated segment goes into results/grow_segments.json (published or not: a segment that
+did not measurably improve tau is still a measurement); with --publish it is also appended to
+heads/<target>-<kind>/grow_segments.json, the provenance of the head that segment produced.
+
+    python scripts/grow_record.py --kind eagle3 --segment 2 --offset 2352 --limit 512 \\
+        --data onpolicy --segment-dir runs/grow/seg2 --capture runs/grow/seg2/capture-onpolicy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+TARGET = "SmolLM2-135M-Instruct"
+RESULTS = Path("results/grow_segments.json")
+
+
+def read(path: Path) -> dict | list:
+    return json.loads(path.read_text())
+
+
+def tokens_seen_before(head: Path) -> int:
+    """Training tokens the committed head had seen: the reference recipe's captures (its
+    train_summary, before a first published segment replaces it), then each published segment's."""
+    log = head / "grow_segments.json"
+    if log.exists():
+        return read(log)[-1]["tokens_seen"]
+    return read(head / "train_summary.json")["fingerprint"]["capture_tokens"]
+
+
+def segment_record(kind: str, args: argparse.Namespace) -> dict:
+    head = Path(f"heads/{TARGET}-{kind}")
+    grown = Path(args.segment_dir) / kind
+    summary = read(grown / "train_summary.json")
+    totals = read(Path(args.capture) / "manifest.json")["totals"]
+    tr = summary["fingerprint"]["train"]
+    after = read(Path(args.segment_dir) / f"eval-{kind}" / "eval.json")
+    return {
+        "kind": kind, "segment": args.segment, "conversations": [args.offset, args.offset + args.limit],
+        "capture": {"data": args.data, **totals}, "epochs": tr.get("epochs"), "lr": tr.get("lr"),
+        "batch_size": tr.get("batch_size"),
+        "steps": summary["step"], "token_passes": summary["tokens_total"],
+        "train_seconds_last_run": summary["train_seconds_this_run"],
+        "tokens_seen": tokens_seen_before(head) + totals["tokens"],
+        "heldout_tau_before": read(head / "eval.json")["acceptance_length"],
+        "heldout_tau_after": after["acceptance_length"],
+        "top1_per_position_after": after["top1_per_position"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kind", required=True, choices=["eagle3", "eagle2"])
+    ap.add_argument("--segment", type=int, required=True)
+    ap.add_argument("--offset", type=int, required=True)
+    ap.add_argument("--limit", type=int, required=True)
+    ap.add_argument("--data", required=True, choices=["onpolicy", "tf"])
+    ap.add_argument("--segment-dir", required=True)
+    ap.add_argument("--capture", required=True)
+    ap.add_argument("--publish", action="store_true")
+    args = ap.parse_args()
+
+    head_log = Path(f"heads/{TARGET}-{args.kind}/grow_segments.json")
+    published = read(head_log) if head_log.exists() else []
+    if any(s["segment"] == args.segment for s in published):
+        sys.exit(f"{head_log} already records segment {args.segment}: it was published "
+                 f"(the head in {head_log.parent} is its output)")
+    rec = segment_record(args.kind, args)
+    if args.publish:
+        head_log.write_text(json.dumps(published + [rec], indent=1) + "\n")
+    records = read(RESULTS) if RESULTS.exists() else []
+    records = [r for r in records if (r["kind"], r["segment"]) != (args.kind, args.segment)]
+    records = sorted(records + [{**rec, "published": args.publish}], key=lambda r: (r["kind"], r["segment"]))
+    RESULTS.write_text(json.dumps(records, indent=1) + "\n")
+    print(f"{args.kind}: segment {args.segment} held-out tau {rec['heldout_tau_before']:.3f} -> "
+          f"{rec['heldout_tau_after']:.3f}" + (" (published)" if args.publish else ""))
+
+
+if __name__ == "__main__":
+    main()
