@@ -16,8 +16,8 @@
 #
 # Conversations already used (training split order): 0-1279 on-policy and 1280-2303
 # teacher-forced by scripts/reference_heads.sh, 2304-2351 by the README's quick-preset
-# experiment, 2352-2863 by segments 1 (teacher-forced) and 2 (on-policy), neither published
-# (README: growing the reference heads); the next segment starts at 2864.
+# experiment, 2352-2863 by segments 1 (teacher-forced), 2 (on-policy) and 3 (segment 2's
+# capture at BATCH=1; README: growing the reference heads); the next segment starts at 2864.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
