@@ -1,0 +1,69 @@
+"""Cost of every Linear layer of the target at M rows (a plain step is M=1, a verify of a tree of
+M-1 drafts is M rows): torch's F.linear on the weights as loaded (column-major fp32, MKL sgemm)
+against oneDNN with weights prepacked for that M (what Inductor's freezing does for bf16).
+Issue #13: on a CPU the verify's cost relative to a plain step decides whether speculation pays.
+
+    python scripts/probe_linear_backends.py --threads 2 --json results/linear_backends.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+
+from eagle_infer.loader import load_model
+
+
+def timed_ms(fn, reps: int) -> float:
+    for _ in range(2):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model = load_model(None, "fp32", "cpu")
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    flags = open("/proc/cpuinfo").read() if platform.system() == "Linux" else ""
+    out = {"cpu": platform.processor() or next((line.split(":")[1].strip() for line in flags.splitlines()
+                                                  if line.startswith("model name")), ""),
+           "avx512": "avx512f" in flags, "threads": args.threads, "linears": len(linears), "rows": {}}
+    for m in args.rows:
+        xs = [torch.randn(m, lin.in_features) for lin in linears]
+        packed = [torch.ops.mkldnn._reorder_linear_weight(lin.weight.contiguous(), m) for lin in linears]
+        for x, lin, w in zip(xs, linears, packed):  # same values, or the comparison means nothing
+            torch.testing.assert_close(torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+                                       F.linear(x, lin.weight), rtol=1e-4, atol=1e-4)
+        t_torch = timed_ms(lambda xs=xs: [F.linear(x, lin.weight) for x, lin in zip(xs, linears)], args.reps)
+        t_onednn = timed_ms(lambda xs=xs, packed=packed: [
+            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for x, w in zip(xs, packed)],
+            args.reps)
+        out["rows"][m] = {"torch_ms": round(t_torch, 2), "onednn_prepacked_ms": round(t_onednn, 2)}
+        print(f"M={m:2d}: torch {t_torch:7.2f} ms  oneDNN prepacked {t_onednn:7.2f} ms", flush=True)
+    one = out["rows"].get(1, {}).get("torch_ms")
+    if one:
+        for r in out["rows"].values():
+            r["torch_vs_plain_step"] = round(r["torch_ms"] / one, 2)
+            r["onednn_vs_plain_step"] = round(r["onednn_prepacked_ms"] / one, 2)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print("wrote", args.json)
+
+
+if __name__ == "__main__":
+    main()
