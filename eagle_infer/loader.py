@@ -79,8 +79,11 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype = "fp32",
-               device: str | None = None) -> Transformer:
-    """Build our Transformer from an HF folder (None / 'default' = the embedded default)."""
+               device: str | None = None, cpu_linears: str | None = None) -> Transformer:
+    """Build our Transformer from an HF folder (None / 'default' = the embedded default).
+
+    cpu_linears (fp32 on a CPU; default: $EAGLE_CPU_LINEARS, else "torch"): "onednn" runs
+    Linears of more than one row (verify, batches) through oneDNN (eagle_infer/cpu_linears.py)."""
     folder = resolve_model_path(path)
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
@@ -106,6 +109,13 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     model.requires_grad_(False)
     if model.embed_tokens.weight.device.type == "cpu" and torch_dtype == torch.float32:
         column_major_linears(model)
+        backend = cpu_linears or os.environ.get("EAGLE_CPU_LINEARS", "torch")
+        if backend == "onednn":
+            from eagle_infer.cpu_linears import use_onednn_linears
+
+            use_onednn_linears(model)
+        elif backend != "torch":
+            raise UserError(f"cpu_linears must be torch or onednn, got {backend!r}")
     model.source_path = folder
     return model
 

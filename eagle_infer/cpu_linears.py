@@ -1,0 +1,63 @@
+"""oneDNN for the target's fp32 Linear layers at more than one row, on a CPU.
+
+A verify runs 4-17 rows through the target. torch's fp32 Linear (MKL sgemm, also what Inductor's
+freezing packs fp32 weights for) costs 3-4x a one-row step at those sizes on an AVX2 AMD EPYC,
+where oneDNN with weights prepacked costs 1.1-1.9x (scripts/probe_linear_backends.py, README).
+One-row steps keep torch's kernel, which is as fast or faster there.
+
+The prepacked weights are opaque oneDNN tensors that Inductor cannot lower, so they live in a
+registry outside the graph and a custom op reads them by key: compiled graphs (freezing
+included) treat the op as a call with a known output shape. The packed copy doubles the
+Linear weights' memory.
+
+    model = load_model(path, "fp32", "cpu", cpu_linears="onednn")
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+_PACKED: list[Tensor] = []  # oneDNN-packed weights, indexed by OneDNNLinear.key
+
+
+@torch.library.custom_op("eagle::onednn_linear", mutates_args=())
+def onednn_linear(x: Tensor, weight: Tensor, key: int) -> Tensor:
+    """x [..., in] @ weight.T through the packed copy of `weight` (the copy is _PACKED[key])."""
+    return torch.ops.mkldnn._linear_pointwise(x, _PACKED[key], None, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x: Tensor, weight: Tensor, key: int) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+class OneDNNLinear(nn.Linear):
+    """nn.Linear (same parameters and state dict) whose multi-row calls go through oneDNN."""
+
+    key: int
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.numel() // x.shape[-1] == 1 or self.bias is not None:
+            return F.linear(x, self.weight, self.bias)
+        return onednn_linear(x, self.weight, self.key)
+
+
+def available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def use_onednn_linears(model: nn.Module, rows_hint: int = 16) -> int:
+    """Make every bias-free fp32 CPU Linear of `model` an OneDNNLinear; returns how many."""
+    if not available():
+        raise RuntimeError("cpu_linears=onednn: this torch build has no oneDNN (mkldnn) linear ops")
+    n = 0
+    for m in model.modules():
+        if type(m) is nn.Linear and m.bias is None and m.weight.device.type == "cpu" \
+                and m.weight.dtype == torch.float32:
+            _PACKED.append(torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().contiguous(), rows_hint))
+            m.__class__ = OneDNNLinear
+            m.key = len(_PACKED) - 1
+            n += 1
+    return n
