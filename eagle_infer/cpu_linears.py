@@ -15,11 +15,17 @@ Linear weights' memory.
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-_PACKED: list[Tensor] = []  # oneDNN-packed weights, indexed by OneDNNLinear.key
+# oneDNN-packed weights by OneDNNLinear.key; an entry goes when its module is collected, so
+# loading a model again does not keep the old model's packed copy alive.
+_PACKED: dict[int, Tensor] = {}
+_KEYS = itertools.count()
 
 
 @torch.library.custom_op("eagle::onednn_linear", mutates_args=())
@@ -34,13 +40,14 @@ def _(x: Tensor, weight: Tensor, key: int) -> Tensor:
 
 
 class OneDNNLinear(nn.Linear):
-    """nn.Linear (same parameters and state dict) whose multi-row calls go through oneDNN."""
+    """A bias-free nn.Linear (same parameters and state dict) whose multi-row calls go through
+    oneDNN; use_onednn_linears converts only bias-free layers."""
 
     key: int
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.numel() // x.shape[-1] == 1 or self.bias is not None:
-            return F.linear(x, self.weight, self.bias)
+        if x.numel() // x.shape[-1] == 1:  # one row: torch's kernel is as fast (README)
+            return F.linear(x, self.weight)
         return onednn_linear(x, self.weight, self.key)
 
 
@@ -56,8 +63,10 @@ def use_onednn_linears(model: nn.Module, rows_hint: int = 16) -> int:
     for m in model.modules():
         if type(m) is nn.Linear and m.bias is None and m.weight.device.type == "cpu" \
                 and m.weight.dtype == torch.float32:
-            _PACKED.append(torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().contiguous(), rows_hint))
+            key = next(_KEYS)
+            _PACKED[key] = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().contiguous(), rows_hint)
+            weakref.finalize(m, _PACKED.pop, key, None)
             m.__class__ = OneDNNLinear
-            m.key = len(_PACKED) - 1
+            m.key = key
             n += 1
     return n

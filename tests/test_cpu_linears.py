@@ -49,6 +49,19 @@ def test_speculative_greedy_identical_with_onednn_linears(kind):
     assert spec == plain
 
 
+def test_packed_copies_go_with_their_model():
+    import gc
+
+    target = tiny_target(layers=2)
+    gc.collect()  # earlier tests' models
+    before = len(cpu_linears._PACKED)
+    n = cpu_linears.use_onednn_linears(target)
+    assert len(cpu_linears._PACKED) == before + n
+    del target
+    gc.collect()
+    assert len(cpu_linears._PACKED) == before
+
+
 def test_load_model_rejects_an_unknown_backend(tiny_model_dir):
     with pytest.raises(UserError, match="cpu_linears must be torch or onednn"):
         load_model(tiny_model_dir("llama"), "fp32", "cpu", cpu_linears="mkl")
