@@ -218,8 +218,7 @@ def readout_from_target(head, target: TargetIO) -> None:
         raise UserError(f"draft.readout_from_target: {target.source_path} has no final norm weight "
                         f"(model.norm.weight)")
     with torch.no_grad():
-        rows = torch.arange(head.d2t.numel(), device=head.d2t.device) + head.d2t  # draft id -> target id
-        head.lm_head.weight.copy_(target.lm_head_weight[rows])
+        head.lm_head.weight.copy_(target.lm_head_weight[head.draft_to_target])
         head.norm.weight.copy_(target.final_norm_weight)
     log("train: EAGLE-3 readout initialised from the target's lm_head rows and final norm")
 
