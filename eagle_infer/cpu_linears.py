@@ -1,9 +1,10 @@
-"""oneDNN for the target's fp32 Linear layers at more than one row, on a CPU.
+"""oneDNN for the fp32 Linear layers of the target and its draft head at a few rows, on a CPU.
 
 A verify runs 4-17 rows through the target. torch's fp32 Linear (MKL sgemm, also what Inductor's
 freezing packs fp32 weights for) costs 3-4x a one-row step at those sizes on an AVX2 AMD EPYC,
 where oneDNN with weights prepacked costs 1.1-1.9x (scripts/probe_linear_backends.py, README).
-One-row steps keep torch's kernel, which is as fast or faster there.
+One-row steps, and calls of more than MAX_ROWS rows, keep torch's kernel, which is as fast or
+faster there.
 
 The prepacked weights are opaque oneDNN tensors that Inductor cannot lower, so they live in a
 registry outside the graph and a custom op reads them by key: compiled graphs (freezing
@@ -21,6 +22,12 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+# Rows above which torch's kernel is as fast or faster: prefill chunks and training batches.
+# AMD EPYC AVX2, 2 threads, the target's 121 Linears (scripts/probe_linear_backends.py):
+# M = 64 / 128 / 256 / 512 / 2048: torch 170 / 279 / 485 / 872 / 3567 ms, oneDNN prepacked
+# 135 / 237 / 458 / 890 / 3805 ms.
+MAX_ROWS = 512
 
 # oneDNN-packed weights by OneDNNLinear.key; an entry goes when its module is collected, so
 # loading a model again does not keep the old model's packed copy alive.
@@ -46,13 +53,44 @@ class OneDNNLinear(nn.Linear):
     key: int
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.numel() // x.shape[-1] == 1:  # one row: torch's kernel is as fast (README)
+        rows = x.numel() // x.shape[-1]
+        if rows == 1 or rows > MAX_ROWS:
             return F.linear(x, self.weight)
         return onednn_linear(x, self.weight, self.key)
 
 
 def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def convertible_bytes(model: nn.Module) -> int:
+    """Bytes of the weights use_onednn_linears would pack (the packed copy's size)."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+               if type(m) is nn.Linear and m.bias is None and m.weight.device.type == "cpu"
+               and m.weight.dtype == torch.float32)
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo, None where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def auto_backend(model: nn.Module) -> str:
+    """"onednn" where this torch has it and the packed copy fits twice over in free memory
+    (a server still needs room for caches and requests), else "torch"."""
+    if not available():
+        return "torch"
+    free = available_memory_bytes()
+    if free is not None and 2 * convertible_bytes(model) > free:
+        return "torch"
+    return "onednn"
 
 
 def use_onednn_linears(model: nn.Module, rows_hint: int = 16) -> int:

@@ -504,5 +504,11 @@ def load_head(path: str | os.PathLike, target_cfg: ModelConfig, embed_tokens: nn
 
 
 def load_head_for(path: str | os.PathLike, target) -> DraftHead:
-    """load_head with the embedding / lm_head taken from our target Transformer."""
-    return load_head(path, target.config, target.embed_tokens, target.lm_head.weight)
+    """load_head with the embedding / lm_head taken from our target Transformer, its Linears on
+    the target's CPU backend (load_model's cpu_linears): a draft step runs eagle_topk rows."""
+    head = load_head(path, target.config, target.embed_tokens, target.lm_head.weight)
+    if getattr(target, "cpu_linears", "torch") == "onednn":
+        from eagle_infer.cpu_linears import use_onednn_linears
+
+        use_onednn_linears(head)
+    return head

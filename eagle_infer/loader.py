@@ -82,8 +82,10 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
                device: str | None = None, cpu_linears: str | None = None) -> Transformer:
     """Build our Transformer from an HF folder (None / 'default' = the embedded default).
 
-    cpu_linears (fp32 on a CPU; default: $EAGLE_CPU_LINEARS, else "torch"): "onednn" runs
-    Linears of more than one row (verify, batches) through oneDNN (eagle_infer/cpu_linears.py)."""
+    cpu_linears (fp32 on a CPU; default: $EAGLE_CPU_LINEARS, else "auto"): "onednn" runs Linears
+    of more than one row (verify, batches, prefill) through oneDNN with prepacked weights
+    (eagle_infer/cpu_linears.py), "torch" through torch's kernel, "auto" = onednn where this torch
+    has it and the packed copy fits in free memory."""
     folder = resolve_model_path(path)
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
@@ -107,15 +109,19 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
         model.lm_head.weight = model.embed_tokens.weight
     model = model.to(device=device, dtype=torch_dtype).eval()
     model.requires_grad_(False)
+    model.cpu_linears = "torch"  # what load_head_for gives the head's Linears too
     if model.embed_tokens.weight.device.type == "cpu" and torch_dtype == torch.float32:
         column_major_linears(model)
-        backend = cpu_linears or os.environ.get("EAGLE_CPU_LINEARS", "torch")
-        if backend == "onednn":
-            from eagle_infer.cpu_linears import use_onednn_linears
+        backend = cpu_linears or os.environ.get("EAGLE_CPU_LINEARS", "auto")
+        if backend not in ("auto", "torch", "onednn"):
+            raise UserError(f"cpu_linears must be auto, torch or onednn, got {backend!r}")
+        from eagle_infer import cpu_linears as onednn
 
-            use_onednn_linears(model)
-        elif backend != "torch":
-            raise UserError(f"cpu_linears must be torch or onednn, got {backend!r}")
+        if backend == "auto":
+            backend = onednn.auto_backend(model)
+        if backend == "onednn":
+            onednn.use_onednn_linears(model)
+        model.cpu_linears = backend
     model.source_path = folder
     return model
 

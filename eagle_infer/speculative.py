@@ -237,6 +237,7 @@ class SpecDecoder:
         self.stats = SpecStats()
         self.draft_fn = self._draft_step
         self.verify_fn = self._verify
+        self.catch_up_fn = self._catch_up
 
     # -- the two fixed-shape steps (what torch.compile / CUDA graphs capture) --------------
 
@@ -249,6 +250,16 @@ class SpecDecoder:
                 mask: Tensor) -> tuple[Tensor, list[Tensor]]:
         logits, hidden = self.target(tokens, pos, slots, mask, hidden_layers=self.layers)
         return logits, hidden
+
+    def _catch_up(self, next_tokens: Tensor, feats: Tensor, pos: Tensor, mask: Tensor, count: Tensor,
+                  row0: int = 0) -> tuple[Tensor, Tensor]:
+        """Draft catch-up over pairs (feature_i, token_i+1) [B, T] at positions pos (= their
+        slots), count [B] of them real: the draft's feature after the last real pair [B, h] and
+        its log-probs [B, V'] (the next round's root)."""
+        B = next_tokens.shape[0]
+        _, g, _ = self.head(next_tokens, feats, pos, mask, slots=pos, compute_logits=False, row0=row0)
+        g_last = torch.gather(g, 1, (count - 1)[:, None, None].expand(B, 1, g.shape[-1]))[:, 0]
+        return g_last, torch.log_softmax(self.head.logits(g_last).float(), -1)
 
     def compile(self, mode: str | None = None, max_bs: int | None = None) -> SpecDecoder:
         """torch.compile both steps with full graphs and fixed shapes: the batch in buckets of
@@ -264,9 +275,11 @@ class SpecDecoder:
         self.head.setup_cache(rows, self.max_seq_len)
         self.compiled, self.max_bs = True, max_bs
         dev, clone = self.device.type, mode == "reduce-overhead"
-        draft, verify = (compile_step(f, dev, mode) for f in (self._draft_step, self._verify))
+        steps = (self._draft_step, self._verify, self._catch_up)
+        draft, verify, catch_up = (compile_step(f, dev, mode) for f in steps)
         self.draft_fn = BucketedStep(self._draft_step, draft, max_bs, clone)
         self.verify_fn = BucketedStep(self._verify, verify, max_bs, clone)
+        self.catch_up_fn = BucketedStep(self._catch_up, catch_up, max_bs, clone)
         return self
 
     def kv_len(self, needed: int) -> int:
@@ -320,18 +333,20 @@ class SpecDecoder:
         self.rows.admit_many(seqs, firsts)
 
     def _draft_extend(self, row0: int, next_tokens: Tensor, feats: Tensor, start: Tensor,
-                      count: Tensor, kv_len: int) -> None:
+                      count: Tensor, kv_len: int, in_round: bool = False) -> None:
         """Draft catch-up: pairs (feature_i, token_{i+1}) at positions start..start+count-1
         (padded to T; kv_len covers start + T); remember the draft's output after the last real
-        pair."""
+        pair. A round's catch-up (rows from 0, T = num_steps + 1 every round) runs the compiled
+        step; a join's (T = the prompt's length, rows from row0) runs eagerly."""
         B, T = next_tokens.shape
         pos = start[:, None] + torch.arange(T, device=self.device)[None]
         tril = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
         mask = build_attn_mask(start, tril, kv_len)
-        _, g, _ = self.head(next_tokens, feats, pos, mask, slots=pos, compute_logits=False, row0=row0)
-        g_last = torch.gather(g, 1, (count - 1)[:, None, None].expand(B, 1, g.shape[-1]))[:, 0]
-        self.root_g[row0:row0 + B] = g_last
-        self.root_logp[row0:row0 + B] = torch.log_softmax(self.head.logits(g_last).float(), -1)
+        if in_round:
+            g_last, logp = self.catch_up_fn(next_tokens, feats, pos, mask, count)
+        else:
+            g_last, logp = self._catch_up(next_tokens, feats, pos, mask, count, row0)
+        self.root_g[row0:row0 + B], self.root_logp[row0:row0 + B] = g_last, logp
 
     # -- one round ---------------------------------------------------------------------------
 
@@ -370,7 +385,8 @@ class SpecDecoder:
         feats = self.head.project([torch.gather(h, 1, acc.path[:, :, None].expand(-1, -1, h.shape[-1]))
                                    for h in hidden])
         t3 = time.perf_counter()
-        self._draft_extend(0, next_tokens, feats, L, n + 1, self.kv_len(L_max + next_tokens.shape[1]))
+        self._draft_extend(0, next_tokens, feats, L, n + 1, self.kv_len(L_max + next_tokens.shape[1]),
+                           in_round=True)
         t4 = time.perf_counter()
         self.L[:B] = L + n + 1
         self.root[:B] = acc.bonus

@@ -4,6 +4,8 @@ against oneDNN with weights prepacked for that M (what Inductor's freezing does 
 Issue #13: on a CPU the verify's cost relative to a plain step decides whether speculation pays.
 
     python scripts/probe_linear_backends.py --threads 2 --json results/linear_backends.json
+
+Then the whole target forward at T tokens, loaded both ways (load_model's cpu_linears).
 """
 
 from __future__ import annotations
@@ -60,28 +62,24 @@ def main() -> None:
             r["torch_vs_plain_step"] = round(r["torch_ms"] / one, 2)
             r["onednn_vs_plain_step"] = round(r["onednn_prepacked_ms"] / one, 2)
     # The whole eager forward at T new tokens after a 128-token prefix (attention, norms, KV writes
-    # included): every Linear as loaded, against oneDNN prepacked for T > 1 and as loaded for T = 1.
+    # included), as shipped: load_model(cpu_linears="torch") against load_model(cpu_linears="onednn")
+    # (oneDNN for T > 1, torch's kernel at T = 1).
     from eagle_infer.model import causal_mask
 
-    model.setup_cache(1, 512)
-    prefix = 128
-    for m in args.rows:
-        def step(m=m) -> None:
-            tok = torch.zeros(1, m, dtype=torch.long)
-            pos = torch.arange(prefix, prefix + m)[None]
-            model(tok, pos, pos, causal_mask(torch.tensor([prefix]), m, 512), logits_at=None)
-        t_as_loaded = timed_ms(step, args.reps)
-        originals = {lin: lin.forward for lin in linears}
-        if m > 1:
-            for lin in linears:
-                w = torch.ops.mkldnn._reorder_linear_weight(lin.weight.contiguous(), m)
-                lin.forward = lambda x, w=w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-        t_hybrid = timed_ms(step, args.reps)
-        for lin, f in originals.items():
-            lin.forward = f
-        out["rows"][m]["forward_ms"] = round(t_as_loaded, 2)
-        out["rows"][m]["forward_onednn_ms"] = round(t_hybrid, 2)
-        print(f"forward T={m:2d}: as loaded {t_as_loaded:7.2f} ms, oneDNN for T>1 {t_hybrid:7.2f} ms",
+    prefix, ctx = 128, 1024
+    models = {b: load_model(None, "fp32", "cpu", cpu_linears=b) for b in ("torch", "onednn")}
+    for mdl in models.values():
+        mdl.setup_cache(1, ctx)
+    for m in [r for r in args.rows if prefix + r <= ctx]:
+        tok = torch.zeros(1, m, dtype=torch.long)
+        pos = torch.arange(prefix, prefix + m)[None]
+        mask = causal_mask(torch.tensor([prefix]), m, ctx)
+        args_t = (tok, pos, pos, mask)
+        t = {b: timed_ms(lambda mdl=mdl, a=args_t: mdl(*a, logits_at=None), args.reps)
+             for b, mdl in models.items()}
+        out["rows"][m]["forward_ms"] = round(t["torch"], 2)
+        out["rows"][m]["forward_onednn_ms"] = round(t["onednn"], 2)
+        print(f"forward T={m:2d}: cpu_linears=torch {t['torch']:7.2f} ms, onednn {t['onednn']:7.2f} ms",
               flush=True)
     if args.json:
         with open(args.json, "w") as f:

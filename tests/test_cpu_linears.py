@@ -12,6 +12,7 @@ from test_speculative import prompts_for, random_head, tiny_target
 from eagle_infer import cpu_linears
 from eagle_infer.errors import UserError
 from eagle_infer.generate import generate
+from eagle_infer.heads import load_head_for, save_head
 from eagle_infer.loader import load_model
 from eagle_infer.speculative import generate_speculative
 from eagle_infer.tree import TreeConfig
@@ -37,6 +38,18 @@ def test_linears_swapped_and_equal_eager_and_compiled():
     torch.testing.assert_close(lin(x3), F.linear(x3, w), rtol=1e-5, atol=1e-5)
 
 
+def test_one_row_and_large_calls_keep_torchs_kernel(monkeypatch):
+    lin = torch.nn.Linear(8, 6, bias=False)
+    cpu_linears.use_onednn_linears(lin)
+    calls = []
+    real = cpu_linears.onednn_linear
+    monkeypatch.setattr(cpu_linears, "onednn_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    for rows in (1, 2, cpu_linears.MAX_ROWS, cpu_linears.MAX_ROWS + 1):
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
+    assert [s[0] for s in calls] == [2, cpu_linears.MAX_ROWS]
+
+
 @pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
 def test_speculative_greedy_identical_with_onednn_linears(kind):
     target = tiny_target(layers=3)
@@ -44,6 +57,7 @@ def test_speculative_greedy_identical_with_onednn_linears(kind):
     prompts = prompts_for(target.config.vocab_size)
     plain = generate(target, prompts, 40)
     cpu_linears.use_onednn_linears(target)
+    cpu_linears.use_onednn_linears(head)  # as load_head_for does for a target on oneDNN
     assert generate(target, prompts, 40) == plain  # batch 4: every step has 4 rows
     spec, _ = generate_speculative(target, head, prompts, 40, tree=TreeConfig())
     assert spec == plain
@@ -63,5 +77,30 @@ def test_packed_copies_go_with_their_model():
 
 
 def test_load_model_rejects_an_unknown_backend(tiny_model_dir):
-    with pytest.raises(UserError, match="cpu_linears must be torch or onednn"):
+    with pytest.raises(UserError, match="cpu_linears must be auto, torch or onednn"):
         load_model(tiny_model_dir("llama"), "fp32", "cpu", cpu_linears="mkl")
+
+
+def test_load_head_for_puts_the_head_on_the_targets_backend(tiny_model_dir, tmp_path):
+    path = tiny_model_dir("llama")
+    saved = random_head(load_model(path, "fp32", "cpu", cpu_linears="torch"), "eagle3", draft_vocab=40)
+    save_head(saved, tmp_path / "head", dtype=torch.float32)
+    for backend, linear in (("onednn", cpu_linears.OneDNNLinear), ("torch", torch.nn.Linear)):
+        target = load_model(path, "fp32", "cpu", cpu_linears=backend)
+        head = load_head_for(tmp_path / "head", target)
+        assert target.cpu_linears == backend
+        assert type(head.fc) is linear and type(head.lm_head) is linear
+        assert type(head.midlayer.self_attn.q_proj) is linear
+        x = torch.randn(4, head.lm_head.in_features)
+        torch.testing.assert_close(head.lm_head(x), saved.lm_head(x), rtol=1e-5, atol=1e-5)
+
+
+def test_auto_backend_needs_room_for_the_packed_copy(tiny_model_dir, monkeypatch):
+    path = tiny_model_dir("llama")
+    assert load_model(path, "fp32", "cpu").cpu_linears == "onednn"  # the default: auto, room enough
+    need = cpu_linears.convertible_bytes(load_model(path, "fp32", "cpu", cpu_linears="torch"))
+    assert need > 0
+    monkeypatch.setattr(cpu_linears, "available_memory_bytes", lambda: 2 * need - 1)
+    assert load_model(path, "fp32", "cpu").cpu_linears == "torch"
+    monkeypatch.setenv("EAGLE_CPU_LINEARS", "onednn")  # an explicit choice is kept
+    assert load_model(path, "fp32", "cpu").cpu_linears == "onednn"

@@ -76,7 +76,7 @@ def check_decoders_at_batch_buckets(device: str, mode: str | None) -> None:
         out, batches = serve_all(dec, jobs)
         assert out == ref and {1, 2, 3} <= set(batches), batches
         graphs = counters["stats"]["unique_graphs"]
-        steps = 1 if isinstance(dec, PlainDecoder) else 2  # plain: decode; speculative: draft, verify
+        steps = 1 if isinstance(dec, PlainDecoder) else 3  # plain: decode; spec: draft, verify, catch-up
         assert 0 < graphs <= 3 * steps, dict(counters["stats"])  # buckets 1, 2, 4 at kv 128
         counters.clear()
         eager_over = make().compile(mode, max_bs=2)  # batches of 3 (bucket 4) run eagerly
