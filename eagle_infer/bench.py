@@ -7,7 +7,8 @@ transformers, in one process.
     python -m eagle_infer.bench --draft heads/...-eagle2 --token-map-sweep none tokenmaps/.../frspec_8192.pt
 
 Every method decodes the same prompts (first turn of each MT-bench question, chat template
-applied) greedily at batch 1, after one warm-up run of its own. By default EOS is ignored so
+applied) greedily at batch 1 (`--batch-size B`: B prompts at a time, in order, our methods only),
+after an untimed warm-up of its own (on the shortest and on the longest prompts). By default EOS is ignored so
 every method produces exactly --max-new-tokens tokens per prompt (transformers gets
 `min_new_tokens`); tokens are counted from the actual outputs either way. Time includes the
 prefill: tokens/s = new tokens / wall time of the whole call.
@@ -42,8 +43,8 @@ from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import SpecStats
 from eagle_infer.tree import TreeConfig
 
-# One decoding call: prompt token ids -> new token ids.
-DecodeFn = Callable[[list[int]], list[int]]
+# One decoding call: a batch of prompts' token ids -> the new token ids of each.
+DecodeFn = Callable[[list[list[int]]], list[list[int]]]
 
 
 # ---------------------------------------------------------------------------------------
@@ -122,7 +123,8 @@ def load_prompts(path: str | os.PathLike | None, n: int, tokenizer) -> list[list
 class BenchResult:
     name: str
     outputs: list[list[int]] = field(default_factory=list)  # new tokens per prompt
-    seconds: list[float] = field(default_factory=list)  # wall time per prompt
+    seconds: list[float] = field(default_factory=list)  # wall time per call (batch of prompts)
+    batch_size: int = 1
     warmup_s: float = 0.0  # the untimed warm-up call (compilation included), never in tokens/s
 
     @property
@@ -143,40 +145,60 @@ class BenchResult:
             "seconds": round(self.total_seconds, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
             "warmup_s": round(self.warmup_s, 3),
-            "per_prompt": [{"tokens": len(o), "seconds": round(s, 4)}
-                           for o, s in zip(self.outputs, self.seconds)],
+            # per prompt at batch 1, else per batch (its prompts' tokens together)
+            "per_prompt" if self.batch_size == 1 else "per_batch":
+                [{"tokens": sum(len(o) for o in outs), "seconds": round(s, 4)}
+                 for outs, s in zip(batches(self.outputs, self.batch_size), self.seconds)],
         }
 
 
-def time_decoding(name: str, fn: DecodeFn, prompts: Sequence[list[int]], warmup: bool = True) -> BenchResult:
-    """Run fn on each prompt (batch 1) and time each call, after one untimed warm-up call."""
+def batches(items: Sequence, size: int) -> list[list]:
+    """items in order, in groups of `size` (the last one may be smaller)."""
+    return [list(items[i:i + size]) for i in range(0, len(items), size)]
+
+
+def warmup_batches(prompts: Sequence[list[int]], batch_size: int) -> list[list[list[int]]]:
+    """The batch_size shortest and the batch_size longest prompts: a call's kv buckets run from
+    its longest prompt's to that plus the new tokens, so compiled steps meet the kv buckets of
+    the timed calls in the untimed warm-up (a batch of 4 short prompts compiled a smaller bucket
+    inside the timing when only the longest were warmed)."""
+    by_len = sorted(prompts, key=len)
+    out = [[list(p) for p in by_len[:batch_size]], [list(p) for p in by_len[-batch_size:]]]
+    return out[1:] if out[0] == out[1] else out
+
+
+def time_decoding(name: str, fn: DecodeFn, prompts: Sequence[list[int]], warmup: bool = True,
+                  batch_size: int = 1) -> BenchResult:
+    """Run fn on the prompts batch_size at a time and time each call, after one untimed
+    warm-up call."""
     from tqdm.auto import tqdm
 
-    res = BenchResult(name)
-    if warmup:  # on the longest prompt: compiled steps then meet every cache size and kv bucket here
+    res = BenchResult(name, batch_size=batch_size)
+    if warmup:
         t0 = time.perf_counter()
-        fn(list(max(prompts, key=len)))
+        for batch in warmup_batches(prompts, batch_size):
+            fn(batch)
         res.warmup_s = time.perf_counter() - t0
-    for p in tqdm(prompts, desc=name, unit="prompt", leave=False, file=sys.stderr):
+    for batch in tqdm(batches(prompts, batch_size), desc=name, unit="batch", leave=False, file=sys.stderr):
         t0 = time.perf_counter()
-        out = fn(list(p))
+        outs = fn([list(p) for p in batch])
         res.seconds.append(time.perf_counter() - t0)
-        res.outputs.append(list(out))
+        res.outputs += [list(o) for o in outs]
     return res
 
 
 @torch.no_grad()
 def bench_plain(model, prompts: Sequence[list[int]], max_new_tokens: int,
-                ignore_eos: bool = True, compile_steps: bool = False) -> BenchResult:
-    """Our plain greedy decoding (eagle_infer.generate.generate), batch 1."""
+                ignore_eos: bool = True, compile_steps: bool = False, batch_size: int = 1) -> BenchResult:
+    """Our plain greedy decoding (eagle_infer.generate.generate), batch_size prompts a call."""
     from eagle_infer.generate import generate
 
     eos = [] if ignore_eos else None
 
-    def run(ids: list[int]) -> list[int]:
-        return generate(model, [ids], max_new_tokens, eos_token_ids=eos, compile=compile_steps)[0]
+    def run(batch: list[list[int]]) -> list[list[int]]:
+        return generate(model, batch, max_new_tokens, eos_token_ids=eos, compile=compile_steps)
 
-    return time_decoding("plain", run, prompts)
+    return time_decoding("plain", run, prompts, batch_size=batch_size)
 
 
 @torch.no_grad()
@@ -193,10 +215,11 @@ def bench_hf(hf_model, prompts: Sequence[list[int]], max_new_tokens: int, ignore
         pad = hf_model.generation_config.eos_token_id
         kwargs["pad_token_id"] = pad[0] if isinstance(pad, list) else pad
 
-    def run(ids: list[int]) -> list[int]:
+    def run(batch: list[list[int]]) -> list[list[int]]:
+        (ids,) = batch
         x = torch.tensor([ids], device=dev)
         out = hf_model.generate(x, attention_mask=torch.ones_like(x), **kwargs)
-        return out[0, len(ids):].tolist()
+        return [out[0, len(ids):].tolist()]
 
     return time_decoding(name, run, prompts)
 
@@ -212,19 +235,19 @@ class SpecRun:
     tree: TreeConfig
     decoder: object = None  # the SpecDecoder (for op counts)
 
-    def to_json(self, plain_ms_per_token: float | None = None) -> dict:
-        """The run's numbers; with plain decoding's ms per token, the round's parts relative
-        to one plain step (the runtime's share of the speedup, whatever the head's tau)."""
+    def to_json(self, plain_step_ms: float | None = None) -> dict:
+        """The run's numbers; with plain decoding's ms per step (of the whole batch), the round's
+        parts relative to one plain step (the runtime's share of the speedup, whatever the head's tau)."""
         st, rounds = self.stats, max(1, self.stats.rounds)
         verify_ms, draft_ms = 1e3 * st.verify_s / rounds, 1e3 * st.draft_s / rounds
         rel = {}
-        if plain_ms_per_token:
-            rel = {"plain_ms_per_token": round(plain_ms_per_token, 3),
-                   "verify_vs_plain_step": round(verify_ms / plain_ms_per_token, 3),
+        if plain_step_ms:
+            rel = {"plain_step_ms": round(plain_step_ms, 3),
+                   "verify_vs_plain_step": round(verify_ms / plain_step_ms, 3),
                    # num_steps draft forwards per round: num_steps - 1 tree steps + the catch-up
-                   "draft_step_vs_plain_step": round(draft_ms / self.tree.num_steps / plain_ms_per_token, 3),
+                   "draft_step_vs_plain_step": round(draft_ms / self.tree.num_steps / plain_step_ms, 3),
                    "round_vs_plain_step": round(1e3 * (st.draft_s + st.verify_s + st.other_s) / rounds
-                                                / plain_ms_per_token, 3)}
+                                                / plain_step_ms, 3)}
         return {
             "tree": {"num_steps": self.tree.num_steps, "eagle_topk": self.tree.eagle_topk,
                      "num_draft_tokens": self.tree.num_draft_tokens},
@@ -244,29 +267,31 @@ class SpecRun:
 @torch.no_grad()
 def bench_spec(model, head, prompts: Sequence[list[int]], max_new_tokens: int, tree: TreeConfig,
                ignore_eos: bool = True, params: SamplingParams | None = None, compile_steps: bool = False,
-               name: str = "speculative") -> SpecRun:
-    """Speculative decoding (eagle_infer.speculative), batch 1, one decoder reused across prompts."""
+               name: str = "speculative", batch_size: int = 1) -> SpecRun:
+    """Speculative decoding (eagle_infer.speculative), batch_size prompts a call, one decoder
+    reused across calls."""
     from eagle_infer.speculative import SpecDecoder, generate_speculative
 
     eos = [] if ignore_eos else None
     longest = max(len(p) for p in prompts) + max_new_tokens + 2 * tree.num_draft_tokens + 64
-    dec = SpecDecoder(model, head, tree, max_batch=1,
+    dec = SpecDecoder(model, head, tree, max_batch=batch_size,
                       max_seq_len=min(longest, model.config.max_position_embeddings))
     if compile_steps:
         dec.compile()
     total = SpecStats()
 
-    def run(ids: list[int]) -> list[int]:
-        out, st = generate_speculative(model, head, [ids], max_new_tokens, params, tree=tree,
+    def run(batch: list[list[int]]) -> list[list[int]]:
+        out, st = generate_speculative(model, head, batch, max_new_tokens, params, tree=tree,
                                        eos_token_ids=eos, decoder=dec)
         total.merge(st)
-        return out[0]
+        return out
 
     t0 = time.perf_counter()
-    run(list(max(prompts, key=len)))  # warm-up (and compilation: every kv bucket), not counted
+    for batch in warmup_batches(prompts, batch_size):  # warm-up and compilation, not counted
+        run(batch)
     warmup_s = time.perf_counter() - t0
     total.__init__()
-    res = time_decoding(name, run, prompts, warmup=False)
+    res = time_decoding(name, run, prompts, warmup=False, batch_size=batch_size)
     res.warmup_s = warmup_s
     return SpecRun(res, total, tree, dec)
 
@@ -490,6 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-path", default="default", help="HF folder; 'default' = embedded SmolLM2")
     ap.add_argument("--prompts", default=None, help="a .jsonl / .json prompt file (default: MT-bench)")
     ap.add_argument("--num-prompts", type=int, default=5)
+    ap.add_argument("--batch-size", type=int, default=1,
+                    help="decode B prompts at a time (ours only: transformers is skipped at B > 1)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                     help="auto = bf16 where the hardware runs it fast (AVX512-BF16/AMX, CUDA), else fp32")
@@ -531,6 +558,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.max_new_tokens <= 0:
         raise UserError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
+    if args.batch_size <= 0:
+        raise UserError(f"--batch-size must be > 0, got {args.batch_size}")
+    if args.batch_size > 1 and not args.no_hf:
+        print("note: --batch-size > 1: the transformers baselines run at batch 1 only; skipped",
+              file=sys.stderr)
+        args.no_hf = True
     if args.threads is not None:
         if args.threads <= 0:
             raise UserError(f"--threads must be > 0, got {args.threads}")
@@ -555,7 +588,8 @@ def main(argv: list[str] | None = None) -> dict:
 
         head = load_head_for(args.draft or default_head_path("eagle3"), model)
     compile_steps = compile_default(device) if args.compile is None else args.compile
-    results = [bench_plain(model, prompts, args.max_new_tokens, ignore_eos, compile_steps)]
+    B = args.batch_size
+    results = [bench_plain(model, prompts, args.max_new_tokens, ignore_eos, compile_steps, B)]
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
 
@@ -578,7 +612,7 @@ def main(argv: list[str] | None = None) -> dict:
         for t in trees:
             label = f"spec s{t.num_steps}k{t.eagle_topk}n{t.num_draft_tokens}"
             spec_runs.append(bench_spec(model, head, prompts, args.max_new_tokens, t, ignore_eos, params,
-                                        compile_steps, name=label))
+                                        compile_steps, name=label, batch_size=B))
         results.append(spec_runs[0].result)
         for path in args.token_map_sweep or []:
             from eagle_train.tokenmap import load_token_map
@@ -586,7 +620,7 @@ def main(argv: list[str] | None = None) -> dict:
             ids = None if path == "none" else load_token_map(path, model.config.vocab_size)
             head.set_token_map(ids)
             run = bench_spec(model, head, prompts, args.max_new_tokens, main_tree, ignore_eos, params,
-                             compile_steps, name=f"map {Path(path).name}")
+                             compile_steps, name=f"map {Path(path).name}", batch_size=B)
             size = len(ids) if ids is not None else model.config.vocab_size
             fr_rows.append({"token_map": path, "size": size,
                             "lm_head_us": round(1e6 * time_draft_lm_head(head), 1), **run.to_json()})
@@ -610,10 +644,10 @@ def main(argv: list[str] | None = None) -> dict:
             "prompt_tokens": [len(p) for p in prompts],
             "max_new_tokens": args.max_new_tokens,
             "dtype": args.dtype,
-            "batch_size": 1,
+            "batch_size": B,
             "greedy": True,
             "ignore_eos": ignore_eos,
-            "warmup_runs": 1,
+            "warmup_calls": "the batch_size shortest and the batch_size longest prompts",
             "prompt_lookup_num_tokens": 10,
         },
         "machine": machine_info(args.dtype, device),
@@ -622,7 +656,8 @@ def main(argv: list[str] | None = None) -> dict:
         "methods": {r.name: r.to_json() for r in results},
     }
     plain = by_name["plain"]
-    plain_ms = 1e3 * plain.total_seconds / max(1, plain.tokens)  # prefill included
+    # per step of the whole batch (B tokens), prefill included: what a round is compared with
+    plain_ms = 1e3 * plain.total_seconds / max(1, plain.tokens) * B
     if args.count_ops:
         report["aten_ops_eager"] = count_aten_ops(model, head, prompts[0], TreeConfig(
             args.num_steps, args.eagle_topk, args.num_draft_tokens))
@@ -657,7 +692,7 @@ def main(argv: list[str] | None = None) -> dict:
         if fr_rows:
             report["frspec"] = fr_rows
 
-    print(f"\n{len(prompts)} prompts x {args.max_new_tokens} new tokens, {args.dtype}, batch 1, greedy, "
+    print(f"\n{len(prompts)} prompts x {args.max_new_tokens} new tokens, {args.dtype}, batch {B}, greedy, "
           f"{torch.get_num_threads()} threads on {report['machine']['cpu_count']} CPUs")
     print_table(results, "hf" if "hf" in by_name else "plain", floor)
     print(f"floor = {bw / 1e9:.1f} GB/s copy bandwidth / {wbytes / 1e6:.0f} MB of weights per token")
@@ -668,7 +703,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{vs_hf}greedy identical: {r['greedy_identical']}, per round "
               f"draft {r['draft_ms']} ms / verify {r['verify_ms']} ms / other {r['other_ms']} ms; "
               f"verify = {r['verify_vs_plain_step']}x and each draft step {r['draft_step_vs_plain_step']}x "
-              f"a plain step ({r['plain_ms_per_token']} ms)")
+              f"a plain step ({r['plain_step_ms']} ms)")
         print(f"warm-up (compilation included, not in tokens/s): {report['warmup_s']} s")
         print("accept rate per position:", r["accept_rate_per_position"])
         agree = r["greedy_agreement_spec_vs_plain"]

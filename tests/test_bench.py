@@ -10,14 +10,17 @@ from eagle_infer.bench import main
 from eagle_infer.heads import DraftHead, HeadConfig, save_head
 
 
-def test_bench_speculative_report(tmp_path, default_model_fp32):
-    target = default_model_fp32
+def save_random_head(target, path) -> None:
     torch.manual_seed(0)
     cfg = HeadConfig.for_target(target.config, "eagle3", draft_vocab_size=1024)
     head = DraftHead(cfg, target.embed_tokens, target.lm_head.weight)
     head.t2d.zero_()
     head.t2d[:1024] = True
-    save_head(head, tmp_path / "head")
+    save_head(head, path)
+
+
+def test_bench_speculative_report(tmp_path, default_model_fp32):
+    save_random_head(default_model_fp32, tmp_path / "head")
     out = tmp_path / "bench.json"
     main(["--num-prompts", "1", "--max-new-tokens", "6", "--dtype", "fp32", "--no-hf",
           "--draft", str(tmp_path / "head"), "--num-steps", "3", "--eagle-topk", "2",
@@ -27,7 +30,7 @@ def test_bench_speculative_report(tmp_path, default_model_fp32):
     for key in ("acceptance_length", "accept_rate_per_position", "tokens_per_s", "plain_tokens_per_s",
                 "hf_tokens_per_s", "speedup_vs_plain", "speedup_vs_hf", "greedy_identical",
                 "draft_ms", "verify_ms", "other_ms", "warmup_s", "verify_vs_plain_step",
-                "draft_step_vs_plain_step", "plain_ms_per_token"):
+                "draft_step_vs_plain_step", "plain_step_ms"):
         assert key in r, key
     assert r["compiled"] is False and r["warmup_s"]["plain"] > 0
     ops = r["aten_ops_eager"]
@@ -38,3 +41,18 @@ def test_bench_speculative_report(tmp_path, default_model_fp32):
     assert len(r["accept_rate_per_position"]) == 3 and r["acceptance_length"] >= 1.0
     assert [row["tree"]["eagle_topk"] for row in r["sweep"]] == [2, 1]
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_bench_batches_prompts(tmp_path, default_model_fp32):
+    """--batch-size 2 over 3 prompts: calls of 2 and 1 prompts, speculative output equal to plain
+    decoding of the same batches, transformers skipped."""
+    save_random_head(default_model_fp32, tmp_path / "head")
+    out = tmp_path / "bench.json"
+    main(["--num-prompts", "3", "--batch-size", "2", "--max-new-tokens", "5", "--dtype", "fp32",
+          "--draft", str(tmp_path / "head"), "--num-steps", "2", "--eagle-topk", "2",
+          "--num-draft-tokens", "3", "--no-compile", "--json", str(out)])
+    r = json.loads(out.read_text())
+    assert r["settings"]["batch_size"] == 2 and r["hf_tokens_per_s"] is None
+    plain = r["methods"]["plain"]
+    assert [b["tokens"] for b in plain["per_batch"]] == [10, 5] and plain["tokens"] == 15
+    assert r["greedy_identical"] is True and r["rounds"] > 0

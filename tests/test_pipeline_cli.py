@@ -266,7 +266,7 @@ def test_pipeline_bench_measures_plain_vs_speculative(tmp_path, capsys):
 
     head = default_head_path("eagle3")
     args = [f"workdir={tmp_path}", f"head_dir={head}", "stage.bench.num_prompts=1",
-            "stage.bench.max_new_tokens=6", "stage.bench.dtype=fp32"]
+            "stage.bench.max_new_tokens=6", "stage.bench.dtype=fp32", "stage.bench.compile=false"]
     cfg = compose(args)
     report = run_bench(cfg)
     assert report is not None and report["greedy_identical"] is True
