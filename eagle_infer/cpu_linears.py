@@ -1,10 +1,12 @@
-"""oneDNN for the fp32 Linear layers of the target and its draft head at a few rows, on a CPU.
+"""oneDNN for the Linear layers of the target and its draft head on a CPU: fp32 at 2-512 rows,
+bf16 from one row where the CPU has native bf16 (AVX512-BF16 / AMX).
 
 A verify runs 4-17 rows through the target. torch's fp32 Linear (MKL sgemm, also what Inductor's
 freezing packs fp32 weights for) costs 3-4x a one-row step at those sizes on an AVX2 AMD EPYC,
 where oneDNN with weights prepacked costs 1.1-1.9x (scripts/probe_linear_backends.py, README).
-One-row steps, and calls of more than MAX_ROWS rows, keep torch's kernel, which is as fast or
-faster there.
+fp32 one-row steps, and calls of more than MAX_ROWS rows, keep torch's kernel, which is as fast
+or faster there. In bf16 oneDNN wins at every size up to 64 rows, one row included (AMD EPYC
+AVX512-BF16: 11.8 vs 23.6 ms for the target's Linears at one row, 18.4 vs 35.1 at 16).
 
 The prepacked weights are opaque oneDNN tensors that Inductor cannot lower, so they live in a
 registry outside the graph and a custom op reads them by key: compiled graphs (freezing
@@ -28,6 +30,11 @@ from torch import Tensor, nn
 # M = 64 / 128 / 256 / 512 / 2048: torch 170 / 279 / 485 / 872 / 3567 ms, oneDNN prepacked
 # 135 / 237 / 458 / 890 / 3805 ms.
 MAX_ROWS = 512
+# dtypes whose one-row calls (every plain decode step) go through oneDNN too. bf16: torch's kernel
+# takes 2x oneDNN's prepacked one for the target's Linears at one row (AMD EPYC AVX512-BF16,
+# 2 threads: 23.6 vs 11.8 ms). fp32: MKL (packed by Inductor's freezing) is as fast: compiled
+# bench there, plain 23.2 tok/s with torch's one-row kernel, 21.6 with oneDNN's.
+ONE_ROW_DTYPES = (torch.bfloat16,)
 
 # oneDNN-packed weights by OneDNNLinear.key; an entry goes when its module is collected, so
 # loading a model again does not keep the old model's packed copy alive.
@@ -54,7 +61,7 @@ class OneDNNLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows == 1 or rows > MAX_ROWS:
+        if rows > MAX_ROWS or (rows == 1 and self.weight.dtype not in ONE_ROW_DTYPES):
             return F.linear(x, self.weight)
         return onednn_linear(x, self.weight, self.key)
 
@@ -63,11 +70,21 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """fp32 wherever oneDNN is; bf16 too where the CPU has native bf16 (oneDNN's bf16 check)."""
+    mkldnn = torch.ops.mkldnn
+    bf16 = hasattr(mkldnn, "_is_mkldnn_bf16_supported") and mkldnn._is_mkldnn_bf16_supported()
+    return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
+
+
+def _convertible(m: nn.Module) -> bool:
+    return type(m) is nn.Linear and m.bias is None and m.weight.device.type == "cpu" \
+        and m.weight.dtype in packable_dtypes()
+
+
 def convertible_bytes(model: nn.Module) -> int:
     """Bytes of the weights use_onednn_linears would pack (the packed copy's size)."""
-    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
-               if type(m) is nn.Linear and m.bias is None and m.weight.device.type == "cpu"
-               and m.weight.dtype == torch.float32)
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if _convertible(m))
 
 
 def available_memory_bytes() -> int | None:
@@ -83,9 +100,10 @@ def available_memory_bytes() -> int | None:
 
 
 def auto_backend(model: nn.Module) -> str:
-    """"onednn" where this torch has it and the packed copy fits twice over in free memory
-    (a server still needs room for caches and requests), else "torch"."""
-    if not available():
+    """"onednn" where this torch has it, the model has Linears it packs (bf16 ones only where the
+    CPU has native bf16) and the packed copy fits twice over in free memory (a server still
+    needs room for caches and requests), else "torch"."""
+    if not available() or convertible_bytes(model) == 0:
         return "torch"
     free = available_memory_bytes()
     if free is not None and 2 * convertible_bytes(model) > free:
@@ -94,13 +112,12 @@ def auto_backend(model: nn.Module) -> str:
 
 
 def use_onednn_linears(model: nn.Module, rows_hint: int = 16) -> int:
-    """Make every bias-free fp32 CPU Linear of `model` an OneDNNLinear; returns how many."""
+    """Make every bias-free CPU Linear of `model` in packable_dtypes() an OneDNNLinear; returns how many."""
     if not available():
         raise RuntimeError("cpu_linears=onednn: this torch build has no oneDNN (mkldnn) linear ops")
     n = 0
     for m in model.modules():
-        if type(m) is nn.Linear and m.bias is None and m.weight.device.type == "cpu" \
-                and m.weight.dtype == torch.float32:
+        if _convertible(m):
             key = next(_KEYS)
             _PACKED[key] = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().contiguous(), rows_hint)
             weakref.finalize(m, _PACKED.pop, key, None)

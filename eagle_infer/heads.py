@@ -47,7 +47,7 @@ from eagle_infer.head_formats import (
     speculators_to_flat,
     write_head_folder,
 )
-from eagle_infer.model import KVCache, ModelConfig, RMSNorm, apply_rope, rope_tables
+from eagle_infer.model import KVCache, ModelConfig, RMSNorm, apply_rope, attention, rope_tables
 
 
 def aux_layer_ids_of(cfg: dict[str, Any]) -> list[int]:
@@ -246,8 +246,7 @@ class DraftAttention(nn.Module):
         else:
             keys = torch.cat([pk for pk, _ in past_kv] + [k], dim=1).transpose(1, 2)
             values = torch.cat([pv for _, pv in past_kv] + [v], dim=1).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None],
-                                             enable_gqa=self.n_kv != self.n_heads)
+        out = attention(q.transpose(1, 2), keys, values, mask[:, None], self.n_kv != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), (k, v)
 
 

@@ -82,10 +82,11 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
                device: str | None = None, cpu_linears: str | None = None) -> Transformer:
     """Build our Transformer from an HF folder (None / 'default' = the embedded default).
 
-    cpu_linears (fp32 on a CPU; default: $EAGLE_CPU_LINEARS, else "auto"): "onednn" runs Linears
-    of more than one row (verify, batches, prefill) through oneDNN with prepacked weights
-    (eagle_infer/cpu_linears.py), "torch" through torch's kernel, "auto" = onednn where this torch
-    has it and the packed copy fits in free memory."""
+    cpu_linears (fp32 or bf16 on a CPU; default: $EAGLE_CPU_LINEARS, else "auto"): "onednn" runs
+    Linears through oneDNN with prepacked weights (eagle_infer/cpu_linears.py): fp32 calls of
+    more than one row (verify, batches, prefill), bf16 calls of any size where the CPU has native
+    bf16; "torch" runs them through torch's kernel; "auto" = onednn where this torch has it, the
+    model has Linears it packs and the packed copy fits in free memory."""
     folder = resolve_model_path(path)
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
@@ -110,8 +111,9 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     model = model.to(device=device, dtype=torch_dtype).eval()
     model.requires_grad_(False)
     model.cpu_linears = "torch"  # what load_head_for gives the head's Linears too
-    if model.embed_tokens.weight.device.type == "cpu" and torch_dtype == torch.float32:
-        column_major_linears(model)
+    if model.embed_tokens.weight.device.type == "cpu" and torch_dtype in (torch.float32, torch.bfloat16):
+        if torch_dtype == torch.float32:
+            column_major_linears(model)
         backend = cpu_linears or os.environ.get("EAGLE_CPU_LINEARS", "auto")
         if backend not in ("auto", "torch", "onednn"):
             raise UserError(f"cpu_linears must be auto, torch or onednn, got {backend!r}")

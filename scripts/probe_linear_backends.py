@@ -35,21 +35,25 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model(None, "fp32", "cpu")
+    model = load_model(None, args.dtype, "cpu", cpu_linears="torch")
+    dtype = model.embed_tokens.weight.dtype
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     flags = open("/proc/cpuinfo").read() if platform.system() == "Linux" else ""
     out = {"cpu": platform.processor() or next((line.split(":")[1].strip() for line in flags.splitlines()
                                                   if line.startswith("model name")), ""),
-           "avx512": "avx512f" in flags, "threads": args.threads, "linears": len(linears), "rows": {}}
+           "avx512": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags, "dtype": args.dtype,
+           "threads": args.threads, "linears": len(linears), "rows": {}}
     for m in args.rows:
-        xs = [torch.randn(m, lin.in_features) for lin in linears]
+        xs = [torch.randn(m, lin.in_features, dtype=dtype) for lin in linears]
         packed = [torch.ops.mkldnn._reorder_linear_weight(lin.weight.contiguous(), m) for lin in linears]
         for x, lin, w in zip(xs, linears, packed):  # same values, or the comparison means nothing
             torch.testing.assert_close(torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
-                                       F.linear(x, lin.weight), rtol=1e-4, atol=1e-4)
+                                       F.linear(x, lin.weight), rtol=tol, atol=tol)
         t_torch = timed_ms(lambda xs=xs: [F.linear(x, lin.weight) for x, lin in zip(xs, linears)], args.reps)
         t_onednn = timed_ms(lambda xs=xs, packed=packed: [
             torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for x, w in zip(xs, packed)],
@@ -67,7 +71,7 @@ def main() -> None:
     from eagle_infer.model import causal_mask
 
     prefix, ctx = 128, 1024
-    models = {b: load_model(None, "fp32", "cpu", cpu_linears=b) for b in ("torch", "onednn")}
+    models = {b: load_model(None, args.dtype, "cpu", cpu_linears=b) for b in ("torch", "onednn")}
     for mdl in models.values():
         mdl.setup_cache(1, ctx)
     for m in [r for r in args.rows if prefix + r <= ctx]:

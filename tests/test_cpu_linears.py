@@ -1,6 +1,6 @@
-"""cpu_linears=onednn: multi-row fp32 Linears through oneDNN prepacked weights give the same
-numbers as torch's, eager and compiled, and speculative decoding stays token-identical to
-plain decoding with them."""
+"""cpu_linears=onednn: Linears through oneDNN prepacked weights (fp32 at 2-512 rows; bf16 from
+one row, where the CPU has native bf16) give the same numbers as torch's, eager and compiled,
+and speculative decoding stays token-identical to plain decoding with them."""
 
 from __future__ import annotations
 
@@ -38,16 +38,34 @@ def test_linears_swapped_and_equal_eager_and_compiled():
     torch.testing.assert_close(lin(x3), F.linear(x3, w), rtol=1e-5, atol=1e-5)
 
 
-def test_one_row_and_large_calls_keep_torchs_kernel(monkeypatch):
-    lin = torch.nn.Linear(8, 6, bias=False)
-    cpu_linears.use_onednn_linears(lin)
+def rows_through_onednn(lin: torch.nn.Module, monkeypatch, rows: list[int], tol: float) -> list[int]:
     calls = []
     real = cpu_linears.onednn_linear
     monkeypatch.setattr(cpu_linears, "onednn_linear", lambda *a: calls.append(a[0].shape) or real(*a))
-    for rows in (1, 2, cpu_linears.MAX_ROWS, cpu_linears.MAX_ROWS + 1):
-        x = torch.randn(rows, 8)
-        torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
-    assert [s[0] for s in calls] == [2, cpu_linears.MAX_ROWS]
+    for n in rows:
+        x = torch.randn(n, lin.in_features, dtype=lin.weight.dtype)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=tol, atol=tol)
+    return [s[0] for s in calls]
+
+
+def test_fp32_one_row_and_large_calls_keep_torchs_kernel(monkeypatch):
+    lin = torch.nn.Linear(8, 6, bias=False)
+    assert cpu_linears.use_onednn_linears(lin) == 1
+    rows = [1, 2, cpu_linears.MAX_ROWS, cpu_linears.MAX_ROWS + 1]
+    assert rows_through_onednn(lin, monkeypatch, rows, 1e-5) == [2, cpu_linears.MAX_ROWS]
+
+
+def test_bf16_linears_packed_from_one_row_where_the_cpu_has_bf16(monkeypatch, tiny_model_dir):
+    lin = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+    rows = [1, 4, cpu_linears.MAX_ROWS + 1]
+    model = load_model(tiny_model_dir("llama"), "bf16", "cpu")
+    if torch.bfloat16 in cpu_linears.packable_dtypes():
+        assert cpu_linears.use_onednn_linears(lin) == 1
+        assert rows_through_onednn(lin, monkeypatch, rows, 2e-2) == [1, 4]
+        assert model.cpu_linears == "onednn" and type(model.lm_head) is cpu_linears.OneDNNLinear
+    else:  # no native bf16 (an AVX2 CPU): nothing to pack, and auto keeps torch's kernel
+        assert cpu_linears.use_onednn_linears(lin) == 0
+        assert model.cpu_linears == "torch" and type(model.lm_head) is torch.nn.Linear
 
 
 @pytest.mark.parametrize("kind", ["eagle2", "eagle3"])

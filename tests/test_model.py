@@ -320,3 +320,25 @@ def test_cpu_fp32_linears_are_column_major_with_the_same_values(tiny_model_dir):
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     column_major_linears(col)  # idempotent
     assert all(w.t().is_contiguous() for _, w in linears)
+
+
+@pytest.mark.parametrize("batch,queries", [(1, 1), (3, 1), (2, 5)])
+def test_bf16_attention_matches_fp32_sdpa(batch, queries):
+    """attention() runs one bf16 query per row in fp32 (torch's CPU kernel is slow there): the
+    result must be what SDPA gives on the same values, with either mask form."""
+    import torch.nn.functional as F
+
+    from eagle_infer.model import attention, attn_bias
+
+    torch.manual_seed(0)
+    S = 40
+    q = torch.randn(batch, 6, queries, 16).bfloat16()
+    k, v = torch.randn(2, batch, 2, S, 16).bfloat16()
+    mask = torch.rand(batch, queries, S) < 0.7
+    mask[..., 0] = True  # every query sees a key
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask[:, None],
+                                          enable_gqa=True)
+    for m in (mask[:, None], attn_bias(mask, torch.bfloat16)):
+        out = attention(q, k, v, m, gqa=True)
+        assert out.dtype == torch.bfloat16 and out.shape == q.shape
+        torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
