@@ -42,15 +42,26 @@ _PACKED: dict[int, Tensor] = {}
 _KEYS = itertools.count()
 
 
-@torch.library.custom_op("eagle::onednn_linear", mutates_args=())
-def onednn_linear(x: Tensor, weight: Tensor, key: int) -> Tensor:
+# Defined through torch.library.Library rather than @custom_op: a step calls this op 121 times,
+# and custom_op's Python wrapper costs ~10 us a call more (4.5 vs 11.2 us measured).
+_LIB = torch.library.Library("eagle", "FRAGMENT")
+_LIB.define("onednn_linear(Tensor x, Tensor weight, int key) -> Tensor")
+
+
+def _onednn_linear(x: Tensor, weight: Tensor, key: int) -> Tensor:
     """x [..., in] @ weight.T through the packed copy of `weight` (the copy is _PACKED[key])."""
     return torch.ops.mkldnn._linear_pointwise(x, _PACKED[key], None, "none", [], "")
 
 
-@onednn_linear.register_fake
+_LIB.impl("onednn_linear", _onednn_linear, "CPU")
+
+
+@torch.library.register_fake("eagle::onednn_linear")
 def _(x: Tensor, weight: Tensor, key: int) -> Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+onednn_linear = torch.ops.eagle.onednn_linear
 
 
 class OneDNNLinear(nn.Linear):
