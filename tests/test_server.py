@@ -609,3 +609,26 @@ def test_incremental_detokenizer_equals_a_full_decode_at_bounded_cost(tokenizer)
     d.flush()
     assert d.text == tokenizer.decode(long, skip_special_tokens=True)
     assert Counting.decoded < 10 * len(long), Counting.decoded
+
+
+def test_the_model_loads_in_a_thread_that_exits(monkeypatch, capsys):
+    """main() builds the engine in a thread of its own that is gone before serving starts (an
+    OpenMP team left behind in the main thread slows the engine thread's steps), and an error
+    raised there still reaches the command line as one line."""
+    from eagle_infer import server
+    from eagle_infer.errors import UserError
+
+    seen = []
+
+    def failing_build(args):
+        seen.append(threading.current_thread())
+        raise UserError("no such model: /nowhere")
+
+    monkeypatch.setattr(server, "build_engine", failing_build)
+    with pytest.raises(SystemExit) as exit_info:
+        server.main(["--model-path", "/nowhere"])
+    assert exit_info.value.code == 2
+    assert "error: no such model: /nowhere" in capsys.readouterr().err
+    (loader,) = seen
+    assert loader is not threading.main_thread() and not loader.is_alive()
+    assert server.in_own_thread(lambda a, b: a + b, 2, 3) == 5
