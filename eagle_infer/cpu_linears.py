@@ -65,8 +65,9 @@ onednn_linear = torch.ops.eagle.onednn_linear
 
 
 class OneDNNLinear(nn.Linear):
-    """A bias-free nn.Linear (same parameters and state dict) whose multi-row calls go through
-    oneDNN; use_onednn_linears converts only bias-free layers."""
+    """A bias-free nn.Linear (same parameters and state dict) whose calls of up to MAX_ROWS rows
+    go through oneDNN (one-row calls only in ONE_ROW_DTYPES); use_onednn_linears converts only
+    bias-free layers."""
 
     key: int
 
@@ -88,14 +89,16 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
 
 
-def _convertible(m: nn.Module) -> bool:
-    return type(m) is nn.Linear and m.bias is None and m.weight.device.type == "cpu" \
-        and m.weight.dtype in packable_dtypes()
+def _convertible(model: nn.Module) -> list[nn.Linear]:
+    """The Linears of `model` use_onednn_linears packs."""
+    dtypes = packable_dtypes()
+    return [m for m in model.modules() if type(m) is nn.Linear and m.bias is None
+            and m.weight.device.type == "cpu" and m.weight.dtype in dtypes]
 
 
 def convertible_bytes(model: nn.Module) -> int:
     """Bytes of the weights use_onednn_linears would pack (the packed copy's size)."""
-    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if _convertible(m))
+    return sum(m.weight.numel() * m.weight.element_size() for m in _convertible(model))
 
 
 def available_memory_bytes() -> int | None:
@@ -114,10 +117,11 @@ def auto_backend(model: nn.Module) -> str:
     """"onednn" where this torch has it, the model has Linears it packs (bf16 ones only where the
     CPU has native bf16) and the packed copy fits twice over in free memory (a server still
     needs room for caches and requests), else "torch"."""
-    if not available() or convertible_bytes(model) == 0:
+    need = convertible_bytes(model) if available() else 0
+    if need == 0:
         return "torch"
     free = available_memory_bytes()
-    if free is not None and 2 * convertible_bytes(model) > free:
+    if free is not None and 2 * need > free:
         return "torch"
     return "onednn"
 
@@ -126,13 +130,11 @@ def use_onednn_linears(model: nn.Module, rows_hint: int = 16) -> int:
     """Make every bias-free CPU Linear of `model` in packable_dtypes() an OneDNNLinear; returns how many."""
     if not available():
         raise RuntimeError("cpu_linears=onednn: this torch build has no oneDNN (mkldnn) linear ops")
-    n = 0
-    for m in model.modules():
-        if _convertible(m):
-            key = next(_KEYS)
-            _PACKED[key] = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().contiguous(), rows_hint)
-            weakref.finalize(m, _PACKED.pop, key, None)
-            m.__class__ = OneDNNLinear
-            m.key = key
-            n += 1
-    return n
+    linears = _convertible(model)
+    for m in linears:
+        key = next(_KEYS)
+        _PACKED[key] = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().contiguous(), rows_hint)
+        weakref.finalize(m, _PACKED.pop, key, None)
+        m.__class__ = OneDNNLinear
+        m.key = key
+    return len(linears)

@@ -39,7 +39,8 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model(None, args.dtype, "cpu", cpu_linears="torch")
+    models = {b: load_model(None, args.dtype, "cpu", cpu_linears=b) for b in ("torch", "onednn")}
+    model = models["torch"]
     dtype = model.embed_tokens.weight.dtype
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -67,11 +68,10 @@ def main() -> None:
             r["onednn_vs_plain_step"] = round(r["onednn_prepacked_ms"] / one, 2)
     # The whole eager forward at T new tokens after a 128-token prefix (attention, norms, KV writes
     # included), as shipped: load_model(cpu_linears="torch") against load_model(cpu_linears="onednn")
-    # (oneDNN for T > 1, torch's kernel at T = 1).
+    # (fp32: oneDNN for T > 1, torch's kernel at T = 1; bf16 where native: oneDNN at every T).
     from eagle_infer.model import causal_mask
 
     prefix, ctx = 128, 1024
-    models = {b: load_model(None, args.dtype, "cpu", cpu_linears=b) for b in ("torch", "onednn")}
     for mdl in models.values():
         mdl.setup_cache(1, ctx)
     for m in [r for r in args.rows if prefix + r <= ctx]:
