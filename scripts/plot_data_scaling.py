@@ -8,6 +8,8 @@ count them), and solved for the data at which the trend reaches issue #14's offl
 (tau 2.5): an extrapolation of one recipe, not a promise.
 
     python scripts/plot_data_scaling.py [--workdir runs/i14/scale] [--out results/data_scaling]
+
+Without the workdir it redraws from the last --out JSON, with results/grow_segments.json re-read.
 """
 
 from __future__ import annotations
@@ -89,9 +91,14 @@ def main() -> None:
     ap.add_argument("--out", default="results/data_scaling")
     args = ap.parse_args()
     w = Path(args.workdir)
+    # Without the runs (a fresh machine), the curves, temperature pair and shipped points come
+    # from the last results JSON; the grow segments are re-read either way.
+    prev = None if w.is_dir() else read_json(Path(args.out + ".json"))
+    if prev is None and not w.is_dir():
+        raise SystemExit(f"error: neither {w} nor {args.out}.json exists: run scripts/data_scaling.sh")
 
     curves: dict[str, list[dict]] = {}
-    for kind in ("eagle3", "eagle2"):
+    for kind in ("eagle3", "eagle2") if prev is None else ():
         pts = []
         for k in range(1, 100):
             if not (w / f"{kind}-tf{k}").is_dir():
@@ -101,14 +108,16 @@ def main() -> None:
                 pts.append(p)
         curves[kind] = pts
     temperature = {}
-    for kind in ("eagle3",):
+    for kind in ("eagle3",) if prev is None else ():
         n = len(curves[kind])
         for t in ("t07", "t0"):
             p = point(w / f"{kind}-tf{n}-{t}", w / f"eval-{kind}-tf{n}-{t}")
             if p:
                 temperature[t] = p
     shipped, grown = {}, {}
-    for kind in ("eagle3", "eagle2"):
+    if prev is not None:
+        curves, temperature, shipped = prev["curves"], prev["temperature"], prev["shipped"]
+    for kind in ("eagle3", "eagle2") if prev is None else ():
         ev = read_json(w / f"eval-{kind}-shipped" / "eval.json")
         head = Path(f"heads/SmolLM2-135M-Instruct-{kind}")
         summ = read_json(head / "train_summary.json")
@@ -135,7 +144,7 @@ def main() -> None:
     through_shipped = {k: power_fit([curves[k][-1]["train_set"]["tokens"], shipped[k]["capture_tokens"]],
                                     [curves[k][-1]["tau"], shipped[k]["tau"]])
                        for k in curves if curves[k] and k in shipped}
-    out = {"workdir": str(w), "fits_through_shipped": through_shipped,
+    out = {"workdir": str(w) if prev is None else prev["workdir"], "fits_through_shipped": through_shipped,
            "heldout": "greedy answers of the target (capture-t07/heldout)",
            "curves": curves, "fits": fits, "temperature": temperature, "shipped": shipped,
            "grown": grown}
