@@ -20,8 +20,8 @@ from eagle_infer.generate import (
     batch_bucket,
     compiled_cache_rows,
     compiled_decode,
+    compiled_kv_len,
     join_groups,
-    kv_bucket,
     kv_len_for,
     pick_tokens,
 )
@@ -52,7 +52,7 @@ class PlainDecoder:
         self.compiled_step, self.max_bs = None, 0
 
     def compile(self, mode: str | None = None, max_bs: int | None = None) -> PlainDecoder:
-        """Run each step (forward + argmax) as a compiled graph per (batch, kv) bucket
+        """Run each step (forward + argmax) as a compiled graph per batch bucket
         (CompiledDecode; batches whose bucket is over max_bs, default the bucket of max_batch,
         run eagerly). On CUDA, mode="reduce-overhead" replays CUDA graphs."""
         if self.seqs:
@@ -107,7 +107,8 @@ class PlainDecoder:
         L = self.L[:B]
         L_max = max(s.cached for s in self.seqs)  # = L.max(), from the host: no read
         if self.compiled_step is not None and batch_bucket(B) <= self.max_bs:
-            logits, greedy = self.compiled_step(self.last[:B], L, kv_bucket(L_max + 1, self.max_seq_len))
+            kv = compiled_kv_len(L_max + 1, self.max_seq_len, self.compiled_step.mode)
+            logits, greedy = self.compiled_step(self.last[:B], L, kv)
             logits = logits[:, None]
         else:
             mask = causal_mask(L, 1, kv_len_for(L_max + 1, self.max_seq_len))

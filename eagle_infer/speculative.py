@@ -29,8 +29,8 @@ from eagle_infer.generate import (
     check_fits,
     compile_step,
     compiled_cache_rows,
+    compiled_kv_len,
     join_groups,
-    kv_bucket,
     kv_len_for,
     prefill,
 )
@@ -262,31 +262,30 @@ class SpecDecoder:
         return g_last, torch.log_softmax(self.head.logits(g_last).float(), -1)
 
     def compile(self, mode: str | None = None, max_bs: int | None = None) -> SpecDecoder:
-        """torch.compile both steps with full graphs and fixed shapes: the batch in buckets of
-        1, 2, 4, 8, then multiples of 8 (BucketedStep; a bucket over max_bs, default the bucket
-        of max_batch, runs eagerly), kv_len in power-of-two buckets (kv_bucket): one graph per
-        (batch, kv) bucket. On CPU with Inductor weight freezing; on CUDA, mode="reduce-overhead"
-        captures them as CUDA graphs."""
+        """torch.compile the draft, verify and catch-up steps with full graphs: the batch in
+        buckets of 1, 2, 4, 8, then multiples of 8 (BucketedStep; a bucket over max_bs, default
+        the bucket of max_batch, runs eagerly). On CPU Inductor with weight freezing traces the
+        kv length as a symbol (one graph per batch bucket); on CUDA, mode="reduce-overhead"
+        captures CUDA graphs per batch and power-of-two kv bucket (compiled_kv_len)."""
         if self.seqs:
             raise RuntimeError("compile a decoder before any sequence joins")
         max_bs = batch_bucket(self.max_batch) if max_bs is None else max_bs
         rows = compiled_cache_rows(self.max_batch, max_bs)
         self.target.setup_cache(rows, self.max_seq_len)  # padding rows write past the active ones
         self.head.setup_cache(rows, self.max_seq_len)
-        self.compiled, self.max_bs = True, max_bs
-        dev, clone = self.device.type, mode == "reduce-overhead"
+        self.compiled, self.max_bs, self.compile_mode = True, max_bs, mode
+        dev, graphs = self.device.type, mode == "reduce-overhead"
+        max_kv = None if graphs else self.max_seq_len  # every step's argument 3 is its mask
         steps = (self._draft_step, self._verify, self._catch_up)
-        draft, verify, catch_up = (compile_step(f, dev, mode) for f in steps)
-        self.draft_fn = BucketedStep(self._draft_step, draft, max_bs, clone)
-        self.verify_fn = BucketedStep(self._verify, verify, max_bs, clone)
-        self.catch_up_fn = BucketedStep(self._catch_up, catch_up, max_bs, clone)
+        self.draft_fn, self.verify_fn, self.catch_up_fn = (
+            BucketedStep(f, compile_step(f, dev, mode), max_bs, clone=graphs, max_kv=max_kv) for f in steps)
         return self
 
     def kv_len(self, needed: int) -> int:
         if self.static_kv:
             return self.max_seq_len
         if self.compiled:
-            return kv_bucket(needed, self.max_seq_len)
+            return compiled_kv_len(needed, self.max_seq_len, self.compile_mode)
         return kv_len_for(needed, self.max_seq_len)
 
     # -- joining and leaving -----------------------------------------------------------------

@@ -7,8 +7,9 @@ without speculative decoding, on MT-bench prompts, through the OpenAI-compatible
 
 Each level sends max(--num-requests, concurrency) greedy chat requests (the first turn of each
 MT-bench question, cycled) from `concurrency` client threads, after a warm-up (the shortest and
-the longest prompt at full length, `concurrency` copies at once: a compiled server, e.g.
-`--server-arg=--enable-torch-compile`, compiles its buckets there, `warmup_s`). EOS is ignored
+the longest prompt at full length, `concurrency` copies at once, `warmup_s`: a compiled server
+compiles its batch buckets at start-up, but under CUDA graphs each power-of-two KV bucket still
+records its graphs at first use; `--server-arg=--disable-torch-compile` for eager CPU steps). EOS is ignored
 by default (`ignore_eos`) so every request produces --max-tokens tokens. Throughput is the sum
 of `usage.completion_tokens` over the level's wall time; latency is per request, from
 send to the complete response. Writes JSON (--out) and prints a markdown table.
@@ -74,8 +75,8 @@ def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency
     limits = httpx.Limits(max_connections=concurrency + 1)
     with httpx.Client(headers=headers, timeout=timeout, limits=limits) as http:
         # Warm-up: the level's shortest and longest prompts at full length, `concurrency` copies
-        # at once, so a compiled server (--enable-torch-compile, CUDA graphs) meets its batch
-        # and KV-length buckets (from the shortest prompt's up) before the timing, not inside it.
+        # at once, so a compiled server meets its batch bucket (and, under CUDA graphs, its
+        # KV-length buckets from the shortest prompt's up) before the timing, not inside it.
         by_len = sorted(bodies, key=lambda b: len(b["messages"][0]["content"]))
         t0 = time.perf_counter()
         for body in (by_len[0], by_len[-1]):

@@ -25,7 +25,10 @@ from eagle_infer.launch import ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"
-COMMON = ["--dtype", "fp32", "--context-length", "512", "--max-running-requests", "4"]
+# Eager steps (--disable-torch-compile): what these servers check is the API, and compiling at
+# start-up would add minutes on one thread (the compiled path: test_static_shapes, test_server).
+COMMON = ["--dtype", "fp32", "--context-length", "512", "--max-running-requests", "4",
+          "--disable-torch-compile"]
 FLAGS = {
     "plain": ["--speculative-algorithm", "NONE"],
     "eagle3": ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",

@@ -29,10 +29,13 @@ from eagle_infer.speculative import Sequence_, SpecStats
 
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
-# A small tree (still branching) keeps rounds cheap on a busy CPU.
+# A small tree (still branching) keeps rounds cheap on a busy CPU; eager steps, since compiling
+# them at start-up would add minutes on one thread (the compiled path: test_compile_flags_*,
+# test_warm_up_*, test_static_shapes).
 SERVER_FLAGS = ["--dtype", "fp32", "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "2",
                 "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "3",
-                "--context-length", "512", "--max-running-requests", "8", "--api-key", API_KEY]
+                "--context-length", "512", "--max-running-requests", "8", "--api-key", API_KEY,
+                "--disable-torch-compile"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -492,15 +495,17 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
 
 def test_compile_flags_reach_the_decoder(default_model_dir):
     """SGLang's flags: CUDA graphs unless --disable-cuda-graph (up to --cuda-graph-max-bs), and
-    torch.compile where --enable-torch-compile asks (up to --torch-compile-max-bs); the decoder
-    the server builds is the compiled one, its cache sized for the padded bucket."""
+    torch.compile on a CPU unless --disable-torch-compile, elsewhere where --enable-torch-compile
+    asks (up to --torch-compile-max-bs: on a CPU 1 by default); the decoder the server builds is
+    the compiled one, its cache sized for the padded bucket."""
     from eagle_infer import server
     from eagle_infer.errors import UserError
 
     def parse(*flags: str):
         return server.build_parser().parse_args(list(flags))
 
-    assert server.compile_settings(parse(), "cpu") is None
+    assert server.compile_settings(parse(), "cpu") == (None, 1)
+    assert server.compile_settings(parse("--disable-torch-compile"), "cpu") is None
     assert server.compile_settings(parse(), "cuda") == ("reduce-overhead", None)
     assert server.compile_settings(parse("--cuda-graph-max-bs", "4"), "cuda") == ("reduce-overhead", 4)
     assert server.compile_settings(parse("--disable-cuda-graph"), "cuda") is None
@@ -514,8 +519,10 @@ def test_compile_flags_reach_the_decoder(default_model_dir):
         return server.build_engine(parse(*base, "--speculative-algorithm", algo, *flags))[0].dec
 
     for algo in ("NONE", "EAGLE3"):
-        assert not decoder(algo).compiled
-        dec = decoder(algo, "--enable-torch-compile")
+        assert not decoder(algo, "--disable-torch-compile").compiled
+        default = decoder(algo)
+        assert default.compiled and default.max_bs == 1 and default.target.cache.kv.shape[2] == 3
+        dec = decoder(algo, "--torch-compile-max-bs", "4")
         assert dec.compiled and dec.max_bs == 4 and dec.target.cache.kv.shape[2] == 4
         capped = decoder(algo, "--enable-torch-compile", "--torch-compile-max-bs", "2")
         assert capped.max_bs == 2 and capped.target.cache.kv.shape[2] == 3
@@ -612,16 +619,16 @@ def test_incremental_detokenizer_equals_a_full_decode_at_bounded_cost(tokenizer)
 
 
 def test_the_model_loads_in_a_thread_that_exits(monkeypatch, capsys):
-    """main() builds the engine in a thread of its own that is gone before serving starts (an
-    OpenMP team left behind in the main thread slows the engine thread's steps), and an error
-    raised there still reaches the command line as one line."""
+    """main() builds (and warms up) the engine in a thread of its own that is gone before serving
+    starts (an OpenMP team left behind in the main thread slows the engine thread's steps), and an
+    error raised there still reaches the command line as one line."""
     from eagle_infer import server
     from eagle_infer.errors import UserError
 
     seen = []
 
-    def failing_build(args):
-        seen.append(threading.current_thread())
+    def failing_build(args, warm):
+        seen.append((threading.current_thread(), warm))
         raise UserError("no such model: /nowhere")
 
     monkeypatch.setattr(server, "build_engine", failing_build)
@@ -629,6 +636,7 @@ def test_the_model_loads_in_a_thread_that_exits(monkeypatch, capsys):
         server.main(["--model-path", "/nowhere"])
     assert exit_info.value.code == 2
     assert "error: no such model: /nowhere" in capsys.readouterr().err
-    (loader,) = seen
+    ((loader, warm),) = seen
     assert loader is not threading.main_thread() and not loader.is_alive()
+    assert warm  # compiled steps warm up there too, before serving (server.warm_up)
     assert server.in_own_thread(lambda a, b: a + b, 2, 3) == 5

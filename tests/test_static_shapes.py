@@ -84,6 +84,52 @@ def check_decoders_at_batch_buckets(device: str, mode: str | None) -> None:
         assert counters["stats"]["unique_graphs"] <= 2 * steps  # buckets 1 and 2 only, if new
 
 
+def test_inductor_steps_one_graph_per_batch_bucket_across_kv_lengths():
+    """Under Inductor the kv length is a traced symbol: prompts of 5 to 300 tokens (kv lengths
+    64 to 384 of a 512-slot cache) reuse one graph per step at batch 1, output exact. With the
+    length static this compiled a graph per power-of-two kv bucket (3 here)."""
+    from torch._dynamo.utils import counters
+
+    target = tiny_target(layers=2)
+    head = random_head(target, "eagle3", draft_vocab=40)
+    tree = TreeConfig(num_steps=3, eagle_topk=2, num_draft_tokens=6)
+    prompts = prompts_for(target.config.vocab_size, lens=(5, 70, 150, 300))
+    jobs = [(p, 12) for p in prompts]
+    ref = [generate(target, [p], n)[0] for p, n in jobs]
+    for make, steps in ((lambda: PlainDecoder(target, max_batch=1, max_seq_len=512), 1),
+                        (lambda: SpecDecoder(target, head, tree, max_batch=1, max_seq_len=512), 3)):
+        counters.clear()
+        out, batches = serve_all(make().compile(), jobs)
+        assert out == ref and set(batches) == {1}
+        assert counters["stats"]["unique_graphs"] == steps, dict(counters["stats"])
+
+
+def test_warm_up_compiles_every_bucket_before_serving():
+    """The server's start-up warm-up (server.warm_up) runs each batch bucket up to max_bs once:
+    afterwards requests of any batch size and prompt length compile nothing new, output equals
+    plain greedy decoding, and the warm-up's rounds are not in the statistics."""
+    from torch._dynamo.utils import counters
+
+    from eagle_infer.server import warm_up
+
+    target = tiny_target(layers=2)
+    head = random_head(target, "eagle3", draft_vocab=40)
+    tree = TreeConfig(num_steps=3, eagle_topk=2, num_draft_tokens=6)
+    prompts = prompts_for(target.config.vocab_size, lens=(5, 90, 3, 40))
+    jobs = list(zip(prompts, (6, 14, 10, 18)))  # batches 3, 2, 1
+    ref = [generate(target, [p], n)[0] for p, n in jobs]
+    for make in (lambda: PlainDecoder(target, max_batch=3, max_seq_len=256),
+                 lambda: SpecDecoder(target, head, tree, max_batch=3, max_seq_len=256)):
+        counters.clear()
+        dec = make().compile(max_bs=4)
+        assert warm_up(dec) == [1, 2, 3] and dec.stats.rounds == 0 and not dec.seqs
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs == (1 if isinstance(dec, PlainDecoder) else 3) * 3  # buckets 1, 2, 4
+        out, batches = serve_all(dec, jobs)
+        assert out == ref and {1, 2, 3} <= set(batches), batches
+        assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
+
+
 def test_server_decoders_compiled_at_batch_buckets_exact():
     check_decoders_at_batch_buckets("cpu", None)
 
