@@ -152,8 +152,9 @@ def compiled_kv_len(needed: int, max_seq_len: int, mode: str | None) -> int:
 def mark_kv_dynamic(mask: torch.Tensor, max_seq_len: int) -> None:
     """Trace the mask's last dimension, the kv length, as a symbol in [2, max_seq_len - 1], so
     one graph serves every length below the full cache. Measured in one process on the AMD EPYC
-    (AVX512-BF16, 2 threads, bf16, plain step): the same logits as the static graphs and the
-    same step time at kv 128 / 256 / 512 / 1024, one compile of 16 s instead of four of 43-65 s.
+    (AVX512-BF16, 2 threads, bf16, plain step, a capture job sharing the cores): the same logits
+    as the static graphs at kv 128 / 256 / 512 / 1024, one compile of 16 s instead of four of
+    43-65 s; on idle cores the bench's tokens/s are the same as with static graphs (README).
     The full cache length is a specialisation of its own (there the slice of the cache is the
     whole, contiguous tensor, which the graph's guards tell apart): it compiles once if reached."""
     if mask.shape[-1] < max_seq_len:
@@ -167,7 +168,8 @@ def compiled_cache_rows(max_batch: int, max_bs: int) -> int:
 
 
 def compile_step(fn: Callable, device_type: str, mode: str | None = None) -> Callable:
-    """torch.compile with full graphs and static shapes. On CPU, Inductor freezing: weights
+    """torch.compile with full graphs and static shapes (but a traced kv length where the
+    caller marks it: mark_kv_dynamic). On CPU, Inductor freezing: weights
     become constants, pre-packed for oneDNN. Measured in one process on a 2-core Xeon (AVX-512,
     no AVX512-BF16: fp32), 1 thread, default model: plain step 72 ms compiled vs 83 ms eager,
     16-token verify 157 vs 169 ms; each graph compiles in 60-80 s. Several buckets share one code
