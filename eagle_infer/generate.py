@@ -138,12 +138,19 @@ def kv_bucket(needed: int, max_seq_len: int) -> int:
     return min(max_seq_len, max(128, 1 << (needed - 1).bit_length()))
 
 
+def traces_kv(mode: str | None) -> bool:
+    """Whether compiled steps of this torch.compile mode trace the kv length (Inductor,
+    mark_kv_dynamic) rather than take it in power-of-two buckets (CUDA graphs, mode
+    "reduce-overhead", which record one graph per shape)."""
+    return mode != "reduce-overhead"
+
+
 def compiled_kv_len(needed: int, max_seq_len: int, mode: str | None) -> int:
-    """kv_len of a compiled step: a power-of-two bucket under CUDA graphs (mode "reduce-overhead");
-    where the length is a traced symbol (Inductor), rounded like an eager step's (kv_len_for) but
-    one slot short of the full cache while that still covers `needed`: the full length would
-    compile a graph of its own (mark_kv_dynamic)."""
-    if mode == "reduce-overhead":
+    """kv_len of a compiled step: a power-of-two bucket under CUDA graphs; where the length is
+    traced (traces_kv), rounded like an eager step's (kv_len_for) but one slot short of the full
+    cache while that still covers `needed`: the full length would compile a graph of its own
+    (mark_kv_dynamic)."""
+    if not traces_kv(mode):
         return kv_bucket(needed, max_seq_len)
     kv = kv_len_for(needed, max_seq_len)
     return kv - 1 if kv == max_seq_len and needed < max_seq_len else kv
@@ -238,7 +245,7 @@ class CompiledDecode:
             tokens, cur = F.pad(tokens, (0, pad)), F.pad(cur, (0, pad))
         kv_len = kv_len or compiled_kv_len(int(cur.max()) + 1, m.max_seq_len, self.mode)
         mask = causal_mask(cur, 1, kv_len)  # [Bp, 1, kv_len]
-        if self.mode != "reduce-overhead":
+        if traces_kv(self.mode):
             mark_kv_dynamic(mask, m.max_seq_len)
         logits, greedy = self.fn(tokens, cur, mask)
         if self.mode == "reduce-overhead":  # CUDA graphs reuse their output buffers

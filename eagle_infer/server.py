@@ -773,8 +773,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.set_defaults(enable_torch_compile=None)
     ap.add_argument("--torch-compile-max-bs", type=int, default=None,
                     help="with torch.compile: largest batch bucket (1, 2, 4, 8, 16, ...) compiled; "
-                    "larger batches run eagerly (default: 1 on a CPU, where batches decode more "
-                    "tokens/s without speculation, else the bucket of --max-running-requests)")
+                    "larger batches run eagerly (default: 1 on a CPU, where each bucket adds its "
+                    "compile to the start-up and batches decode more tokens/s without speculation; "
+                    "else the bucket of --max-running-requests)")
     ap.add_argument("--max-running-requests", type=int, default=8)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)

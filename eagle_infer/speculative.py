@@ -33,6 +33,7 @@ from eagle_infer.generate import (
     join_groups,
     kv_len_for,
     prefill,
+    traces_kv,
 )
 from eagle_infer.heads import DraftHead
 from eagle_infer.model import Transformer, build_attn_mask
@@ -275,7 +276,7 @@ class SpecDecoder:
         self.head.setup_cache(rows, self.max_seq_len)
         self.compiled, self.max_bs, self.compile_mode = True, max_bs, mode
         dev, graphs = self.device.type, mode == "reduce-overhead"
-        max_kv = None if graphs else self.max_seq_len  # every step's argument 3 is its mask
+        max_kv = self.max_seq_len if traces_kv(mode) else None  # every step's argument 3 is its mask
         steps = (self._draft_step, self._verify, self._catch_up)
         self.draft_fn, self.verify_fn, self.catch_up_fn = (
             BucketedStep(f, compile_step(f, dev, mode), max_bs, clone=graphs, max_kv=max_kv) for f in steps)
