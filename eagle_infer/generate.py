@@ -51,18 +51,22 @@ def ensure_cache(model: Transformer, batch: int, seq_len: int) -> None:
                                                            max(seq_len, model.max_seq_len)))
 
 
-def join_groups(lengths: Sequence[int], max_padding: float = 0.1) -> list[list[int]]:
+def join_groups(lengths: Sequence[int], max_padding: float = 0.1, max_rows: int | None = None,
+                max_tokens: int | None = None) -> list[list[int]]:
     """Split sequences joining together into prefill batches: indices, shortest prompts first,
     grouped while the right-padded batch holds at most `max_padding` more tokens than the
-    prompts. A padded token costs as much as a real one, and on a CPU one forward for 8 equal
-    prompts beats 8 forwards by only ~18% (scripts/bench_join_prefill.py), so padding is kept
-    small; on a GPU, where a short prefill is latency-bound, batching wins far more."""
+    prompts (and at most `max_rows` rows and `max_tokens` padded tokens). A padded token costs
+    as much as a real one, and on a CPU one forward for 8 equal prompts beats 8 forwards by only
+    ~18% (scripts/bench_join_prefill.py), so padding is kept small; on a GPU, where a short
+    prefill is latency-bound, batching wins far more."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     groups: list[list[int]] = []
     total = 0
     for i in order:
         n = lengths[i]
-        if groups and n * (len(groups[-1]) + 1) <= (1 + max_padding) * (total + n):
+        rows = len(groups[-1]) + 1 if groups else 0
+        if (groups and n * rows <= (1 + max_padding) * (total + n)
+                and (max_rows is None or rows <= max_rows) and (max_tokens is None or n * rows <= max_tokens)):
             groups[-1].append(i)
             total += n
         else:

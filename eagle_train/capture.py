@@ -411,18 +411,15 @@ class Capturer:
     @torch.no_grad()
     def forward(self, seqs: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Teacher-forced hidden states per sequence: (final [T, H], aux [T, k*H] or None)."""
+        from eagle_infer.generate import join_groups
+
         model = self.model
         dev = model.embed_tokens.weight.device
         results: list[Any] = [None] * len(seqs)
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-        i = 0
-        while i < len(order):
-            # Grow the batch while it stays within the token budget (sorted: last is longest).
-            j = i + 1
-            while (j < len(order) and j - i < self.batch_size
-                   and (j - i + 1) * len(seqs[order[j]]) <= FORWARD_TOKEN_BUDGET):
-                j += 1
-            idx = order[i:j]
+        # Batches of similar lengths: a padded token costs as much as a real one, and one batch
+        # of the whole (length-sorted) capture batch spent about half its compute on padding.
+        for idx in join_groups([len(s) for s in seqs], max_rows=self.batch_size,
+                               max_tokens=FORWARD_TOKEN_BUDGET):
             T = max(len(seqs[k]) for k in idx)
             B = len(idx)
             tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
@@ -435,7 +432,6 @@ class Capturer:
                 n = len(seqs[k])
                 results[k] = (final[b, :n].to("cpu", self.store_dtype).clone(),
                               None if aux is None else aux[b, :n].to("cpu", self.store_dtype).clone())
-            i = j
         return results
 
     def process(self, jobs: list[Job], skipped: list[dict], temperature: float) -> list[dict]:

@@ -301,3 +301,14 @@ def test_join_groups_partition_by_length_with_bounded_padding():
     assert [500] in [[lengths[i] for i in g] for g in groups]  # a long prompt does not pad short ones
     assert len(groups) < len(lengths)  # similar lengths do share a forward
     assert join_groups([]) == []
+
+
+def test_join_groups_respect_row_and_token_limits():
+    from eagle_infer.generate import join_groups
+
+    lengths = [100] * 10 + [300] * 3
+    assert max(len(g) for g in join_groups(lengths)) == 10  # equal lengths: no padding, one group
+    groups = join_groups(lengths, max_rows=4, max_tokens=700)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert all(len(g) <= 4 and max(lengths[i] for i in g) * len(g) <= 700 for g in groups)
+    assert [len(g) for g in groups] == [4, 4, 2, 2, 1]
