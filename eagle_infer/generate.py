@@ -65,8 +65,8 @@ def join_groups(lengths: Sequence[int], max_padding: float = 0.1, max_rows: int 
     for i in order:
         n = lengths[i]
         rows = len(groups[-1]) + 1 if groups else 0
-        if (groups and n * rows <= (1 + max_padding) * (total + n)
-                and (max_rows is None or rows <= max_rows) and (max_tokens is None or n * rows <= max_tokens)):
+        fits = (max_rows is None or rows <= max_rows) and (max_tokens is None or n * rows <= max_tokens)
+        if groups and fits and n * rows <= (1 + max_padding) * (total + n):
             groups[-1].append(i)
             total += n
         else:
