@@ -20,7 +20,8 @@
 # teacher-forced by scripts/reference_heads.sh, 2304-2351 by the README's quick-preset
 # experiment, 2352-2863 by segments 1 (teacher-forced), 2 (on-policy) and 3 (segment 2's
 # capture at BATCH=1), none published, then 2352-3887 by segment 4 (on-policy, BATCH=1,
-# published; README: growing the reference heads); the next segment starts at 3888.
+# published; README: growing the reference heads), 3888-5423 by segment 5 (on-policy, BATCH=1,
+# our generator, published); the next segment starts at 5424.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
