@@ -536,7 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     sp.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the decode step (plain) and the draft and verify steps "
-                         "(speculative), Inductor weight freezing on CPU; compile time goes to warmup_s. "
+                         "(speculative); compile time goes to warmup_s. "
                          "Default: on where it measured faster (see compile_default)")
     sp.add_argument("--count-ops", action="store_true",
                     help="also count eager ATen ops per plain step and per speculative round (by phase)")

@@ -1,17 +1,16 @@
 """oneDNN for the Linear layers of the target and its draft head on a CPU: fp32 at 2-512 rows,
 bf16 from one row where the CPU has native bf16 (AVX512-BF16 / AMX).
 
-A verify runs 4-17 rows through the target. torch's fp32 Linear (MKL sgemm, also what Inductor's
-freezing packs fp32 weights for) costs 3-4x a one-row step at those sizes on an AVX2 AMD EPYC,
-where oneDNN with weights prepacked costs 1.1-1.9x (scripts/probe_linear_backends.py, README).
-fp32 one-row steps, and calls of more than MAX_ROWS rows, keep torch's kernel, which is as fast
-or faster there. In bf16 oneDNN wins at every size up to 64 rows, one row included (AMD EPYC
-AVX512-BF16: 11.8 vs 23.6 ms for the target's Linears at one row, 18.4 vs 35.1 at 16).
+A verify runs 4-17 rows through the target. torch's fp32 Linear (MKL sgemm) costs 3-4x a one-row
+step at those sizes on an AVX2 AMD EPYC, where oneDNN with weights prepacked costs 1.1-1.9x
+(scripts/probe_linear_backends.py, README). fp32 one-row steps, and calls of more than MAX_ROWS
+rows, keep torch's kernel, which is as fast or faster there. In bf16 oneDNN wins at every size
+up to 64 rows, one row included (AMD EPYC AVX512-BF16: 11.8 vs 23.6 ms for the target's Linears
+at one row, 18.4 vs 35.1 at 16).
 
 The prepacked weights are opaque oneDNN tensors that Inductor cannot lower, so they live in a
-registry outside the graph and a custom op reads them by key: compiled graphs (freezing
-included) treat the op as a call with a known output shape. The packed copy doubles the
-Linear weights' memory.
+registry outside the graph and a custom op reads them by key: compiled graphs treat the op as
+a call with a known output shape. The packed copy doubles the Linear weights' memory.
 
     model = load_model(path, "fp32", "cpu", cpu_linears="onednn")
 """
@@ -32,7 +31,7 @@ from torch import Tensor, nn
 MAX_ROWS = 512
 # dtypes whose one-row calls (every plain decode step) go through oneDNN too. bf16: torch's kernel
 # takes 2x oneDNN's prepacked one for the target's Linears at one row (AMD EPYC AVX512-BF16,
-# 2 threads: 23.6 vs 11.8 ms). fp32: MKL (packed by Inductor's freezing) is as fast: compiled
+# 2 threads: 23.6 vs 11.8 ms). fp32: MKL is as fast: compiled
 # bench there, plain 23.2 tok/s with torch's one-row kernel, 21.6 with oneDNN's.
 ONE_ROW_DTYPES = (torch.bfloat16,)
 

@@ -1,6 +1,6 @@
 """Cost of every Linear layer of the target at M rows (a plain step is M=1, a verify of a tree of
 M-1 drafts is M rows): torch's F.linear on the weights as loaded (column-major fp32, MKL sgemm)
-against oneDNN with weights prepacked for that M (what Inductor's freezing does for bf16).
+against oneDNN with weights prepacked for that M (what eagle_infer/cpu_linears.py does).
 Issue #13: on a CPU the verify's cost relative to a plain step decides whether speculation pays.
 
     python scripts/probe_linear_backends.py --threads 2 --json results/linear_backends.json
