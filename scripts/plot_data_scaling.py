@@ -85,20 +85,11 @@ def power_fit(xs: list[float], taus: list[float]) -> dict | None:
             goal ** (1 / alpha) if alpha > 0 else None, "goal_tau": GOAL_TAU}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workdir", default="runs/i14/scale")
-    ap.add_argument("--out", default="results/data_scaling")
-    args = ap.parse_args()
-    w = Path(args.workdir)
-    # Without the runs (a fresh machine), the curves, temperature pair and shipped points come
-    # from the last results JSON; the grow segments are re-read either way.
-    prev = None if w.is_dir() else read_json(Path(args.out + ".json"))
-    if prev is None and not w.is_dir():
-        raise SystemExit(f"error: neither {w} nor {args.out}.json exists: run scripts/data_scaling.sh")
-
+def from_runs(w: Path) -> tuple[dict, dict, dict]:
+    """The from-scratch curves, the capture-temperature pair and the shipped heads' points, read
+    from the data-scaling workdir."""
     curves: dict[str, list[dict]] = {}
-    for kind in ("eagle3", "eagle2") if prev is None else ():
+    for kind in ("eagle3", "eagle2"):
         pts = []
         for k in range(1, 100):
             if not (w / f"{kind}-tf{k}").is_dir():
@@ -108,16 +99,13 @@ def main() -> None:
                 pts.append(p)
         curves[kind] = pts
     temperature = {}
-    for kind in ("eagle3",) if prev is None else ():
-        n = len(curves[kind])
-        for t in ("t07", "t0"):
-            p = point(w / f"{kind}-tf{n}-{t}", w / f"eval-{kind}-tf{n}-{t}")
-            if p:
-                temperature[t] = p
-    shipped, grown = {}, {}
-    if prev is not None:
-        curves, temperature, shipped = prev["curves"], prev["temperature"], prev["shipped"]
-    for kind in ("eagle3", "eagle2") if prev is None else ():
+    n = len(curves["eagle3"])
+    for t in ("t07", "t0"):
+        p = point(w / f"eagle3-tf{n}-{t}", w / f"eval-eagle3-tf{n}-{t}")
+        if p:
+            temperature[t] = p
+    shipped = {}
+    for kind in ("eagle3", "eagle2"):
         ev = read_json(w / f"eval-{kind}-shipped" / "eval.json")
         head = Path(f"heads/SmolLM2-135M-Instruct-{kind}")
         summ = read_json(head / "train_summary.json")
@@ -131,6 +119,25 @@ def main() -> None:
                              "capture_tokens": base,
                              "note": "reference recipe: 700 steps on an on-policy capture, then 420 on it "
                                      "and a teacher-forced one (scripts/reference_heads.sh)"}
+    return curves, temperature, shipped
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", default="runs/i14/scale")
+    ap.add_argument("--out", default="results/data_scaling")
+    args = ap.parse_args()
+    w = Path(args.workdir)
+    if w.is_dir():
+        curves, temperature, shipped = from_runs(w)
+        workdir = str(w)
+    else:  # a fresh machine: the last results JSON has them; the grow segments are re-read below
+        prev = read_json(Path(args.out + ".json"))
+        if prev is None:
+            raise SystemExit(f"error: neither {w} nor {args.out}.json exists: run scripts/data_scaling.sh")
+        curves, temperature, shipped, workdir = (prev[k] for k in ("curves", "temperature", "shipped",
+                                                                   "workdir"))
+    grown: dict[str, list[dict]] = {}
     # Every evaluated segment, published or not (scripts/grow_record.py).
     for g in read_json(Path("results/grow_segments.json")) or []:
         grown.setdefault(g["kind"], []).append(
@@ -144,7 +151,7 @@ def main() -> None:
     through_shipped = {k: power_fit([curves[k][-1]["train_set"]["tokens"], shipped[k]["capture_tokens"]],
                                     [curves[k][-1]["tau"], shipped[k]["tau"]])
                        for k in curves if curves[k] and k in shipped}
-    out = {"workdir": str(w) if prev is None else prev["workdir"], "fits_through_shipped": through_shipped,
+    out = {"workdir": workdir, "fits_through_shipped": through_shipped,
            "heldout": "greedy answers of the target (capture-t07/heldout)",
            "curves": curves, "fits": fits, "temperature": temperature, "shipped": shipped,
            "grown": grown}
