@@ -31,8 +31,8 @@ from torch import Tensor, nn
 MAX_ROWS = 512
 # dtypes whose one-row calls (every plain decode step) go through oneDNN too. bf16: torch's kernel
 # takes 2x oneDNN's prepacked one for the target's Linears at one row (AMD EPYC AVX512-BF16,
-# 2 threads: 23.6 vs 11.8 ms). fp32: MKL is as fast: compiled
-# bench there, plain 23.2 tok/s with torch's one-row kernel, 21.6 with oneDNN's.
+# 2 threads: 23.6 vs 11.8 ms). fp32: MKL is as fast: compiled bench there, plain 23.2 tok/s with
+# torch's one-row kernel, 21.6 with oneDNN's.
 ONE_ROW_DTYPES = (torch.bfloat16,)
 
 # oneDNN-packed weights by OneDNNLinear.key; an entry goes when its module is collected, so
