@@ -375,7 +375,8 @@ def weight_bytes_per_token(model) -> int:
     """Bytes of weights one decoding step reads: every parameter once (tied ones once), except
     an untied input embedding table, of which a step reads only one row."""
     embed = model.embed_tokens.weight
-    tied = model.lm_head.weight.data_ptr() == embed.data_ptr()
+    lm_head = getattr(model.lm_head, "weight", None)  # an int8 lm_head has its own copy
+    tied = lm_head is not None and lm_head.data_ptr() == embed.data_ptr()
     seen, total = set(), 0
     for p in model.parameters():
         if p.data_ptr() in seen or (p is embed and not tied):
@@ -454,7 +455,8 @@ def print_table(results: Sequence[BenchResult], baseline: str, floor: float) -> 
 
 def time_draft_lm_head(head, repeats: int = 50) -> float:
     """Seconds for the draft's lm_head on one frontier of 4 features (the FR-Spec target)."""
-    g = torch.randn(1, 4, head.config.hidden_size, dtype=head.fc.weight.dtype, device=head.fc.weight.device)
+    g = torch.randn(1, 4, head.config.hidden_size, dtype=head.weight_like.dtype,
+                    device=head.weight_like.device)
     head.logits(g)
     t0 = time.perf_counter()
     for _ in range(repeats):
@@ -520,6 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                     help="auto = bf16 where the hardware runs it fast (AVX512-BF16/AMX, CUDA), else fp32")
+    ap.add_argument("--quantization", default="none", choices=["none", "int8"],
+                    help="int8: the target's Linears weight-only int8 (CPU); plain and speculative "
+                         "both run the quantized target")
     ap.add_argument("--device", default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--stop-at-eos", action="store_true",
@@ -576,7 +581,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = load_prompts(args.prompts, args.num_prompts, tok)
     ignore_eos = not args.stop_at_eos
 
-    model = load_model(folder, args.dtype, device)
+    model = load_model(folder, args.dtype, device, quantization=args.quantization)
     bw = measure_copy_bandwidth(device=device)
     wbytes = weight_bytes_per_token(model)
     floor = bw / wbytes
@@ -644,6 +649,7 @@ def main(argv: list[str] | None = None) -> dict:
             "prompt_tokens": [len(p) for p in prompts],
             "max_new_tokens": args.max_new_tokens,
             "dtype": args.dtype,
+            "quantization": args.quantization,
             "batch_size": B,
             "greedy": True,
             "ignore_eos": ignore_eos,
@@ -692,8 +698,9 @@ def main(argv: list[str] | None = None) -> dict:
         if fr_rows:
             report["frspec"] = fr_rows
 
-    print(f"\n{len(prompts)} prompts x {args.max_new_tokens} new tokens, {args.dtype}, batch {B}, greedy, "
-          f"{torch.get_num_threads()} threads on {report['machine']['cpu_count']} CPUs")
+    quant = "" if args.quantization == "none" else f" ({args.quantization} weights)"
+    print(f"\n{len(prompts)} prompts x {args.max_new_tokens} new tokens, {args.dtype}{quant}, batch {B}, "
+          f"greedy, {torch.get_num_threads()} threads on {report['machine']['cpu_count']} CPUs")
     print_table(results, "hf" if "hf" in by_name else "plain", floor)
     print(f"floor = {bw / 1e9:.1f} GB/s copy bandwidth / {wbytes / 1e6:.0f} MB of weights per token")
     if spec_runs:

@@ -188,8 +188,9 @@ def compile_step(fn: Callable, mode: str | None = None) -> Callable:
     No Inductor weight freezing: since the Linears run on oneDNN's prepacked weights
     (cpu_linears), it no longer changes a step's time (AMD EPYC AVX512-BF16, 2 threads, one
     process: 1 / 4 rows bf16 20.4 / 22.4 ms frozen, 20.6 / 22.2 not; 16 rows 30.0 vs 29.4 bf16,
-    45.6 vs 45.7 fp32; 1 row fp32 39.0 vs 38.8), and it turns AOTAutograd's cache off, so a
-    second start compiled a plain step in 19 s with it, 12 s without."""
+    45.6 vs 45.7 fp32; 1 row fp32 39.0 vs 38.8; AMD EPYC AVX2 only, fp32 one-row steps on MKL,
+    one process, three rounds: 44.6-44.8 ms frozen, 38.8-43.2 not), and it turns AOTAutograd's
+    cache off, so a second start compiled a plain step in 19 s with it, 12 s without."""
     import torch._dynamo.config
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
@@ -392,6 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                     help="auto = bf16 where the hardware runs it fast, else fp32")
+    ap.add_argument("--quantization", default="none", choices=["none", "int8"],
+                    help="int8: the Linears weight-only int8 (CPU)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--compile", action="store_true",
                     help="compiled decode step (torch.compile): faster "
@@ -414,7 +417,7 @@ def main(argv: list[str] | None = None) -> None:
             prompts = [tok(t)["input_ids"] for t in texts]
         else:
             prompts = [chat_prompt_ids(tok, [{"role": "user", "content": t}]) for t in texts]
-    model = load_model(args.model_path, args.dtype, args.device)
+    model = load_model(args.model_path, args.dtype, args.device, quantization=args.quantization)
     t0 = time.perf_counter()
     streamer = StreamPrinter(tok) if len(prompts) == 1 else None
     outs = generate(model, prompts, args.max_new_tokens, params, on_token=streamer, compile=args.compile)

@@ -48,6 +48,7 @@ from eagle_infer.head_formats import (
     write_head_folder,
 )
 from eagle_infer.model import KVCache, ModelConfig, RMSNorm, apply_rope, attention, rope_tables
+from eagle_infer.quantize import lm_head_weight, quantize_linears
 
 
 def aux_layer_ids_of(cfg: dict[str, Any]) -> list[int]:
@@ -328,6 +329,12 @@ class DraftHead(nn.Module):
     def layer(self) -> DraftLayer:
         return self.midlayer if self.eagle3 else self.layers[0]
 
+    @property
+    def weight_like(self) -> Tensor:
+        """A float weight of the head: its dtype and device are the head's (an int8 head's
+        Linears hold int8 weights but compute in this dtype)."""
+        return self.layer.post_attention_layernorm.weight
+
     def target_layers(self, num_target_layers: int) -> list[int]:
         """HF hidden-state indices this head reads from the target."""
         return self.config.aux_hidden_indices if self.eagle3 else [num_target_layers]
@@ -367,7 +374,7 @@ class DraftHead(nn.Module):
         return F.linear(g, w)
 
     def setup_cache(self, max_batch: int, max_seq_len: int) -> None:
-        w = self.fc.weight
+        w = self.weight_like
         c = self.config
         self.layer.self_attn.cache = None  # free the old one first
         self.layer.self_attn.cache = KVCache(1, max_batch, c.num_kv_heads, max_seq_len, c.head_dim,
@@ -504,9 +511,13 @@ def load_head(path: str | os.PathLike, target_cfg: ModelConfig, embed_tokens: nn
 
 def load_head_for(path: str | os.PathLike, target) -> DraftHead:
     """load_head with the embedding / lm_head taken from our target Transformer, its Linears on
-    the target's CPU backend (load_model's cpu_linears): a draft step runs eagle_topk rows."""
-    head = load_head(path, target.config, target.embed_tokens, target.lm_head.weight)
-    if getattr(target, "cpu_linears", "torch") == "onednn":
+    the target's CPU backend (load_model's cpu_linears): a draft step runs eagle_topk rows.
+    An int8 target gets an int8 head: a draft step, like a target step, streams its weights."""
+    head = load_head(path, target.config, target.embed_tokens, lm_head_weight(target))
+    quantization = getattr(target, "quantization", "none")
+    if quantization != "none":
+        quantize_linears(head, quantization)
+    elif getattr(target, "cpu_linears", "torch") == "onednn":
         from eagle_infer.cpu_linears import use_onednn_linears
 
         use_onednn_linears(head)

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from eagle_infer.default_model import resolve_model_path
 from eagle_infer.errors import UserError
 from eagle_infer.model import ModelConfig, Transformer, convert_hf_state_dict
+from eagle_infer.quantize import quantize_linears
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -79,7 +80,8 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype = "fp32",
-               device: str | None = None, cpu_linears: str | None = None) -> Transformer:
+               device: str | None = None, cpu_linears: str | None = None,
+               quantization: str = "none") -> Transformer:
     """Build our Transformer from an HF folder (None / 'default' = the embedded default).
 
     cpu_linears (fp32 or bf16 on a CPU; default: $EAGLE_CPU_LINEARS, else "auto"): "onednn" runs
@@ -112,7 +114,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     model.requires_grad_(False)
     model.cpu_linears = "torch"  # what load_head_for gives the head's Linears too
     if model.embed_tokens.weight.device.type == "cpu" and torch_dtype in (torch.float32, torch.bfloat16):
-        if torch_dtype == torch.float32:
+        if torch_dtype == torch.float32 and quantization == "none":
             column_major_linears(model)
         backend = cpu_linears or os.environ.get("EAGLE_CPU_LINEARS", "auto")
         if backend not in ("auto", "torch", "onednn"):
@@ -121,9 +123,11 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
 
         if backend == "auto":
             backend = onednn.auto_backend(model)
-        if backend == "onednn":
+        if backend == "onednn" and quantization == "none":
             onednn.use_onednn_linears(model)
         model.cpu_linears = backend
+    quantize_linears(model, quantization)
+    model.quantization = quantization
     model.source_path = folder
     return model
 

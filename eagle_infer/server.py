@@ -754,6 +754,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                     help="auto = bf16 where the hardware runs it fast (CUDA, AVX512-BF16 / AMX CPUs), "
                     "else fp32; greedy output is token-identical to plain decoding in fp32")
+    ap.add_argument("--quantization", default="none", choices=["none", "int8"],
+                    help="int8: the target's Linears weight-only int8 (CPU); speculative output then "
+                         "equals the quantized target's plain output")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--context-length", type=int, default=2048)
     # Compiled steps, with SGLang's flag names: CUDA graphs by default on CUDA, torch.compile
@@ -874,7 +877,7 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     dtype = dtype_name(resolve_dtype(args.dtype, device))
     folder = resolve_model_path(args.model_path)
     log.info("loading %s (%s, %s, %d CPU threads)", folder, dtype, device, torch.get_num_threads())
-    target = load_model(folder, dtype, device)
+    target = load_model(folder, dtype, device, quantization=args.quantization)
     tokenizer = load_tokenizer(folder)
     ctx = args.context_length
     if ctx < 16 or ctx > target.config.max_position_embeddings:

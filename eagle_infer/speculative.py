@@ -230,7 +230,7 @@ class SpecDecoder:
             head.config.draft_vocab_size if head.eagle3 else head.config.vocab_size)
         self.L = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.root = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self.root_g = torch.zeros(max_batch, h, dtype=head.fc.weight.dtype, device=dev)
+        self.root_g = torch.zeros(max_batch, h, dtype=head.weight_like.dtype, device=dev)
         self.root_logp = torch.zeros(max_batch, v_draft, dtype=torch.float32, device=dev)
         self.rows = RowTable(max_batch, [target, head], [self.L, self.root, self.root_g, self.root_logp])
         self.seqs = self.rows.seqs

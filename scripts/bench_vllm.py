@@ -112,14 +112,16 @@ def cpu_info() -> dict:
             "python": platform.python_version()}
 
 
-def run_ours(args: argparse.Namespace, head: Path | None, tree: tuple[int, int, int] | None = None) -> dict:
+def run_ours(args: argparse.Namespace, head: Path | None, tree: tuple[int, int, int] | None = None,
+             quantization: str = "none") -> dict:
     """Our bench on the same prompts and settings (plain; chain drafting with the same k, or
-    the draft tree `tree` = (num_steps, eagle_topk, num_draft_tokens))."""
+    the draft tree `tree` = (num_steps, eagle_topk, num_draft_tokens)); quantization "int8":
+    our target with int8 weights (vLLM's runs stay unquantized)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ours.json"
         cmd = [sys.executable, "-m", "eagle_infer.bench", "--num-prompts", str(args.num_prompts),
                "--max-new-tokens", str(args.max_new_tokens), "--dtype", args.dtype, "--no-hf",
-               "--json", str(out)]
+               "--quantization", quantization, "--json", str(out)]
         if head is None:
             cmd.append("--no-spec")
         else:
@@ -149,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ours", action="store_true", help="also run our bench on the same prompts")
     ap.add_argument("--ours-tree", type=int, nargs=3, default=None, metavar=("STEPS", "TOPK", "N"),
                     help="with --ours: also our tree drafting with each head (e.g. 3 4 4, the CPU default)")
+    ap.add_argument("--ours-int8", action="store_true",
+                    help="with --ours: also our plain and tree (--ours-tree) decoding with int8 weights")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -207,6 +211,17 @@ def main(argv: list[str] | None = None) -> None:
                     "tokens_per_s": r["tokens_per_s"], "acceptance_length": r["acceptance_length"],
                     "accept_rate_per_position": r["accept_rate_per_position"],
                     "speedup_vs_ours_plain": r["speedup_vs_plain"]}
+        if args.ours_int8:
+            result["ours"]["int8 plain"] = run_ours(args, None, quantization="int8")["methods"]["plain"]
+            for h in heads:
+                tree = tuple(args.ours_tree) if args.ours_tree else None
+                label = f"tree {'/'.join(map(str, tree))}" if tree else f"chain k{k}"
+                r = run_ours(args, h, tree, quantization="int8")
+                result["ours"][f"int8 {h.name} {label}"] = {
+                    "tokens_per_s": r["tokens_per_s"], "acceptance_length": r["acceptance_length"],
+                    "accept_rate_per_position": r["accept_rate_per_position"],
+                    "speedup_vs_ours_plain": r["speedup_vs_plain"],
+                    "greedy_agreement_spec_vs_plain": r["greedy_agreement_spec_vs_plain"]}
     if args.ours and plain:
         for m in result["ours"].values():
             m["vs_vllm_plain"] = round(m["tokens_per_s"] / plain["tokens_per_s"], 3)

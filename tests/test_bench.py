@@ -56,3 +56,18 @@ def test_bench_batches_prompts(tmp_path, default_model_fp32):
     plain = r["methods"]["plain"]
     assert [b["tokens"] for b in plain["per_batch"]] == [10, 5] and plain["tokens"] == 15
     assert r["greedy_identical"] is True and r["rounds"] > 0
+
+
+def test_bench_int8_target_reports_its_weights(tmp_path, default_model_fp32):
+    """--quantization int8: the JSON says so, and a step streams about a quarter of the bytes."""
+    from eagle_infer.bench import weight_bytes_per_token
+
+    save_random_head(default_model_fp32, tmp_path / "head")
+    out = tmp_path / "bench.json"
+    main(["--num-prompts", "1", "--max-new-tokens", "6", "--dtype", "fp32", "--no-hf",
+          "--quantization", "int8", "--draft", str(tmp_path / "head"), "--num-steps", "2",
+          "--eagle-topk", "2", "--num-draft-tokens", "3", "--no-compile", "--json", str(out)])
+    r = json.loads(out.read_text())
+    assert r["settings"]["quantization"] == "int8"
+    assert r["weight_bytes_per_token"] < 0.3 * weight_bytes_per_token(default_model_fp32)
+    assert r["methods"]["plain"]["tokens"] == 6 and r["rounds"] > 0

@@ -1,0 +1,101 @@
+"""Weight-only int8 for the target's Linear layers on a CPU (`--quantization int8`).
+
+Each weight [out, in] is stored as int8 with one scale per output row (symmetric, absmax / 127),
+a quarter of the fp32 bytes a decode step streams. The quantized target computes every Linear
+as y = bf16(bf16(x) @ (w_int8 * scale).T) (+ bias): torch's weight-only int8 kernel
+(aten._weight_int8pack_mm) takes bf16 activations and returns bf16. Measured on a 2-core AMD
+EPYC (AVX2 only), 2 threads, a 1536x576 layer at 1 / 4 / 16 rows: fp32 F.linear 0.122 / 0.312 /
+0.409 ms, the int8 kernel 0.074 / 0.123 / 0.493 ms; the 49152x576 lm_head 11.1 / 23.8 / 28.6 ms
+against 3.6 / 5.2 / 18.8 ms. With fp32 activations the same kernel is 2-20x slower than fp32:
+hence bf16 activations, whatever the model's dtype.
+
+The kernel's rows do not depend on how many rows a call has (checked bitwise at 1-64 rows), so a
+verify of a draft tree scores each node as a plain step would. Above MAX_ROWS rows (prefills)
+the kernel is 2-2.7x slower than an fp32 GEMM (512 rows: 16.7 vs 6.2 ms), so those calls run
+the same function through an fp32 GEMM on the dequantized weight, equal up to summation order.
+So do layers whose input size is not a multiple of 8, which the kernel computes wrongly or
+crashes on (torch 2.13, CPU: in_features 4 or 12 gave garbage, 5 or 33 a segfault).
+
+The lossless claim is relative to this quantized target: speculative greedy output equals the
+quantized target's plain greedy output (tests/test_quantize.py), not the unquantized model's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from eagle_infer.errors import UserError
+
+QUANTIZATIONS = ("none", "int8")
+MAX_ROWS = 256  # above: prefill-sized calls, an fp32 GEMM on the dequantized weight is faster
+
+
+def quantize_weight(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w [out, in] -> int8 [out, in] (row-major) and bf16 scales [out] with w ~ q * scale."""
+    w = w.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).bfloat16()
+    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scale
+
+
+class Int8Linear(nn.Module):
+    """A Linear whose weight is int8 with per-row bf16 scales; inputs and outputs keep their dtype."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.use_kernel = linear.in_features % 8 == 0
+        q, scale = quantize_weight(linear.weight)
+        self.weight_int8 = nn.Parameter(q, requires_grad=False)
+        self.scale = nn.Parameter(scale, requires_grad=False)
+        bias = linear.bias
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The weight this layer computes with, [out, in]."""
+        return (self.weight_int8.float() * self.scale.float()[:, None]).to(dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, in]
+        if self.use_kernel and x2.shape[0] <= MAX_ROWS:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scale)  # [M, out] bf16
+        else:
+            y = F.linear(x2.float(), self.dequantized()).bfloat16()
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weight-only"
+
+
+def quantize_linears(model: nn.Module, quantization: str) -> int:
+    """Replace every nn.Linear of `model` by an Int8Linear ("int8"); returns how many. A tied
+    lm_head gets its own int8 copy and the embedding keeps its dtype (a step reads one row)."""
+    if quantization not in QUANTIZATIONS:
+        raise UserError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if quantization == "none":
+        return 0
+    dev = next(model.parameters()).device
+    if dev.type != "cpu":
+        raise UserError(f"quantization=int8 is for CPU targets (torch's weight-only int8 kernel); "
+                        f"the model is on {dev}")
+    if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        raise UserError("quantization=int8 needs torch's aten._weight_int8pack_mm (torch >= 2.3)")
+    n = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, Int8Linear(child))
+                n += 1
+    return n
+
+
+def lm_head_weight(model: nn.Module) -> Tensor:
+    """The target's lm_head weight [V, H] as the model computes with it (dequantized if int8)."""
+    head = model.lm_head
+    return head.dequantized(model.embed_tokens.weight.dtype) if isinstance(head, Int8Linear) else head.weight

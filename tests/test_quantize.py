@@ -1,0 +1,109 @@
+"""Weight-only int8 targets (--quantization int8): each Linear computes with its int8 weight and
+per-row scales, a row's result does not depend on the rows beside it, and speculative greedy
+output equals the quantized target's plain greedy output, eager and compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_speculative import oracle_head, prompts_for, random_head, tiny_target
+
+from eagle_infer import quantize
+from eagle_infer.errors import UserError
+from eagle_infer.generate import generate
+from eagle_infer.heads import load_head_for, save_head
+from eagle_infer.loader import load_model
+from eagle_infer.quantize import Int8Linear, quantize_linears, quantize_weight
+from eagle_infer.speculative import SpecDecoder, generate_speculative
+from eagle_infer.tree import TreeConfig
+
+
+def test_quantized_weight_is_within_half_a_step_of_the_original():
+    w = torch.randn(48, 64) * torch.logspace(-2, 1, 48)[:, None]  # rows of very different scale
+    q, scale = quantize_weight(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.bfloat16 and q.abs().max() <= 127
+    err = (q.float() * scale.float()[:, None] - w).abs()
+    assert (err <= 0.5 * scale.float()[:, None] * 1.01).all()
+    assert (q.abs().amax(1) >= 126).all()  # each row uses its whole range
+
+
+@pytest.mark.parametrize("in_features", [64, 36])  # 36: not a multiple of 8, the fallback path
+def test_int8_linear_computes_the_quantized_function_row_by_row(in_features):
+    lin = torch.nn.Linear(in_features, 40, bias=True)
+    q = Int8Linear(lin)
+    assert q.use_kernel == (in_features % 8 == 0)
+    x = torch.randn(2, 9, in_features)  # [B, T, in]
+    want = F.linear(x.bfloat16().float(), q.dequantized()).bfloat16().float() + lin.bias
+    y = q(x)
+    assert y.shape == (2, 9, 40) and y.dtype == torch.float32
+    torch.testing.assert_close(y, want, rtol=1e-2, atol=1e-2)
+    assert (y - lin(x)).abs().max() < 0.05  # close to the float layer it replaces
+    flat = x.reshape(-1, in_features)
+    one_by_one = torch.cat([q(flat[i:i + 1]) for i in range(flat.shape[0])])
+    if q.use_kernel:  # a verify's rows equal plain steps' rows, bit for bit
+        assert torch.equal(one_by_one, y.reshape(-1, 40))
+    big = torch.randn(quantize.MAX_ROWS + 1, in_features)  # prefill-sized: the dequantized GEMM
+    torch.testing.assert_close(q(big)[:4], q(big[:4]), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
+def test_speculative_greedy_identical_to_the_quantized_target(kind):
+    target = tiny_target(layers=3)
+    head = random_head(target, kind, draft_vocab=40 if kind == "eagle3" else None)
+    prompts = prompts_for(target.config.vocab_size)
+    unquantized = generate(target, prompts, 40)
+    assert quantize_linears(target, "int8") == 3 * 2 + 3 * 2 + 1  # qkv, o, gate_up, down; lm_head
+    plain = generate(target, prompts, 40)
+    assert plain != unquantized  # the check below is about the quantized target
+    for tree in (TreeConfig(), TreeConfig.chain(4)):
+        spec, _ = generate_speculative(target, head, prompts, 40, tree=tree)
+        assert spec == plain
+
+
+def test_oracle_head_on_an_int8_target_accepts_and_stays_exact():
+    target = tiny_target(layers=1, silent=True)
+    head = oracle_head(target)
+    quantize_linears(target, "int8")
+    head.target_lm_head = [quantize.lm_head_weight(target)]  # as load_head_for gives it
+    prompts = prompts_for(target.config.vocab_size)
+    plain = generate(target, prompts, 30)
+    spec, stats = generate_speculative(target, head, prompts, 30, tree=TreeConfig())
+    assert spec == plain
+    assert stats.acceptance_length() > 2.0
+
+
+def test_compiled_int8_steps_equal_eager():
+    target = tiny_target(layers=2)
+    head = random_head(target, "eagle3", draft_vocab=40)
+    quantize_linears(target, "int8")
+    prompts = prompts_for(target.config.vocab_size, lens=(6, 13))
+    plain = generate(target, prompts, 24)
+    assert generate(target, prompts, 24, compile=True) == plain
+    tree = TreeConfig(num_steps=3, eagle_topk=2, num_draft_tokens=6)
+    dec = SpecDecoder(target, head, tree, max_batch=2, max_seq_len=128).compile()
+    spec, _ = generate_speculative(target, head, prompts, 24, tree=tree, decoder=dec)
+    assert spec == plain
+
+
+def test_load_model_int8_and_a_head_for_it(tiny_model_dir, tmp_path):
+    path = tiny_model_dir("llama")
+    ref = load_model(path, "fp32", "cpu")
+    target = load_model(path, "fp32", "cpu", quantization="int8")
+    assert target.quantization == "int8" and target.cpu_linears == ref.cpu_linears
+    assert not any(type(m) is torch.nn.Linear or hasattr(m, "key") for m in target.modules())
+    assert type(target.lm_head) is Int8Linear and target.embed_tokens.weight.dtype == torch.float32
+    save_head(random_head(ref, "eagle2"), tmp_path / "e2", dtype=torch.float32)
+    head = load_head_for(tmp_path / "e2", target)  # EAGLE-2 drafts with the target's lm_head
+    assert type(head.fc) is Int8Linear and not any(type(m) is torch.nn.Linear for m in head.modules())
+    torch.testing.assert_close(head.target_lm_head[0], target.lm_head.dequantized())
+    prompts = prompts_for(target.config.vocab_size, lens=(7,))
+    spec, _ = generate_speculative(target, head, prompts, 16, tree=TreeConfig())
+    assert spec == generate(target, prompts, 16)
+
+
+def test_bad_quantization_requests_name_the_problem(tiny_model_dir):
+    with pytest.raises(UserError, match="quantization must be one of none, int8"):
+        load_model(tiny_model_dir("llama"), "fp32", "cpu", quantization="int4")
+    with pytest.raises(UserError, match="for CPU targets"):
+        quantize_linears(torch.nn.Linear(8, 8, device="meta"), "int8")
