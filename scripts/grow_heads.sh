@@ -21,7 +21,8 @@
 # experiment, 2352-2863 by segments 1 (teacher-forced), 2 (on-policy) and 3 (segment 2's
 # capture at BATCH=1), none published, then 2352-3887 by segment 4 (on-policy, BATCH=1,
 # published; README: growing the reference heads), 3888-5423 by segment 5 (on-policy, BATCH=1,
-# our generator, published); the next segment starts at 5424.
+# our generator, published), 5424-6959 by segment 6 (EAGLE-3 only, one epoch, not published:
+# held-out tau +0.016, runtime tau unchanged); the next segment starts at 5424 again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
