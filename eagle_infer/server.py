@@ -755,8 +755,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="auto = bf16 where the hardware runs it fast (CUDA, AVX512-BF16 / AMX CPUs), "
                     "else fp32; greedy output is token-identical to plain decoding in fp32")
     ap.add_argument("--quantization", default="none", choices=["none", "int8"],
-                    help="int8: the target's Linears weight-only int8 (CPU); speculative output then "
-                         "equals the quantized target's plain output")
+                    help="int8: the target's (and head's) Linears weight-only int8 (CPU): decoding "
+                         "follows the quantized target, whose activations round to bf16 (README)")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--context-length", type=int, default=2048)
     # Compiled steps, with SGLang's flag names: CUDA graphs by default on CUDA, torch.compile
