@@ -13,8 +13,9 @@ The kernel's rows do not depend on how many rows a call has (checked bitwise at 
 verify of a draft tree scores each node as a plain step would. Above MAX_ROWS rows (prefills)
 the kernel is 2-2.7x slower than an fp32 GEMM (512 rows: 16.7 vs 6.2 ms), so those calls run
 the same function through an fp32 GEMM on the dequantized weight, equal up to summation order.
-So do layers whose input size is not a multiple of 8, which the kernel computes wrongly or
-crashes on (torch 2.13, CPU: in_features 4 or 12 gave garbage, 5 or 33 a segfault).
+So do layers whose input size is not a multiple of 16: the kernel computed wrongly or crashed
+on some (torch 2.13, AVX2 CPU: in_features 4 or 12 gave garbage, 5 or 33 a segfault; 8 and 24
+were right), and its AVX-512 path, unmeasured here, works in 16-wide vectors.
 
 The lossless claim is relative to this quantized target: speculative greedy output equals the
 quantized target's plain greedy output (tests/test_quantize.py), not the unquantized model's.
@@ -46,7 +47,7 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.use_kernel = linear.in_features % 8 == 0
+        self.use_kernel = linear.in_features % 16 == 0
         q, scale = quantize_weight(linear.weight)
         self.weight_int8 = nn.Parameter(q, requires_grad=False)
         self.scale = nn.Parameter(scale, requires_grad=False)
