@@ -112,6 +112,13 @@ def cpu_info() -> dict:
             "python": platform.python_version()}
 
 
+def spec_entry(r: dict) -> dict:
+    """The fields of our bench's speculative report that the sitting's JSON keeps."""
+    return {"tokens_per_s": r["tokens_per_s"], "acceptance_length": r["acceptance_length"],
+            "accept_rate_per_position": r["accept_rate_per_position"],
+            "speedup_vs_ours_plain": r["speedup_vs_plain"]}
+
+
 def run_ours(args: argparse.Namespace, head: Path | None, tree: tuple[int, int, int] | None = None,
              quantization: str = "none") -> dict:
     """Our bench on the same prompts and settings (plain; chain drafting with the same k, or
@@ -206,21 +213,13 @@ def main(argv: list[str] | None = None) -> None:
             trees.append((f"tree {'/'.join(map(str, args.ours_tree))}", tuple(args.ours_tree)))
         for h in heads:
             for label, tree in trees:
-                r = run_ours(args, h, tree)
-                result["ours"][f"{h.name} {label}"] = {
-                    "tokens_per_s": r["tokens_per_s"], "acceptance_length": r["acceptance_length"],
-                    "accept_rate_per_position": r["accept_rate_per_position"],
-                    "speedup_vs_ours_plain": r["speedup_vs_plain"]}
-        if args.ours_int8:
+                result["ours"][f"{h.name} {label}"] = spec_entry(run_ours(args, h, tree))
+        if args.ours_int8:  # plain, and the last of the drafting settings (the tree, if asked)
             result["ours"]["int8 plain"] = run_ours(args, None, quantization="int8")["methods"]["plain"]
+            label, tree = trees[-1]
             for h in heads:
-                tree = tuple(args.ours_tree) if args.ours_tree else None
-                label = f"tree {'/'.join(map(str, tree))}" if tree else f"chain k{k}"
                 r = run_ours(args, h, tree, quantization="int8")
-                result["ours"][f"int8 {h.name} {label}"] = {
-                    "tokens_per_s": r["tokens_per_s"], "acceptance_length": r["acceptance_length"],
-                    "accept_rate_per_position": r["accept_rate_per_position"],
-                    "speedup_vs_ours_plain": r["speedup_vs_plain"],
+                result["ours"][f"int8 {h.name} {label}"] = spec_entry(r) | {
                     "greedy_agreement_spec_vs_plain": r["greedy_agreement_spec_vs_plain"]}
     if args.ours and plain:
         for m in result["ours"].values():
