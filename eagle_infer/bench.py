@@ -270,6 +270,7 @@ def bench_spec(model, head, prompts: Sequence[list[int]], max_new_tokens: int, t
                name: str = "speculative", batch_size: int = 1) -> SpecRun:
     """Speculative decoding (eagle_infer.speculative), batch_size prompts a call, one decoder
     reused across calls."""
+    from eagle_infer.generate import compile_mode_for
     from eagle_infer.speculative import SpecDecoder, generate_speculative
 
     eos = [] if ignore_eos else None
@@ -277,7 +278,7 @@ def bench_spec(model, head, prompts: Sequence[list[int]], max_new_tokens: int, t
     dec = SpecDecoder(model, head, tree, max_batch=batch_size,
                       max_seq_len=min(longest, model.config.max_position_embeddings))
     if compile_steps:
-        dec.compile()
+        dec.compile(compile_mode_for(model.embed_tokens.weight.device))
     total = SpecStats()
 
     def run(batch: list[list[int]]) -> list[list[int]]:
@@ -502,13 +503,14 @@ def plot_sweep(runs: Sequence[SpecRun], plain_tps: float, path: str | os.PathLik
 
 
 def compile_default(device: str) -> bool:
-    """Whether the bench compiles its steps unless told: on a CPU, yes. Measured on a 2-core Xeon
-    with AVX-512 but no AVX512-BF16 (so fp32), 1 thread, machine shared: in one process the
-    compiled plain step took 72 ms against 83 ms eager and the 16-token verify 157 against 169
+    """Whether the bench compiles its steps unless told: on a CPU (Inductor) and on CUDA (CUDA
+    graphs, compile_mode_for), yes. CPU: measured on a 2-core Xeon with AVX-512 but no
+    AVX512-BF16 (so fp32), 1 thread, machine shared: in one process the compiled plain step took
+    72 ms against 83 ms eager and the 16-token verify 157 against 169
     (results/compile_probe_1thread.json); the bench gave 13.3 plain / 7.7 speculative tokens/s
     compiled (results/bench_issue13_after_compiled.json), the most of any run that sitting, after
-    111 + 124 s of compilation (warmup_s). On CUDA not measured here: eager unless asked."""
-    return device == "cpu"
+    111 + 124 s of compilation (warmup_s). CUDA: what SGLang and vLLM do by default."""
+    return torch.device(device).type in ("cpu", "cuda")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -125,10 +125,11 @@ def pick_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 # Compiled steps run at a few fixed batch shapes, so a new batch size reuses a graph instead of
 # recompiling: batches pad to the next bucket. The kv length (slots attention reads) is a traced
-# symbol under Inductor (mark_kv_dynamic): one graph per batch bucket serves every length. CUDA
-# graphs record one graph per shape, so there it comes in power-of-two buckets (kv_bucket).
+# symbol (mark_kv_dynamic): one compile per batch bucket serves every length. CUDA graphs record
+# one graph per concrete shape, so there the length comes in power-of-two buckets (kv_bucket).
 BATCH_BUCKETS = (1, 2, 4, 8)
 RECOMPILE_LIMIT = 64
+CUDA_GRAPHS = "reduce-overhead"  # the torch.compile mode that records and replays CUDA graphs
 
 
 def batch_bucket(B: int) -> int:
@@ -142,21 +143,18 @@ def kv_bucket(needed: int, max_seq_len: int) -> int:
     return min(max_seq_len, max(128, 1 << (needed - 1).bit_length()))
 
 
-def traces_kv(mode: str | None) -> bool:
-    """Whether compiled steps of this torch.compile mode trace the kv length (Inductor,
-    mark_kv_dynamic) rather than take it in power-of-two buckets (CUDA graphs, mode
-    "reduce-overhead", which record one graph per shape)."""
-    return mode != "reduce-overhead"
+def compile_mode_for(device: torch.device | str) -> str | None:
+    """The torch.compile mode of compiled steps on a device: CUDA graphs on CUDA, where a small
+    model's step is bound by kernel launches; Inductor's default (C++/OpenMP kernels) on a CPU."""
+    return CUDA_GRAPHS if torch.device(device).type == "cuda" else None
 
 
 def compiled_kv_len(needed: int, max_seq_len: int, mode: str | None) -> int:
-    """kv_len of a compiled step: a power-of-two bucket under CUDA graphs; where the length is
-    traced (traces_kv), rounded like an eager step's (kv_len_for) but one slot short of the full
-    cache while that still covers `needed`: the full length would compile a graph of its own
+    """kv_len of a compiled step: a power-of-two bucket under CUDA graphs (each length records a
+    graph), else rounded like an eager step's (kv_len_for); either way one slot short of the
+    full cache while that still covers `needed`: the full length compiles a graph of its own
     (mark_kv_dynamic)."""
-    if not traces_kv(mode):
-        return kv_bucket(needed, max_seq_len)
-    kv = kv_len_for(needed, max_seq_len)
+    kv = kv_bucket(needed, max_seq_len) if mode == CUDA_GRAPHS else kv_len_for(needed, max_seq_len)
     return kv - 1 if kv == max_seq_len and needed < max_seq_len else kv
 
 
@@ -168,7 +166,11 @@ def mark_kv_dynamic(mask: torch.Tensor, max_seq_len: int) -> None:
     43-65 s; on idle cores the bench's tokens/s are the same as with static graphs (README).
     The full cache length is a specialisation of its own (there the slice of the cache is the
     whole, contiguous tensor, which the graph's guards tell apart): it compiles once if reached."""
-    if mask.shape[-1] < max_seq_len:
+    if mask.shape[-1] >= max_seq_len:
+        return
+    if mask.is_cuda:  # Inductor's CUDA kernels guard kv % 8 == 0, which a range would violate
+        torch._dynamo.maybe_mark_dynamic(mask, mask.dim() - 1)
+    else:
         torch._dynamo.mark_dynamic(mask, mask.dim() - 1, min=2, max=max_seq_len - 1)
 
 
@@ -231,7 +233,7 @@ class BucketedStep:
 
 class CompiledDecode:
     """The plain decode step, forward + argmax, as one compiled graph per batch bucket (and, under
-    CUDA graphs, per kv bucket: compiled_kv_len).
+    CUDA graphs, a recorded graph per kv bucket: compiled_kv_len).
 
     Rows past the real batch are padding: they decode token 0 at slot 0 of their own cache rows
     (the caller sizes the cache for batch_bucket(B) rows), which no real row ever reads."""
@@ -254,10 +256,9 @@ class CompiledDecode:
             tokens, cur = F.pad(tokens, (0, pad)), F.pad(cur, (0, pad))
         kv_len = kv_len or compiled_kv_len(int(cur.max()) + 1, m.max_seq_len, self.mode)
         mask = causal_mask(cur, 1, kv_len)  # [Bp, 1, kv_len]
-        if traces_kv(self.mode):
-            mark_kv_dynamic(mask, m.max_seq_len)
+        mark_kv_dynamic(mask, m.max_seq_len)
         logits, greedy = self.fn(tokens, cur, mask)
-        if self.mode == "reduce-overhead":  # CUDA graphs reuse their output buffers
+        if self.mode == CUDA_GRAPHS:  # CUDA graphs reuse their output buffers
             return logits[:B].clone(), greedy[:B].clone()
         return logits[:B], greedy[:B]
 
@@ -306,8 +307,8 @@ def generate(
         ensure_cache(model, batch_bucket(B), kv_bucket(max(lens) + max_new_tokens, ctx))
     else:
         ensure_cache(model, B, max(lens) + max_new_tokens)
-    step = compiled_decode(model) if compile else None
     dev = model.embed_tokens.weight.device
+    step = compiled_decode(model, compile_mode_for(dev)) if compile else None
     generators = [p.generator(dev) for p in params]
 
     logits = torch.cat([prefill(model, prompts[g[0]:g[-1] + 1], row0=g[0])[0] for g in join_groups(lens)])

@@ -56,7 +56,7 @@ from eagle_infer.api_schema import (
 from eagle_infer.default_model import default_head_path
 from eagle_infer.detokenize import IncrementalDetokenizer
 from eagle_infer.errors import UserError, cli_errors
-from eagle_infer.generate import chat_prompt_ids
+from eagle_infer.generate import CUDA_GRAPHS, chat_prompt_ids
 from eagle_infer.metrics import CONTENT_TYPE, Metrics
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import Sequence_
@@ -802,7 +802,7 @@ def compile_settings(args: argparse.Namespace, device_type: str) -> tuple[str | 
     unless --disable-cuda-graph; Inductor on a CPU unless --disable-torch-compile (up to batch 1
     unless --torch-compile-max-bs says otherwise), elsewhere where --enable-torch-compile asks."""
     if device_type == "cuda" and args.use_cuda_graph:
-        return "reduce-overhead", args.cuda_graph_max_bs
+        return CUDA_GRAPHS, args.cuda_graph_max_bs
     on_cpu = device_type == "cpu"
     if args.enable_torch_compile or (args.enable_torch_compile is None and on_cpu):
         max_bs = args.torch_compile_max_bs

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from eagle_infer.errors import UserError
 from eagle_infer.generate import (
+    CUDA_GRAPHS,
     BucketedStep,
     batch_bucket,
     check_fits,
@@ -33,7 +34,6 @@ from eagle_infer.generate import (
     join_groups,
     kv_len_for,
     prefill,
-    traces_kv,
 )
 from eagle_infer.heads import DraftHead
 from eagle_infer.model import Transformer, build_attn_mask
@@ -266,8 +266,9 @@ class SpecDecoder:
         """torch.compile the draft, verify and catch-up steps with full graphs: the batch in
         buckets of 1, 2, 4, 8, then multiples of 8 (BucketedStep; a bucket over max_bs, default
         the bucket of max_batch, runs eagerly). On CPU Inductor traces the kv length as a symbol
-        (one graph per batch bucket); on CUDA, mode="reduce-overhead" captures CUDA graphs per
-        batch and power-of-two kv bucket (compiled_kv_len)."""
+        (one graph per batch bucket); on CUDA, mode="reduce-overhead" (compile_mode_for) compiles
+        the same way and records a CUDA graph per batch and power-of-two kv bucket
+        (compiled_kv_len)."""
         if self.seqs:
             raise RuntimeError("compile a decoder before any sequence joins")
         max_bs = batch_bucket(self.max_batch) if max_bs is None else max_bs
@@ -275,11 +276,11 @@ class SpecDecoder:
         self.target.setup_cache(rows, self.max_seq_len)  # padding rows write past the active ones
         self.head.setup_cache(rows, self.max_seq_len)
         self.compiled, self.max_bs, self.compile_mode = True, max_bs, mode
-        graphs = mode == "reduce-overhead"
-        max_kv = self.max_seq_len if traces_kv(mode) else None  # every step's argument 3 is its mask
-        steps = (self._draft_step, self._verify, self._catch_up)
+        graphs = mode == CUDA_GRAPHS
+        steps = (self._draft_step, self._verify, self._catch_up)  # each one's argument 3 is its mask
         self.draft_fn, self.verify_fn, self.catch_up_fn = (
-            BucketedStep(f, compile_step(f, mode), max_bs, clone=graphs, max_kv=max_kv) for f in steps)
+            BucketedStep(f, compile_step(f, mode), max_bs, clone=graphs, max_kv=self.max_seq_len)
+            for f in steps)
         return self
 
     def kv_len(self, needed: int) -> int:

@@ -8,7 +8,7 @@ import torch
 from test_speculative import prompts_for, random_head, tiny_target
 
 from eagle_infer.engine import PlainDecoder
-from eagle_infer.generate import generate
+from eagle_infer.generate import CUDA_GRAPHS, generate
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import Sequence_, SpecDecoder, generate_speculative
 from eagle_infer.tree import TreeConfig
@@ -55,6 +55,33 @@ def serve_all(dec, jobs: list[tuple[list[int], int]]) -> tuple[list[list[int]], 
     return [s.output for s in seqs], batches
 
 
+def cuda_graph_launches(fn) -> int:
+    """cudaGraphLaunch calls while fn runs (torch.profiler): a step replayed from a CUDA graph
+    makes one; an eager or Inductor-only step launches its kernels one by one instead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.key == "cudaGraphLaunch")
+
+
+def assert_no_cudagraph_skips() -> None:
+    """Inductor counts each graph it compiled for CUDA graphs but ran without them (a CPU
+    tensor, an input mutation it cannot replay, ...): none may fall back silently."""
+    from torch._dynamo.utils import counters
+
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+def check_replayed(dec, jobs: list[tuple[list[int], int]], ref: list[list[int]]) -> None:
+    """Serving the jobs again on a decoder that served them once replays CUDA graphs (a launch
+    per step at least every few tokens) and gives the same output."""
+    out: list = []
+    launches = cuda_graph_launches(lambda: out.append(serve_all(dec, jobs)[0]))
+    assert out == [ref] and launches >= max(n for _, n in jobs) // 2, launches
+
+
 def check_decoders_at_batch_buckets(device: str, mode: str | None) -> None:
     """The server's decoders, compiled: batches of 3 run padded to the bucket of 4 (the padding
     rows write only to rows no sequence holds), 1 and 2 at their own; a bucket over max_bs runs
@@ -75,6 +102,9 @@ def check_decoders_at_batch_buckets(device: str, mode: str | None) -> None:
         assert dec.max_bs == 4 and target.cache.kv.shape[2] == 4  # cache rows for the padded bucket
         out, batches = serve_all(dec, jobs)
         assert out == ref and {1, 2, 3} <= set(batches), batches
+        if mode == CUDA_GRAPHS:  # the same jobs again replay the graphs recorded above
+            assert_no_cudagraph_skips()
+            check_replayed(dec, jobs, ref)
         graphs = counters["stats"]["unique_graphs"]
         steps = 1 if isinstance(dec, PlainDecoder) else 3  # plain: decode; spec: draft, verify, catch-up
         assert 0 < graphs <= 3 * steps, dict(counters["stats"])  # buckets 1, 2, 4 at kv 128
@@ -137,16 +167,47 @@ def test_server_decoders_compiled_at_batch_buckets_exact():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_server_decoders_replay_cuda_graphs_at_batch_buckets_exact():
-    check_decoders_at_batch_buckets("cuda", "reduce-overhead")
+    check_decoders_at_batch_buckets("cuda", CUDA_GRAPHS)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_replay_exact():
+    """Speculative decoding with draft, verify and catch-up replayed from CUDA graphs: the same
+    tokens as eager plain decoding, and the second call launches graphs, not kernels one by one
+    (the first records them: cudagraph trees run a new shape once eagerly, then record)."""
+    from torch._dynamo.utils import counters
+
     target = tiny_target(layers=2).cuda()
     head = random_head(target, "eagle2").cuda()
     tree = TreeConfig(num_steps=4, eagle_topk=2, num_draft_tokens=8)
-    dec = SpecDecoder(target, head, tree, max_batch=2, max_seq_len=128).compile(mode="reduce-overhead")
+    counters.clear()
+    dec = SpecDecoder(target, head, tree, max_batch=2, max_seq_len=128).compile(mode=CUDA_GRAPHS)
     prompts = prompts_for(target.config.vocab_size, lens=(5, 9))
-    out, _ = generate_speculative(target, head, prompts, 24, tree=tree, decoder=dec)
-    assert out == generate(target, prompts, 24)
+    ref = generate(target, prompts, 24)
+    for _ in range(2):
+        out, _ = generate_speculative(target, head, prompts, 24, tree=tree, decoder=dec)
+        assert out == ref
+    assert_no_cudagraph_skips()
+    runs: list = []
+    launches = cuda_graph_launches(
+        lambda: runs.append(generate_speculative(target, head, prompts, 24, tree=tree, decoder=dec)))
+    (out, stats), = runs
+    assert out == ref
+    assert launches >= 2 * stats.rounds, (launches, stats.rounds)  # draft steps + verify each round
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_plain_generate_compiled_replays_graphs():
+    """generate(compile=True) on CUDA runs its decode step from CUDA graphs (compile_mode_for)
+    at batch buckets: output equals eager decoding, one graph launch per step once recorded."""
+    target = tiny_target(layers=2).cuda()
+    prompts = prompts_for(target.config.vocab_size, lens=(5, 9, 3))
+    ref = generate(target, prompts, 20)
+    for _ in range(2):
+        assert generate(target, prompts, 20, compile=True) == ref
+    assert_no_cudagraph_skips()
+    out: list = []
+    assert cuda_graph_launches(lambda: out.append(generate(target, prompts, 20, compile=True))) >= 19
+    assert out == [ref]

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Issue #13, item 3: what a machine with a GPU must show, in one command (~10 min on an H200 with
+# the default target, most of it compilation): the CUDA tests (draft, verify and plain decode steps recorded as CUDA
+# graphs and replayed, not a silent eager fallback; output equal to eager decoding; the Triton
+# tree-accept kernels equal to the torch reference), then the bench on CUDA in bf16, batch 1:
+# transformers `generate`, our plain and speculative decoding (the reference EAGLE-3 head, tree
+# 5/4/16) from CUDA graphs, the same eagerly, and batch 4 from CUDA graphs. One log and a JSON
+# per bench run go to $OUT; each step has a time limit, and a failed step does not stop the next.
+#
+#   OUT=runs/cuda_check bash scripts/cuda_check.sh
+#   N=10 TOKENS=256 PROMPTS=prompts.jsonl bash scripts/cuda_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+OUT=${OUT:-runs/cuda_check}
+N=${N:-5}             # prompts (MT-bench unless PROMPTS names a .jsonl / .json file)
+TOKENS=${TOKENS:-128}  # new tokens a prompt, EOS ignored
+PROMPTS=${PROMPTS:-}
+STEPS=${STEPS:-tests graphs eager batch4}
+mkdir -p "$OUT"
+LOG=$OUT/cuda_check.log
+
+say() { echo "$*" | tee -a "$LOG"; }
+step() {  # name, time limit in s, command...
+  local name=$1 limit=$2 t0=$SECONDS rc
+  shift 2
+  say "== $name: $*"
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  rc=$?
+  say "== $name: exit $rc after $((SECONDS - t0)) s"
+}
+bench() {  # name, time limit, extra bench flags...
+  local name=$1 limit=$2
+  shift 2
+  step "bench_$name" "$limit" "$PY" -m eagle_infer.bench --device cuda --dtype bf16 --num-prompts "$N" \
+    --max-new-tokens "$TOKENS" ${PROMPTS:+--prompts "$PROMPTS"} --json "$OUT/bench_$name.json" "$@"
+}
+
+say "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1)"
+"$PY" -c "import torch, transformers, triton; print('torch', torch.__version__, '| transformers',
+transformers.__version__, '| triton', triton.__version__, '|', torch.cuda.get_device_name())" 2>&1 | tee -a "$LOG"
+for s in $STEPS; do
+  case $s in
+    # perf_hints: Inductor logs why it skipped CUDA graphs for a step, should it ever.
+    tests) step tests 240 env TORCH_LOGS=perf_hints "$PY" -m pytest -q -p no:cacheprovider -m cuda \
+             tests/test_static_shapes.py tests/test_tree_accept_kernel.py ;;
+    graphs) bench graphs 240 ;;                   # transformers, plain and speculative, CUDA graphs
+    eager) bench eager 120 --no-hf --no-compile ;; # the same steps, launched one kernel at a time
+    batch4) bench batch4 400 --batch-size 4 ;;     # CUDA graphs at the batch bucket of 4
+    chain) bench chain 300 --no-hf --num-steps 3 --eagle-topk 1 --num-draft-tokens 3 ;;
+    *) say "unknown step $s (tests, graphs, eager, batch4, chain)" ;;
+  esac
+done
+say "== done in $SECONDS s"
