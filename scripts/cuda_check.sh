@@ -4,7 +4,8 @@
 # graphs and replayed, not a silent eager fallback; output equal to eager decoding; the Triton
 # tree-accept kernels equal to the torch reference), then the bench on CUDA in bf16, batch 1:
 # transformers `generate`, our plain and speculative decoding (the reference EAGLE-3 head, tree
-# 5/4/16) from CUDA graphs, the same eagerly, and batch 4 from CUDA graphs. One log and a JSON
+# 5/4/16) from CUDA graphs, the same eagerly, batch 4 from CUDA graphs, and the server at
+# concurrency 1 (spec and plain, through the OpenAI API: scripts/bench_server.py). One log and a JSON
 # per bench run go to $OUT; each step has a time limit, and a failed step does not stop the next.
 #
 #   OUT=runs/cuda_check bash scripts/cuda_check.sh
@@ -16,7 +17,7 @@ OUT=${OUT:-runs/cuda_check}
 N=${N:-5}             # prompts (MT-bench unless PROMPTS names a .jsonl / .json file)
 TOKENS=${TOKENS:-128}  # new tokens a prompt, EOS ignored
 PROMPTS=${PROMPTS:-}
-STEPS=${STEPS:-tests graphs eager batch4}
+STEPS=${STEPS:-tests graphs eager batch4 server}
 mkdir -p "$OUT"
 LOG=$OUT/cuda_check.log
 
@@ -47,8 +48,10 @@ for s in $STEPS; do
     graphs) bench graphs 240 ;;                   # transformers, plain and speculative, CUDA graphs
     eager) bench eager 120 --no-hf --no-compile ;; # the same steps, launched one kernel at a time
     batch4) bench batch4 400 --batch-size 4 ;;     # CUDA graphs at the batch bucket of 4
+    server) step server 400 "$PY" scripts/bench_server.py --concurrency 1 --num-requests "$N" \
+              --max-tokens "$TOKENS" ${PROMPTS:+--prompts "$PROMPTS"} --out "$OUT/bench_server.json" ;;
     chain) bench chain 300 --no-hf --num-steps 3 --eagle-topk 1 --num-draft-tokens 3 ;;
-    *) say "unknown step $s (tests, graphs, eager, batch4, chain)" ;;
+    *) say "unknown step $s (tests, graphs, eager, batch4, server, chain)" ;;
   esac
 done
 say "== done in $SECONDS s"
