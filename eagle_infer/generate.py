@@ -151,11 +151,15 @@ def compile_mode_for(device: torch.device | str) -> str | None:
 
 def compiled_kv_len(needed: int, max_seq_len: int, mode: str | None) -> int:
     """kv_len of a compiled step: a power-of-two bucket under CUDA graphs (each length records a
-    graph), else rounded like an eager step's (kv_len_for); either way one slot short of the
-    full cache while that still covers `needed`: the full length compiles a graph of its own
-    (mark_kv_dynamic)."""
-    kv = kv_bucket(needed, max_seq_len) if mode == CUDA_GRAPHS else kv_len_for(needed, max_seq_len)
-    return kv - 1 if kv == max_seq_len and needed < max_seq_len else kv
+    graph), else rounded like an eager step's (kv_len_for); either way short of the full cache
+    while that still covers `needed`: the full length compiles a graph of its own
+    (mark_kv_dynamic). Under CUDA graphs the length below the full cache is a multiple of 8,
+    since Inductor's CUDA kernels guard kv % 8 == 0 (another length would recompile)."""
+    if mode == CUDA_GRAPHS:
+        kv, below = kv_bucket(needed, max_seq_len), (max_seq_len - 1) // 8 * 8
+    else:
+        kv, below = kv_len_for(needed, max_seq_len), max_seq_len - 1
+    return below if kv == max_seq_len and needed <= below else kv
 
 
 def mark_kv_dynamic(mask: torch.Tensor, max_seq_len: int) -> None:

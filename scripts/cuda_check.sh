@@ -18,6 +18,8 @@ N=${N:-5}             # prompts (MT-bench unless PROMPTS names a .jsonl / .json 
 TOKENS=${TOKENS:-128}  # new tokens a prompt, EOS ignored
 PROMPTS=${PROMPTS:-}
 STEPS=${STEPS:-tests graphs eager batch4 server}
+# Into the log: why a step recompiled, and why Inductor skipped CUDA graphs for one, should it.
+export TORCH_LOGS=${TORCH_LOGS:-recompiles,perf_hints}
 mkdir -p "$OUT"
 LOG=$OUT/cuda_check.log
 
@@ -42,8 +44,7 @@ say "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,nohe
 transformers.__version__, '| triton', triton.__version__, '|', torch.cuda.get_device_name())" 2>&1 | tee -a "$LOG"
 for s in $STEPS; do
   case $s in
-    # perf_hints: Inductor logs why it skipped CUDA graphs for a step, should it ever.
-    tests) step tests 240 env TORCH_LOGS=perf_hints "$PY" -m pytest -q -p no:cacheprovider -m cuda \
+    tests) step tests 240 "$PY" -m pytest -q -p no:cacheprovider -m cuda \
              tests/test_static_shapes.py tests/test_tree_accept_kernel.py ;;
     graphs) bench graphs 240 ;;                   # transformers, plain and speculative, CUDA graphs
     eager) bench eager 120 --no-hf --no-compile ;; # the same steps, launched one kernel at a time

@@ -8,12 +8,29 @@ import torch
 from test_speculative import prompts_for, random_head, tiny_target
 
 from eagle_infer.engine import PlainDecoder
-from eagle_infer.generate import CUDA_GRAPHS, generate
+from eagle_infer.generate import CUDA_GRAPHS, compiled_kv_len, generate
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import Sequence_, SpecDecoder, generate_speculative
 from eagle_infer.tree import TreeConfig
 
 torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("mode", [None, CUDA_GRAPHS])
+def test_compiled_kv_lengths_cover_and_repeat(mode):
+    """A compiled step's kv length covers what it needs, never exceeds the cache, stays short of
+    the full cache (its own specialisation) while it can, and takes few values: under CUDA
+    graphs powers of two or multiples of 8 (Inductor's CUDA guard), elsewhere multiples of 64."""
+    for max_seq_len in (128, 300, 512, 1000, 4096):
+        lens = {compiled_kv_len(n, max_seq_len, mode) for n in range(1, max_seq_len + 1)}
+        for n in range(1, max_seq_len + 1):
+            kv = compiled_kv_len(n, max_seq_len, mode)
+            assert n <= kv <= max_seq_len and (kv < max_seq_len or n > max_seq_len - 8)
+        if mode == CUDA_GRAPHS:
+            assert all(kv % 8 == 0 or kv == max_seq_len for kv in lens), sorted(lens)
+            assert len(lens) <= 7, sorted(lens)
+        else:
+            assert all(kv % 64 == 0 or kv >= max_seq_len - 1 for kv in lens), sorted(lens)
 
 
 def test_compiled_steps_fullgraph_cpu_exact():
