@@ -317,15 +317,15 @@ def generate(
 
     logits = torch.cat([prefill(model, prompts[g[0]:g[-1] + 1], row0=g[0])[0] for g in join_groups(lens)])
     cur = torch.tensor(lens, device=dev)  # [B] tokens in the cache so far
+    top = max(lens)  # = cur.max(), kept on the host: the kv length needs no device read
     greedy = None  # the argmax, when the compiled step returns it
     outputs: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     for _ in range(max_new_tokens):
         nxt = pick_tokens(logits, params, generators, greedy)  # [B]
-        for b in range(B):
+        for b, t in enumerate(nxt.tolist()):  # the step's one host read
             if done[b]:
                 continue
-            t = int(nxt[b])
             outputs[b].append(t)
             stop = on_token(order[b], t) if on_token else False
             if t in eos or stop or len(outputs[b]) >= max_new_tokens:
@@ -333,11 +333,12 @@ def generate(
         if all(done):
             break
         if step is not None:
-            logits, greedy = step(nxt, cur)
+            logits, greedy = step(nxt, cur, compiled_kv_len(top + 1, model.max_seq_len, step.mode))
         else:
-            kv = kv_len_for(int(cur.max()) + 1, model.max_seq_len)
+            kv = kv_len_for(top + 1, model.max_seq_len)
             logits = model(nxt[:, None], cur[:, None], cur[:, None], causal_mask(cur, 1, kv))[0][:, 0]
         cur = cur + 1
+        top += 1
     by_prompt: list[list[int]] = [[] for _ in range(B)]
     for r, i in enumerate(order):
         by_prompt[i] = outputs[r]
