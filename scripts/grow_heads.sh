@@ -21,8 +21,9 @@
 # experiment, 2352-2863 by segments 1 (teacher-forced), 2 (on-policy) and 3 (segment 2's
 # capture at BATCH=1), none published, then 2352-3887 by segment 4 (on-policy, BATCH=1,
 # published; README: growing the reference heads), 3888-5423 by segment 5 (on-policy, BATCH=1,
-# our generator, published), 5424-6959 by segment 6 (EAGLE-3 only, one epoch, not published:
-# held-out tau +0.016, runtime tau unchanged); the next segment starts at 5424 again.
+# our generator, published), 5424-6959 by segment 6 (one epoch, EAGLE-3 only, not published;
+# then two epochs, both kinds: EAGLE-3 published, held-out tau +0.063, runtime tau unchanged;
+# EAGLE-2 not, held-out tau -0.043); the next segment starts at 6960.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
