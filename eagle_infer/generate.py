@@ -252,13 +252,13 @@ class CompiledDecode:
         return logits[:, 0], logits[:, 0].argmax(-1)
 
     def __call__(self, tokens: torch.Tensor, cur: torch.Tensor,
-                 kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens, cur [B] (next token, its slot = position) -> logits [B, V], argmax [B]."""
+                 kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, cur [B] (next token, its slot = position), kv_len from the caller's host-side
+        count (compiled_kv_len: no device read) -> logits [B, V], argmax [B]."""
         B, m = tokens.shape[0], self.model
         pad = batch_bucket(B) - B
         if pad:
             tokens, cur = F.pad(tokens, (0, pad)), F.pad(cur, (0, pad))
-        kv_len = kv_len or compiled_kv_len(int(cur.max()) + 1, m.max_seq_len, self.mode)
         mask = causal_mask(cur, 1, kv_len)  # [Bp, 1, kv_len]
         mark_kv_dynamic(mask, m.max_seq_len)
         logits, greedy = self.fn(tokens, cur, mask)
