@@ -240,12 +240,13 @@ class SpecRun:
         parts relative to one plain step (the runtime's share of the speedup, whatever the head's tau)."""
         st, rounds = self.stats, max(1, self.stats.rounds)
         verify_ms, draft_ms = 1e3 * st.verify_s / rounds, 1e3 * st.draft_s / rounds
+        draft_step_ms = 1e3 * st.draft_s / max(1, st.draft_calls)
         rel = {}
         if plain_step_ms:
             rel = {"plain_step_ms": round(plain_step_ms, 3),
                    "verify_vs_plain_step": round(verify_ms / plain_step_ms, 3),
-                   # num_steps draft forwards per round: num_steps - 1 tree steps + the catch-up
-                   "draft_step_vs_plain_step": round(draft_ms / self.tree.num_steps / plain_step_ms, 3),
+                   # draft forwards timed in draft_ms: num_steps - 1 tree steps (+ a sampled round's catch-up)
+                   "draft_step_vs_plain_step": round(draft_step_ms / plain_step_ms, 3),
                    "round_vs_plain_step": round(1e3 * (st.draft_s + st.verify_s + st.other_s) / rounds
                                                 / plain_step_ms, 3)}
         return {
@@ -343,8 +344,8 @@ def count_aten_ops(model, head, prompt: list[int], tree: TreeConfig, rounds: int
         setattr(obj, name, wrapped)
 
     phase(dec, "draft_fn", "draft_tree_steps")
-    phase(dec, "verify_fn", "verify")
-    phase(dec, "_draft_extend", "draft_catch_up")
+    phase(dec, "_verify", "verify")
+    phase(dec, "_catch_up", "draft_catch_up")
     phase(dec.target, "keep_slots", "keep_slots")
     ops.by.clear()
     with ops:
@@ -354,6 +355,40 @@ def count_aten_ops(model, head, prompt: list[int], tree: TreeConfig, rounds: int
     out["round"] = sum(ops.by.values()) / rounds
     out.update({f"round_{k}": v / rounds for k, v in sorted(ops.by.items())})
     return out
+
+
+def profile_decoding(model, prompt: list[int], max_new_tokens: int, compile_steps: bool,
+                     spec: SpecRun | None, out_dir: str | os.PathLike) -> list[Path]:
+    """torch.profiler over one prompt, after the timed runs (graphs warm): plain decoding and,
+    given a SpecRun, speculative decoding on its decoder. Writes per run a table of the ops with
+    the most self time (device time on CUDA) and a Chrome trace (chrome://tracing, Perfetto);
+    the round's phases are labelled spec.*. Returns the files written."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from eagle_infer.generate import generate
+    from eagle_infer.speculative import generate_speculative
+
+    cuda = model.embed_tokens.weight.is_cuda
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    runs = {"plain": lambda: generate(model, [prompt], max_new_tokens, eos_token_ids=[],
+                                      compile=compile_steps)}
+    if spec is not None:
+        runs["spec"] = lambda: generate_speculative(model, spec.decoder.head, [prompt], max_new_tokens,
+                                                    tree=spec.tree, eos_token_ids=[], decoder=spec.decoder)
+    out, written = Path(out_dir), []
+    out.mkdir(parents=True, exist_ok=True)
+    for name, run in runs.items():
+        run()  # unprofiled: the spec decoder resized the shared cache, so plain graphs recompile
+        with profile(activities=acts) as prof:
+            run()
+            if cuda:
+                torch.cuda.synchronize()
+        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=60)
+        (out / f"profile_{name}.txt").write_text(f"{name}: 1 prompt x {max_new_tokens} tokens\n{table}\n")
+        prof.export_chrome_trace(str(out / f"trace_{name}.json.gz"))
+        written += [out / f"profile_{name}.txt", out / f"trace_{name}.json.gz"]
+    return written
 
 
 def measure_copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5, device: str = "cpu") -> float:
@@ -545,6 +580,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="torch.compile the decode step (plain) and the draft and verify steps "
                          "(speculative); compile time goes to warmup_s. "
                          "Default: on where it measured faster (see compile_default)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="after the timed runs, profile one prompt (plain and speculative) with "
+                         "torch.profiler: op tables and Chrome traces into DIR")
     sp.add_argument("--count-ops", action="store_true",
                     help="also count eager ATen ops per plain step and per speculative round (by phase)")
     sp.add_argument("--sweep", action="store_true",
@@ -725,6 +763,10 @@ def main(argv: list[str] | None = None) -> dict:
                      "token identity holds in fp32" if args.dtype != "fp32" else ""))
     if "aten_ops_eager" in report:
         print("eager ATen ops:", report["aten_ops_eager"])
+    if args.profile:
+        files = profile_decoding(model, prompts[0], min(args.max_new_tokens, 32), compile_steps,
+                                 spec_runs[0] if spec_runs else None, args.profile)
+        print("profiles:", ", ".join(str(f) for f in files))
     if args.sweep and spec_runs:
         print("\n| num_steps | eagle_topk | num_draft_tokens | tau | tok/s | speedup vs plain |")
         print("|---|---|---|---|---|---|")

@@ -10,6 +10,8 @@ A round (`SpecDecoder.step`), for all active rows at once:
     verify      -> one target forward over the tree, logits + features   1 target call
     accept      -> accepted path + bonus token (greedy or lossless rejection sampling)
     commit      -> keep the path's target KV; draft catch-up on the path  1 draft call
+Compiled, a greedy round is two graphs (the draft phase; verify to catch-up), a sampled one
+three (the draft phase; verify; catch-up), the sampled acceptance running eagerly between.
 A sequence that finishes leaves the batch: the last row moves into its place.
 """
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from eagle_infer.errors import UserError
 from eagle_infer.generate import (
@@ -100,8 +103,9 @@ class SpecStats:
     # a list of rounds, so a long-running server's stats stay a few integers.
     accepted_hist: list[int] = field(default_factory=list)
     draft_s: float = 0.0
-    verify_s: float = 0.0
+    verify_s: float = 0.0  # greedy rounds: verify, acceptance, commit and catch-up (one graph)
     other_s: float = 0.0
+    draft_calls: int = 0  # draft forwards timed in draft_s (a greedy round's catch-up is in verify_s)
 
     def record(self, k: int, count: int = 1) -> None:
         if k >= len(self.accepted_hist):
@@ -115,6 +119,7 @@ class SpecStats:
         self.draft_s += other.draft_s
         self.verify_s += other.verify_s
         self.other_s += other.other_s
+        self.draft_calls += other.draft_calls
 
     @property
     def row_rounds(self) -> int:
@@ -238,7 +243,8 @@ class SpecDecoder:
         self.stats = SpecStats()
         self.draft_fn = self._draft_step  # one draft forward; inside the tree's growth
         self.draft_tree_fn = self._draft_tree
-        self.verify_fn = self._verify
+        self.greedy_round_fn = self._verify_commit_greedy  # greedy rounds
+        self.verify_fn = self._verify  # sampled rounds: verify, then the catch-up
         self.catch_up_fn = self._catch_up
 
     # -- the fixed-shape steps (what torch.compile / CUDA graphs capture) ---------------------
@@ -263,6 +269,43 @@ class SpecDecoder:
         logits, hidden = self.target(tokens, pos, slots, mask, hidden_layers=self.layers)
         return logits, hidden
 
+    def _commit(self, tree_tokens: Tensor, acc: Acceptance, hidden: Sequence[Tensor],
+                L: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Keep the accepted path's target KV (moved to slots L..L+n) and build the draft's
+        catch-up pairs along it: tokens [B, D+1] (the path shifted left, then the bonus; past n
+        the bonus again, never read), features [B, D+1, h]; and the path's tokens [B, D+1]."""
+        self.target.keep_slots(L[:, None] + acc.path, L)
+        path_tokens = torch.gather(tree_tokens, 1, acc.path)  # [B, D+1], root first
+        steps = torch.arange(acc.path.shape[1], device=L.device)[None]
+        shifted = torch.cat([path_tokens[:, 1:], acc.bonus[:, None]], 1)
+        next_tokens = torch.where(steps < acc.n_accepted[:, None], shifted, acc.bonus[:, None])
+        feats = self.head.project([torch.gather(h, 1, acc.path[:, :, None].expand(-1, -1, h.shape[-1]))
+                                   for h in hidden])
+        return next_tokens, feats, path_tokens
+
+    def _catch_up_inputs(self, start: Tensor, T: int, kv_len: int) -> tuple[Tensor, Tensor]:
+        """Positions [B, T] (= slots) and causal attention mask [B, T, kv_len] of T catch-up pairs
+        from slot start [B] on."""
+        pos = start[:, None] + torch.arange(T, device=start.device)[None]
+        tril = torch.ones(T, T, dtype=torch.bool, device=start.device).tril()
+        return pos, build_attn_mask(start, tril, kv_len)
+
+    def _verify_commit_greedy(self, tokens: Tensor, parent: Tensor, depth: Tensor, tree_mask: Tensor,
+                              L: Tensor, mask: Tensor) -> tuple[Tensor, ...]:
+        """A greedy round after its draft phase: verify, acceptance, commit and the draft's
+        catch-up, one graph when compiled (on a GPU the eager glue between verify and catch-up
+        was ~40 small launches a round). mask [B, N, kv_len]: the verify's; the catch-up reads the
+        same kv length. Returns (logits [B, N, V], path [B, D+1], n [B], bonus [B], path tokens
+        [B, D+1], the next root's draft feature [B, h] and log-probs [B, V'])."""
+        tree, N = DraftTree(tokens, parent, depth, tree_mask), tokens.shape[1]
+        slots = L[:, None] + torch.arange(N, device=L.device)[None]
+        logits, hidden = self._verify(tokens, L[:, None] + depth, slots, mask)
+        acc = accept_greedy(tree, logits, self.tree.num_steps)
+        next_tokens, feats, path_tokens = self._commit(tokens, acc, hidden, L)
+        pos, catch_mask = self._catch_up_inputs(L, next_tokens.shape[1], mask.shape[-1])
+        g_last, logp = self._catch_up(next_tokens, feats, pos, catch_mask, acc.n_accepted + 1)
+        return logits, acc.path, acc.n_accepted, acc.bonus, path_tokens, g_last, logp
+
     def _catch_up(self, next_tokens: Tensor, feats: Tensor, pos: Tensor, mask: Tensor, count: Tensor,
                   row0: int = 0) -> tuple[Tensor, Tensor]:
         """Draft catch-up over pairs (feature_i, token_i+1) [B, T] at positions pos (= their
@@ -275,7 +318,8 @@ class SpecDecoder:
 
     def compile(self, mode: str | None = None, max_bs: int | None = None) -> SpecDecoder:
         """torch.compile the draft phase (its num_steps - 1 draft forwards and the tree's
-        construction: _draft_tree), the verify and the catch-up steps with full graphs: the batch in
+        construction: _draft_tree), a greedy round's rest (_verify_commit_greedy), and a sampled
+        round's verify and catch-up steps, each lazily, with full graphs: the batch in
         buckets of 1, 2, 4, 8, then multiples of 8 (BucketedStep; a bucket over max_bs, default
         the bucket of max_batch, runs eagerly). On CPU Inductor traces the kv length as a symbol
         (one graph per batch bucket); on CUDA, mode="reduce-overhead" (compile_mode_for) compiles
@@ -290,10 +334,11 @@ class SpecDecoder:
         self.compiled, self.max_bs, self.compile_mode = True, max_bs, mode
         graphs = mode == CUDA_GRAPHS
         # Argument mask_arg of each step carries the kv length (a mask, or draft_tree's kv_ref).
-        self.draft_tree_fn, self.verify_fn, self.catch_up_fn = (
+        self.draft_tree_fn, self.greedy_round_fn, self.verify_fn, self.catch_up_fn = (
             BucketedStep(f, compile_step(f, mode), max_bs, clone=graphs, mask_arg=arg,
                          max_kv=self.max_seq_len)
-            for f, arg in ((self._draft_tree, 4), (self._verify, 3), (self._catch_up, 3)))
+            for f, arg in ((self._draft_tree, 4), (self._verify_commit_greedy, 5), (self._verify, 3),
+                           (self._catch_up, 3)))
         return self
 
     def kv_len(self, needed: int) -> int:
@@ -347,19 +392,13 @@ class SpecDecoder:
         self.rows.admit_many(seqs, firsts)
 
     def _draft_extend(self, row0: int, next_tokens: Tensor, feats: Tensor, start: Tensor,
-                      count: Tensor, kv_len: int, in_round: bool = False) -> None:
-        """Draft catch-up: pairs (feature_i, token_{i+1}) at positions start..start+count-1
-        (padded to T; kv_len covers start + T); remember the draft's output after the last real
-        pair. A round's catch-up (rows from 0, T = num_steps + 1 every round) runs the compiled
-        step; a join's (T = the prompt's length, rows from row0) runs eagerly."""
+                      count: Tensor, kv_len: int) -> None:
+        """A join's draft catch-up, eagerly (T = the longest prompt, rows from row0): pairs
+        (feature_i, token_{i+1}) at positions start..start+count-1 (padded to T; kv_len covers
+        start + T); remember the draft's output after the last real pair."""
         B, T = next_tokens.shape
-        pos = start[:, None] + torch.arange(T, device=self.device)[None]
-        tril = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
-        mask = build_attn_mask(start, tril, kv_len)
-        if in_round:
-            g_last, logp = self.catch_up_fn(next_tokens, feats, pos, mask, count)
-        else:
-            g_last, logp = self._catch_up(next_tokens, feats, pos, mask, count, row0)
+        pos, mask = self._catch_up_inputs(start, T, kv_len)
+        g_last, logp = self._catch_up(next_tokens, feats, pos, mask, count, row0)
         self.root_g[row0:row0 + B], self.root_logp[row0:row0 + B] = g_last, logp
 
     # -- one round ---------------------------------------------------------------------------
@@ -373,54 +412,56 @@ class SpecDecoder:
         cfg, dev = self.tree, self.device
         L = self.L[:B]
         L_max = max(s.cached for s in self.seqs)  # = L.max(), from the host: no read
+        N, T = cfg.num_draft_tokens, cfg.num_steps + 1  # tree nodes; catch-up pairs (path + bonus)
         t0 = time.perf_counter()
-        kv_ref = torch.empty(B, self.kv_len(L_max + cfg.num_steps * cfg.eagle_topk), dtype=torch.bool,
-                             device=dev)
-        tree = DraftTree(*self.draft_tree_fn(self.root[:B], self.root_logp[:B], self.root_g[:B], L, kv_ref))
+        with record_function("spec.draft_tree"):
+            kv_ref = torch.empty(B, self.kv_len(L_max + cfg.num_steps * cfg.eagle_topk), dtype=torch.bool,
+                                 device=dev)
+            tree = DraftTree(*self.draft_tree_fn(self.root[:B], self.root_logp[:B], self.root_g[:B], L,
+                                                 kv_ref))
         t1 = time.perf_counter()
-        N = cfg.num_draft_tokens
-        pos = L[:, None] + tree.depth
-        slots = L[:, None] + torch.arange(N, device=dev)[None]
-        mask = build_attn_mask(L, tree.mask, self.kv_len(L_max + N))
-        logits, hidden = self.verify_fn(tree.tokens, pos, slots, mask)
-        t2 = time.perf_counter()
+        kv = self.kv_len(L_max + max(N, T))  # verify's and catch-up's
+        mask = build_attn_mask(L, tree.mask, kv)
         params = [s.params for s in self.seqs]
-        if all(p.greedy for p in params):
-            acc: Acceptance = accept_greedy(tree, logits, cfg.num_steps)
+        greedy = all(p.greedy for p in params)
+        if greedy:
+            with record_function("spec.verify_commit_greedy"):
+                logits, path, n, bonus, path_tokens, g_last, logp = self.greedy_round_fn(
+                    tree.tokens, tree.parent, tree.depth, tree.mask, L, mask)
+            t2 = t3 = t4 = time.perf_counter()
         else:
-            acc = accept_sampling(tree, logits, params, [s.generator for s in self.seqs], cfg.num_steps)
-        n = acc.n_accepted
-        # Commit: the accepted path's KV moves to slots L..L+n; the draft catches up on it.
-        self.target.keep_slots(L[:, None] + acc.path, L)
-        path_tokens = torch.gather(tree.tokens, 1, acc.path)  # [B, D+1], root first
-        steps = torch.arange(acc.path.shape[1], device=dev)[None]
-        shifted = torch.cat([path_tokens[:, 1:], acc.bonus[:, None]], 1)
-        next_tokens = torch.where(steps < n[:, None], shifted, acc.bonus[:, None])
-        feats = self.head.project([torch.gather(h, 1, acc.path[:, :, None].expand(-1, -1, h.shape[-1]))
-                                   for h in hidden])
-        t3 = time.perf_counter()
-        self._draft_extend(0, next_tokens, feats, L, n + 1, self.kv_len(L_max + next_tokens.shape[1]),
-                           in_round=True)
-        t4 = time.perf_counter()
+            with record_function("spec.verify"):
+                pos, slots = L[:, None] + tree.depth, L[:, None] + torch.arange(N, device=dev)[None]
+                logits, hidden = self.verify_fn(tree.tokens, pos, slots, mask)
+            t2 = time.perf_counter()
+            with record_function("spec.accept_commit"):
+                acc = accept_sampling(tree, logits, params, [s.generator for s in self.seqs], cfg.num_steps)
+                path, n, bonus = acc.path, acc.n_accepted, acc.bonus
+                next_tokens, feats, path_tokens = self._commit(tree.tokens, acc, hidden, L)
+            t3 = time.perf_counter()
+            with record_function("spec.catch_up"):
+                g_last, logp = self.catch_up_fn(next_tokens, feats, *self._catch_up_inputs(L, T, kv), n + 1)
+            t4 = time.perf_counter()
+        self.root_g[:B], self.root_logp[:B] = g_last, logp
         self.L[:B] = L + n + 1
-        self.root[:B] = acc.bonus
+        self.root[:B] = bonus
         results = []
         # The round's one host read: drafted tokens on the path, bonus and count per row.
-        rows = torch.cat([path_tokens[:, 1:], acc.bonus[:, None], n[:, None]], 1).tolist()
+        rows = torch.cat([path_tokens[:, 1:], bonus[:, None], n[:, None]], 1).tolist()
         for b, (seq, row) in enumerate(zip(self.seqs, rows)):
             k = row[-1]
-            drafted, bonus = row[:k], row[-2]
             seq.cached += k + 1
             seq.accepted.append(k)
             self.stats.record(k)
-            seq.set_logits(logits[b, acc.path[b, :k + 1]])  # logprobs: verify logits in front of each token
-            results.append((seq, seq.emit(drafted + [bonus])))
+            seq.set_logits(logits[b, path[b, :k + 1]])  # logprobs: verify logits in front of each token
+            results.append((seq, seq.emit(row[:k] + [row[-2]])))  # drafted tokens, then the bonus
         self.stats.rounds += 1
         self.rows.drop_finished()
         t5 = time.perf_counter()
         self.stats.draft_s += (t1 - t0) + (t4 - t3)
         self.stats.verify_s += t2 - t1
         self.stats.other_s += (t3 - t2) + (t5 - t4)
+        self.stats.draft_calls += cfg.num_steps - greedy  # a greedy round's catch-up is in verify_s
         return results
 
 

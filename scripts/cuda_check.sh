@@ -6,7 +6,8 @@
 # transformers `generate`, our plain and speculative decoding (the reference EAGLE-3 head, tree
 # 5/4/16) from CUDA graphs, the same eagerly, batch 4 from CUDA graphs, and the server at
 # concurrency 1 (spec and plain, through the OpenAI API: scripts/bench_server.py). One log and a JSON
-# per bench run go to $OUT; each step has a time limit, and a failed step does not stop the next.
+# per bench run go to $OUT, the CUDA-graph run's torch.profiler tables and traces to $OUT/profile;
+# each step has a time limit, and a failed step does not stop the next.
 #
 #   OUT=runs/cuda_check bash scripts/cuda_check.sh
 #   N=10 TOKENS=256 PROMPTS=prompts.jsonl bash scripts/cuda_check.sh
@@ -46,7 +47,7 @@ for s in $STEPS; do
   case $s in
     tests) step tests 240 "$PY" -m pytest -q -p no:cacheprovider -m cuda \
              tests/test_static_shapes.py tests/test_tree_accept_kernel.py ;;
-    graphs) bench graphs 240 ;;                   # transformers, plain and speculative, CUDA graphs
+    graphs) bench graphs 300 --profile "$OUT/profile" ;;  # transformers, plain and speculative, CUDA graphs
     eager) bench eager 120 --no-hf --no-compile ;; # the same steps, launched one kernel at a time
     batch4) bench batch4 400 --batch-size 4 ;;     # CUDA graphs at the batch bucket of 4
     server) step server 400 "$PY" scripts/bench_server.py --concurrency 1 --num-requests "$N" \

@@ -171,7 +171,9 @@ def kernel_available(t: Tensor) -> bool:
     """Whether the fused kernels should run for tensors like t: on CUDA, with triton installed.
     (Under TRITON_INTERPRET=1 they run anywhere, slowly: tests call them directly, and callers
     that dispatch on this keep the torch path there.)"""
-    return t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and _triton_ok()
+    # Inside a graph being compiled the torch walk is traced instead: Inductor fuses it with the rest.
+    return (t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and not torch.compiler.is_compiling()
+            and _triton_ok())
 
 
 def _next_pow2(n: int) -> int:
