@@ -46,8 +46,10 @@ def head_method(head_dir: Path) -> str:
 
 
 def run_vllm(model: str, prompts: list[list[int]], *, head: Path | None, k: int, max_new_tokens: int,
-             dtype: str, ignore_eos: bool, enforce_eager: bool, python: str | None = None) -> dict:
-    """One vLLM configuration in its own worker process: outputs, timings, spec counters."""
+             dtype: str, ignore_eos: bool, enforce_eager: bool, python: str | None = None,
+             llm_args: dict | None = None) -> dict:
+    """One vLLM configuration in its own worker process: outputs, timings, spec counters.
+    llm_args: more vllm.LLM arguments (the bench leaves vLLM's defaults)."""
     from eagle_infer.vllm_client import VLLMEngine
 
     spec = None
@@ -56,7 +58,7 @@ def run_vllm(model: str, prompts: list[list[int]], *, head: Path | None, k: int,
     max_len = max(256, max(len(p) for p in prompts) + max_new_tokens + k + 8)
     params = {"temperature": 0.0, "max_tokens": max_new_tokens, "ignore_eos": ignore_eos}
     with VLLMEngine(model, dtype=dtype, speculative_config=spec, enforce_eager=enforce_eager,
-                    max_model_len=max_len, python=python) as llm:
+                    max_model_len=max_len, python=python, **(llm_args or {})) as llm:
         _, first_s = llm.generate(prompts[:1], [params])  # warm-up, as our bench does
         warmup_s = llm.startup_s + first_s
         before = llm.spec_counts()
