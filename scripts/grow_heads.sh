@@ -23,7 +23,8 @@
 # published; README: growing the reference heads), 3888-5423 by segment 5 (on-policy, BATCH=1,
 # our generator, published), 5424-6959 by segment 6 (one epoch, EAGLE-3 only, not published;
 # then two epochs, both kinds: EAGLE-3 published, held-out tau +0.063, runtime tau unchanged;
-# EAGLE-2 not, held-out tau -0.043); the next segment starts at 6960.
+# EAGLE-2 not, held-out tau -0.043; a session later EAGLE-2 one epoch on the same capture:
+# held-out +0.040, published as segment 6 from runs/grow/seg6e2); the next segment starts at 6960.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
