@@ -814,8 +814,9 @@ def warm_up(dec: Any) -> list[int]:
     """Compile every batch bucket's graphs before serving: a bucket's first step compiles them
     (tens of seconds a graph on a 2-core CPU), which would otherwise stall the first requests
     that reach it. Runs a 4-token prompt for two tokens at each bucket up to the decoder's
-    max_bs (one round: draft, verify and catch-up), then resets the statistics. Returns the
-    batch sizes run."""
+    max_bs, greedy and then sampled (a speculative decoder runs a greedy round's verify to
+    catch-up as one graph, a sampled round's verify and catch-up as two), then resets the
+    statistics. Returns the batch sizes run."""
     from eagle_infer.generate import batch_bucket
     from eagle_infer.sampling import SamplingParams
     from eagle_infer.speculative import Sequence_, SpecStats
@@ -823,9 +824,10 @@ def warm_up(dec: Any) -> list[int]:
     buckets = [b for b in range(1, dec.max_bs + 1) if batch_bucket(b) == b]
     sizes = sorted({min(b, dec.max_batch) for b in buckets})  # a size per bucket the server reaches
     for n in sizes:
-        dec.add_many([Sequence_([1, 2, 3, 4], SamplingParams(), 2, set()) for _ in range(n)])
-        while dec.seqs:
-            dec.step()
+        for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=0)):
+            dec.add_many([Sequence_([1, 2, 3, 4], params, 2, set()) for _ in range(n)])
+            while dec.seqs:
+                dec.step()
     dec.stats = SpecStats()
     return sizes
 

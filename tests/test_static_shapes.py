@@ -76,10 +76,11 @@ def test_compiled_plain_decode_exact_one_graph_per_batch_bucket():
     assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
 
 
-def serve_all(dec, jobs: list[tuple[list[int], int]]) -> tuple[list[list[int]], list[int]]:
+def serve_all(dec, jobs: list[tuple[list[int], int]],
+              params: SamplingParams | None = None) -> tuple[list[list[int]], list[int]]:
     """Run (prompt, max_new_tokens) jobs through a decoder the way the server does: join while
     rows are free, one step at a time; returns the outputs and the batch size of every step."""
-    seqs = [Sequence_(p, SamplingParams(), n, set()) for p, n in jobs]
+    seqs = [Sequence_(p, params or SamplingParams(), n, set()) for p, n in jobs]
     waiting, batches = list(seqs), []
     while waiting or dec.seqs:
         while waiting and dec.free_rows:
@@ -169,9 +170,10 @@ def test_inductor_steps_one_graph_per_batch_bucket_across_kv_lengths():
 
 
 def test_warm_up_compiles_every_bucket_before_serving():
-    """The server's start-up warm-up (server.warm_up) runs each batch bucket up to max_bs once:
-    afterwards requests of any batch size and prompt length compile nothing new, output equals
-    plain greedy decoding, and the warm-up's rounds are not in the statistics."""
+    """The server's start-up warm-up (server.warm_up) runs each batch bucket up to max_bs once,
+    greedy and sampled: afterwards requests of any batch size, prompt length and sampling compile
+    nothing new, greedy output equals plain greedy decoding, and the warm-up's rounds are not in
+    the statistics."""
     from torch._dynamo.utils import counters
 
     from eagle_infer.server import warm_up
@@ -188,9 +190,11 @@ def test_warm_up_compiles_every_bucket_before_serving():
         dec = make().compile(max_bs=4)
         assert warm_up(dec) == [1, 2, 3] and dec.stats.rounds == 0 and not dec.seqs
         graphs = counters["stats"]["unique_graphs"]
-        assert graphs == (1 if isinstance(dec, PlainDecoder) else 2) * 3  # buckets 1, 2, 4
+        # buckets 1, 2, 4; spec: draft phase, greedy verify..catch-up, sampled verify and catch-up
+        assert graphs == (1 if isinstance(dec, PlainDecoder) else 4) * 3
         out, batches = serve_all(dec, jobs)
         assert out == ref and {1, 2, 3} <= set(batches), batches
+        serve_all(dec, jobs, SamplingParams(temperature=0.8, seed=3))
         assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
 
 
