@@ -872,7 +872,7 @@ class TrainRecipe:
             "step": self.step, "epoch": round(self.micro / self.per_epoch, 4),
             "lr": float(self.sched.get_last_lr()[0]), "loss": loss,
             "ce": st["ce"], "acc": st["acc"], "count": st["count"],
-            "tokens_per_s": float(packed[-1]) / max(seconds, 1e-9),
+            "tokens_per_s": float(packed[-1]) / max(seconds, 1e-9), "seconds": round(seconds, 3),
         }
         if self.kind == "eagle2":
             rec["feature"] = st["feature"]

@@ -24,7 +24,9 @@
 # our generator, published), 5424-6959 by segment 6 (one epoch, EAGLE-3 only, not published;
 # then two epochs, both kinds: EAGLE-3 published, held-out tau +0.063, runtime tau unchanged;
 # EAGLE-2 not, held-out tau -0.043; a session later EAGLE-2 one epoch on the same capture:
-# held-out +0.040, published as segment 6 from runs/grow/seg6e2); the next segment starts at 6960.
+# held-out +0.040, published as segment 6 from runs/grow/seg6e2), 6960-14809 by segment 7 on a
+# lent H100 (scripts/gpu_grow.sh; published: EAGLE-3 at lr 2e-4, 8 a step, beat 1e-4, 4 a step).
+# The next segment starts at 14810 (~2,400 prompts left); EAGLE-3 wants LR=2e-4 BATCH=8.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

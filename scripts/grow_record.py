@@ -41,8 +41,8 @@ def segment_record(kind: str, args: argparse.Namespace) -> dict:
     after = read(Path(args.segment_dir) / f"eval-{kind}" / "eval.json")
     return {
         "kind": kind, "segment": args.segment, "conversations": [args.offset, args.offset + args.limit],
-        "capture": {"data": args.data, **totals}, "epochs": tr.get("epochs"), "lr": tr.get("lr"),
-        "batch_size": tr.get("batch_size"),
+        "capture": {"data": args.data, **totals}, "epochs": summary.get("epochs_done", tr.get("epochs")),
+        "lr": tr.get("lr"), "batch_size": tr.get("batch_size"), "device": summary.get("device", "cpu"),
         "steps": summary["step"], "token_passes": summary["tokens_total"],
         "train_seconds_last_run": summary["train_seconds_this_run"],
         "tokens_seen": tokens_seen_before(head) + totals["tokens"],

@@ -297,3 +297,39 @@ def test_online_capture_stores_tokens_only_and_online_states_match(reference_cap
                   f"workdir={tmp_path / 'tf'}"])
     out = capture.run(tf, tokenizer=tokenizer)
     assert out["manifests"]["train"]["complete"] and out["manifests"]["train"]["totals"]["samples"] == 4
+
+
+def test_segment_prompts_match_what_capture_plans(tmp_path, default_model_dir, tokenizer):
+    """scripts/segment_prompts.py (prompts for a capture on a machine without the dataset) keeps
+    the training split's order from --offset, each prompt as capture plans it, and leaves out
+    exactly the prompts the capture would skip as too long."""
+    import json
+    import subprocess
+    import sys
+
+    from eagle_train.capture import Skip, plan_conversation
+    from eagle_train.data import load_conversations, render_prompt, split_heldout
+
+    out = tmp_path / "seg.jsonl"
+    subprocess.run([sys.executable, "scripts/segment_prompts.py", "--source", "mtbench_dummy",
+                    "--offset", "100", "--limit", "60", "--max-length", "37", "--out", str(out)],
+                   check=True, capture_output=True)
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    convs = load_conversations("mtbench_dummy")
+    train_idx, _ = split_heldout(list(range(len(convs))), 40, 0)
+    expected = []
+    for k in range(100, 160):
+        try:
+            job = plan_conversation(k, convs[train_idx[k]], regenerate=True, max_turns=1)
+        except Skip:
+            continue
+        prompt = render_prompt(tokenizer, job.messages[: job.slots[0]])
+        if len(prompt) < 37:
+            expected.append((k, prompt))
+    assert 0 < len(expected) < 60  # some prompts are too long at 37 tokens: the filter is exercised
+    assert [r["id"] for r in recs] == [k for k, _ in expected]
+    # Read back as the GPU capture reads it, the prompts are the ones planned from the dataset.
+    back = load_conversations(out)
+    for conv, (k, prompt) in zip(back, expected):
+        job = plan_conversation(k, conv, regenerate=True, max_turns=1)
+        assert render_prompt(tokenizer, job.messages[: job.slots[0]]) == prompt

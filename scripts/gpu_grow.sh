@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Issue #14, item 3, on a lent GPU: grow the reference heads by one large segment inside a fixed
+# time budget. The prompts come as a JSONL (scripts/segment_prompts.py writes the training split
+# from a given offset, so the machine needs no ShareGPT package); the target answers them
+# greedily (on-policy, what greedy serving sees) with nothing but token ids stored
+# (capture.store_states=false); each head then trains with the target computing its states
+# online, continuing from the committed head (train.init_from). Several trainings run side by
+# side (each is launch-bound on a 135M target; the GPU has room): a short probe of each measures
+# seconds per step under that load, and each real run gets the steps that fit the time left
+# (train.max_steps, capped at its epochs; the cosine schedule spans what runs). Heads,
+# summaries, logs and configs end in $OUT/heads.tar.* (15 MB parts: the device tool returns
+# files of 16 MiB at most); evaluate them afterwards on the held-out split (grow_heads.sh's eval).
+#
+#   PROMPTS=.blob3/seg7.jsonl.xz BUDGET=520 OUT=runs/gpu_grow bash scripts/gpu_grow.sh
+#
+# RUNS: name:kind:lr:batch:epochs[:steps] entries; a run given its steps skips the probe. All
+# runs under one deadline, BUDGET seconds from the start; the capture stops at CAPTURE_S and
+# training uses what it captured by then (a second call resumes the capture where it stopped).
+# Segment 7 (README) ran it with PROBE=20 RUNS="e3:eagle3:1e-4:4:2 e3hi:eagle3:3e-4:4:2
+# e2:eagle2:1e-4:4:1", then again on the same warm machine (the capture resumed) with
+# CAPTURE_S=95 RUNS="f3:eagle3:1e-4:4:2:1500 f3b:eagle3:2e-4:8:2:800 f2:eagle2:1e-4:4:2:1600".
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+OUT=${OUT:-runs/gpu_grow}
+W=${W:-/tmp/gpu_grow}
+PROMPTS=${PROMPTS:?a .jsonl or .jsonl.xz of prompts (scripts/segment_prompts.py)}
+DEVICE=${DEVICE:-cuda}
+BUDGET=${BUDGET:-520}          # seconds for everything, packing included
+CAPTURE_S=${CAPTURE_S:-200}    # the capture's own limit
+CBATCH=${CBATCH:-256}          # answers generated a batch
+PROBE=${PROBE:-40}             # optimizer steps of each probe (4 log windows)
+# name:kind:lr:batch:epochs[:steps]. Segment 7 measured batch 8 at lr 2e-4 best for EAGLE-3
+# (README); CPU segments had EAGLE-3 best at 2 epochs, EAGLE-2 at 1.
+RUNS=${RUNS:-"e3:eagle3:2e-4:8:2 e2:eagle2:1e-4:4:1"}
+T=SmolLM2-135M-Instruct
+T0=$SECONDS
+mkdir -p "$OUT" "$W"
+LOG=$OUT/gpu_grow.log
+say() { echo "[$((SECONDS - T0)) s] $*" | tee -a "$LOG"; }
+run() { "$PY" -m eagle_train preset=reference workdir="$W" device="$DEVICE" train.wandb.mode=disabled "$@"; }
+
+case $PROMPTS in
+  *.xz) P=$W/prompts.jsonl
+        "$PY" -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" "$PROMPTS" "$P" ;;
+  *) P=$PROMPTS ;;
+esac
+say "prompts: $(wc -l <"$P") from $PROMPTS; runs: $RUNS"
+
+C=$W/capture
+say "capture: greedy answers, token ids only, batches of $CBATCH, at most $CAPTURE_S s"
+timeout "$CAPTURE_S" "$PY" -m eagle_train preset=reference workdir="$W" device="$DEVICE" stage=capture \
+  data.source="$P" data.heldout=0 capture.offset=0 capture.limit=null capture.temperature=0 \
+  capture.store_states=false capture.batch_size="$CBATCH" capture.shard_size="$CBATCH" capture_dir="$C" \
+  eval.num_samples=0 hydra.run.dir="$W/hydra/capture" ${CAPTURE_ARGS:-} >"$W/capture.log" 2>&1
+say "capture: exit $?; $(grep -a -E '^capture|gen .*tok/s' "$W/capture.log" | tail -2 | tr '\r' '\n' | tail -2)"
+
+train() {  # name kind lr batch epochs steps head_dir
+  run stage=train draft="$2" capture_dir="$C" train.init_from="heads/$T-$2" train.lr="$3" \
+    train.batch_size="$4" train.epochs="$5" train.max_steps="$6" train.save_every=0 head_dir="$7" \
+    hydra.run.dir="$7.hydra"
+}
+# The probes run side by side, as the real runs will.
+pids=()
+for r in $RUNS; do
+  IFS=: read -r name kind lr batch epochs fixed <<<"$r"
+  [ -z "$fixed" ] || continue
+  (s=$SECONDS; train "$name" "$kind" "$lr" "$batch" "$epochs" "$PROBE" "$W/probe-$name" >"$W/probe-$name.log" 2>&1
+   echo "$((SECONDS - s))" >"$W/probe-$name.wall") &
+  pids+=($!)
+done
+[ ${#pids[@]} -eq 0 ] || wait "${pids[@]}"
+left=$((BUDGET - (SECONDS - T0) - 30))
+say "probes done; $left s left for training"
+pids=()
+for r in $RUNS; do
+  IFS=: read -r name kind lr batch epochs fixed <<<"$r"
+  # Steps that fit: (time left - this run's setup - 15 s) / seconds a step, at most its epochs.
+  [ -n "$fixed" ] && steps=$fixed || steps=$("$PY" - "$W/probe-$name" "$(cat "$W/probe-$name.wall" 2>/dev/null || echo 0)" "$left" \
+          "$epochs" "$PROBE" "$batch" 2>>"$LOG" <<'EOF' || echo 0
+import json, math, sys
+d, wall, left, epochs = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+probe, batch = int(sys.argv[5]), int(sys.argv[6])
+s = json.load(open(f"{d}/train_summary.json"))
+# Seconds a step from the log windows after the first: the first holds CUDA's warm-up
+# (cuBLAS handles, allocator growth), ~3x a steady step on the H100.
+recs = [json.loads(line) for line in open(f"{d}/train_log.jsonl")]
+steady = [(r["seconds"], r["step"] - p["step"]) for p, r in zip(recs, recs[1:]) if "seconds" in r]
+per_step = (sum(t for t, _ in steady) / sum(n for _, n in steady) if steady
+            else s["train_seconds_this_run"] / probe)
+setup = wall - s["train_seconds_this_run"]
+cap = int(epochs * math.ceil(s["samples"] / batch))
+print(max(0, min(cap, int((left - setup - 15) / per_step))), f"{per_step:.3f}", f"{setup:.0f}", cap)
+EOF
+)
+  read -r steps per_step setup cap <<<"$steps"
+  say "train $name ($kind, lr $lr, batch $batch): ${steps:-0} steps (probe: ${per_step:-?} s a step, setup ${setup:-?} s; $epochs epochs = ${cap:-?} steps)"
+  [ "${steps:-0}" -gt 0 ] || { tail -5 "$W/probe-$name.log" >>"$LOG"; continue; }
+  (train "$name" "$kind" "$lr" "$batch" "$epochs" "$steps" "$W/$name" >"$W/$name.log" 2>&1; echo "exit $?" >>"$W/$name.log") &
+  pids+=($!)
+done
+wait "${pids[@]}"
+for r in $RUNS; do
+  name=${r%%:*}
+  say "$name: $(grep -a -h -E 'train: (done|stopped)|Error|^exit' "$W/$name.log" 2>/dev/null | tail -3 | tr '\n' ' ')"
+done
+# Heads and records (no checkpoints), the capture's manifest and config, the logs.
+(cd "$W" && tar cf - --exclude=checkpoints --exclude='*.hydra' $(for r in $RUNS; do [ -d "${r%%:*}" ] && echo "${r%%:*}"; done) \
+   ./*.log capture/config.yaml capture/manifest.json 2>/dev/null) | split -b 15M - "$OUT/heads.tar."
+say "packed: $(ls "$OUT" | tr '\n' ' ')"

@@ -1,0 +1,65 @@
+"""Write a grow segment's prompts as a small JSONL, for a capture on a machine without the
+ShareGPT package (a lent GPU: scripts/gpu_grow.sh).
+
+Takes the training split exactly as `stage=capture` computes it (preset=reference: data.heldout
+40, seed 0), passes over `--offset` conversations, keeps each one's first user turn with what
+precedes it (capture.max_turns=1 regenerates only the first answer; the dataset's answer is
+replaced by "."), and leaves out prompts the capture would skip (>= data.max_length tokens).
+Each record keeps its training-split index as "id", so the segment's range stays on record.
+
+    .venv/bin/python scripts/segment_prompts.py --offset 6960 --out .blob3/seg7.jsonl.xz
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle_infer.default_model import resolve_model_path  # noqa: E402
+from eagle_infer.loader import load_tokenizer  # noqa: E402
+from eagle_train.capture import Skip, plan_conversation  # noqa: E402
+from eagle_train.data import load_conversations, render_prompt, split_heldout  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--source", default="sharegpt", help="data.source: a builtin name or a JSON/JSONL path")
+    ap.add_argument("--offset", type=int, required=True, help="first training conversation")
+    ap.add_argument("--limit", type=int, default=None, help="conversations after the offset (default: all)")
+    ap.add_argument("--heldout", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-length", type=int, default=640)
+    ap.add_argument("--out", type=Path, required=True, help=".jsonl or .jsonl.xz")
+    a = ap.parse_args()
+
+    convs = load_conversations(a.source)
+    train_idx, _ = split_heldout(list(range(len(convs))), a.heldout, a.seed)
+    stop = len(train_idx) if a.limit is None else min(len(train_idx), a.offset + a.limit)
+    tok = load_tokenizer(resolve_model_path(None))
+    kept, too_long, skipped = [], 0, 0
+    for k in range(a.offset, stop):
+        try:
+            job = plan_conversation(k, convs[train_idx[k]], regenerate=True, max_turns=1)
+        except Skip:
+            skipped += 1
+            continue
+        msgs = job.messages
+        if len(render_prompt(tok, msgs[: job.slots[0]])) >= a.max_length:
+            too_long += 1
+            continue
+        msgs[job.slots[0]] = {"role": "assistant", "content": "."}
+        kept.append({"id": k, "messages": msgs})
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept).encode()
+    a.out.write_bytes(lzma.compress(text) if a.out.suffix == ".xz" else text)
+    print(f"training conversations {a.offset}-{stop - 1}: {len(kept)} prompts written to {a.out} "
+          f"({a.out.stat().st_size / 1e6:.1f} MB); {too_long} prompts >= {a.max_length} tokens and "
+          f"{skipped} without a user turn left out")
+
+
+if __name__ == "__main__":
+    main()
