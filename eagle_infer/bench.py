@@ -77,11 +77,14 @@ def _first_turn(record, where: str) -> str:
                     f"field)")
 
 
-def load_prompts(path: str | os.PathLike | None, n: int, tokenizer) -> list[list[int]]:
+def load_prompts(path: str | os.PathLike | None, n: int, tokenizer,
+                 per_category: int | None = None) -> list[list[int]]:
     """Token ids of the first n prompts of a .jsonl / .json file, chat template applied.
 
     None = MT-bench. Each record is a string or an object with `turns` (MT-bench: its first
     turn), `conversations` / `messages` (first user message), or `prompt` / `text`.
+    `per_category` takes the first that many records of each `category` instead (MT-bench's
+    first ten are all writing: this is how the bench sees the other kinds of prompt).
     """
     from eagle_infer.generate import chat_prompt_ids
 
@@ -109,6 +112,19 @@ def load_prompts(path: str | os.PathLike | None, n: int, tokenizer) -> list[list
             raise UserError(f"{path}: expected a JSON list of prompts")
     if not records:
         raise UserError(f"{path}: no prompts")
+    if per_category is not None:
+        if per_category <= 0:
+            raise UserError(f"--per-category must be > 0, got {per_category}")
+        seen: dict[str, int] = {}
+        picked = []
+        for i, r in enumerate(records):
+            cat = r.get("category") if isinstance(r, dict) else None
+            if cat is None:
+                raise UserError(f"{path} record {i}: no 'category' field for --per-category")
+            seen[cat] = seen.get(cat, 0) + 1
+            if seen[cat] <= per_category:
+                picked.append(r)
+        records, n = picked, len(picked)
     if len(records) < n:
         print(f"note: {path} holds {len(records)} prompts; using all of them", file=sys.stderr)
     msgs = [_first_turn(r, f"{path} record {i}") for i, r in enumerate(records[:n])]
@@ -554,6 +570,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-path", default="default", help="HF folder; 'default' = embedded SmolLM2")
     ap.add_argument("--prompts", default=None, help="a .jsonl / .json prompt file (default: MT-bench)")
     ap.add_argument("--num-prompts", type=int, default=5)
+    ap.add_argument("--per-category", type=int, default=None, metavar="K",
+                    help="instead of --num-prompts: the first K prompts of each category (MT-bench: 8)")
     ap.add_argument("--batch-size", type=int, default=1,
                     help="decode B prompts at a time (ours only: transformers is skipped at B > 1)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -618,7 +636,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.dtype = dtype_name(torch_dtype)  # report what ran
     folder = resolve_model_path(args.model_path)
     tok = load_tokenizer(folder)
-    prompts = load_prompts(args.prompts, args.num_prompts, tok)
+    prompts = load_prompts(args.prompts, args.num_prompts, tok, args.per_category)
     ignore_eos = not args.stop_at_eos
 
     model = load_model(folder, args.dtype, device, quantization=args.quantization)
@@ -686,6 +704,7 @@ def main(argv: list[str] | None = None) -> dict:
             "model_path": str(folder),
             "prompts": str(args.prompts or default_prompts_path()),
             "num_prompts": len(prompts),
+            "per_category": args.per_category,
             "prompt_tokens": [len(p) for p in prompts],
             "max_new_tokens": args.max_new_tokens,
             "dtype": args.dtype,

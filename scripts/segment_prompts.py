@@ -2,12 +2,14 @@
 ShareGPT package (a lent GPU: scripts/gpu_grow.sh).
 
 Takes the training split exactly as `stage=capture` computes it (preset=reference: data.heldout
-40, seed 0), passes over `--offset` conversations, keeps each one's first user turn with what
-precedes it (capture.max_turns=1 regenerates only the first answer; the dataset's answer is
-replaced by "."), and leaves out prompts the capture would skip (>= data.max_length tokens).
-Each record keeps its training-split index as "id", so the segment's range stays on record.
+40, seed 0), passes over `--offset` conversations, keeps each one's first `--max-turns` user
+turns with what precedes them (the capture regenerates those answers; capture.max_turns must
+match; the dataset's answers are replaced by "."), and leaves out conversations whose first
+prompt the capture would skip (>= data.max_length tokens). Each record keeps its training-split
+index as "id", so the segment's range stays on record.
 
-    .venv/bin/python scripts/segment_prompts.py --offset 6960 --out .blob3/seg7.jsonl.xz
+    .venv/bin/python scripts/segment_prompts.py --offset 6960 --out seg7.jsonl.xz
+    .venv/bin/python scripts/segment_prompts.py --offset 0 --max-turns 4 --out turns.jsonl.xz
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ def main() -> None:
     ap.add_argument("--heldout", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-length", type=int, default=640)
+    ap.add_argument("--max-turns", type=int, default=1, help="answers a conversation (capture.max_turns)")
     ap.add_argument("--out", type=Path, required=True, help=".jsonl or .jsonl.xz")
     a = ap.parse_args()
 
@@ -43,7 +46,7 @@ def main() -> None:
     kept, too_long, skipped = [], 0, 0
     for k in range(a.offset, stop):
         try:
-            job = plan_conversation(k, convs[train_idx[k]], regenerate=True, max_turns=1)
+            job = plan_conversation(k, convs[train_idx[k]], regenerate=True, max_turns=a.max_turns)
         except Skip:
             skipped += 1
             continue
@@ -51,7 +54,8 @@ def main() -> None:
         if len(render_prompt(tok, msgs[: job.slots[0]])) >= a.max_length:
             too_long += 1
             continue
-        msgs[job.slots[0]] = {"role": "assistant", "content": "."}
+        for i in job.slots:
+            msgs[i] = {"role": "assistant", "content": "."}
         kept.append({"id": k, "messages": msgs})
     a.out.parent.mkdir(parents=True, exist_ok=True)
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept).encode()

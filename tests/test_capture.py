@@ -333,3 +333,40 @@ def test_segment_prompts_match_what_capture_plans(tmp_path, default_model_dir, t
     for conv, (k, prompt) in zip(back, expected):
         job = plan_conversation(k, conv, regenerate=True, max_turns=1)
         assert render_prompt(tokenizer, job.messages[: job.slots[0]]) == prompt
+
+
+def test_segment_prompts_keep_later_turns(tmp_path, tokenizer):
+    """--max-turns N keeps the first N user turns of each conversation, every answer blanked:
+    a capture with capture.max_turns=N plans the same prompts for every turn."""
+    import json
+    import subprocess
+    import sys
+
+    from eagle_train.capture import plan_conversation
+    from eagle_train.data import load_conversations, render_prompt, split_heldout
+
+    out = tmp_path / "turns.jsonl"
+    subprocess.run([sys.executable, "scripts/segment_prompts.py", "--source", "mtbench_dummy",
+                    "--offset", "0", "--limit", "40", "--max-turns", "2", "--out", str(out)],
+                   check=True, capture_output=True)
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    convs = load_conversations("mtbench_dummy")
+    train_idx, _ = split_heldout(list(range(len(convs))), 40, 0)
+    back = load_conversations(out)
+    two = 0
+    for rec, conv in zip(recs, back):
+        want = plan_conversation(rec["id"], convs[train_idx[rec["id"]]], regenerate=True, max_turns=2)
+        got = plan_conversation(rec["id"], conv, regenerate=True, max_turns=2)
+        assert got.slots == want.slots
+        assert all(m["content"] == "." for m in rec["messages"] if m["role"] == "assistant")
+        # The first prompt is the dataset's; later ones follow the regenerated answers.
+        n = got.slots[0]
+        assert render_prompt(tokenizer, got.messages[:n]) == render_prompt(tokenizer, want.messages[:n])
+
+        def users(msgs: list[dict]) -> list[dict]:
+            return [m for m in msgs if m["role"] == "user"]
+
+        assert users(got.messages) == users(want.messages)
+        two += len(got.slots) == 2
+    assert two > 0, "no conversation with two answered turns: the test data changed"
+    assert len(recs) > 0

@@ -289,6 +289,17 @@ def test_bench_load_prompts(tokenizer, mtbench_prompts, tmp_path):
     path.write_text('{"prompt": "ok"}\n{broken\n')
     with pytest.raises(UserError, match=":2"):
         load_prompts(path, 10, tokenizer)
+    # --per-category: the first K of each category, in file order; records need a category.
+    path.write_text("".join(json.dumps({"category": c, "turns": [t]}) + "\n" for c, t in
+                            [("a", "A1"), ("a", "A2"), ("a", "A3"), ("b", "B1"), ("c", "C1"), ("b", "B2")]))
+    got = load_prompts(path, 1, tokenizer, per_category=2)
+    assert [tokenizer.decode(g) for g in got] == [
+        tokenizer.decode(chat_prompt_ids(tokenizer, [{"role": "user", "content": m}]))
+        for m in ("A1", "A2", "B1", "C1", "B2")]
+    assert len(load_prompts(None, 1, tokenizer, per_category=1)) == 8  # MT-bench's categories
+    path.write_text('{"prompt": "no category"}\n')
+    with pytest.raises(UserError, match="category"):
+        load_prompts(path, 1, tokenizer, per_category=1)
 
 
 def test_bench_weight_bytes(tiny_models):
