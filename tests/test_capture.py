@@ -299,10 +299,12 @@ def test_online_capture_stores_tokens_only_and_online_states_match(reference_cap
     assert out["manifests"]["train"]["complete"] and out["manifests"]["train"]["totals"]["samples"] == 4
 
 
-def test_segment_prompts_match_what_capture_plans(tmp_path, default_model_dir, tokenizer):
+
+def test_segment_prompts_match_what_capture_plans(tmp_path, tokenizer):
     """scripts/segment_prompts.py (prompts for a capture on a machine without the dataset) keeps
-    the training split's order from --offset, each prompt as capture plans it, and leaves out
-    exactly the prompts the capture would skip as too long."""
+    the training split's order from --offset, the first --max-turns user turns of each
+    conversation with every answer blanked, as capture plans them, and leaves out exactly the
+    conversations whose first prompt the capture would skip as too long."""
     import json
     import subprocess
     import sys
@@ -312,61 +314,29 @@ def test_segment_prompts_match_what_capture_plans(tmp_path, default_model_dir, t
 
     out = tmp_path / "seg.jsonl"
     subprocess.run([sys.executable, "scripts/segment_prompts.py", "--source", "mtbench_dummy",
-                    "--offset", "100", "--limit", "60", "--max-length", "37", "--out", str(out)],
-                   check=True, capture_output=True)
+                    "--offset", "100", "--limit", "60", "--max-length", "37", "--max-turns", "2",
+                    "--out", str(out)], check=True, capture_output=True)
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     convs = load_conversations("mtbench_dummy")
     train_idx, _ = split_heldout(list(range(len(convs))), 40, 0)
     expected = []
     for k in range(100, 160):
         try:
-            job = plan_conversation(k, convs[train_idx[k]], regenerate=True, max_turns=1)
+            job = plan_conversation(k, convs[train_idx[k]], regenerate=True, max_turns=2)
         except Skip:
             continue
-        prompt = render_prompt(tokenizer, job.messages[: job.slots[0]])
-        if len(prompt) < 37:
-            expected.append((k, prompt))
+        if len(render_prompt(tokenizer, job.messages[: job.slots[0]])) < 37:
+            expected.append((k, job))
     assert 0 < len(expected) < 60  # some prompts are too long at 37 tokens: the filter is exercised
     assert [r["id"] for r in recs] == [k for k, _ in expected]
-    # Read back as the GPU capture reads it, the prompts are the ones planned from the dataset.
+    assert any(len(job.slots) == 2 for _, job in expected), "no two-turn conversation: the data changed"
+    # Read back as the GPU capture reads it, each conversation plans as from the dataset.
     back = load_conversations(out)
-    for conv, (k, prompt) in zip(back, expected):
-        job = plan_conversation(k, conv, regenerate=True, max_turns=1)
-        assert render_prompt(tokenizer, job.messages[: job.slots[0]]) == prompt
-
-
-def test_segment_prompts_keep_later_turns(tmp_path, tokenizer):
-    """--max-turns N keeps the first N user turns of each conversation, every answer blanked:
-    a capture with capture.max_turns=N plans the same prompts for every turn."""
-    import json
-    import subprocess
-    import sys
-
-    from eagle_train.capture import plan_conversation
-    from eagle_train.data import load_conversations, render_prompt, split_heldout
-
-    out = tmp_path / "turns.jsonl"
-    subprocess.run([sys.executable, "scripts/segment_prompts.py", "--source", "mtbench_dummy",
-                    "--offset", "0", "--limit", "40", "--max-turns", "2", "--out", str(out)],
-                   check=True, capture_output=True)
-    recs = [json.loads(line) for line in out.read_text().splitlines()]
-    convs = load_conversations("mtbench_dummy")
-    train_idx, _ = split_heldout(list(range(len(convs))), 40, 0)
-    back = load_conversations(out)
-    two = 0
-    for rec, conv in zip(recs, back):
-        want = plan_conversation(rec["id"], convs[train_idx[rec["id"]]], regenerate=True, max_turns=2)
-        got = plan_conversation(rec["id"], conv, regenerate=True, max_turns=2)
+    for rec, conv, (k, want) in zip(recs, back, expected):
+        got = plan_conversation(k, conv, regenerate=True, max_turns=2)
         assert got.slots == want.slots
-        assert all(m["content"] == "." for m in rec["messages"] if m["role"] == "assistant")
-        # The first prompt is the dataset's; later ones follow the regenerated answers.
         n = got.slots[0]
         assert render_prompt(tokenizer, got.messages[:n]) == render_prompt(tokenizer, want.messages[:n])
-
-        def users(msgs: list[dict]) -> list[dict]:
-            return [m for m in msgs if m["role"] == "user"]
-
-        assert users(got.messages) == users(want.messages)
-        two += len(got.slots) == 2
-    assert two > 0, "no conversation with two answered turns: the test data changed"
-    assert len(recs) > 0
+        assert [m for m in got.messages if m["role"] == "user"] == \
+            [m for m in want.messages if m["role"] == "user"]
+        assert all(m["content"] == "." for m in rec["messages"] if m["role"] == "assistant")
