@@ -11,7 +11,8 @@
 # summaries, logs and configs end in $OUT/heads.tar.* (15 MB parts: the device tool returns
 # files of 16 MiB at most); evaluate them afterwards on the held-out split (grow_heads.sh's eval).
 #
-#   PROMPTS=.blob3/seg7.jsonl.xz BUDGET=520 OUT=runs/gpu_grow bash scripts/gpu_grow.sh
+#   PROMPTS=seg.jsonl.xz BUDGET=520 OUT=runs/gpu_grow bash scripts/gpu_grow.sh
+#   (on a lent machine: MODE=grow bash scripts/device_prep.sh, after scripts/device_blobs.sh)
 #
 # RUNS: name:kind:lr:batch:epochs[:steps] entries; a run given its steps skips the probe. All
 # runs under one deadline, BUDGET seconds from the start; the capture stops at CAPTURE_S and
@@ -38,7 +39,8 @@ T0=$SECONDS
 mkdir -p "$OUT" "$W"
 LOG=$OUT/gpu_grow.log
 say() { echo "[$((SECONDS - T0)) s] $*" | tee -a "$LOG"; }
-run() { "$PY" -m eagle_train preset=reference workdir="$W" device="$DEVICE" train.wandb.mode=disabled "$@"; }
+EAGLE=("$PY" -m eagle_train preset=reference workdir="$W" device="$DEVICE")
+run() { "${EAGLE[@]}" train.wandb.mode=disabled "$@"; }
 
 case $PROMPTS in
   *.xz) P=$W/prompts.jsonl
@@ -49,9 +51,8 @@ say "prompts: $(wc -l <"$P") from $PROMPTS; runs: $RUNS"
 
 C=$W/capture
 say "capture: greedy answers, token ids only, batches of $CBATCH, at most $CAPTURE_S s"
-timeout "$CAPTURE_S" "$PY" -m eagle_train preset=reference workdir="$W" device="$DEVICE" stage=capture \
-  data.source="$P" data.heldout=0 capture.offset=0 capture.limit=null capture.temperature=0 \
-  capture.store_states=false capture.batch_size="$CBATCH" capture.shard_size="$CBATCH" capture_dir="$C" \
+timeout "$CAPTURE_S" "${EAGLE[@]}" stage=capture data.source="$P" data.heldout=0 capture.offset=0 \
+  capture.limit=null capture.temperature=0 capture.store_states=false capture.batch_size="$CBATCH" capture.shard_size="$CBATCH" capture_dir="$C" \
   eval.num_samples=0 hydra.run.dir="$W/hydra/capture" ${CAPTURE_ARGS:-} >"$W/capture.log" 2>&1
 say "capture: exit $?; $(grep -a -E '^capture|gen .*tok/s' "$W/capture.log" | tail -2 | tr '\r' '\n' | tail -2)"
 

@@ -305,10 +305,6 @@ def test_segment_prompts_match_what_capture_plans(tmp_path, tokenizer):
     the training split's order from --offset, the first --max-turns user turns of each
     conversation with every answer blanked, as capture plans them, and leaves out exactly the
     conversations whose first prompt the capture would skip as too long."""
-    import json
-    import subprocess
-    import sys
-
     from eagle_train.capture import Skip, plan_conversation
     from eagle_train.data import load_conversations, render_prompt, split_heldout
 
