@@ -11,7 +11,10 @@ applied) greedily at batch 1 (`--batch-size B`: B prompts at a time, in order, o
 after an untimed warm-up of its own (on the shortest and on the longest prompts). By default EOS is ignored so
 every method produces exactly --max-new-tokens tokens per prompt (transformers gets
 `min_new_tokens`); tokens are counted from the actual outputs either way. Time includes the
-prefill: tokens/s = new tokens / wall time of the whole call.
+prefill: tokens/s = new tokens / wall time of the whole call. Our methods also report vLLM's
+TTFT (time to the first token: the prefill) and TPOT (time per output token after the first:
+the decode steps alone), each a mean over sequences; a speculative round's cost is given
+relative to plain decoding's TPOT (`plain_step_ms`), so the prefill weighs on neither side.
 
 Methods: `plain` (eagle_infer.generate), `hf` (transformers `generate`) and `hf_assisted`
 (transformers prompt-lookup decoding, `prompt_lookup_num_tokens=10`), then speculative decoding
@@ -34,6 +37,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -43,8 +47,10 @@ from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import SpecStats
 from eagle_infer.tree import TreeConfig
 
-# One decoding call: a batch of prompts' token ids -> the new token ids of each.
-DecodeFn = Callable[[list[list[int]]], list[list[int]]]
+# One decoding call: a batch of prompts' token ids -> the new token ids of each. The callback,
+# where a method can call it, gets (index in the batch, token) as each token is decoded
+# (eagle_infer.generate.TokenCallback): the bench times the first and the last token with it.
+DecodeFn = Callable[[list[list[int]], Callable[[int, int], bool]], list[list[int]]]
 
 
 # ---------------------------------------------------------------------------------------
@@ -142,6 +148,22 @@ class BenchResult:
     seconds: list[float] = field(default_factory=list)  # wall time per call (batch of prompts)
     batch_size: int = 1
     warmup_s: float = 0.0  # the untimed warm-up call (compilation included), never in tokens/s
+    # per sequence, where the method reports tokens as they come: seconds from its call's start
+    # to its first token (prefill included) and to its last one, and its token count
+    token_times: list[tuple[float, float, int]] = field(default_factory=list)
+
+    @property
+    def ttft_ms(self) -> float | None:
+        """Mean time to the first token (vLLM's TTFT): the prefill and the first pick."""
+        t = self.token_times
+        return 1e3 * sum(first for first, _, _ in t) / len(t) if t else None
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Mean time per output token after the first (vLLM's TPOT): the decode steps alone, which
+        a speculative round is compared with (tokens/s also carries the prefill)."""
+        t = [(last - first) / (n - 1) for first, last, n in self.token_times if n > 1]
+        return 1e3 * sum(t) / len(t) if t else None
 
     @property
     def tokens(self) -> int:
@@ -161,6 +183,8 @@ class BenchResult:
             "seconds": round(self.total_seconds, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
             "warmup_s": round(self.warmup_s, 3),
+            "ttft_ms": None if self.ttft_ms is None else round(self.ttft_ms, 3),
+            "tpot_ms": None if self.tpot_ms is None else round(self.tpot_ms, 3),
             # per prompt at batch 1, else per batch (its prompts' tokens together)
             "per_prompt" if self.batch_size == 1 else "per_batch":
                 [{"tokens": sum(len(o) for o in outs), "seconds": round(s, 4)}
@@ -183,6 +207,12 @@ def warmup_batches(prompts: Sequence[list[int]], batch_size: int) -> list[list[l
     return out[1:] if out[0] == out[1] else out
 
 
+def _record_token_time(seen: dict[int, list[float]], t0: float, i: int, token: int) -> bool:
+    now = time.perf_counter() - t0
+    seen.setdefault(i, [now, now])[1] = now
+    return False
+
+
 def time_decoding(name: str, fn: DecodeFn, prompts: Sequence[list[int]], warmup: bool = True,
                   batch_size: int = 1) -> BenchResult:
     """Run fn on the prompts batch_size at a time and time each call, after one untimed
@@ -193,13 +223,15 @@ def time_decoding(name: str, fn: DecodeFn, prompts: Sequence[list[int]], warmup:
     if warmup:
         t0 = time.perf_counter()
         for batch in warmup_batches(prompts, batch_size):
-            fn(batch)
+            fn(batch, lambda i, t: False)
         res.warmup_s = time.perf_counter() - t0
     for batch in tqdm(batches(prompts, batch_size), desc=name, unit="batch", leave=False, file=sys.stderr):
+        seen: dict[int, list[float]] = {}  # index in the batch -> [first, last] token time
         t0 = time.perf_counter()
-        outs = fn([list(p) for p in batch])
+        outs = fn([list(p) for p in batch], partial(_record_token_time, seen, t0))
         res.seconds.append(time.perf_counter() - t0)
         res.outputs += [list(o) for o in outs]
+        res.token_times += [(seen[i][0], seen[i][1], len(o)) for i, o in enumerate(outs) if i in seen]
     return res
 
 
@@ -211,8 +243,9 @@ def bench_plain(model, prompts: Sequence[list[int]], max_new_tokens: int,
 
     eos = [] if ignore_eos else None
 
-    def run(batch: list[list[int]]) -> list[list[int]]:
-        return generate(model, batch, max_new_tokens, eos_token_ids=eos, compile=compile_steps)
+    def run(batch: list[list[int]], on_token) -> list[list[int]]:
+        return generate(model, batch, max_new_tokens, eos_token_ids=eos, on_token=on_token,
+                        compile=compile_steps)
 
     return time_decoding("plain", run, prompts, batch_size=batch_size)
 
@@ -231,7 +264,7 @@ def bench_hf(hf_model, prompts: Sequence[list[int]], max_new_tokens: int, ignore
         pad = hf_model.generation_config.eos_token_id
         kwargs["pad_token_id"] = pad[0] if isinstance(pad, list) else pad
 
-    def run(batch: list[list[int]]) -> list[list[int]]:
+    def run(batch: list[list[int]], on_token) -> list[list[int]]:  # no per-token times
         (ids,) = batch
         x = torch.tensor([ids], device=dev)
         out = hf_model.generate(x, attention_mask=torch.ones_like(x), **kwargs)
@@ -298,9 +331,9 @@ def bench_spec(model, head, prompts: Sequence[list[int]], max_new_tokens: int, t
         dec.compile(compile_mode_for(model.embed_tokens.weight.device))
     total = SpecStats()
 
-    def run(batch: list[list[int]]) -> list[list[int]]:
+    def run(batch: list[list[int]], on_token=None) -> list[list[int]]:
         out, st = generate_speculative(model, head, batch, max_new_tokens, params, tree=tree,
-                                       eos_token_ids=eos, decoder=dec)
+                                       eos_token_ids=eos, decoder=dec, on_token=on_token)
         total.merge(st)
         return out
 
@@ -493,11 +526,13 @@ def greedy_agreement(ref: BenchResult, other: BenchResult, eos: Sequence[int]) -
 
 def print_table(results: Sequence[BenchResult], baseline: str, floor: float) -> None:
     base = next((r.tokens_per_s for r in results if r.name == baseline), 0.0)
-    rows = [("method", "tokens", "seconds", "tok/s", f"vs {baseline}")]
+    rows = [("method", "tokens", "seconds", "tok/s", f"vs {baseline}", "TTFT ms", "TPOT ms")]
     for r in results:
         rel = f"{r.tokens_per_s / base:.2f}x" if base else "-"
-        rows.append((r.name, str(r.tokens), f"{r.total_seconds:.2f}", f"{r.tokens_per_s:.1f}", rel))
-    rows.append(("floor (memory)", "", "", f"{floor:.1f}", f"{floor / base:.2f}x" if base else "-"))
+        rows.append((r.name, str(r.tokens), f"{r.total_seconds:.2f}", f"{r.tokens_per_s:.1f}", rel,
+                     "-" if r.ttft_ms is None else f"{r.ttft_ms:.1f}",
+                     "-" if r.tpot_ms is None else f"{r.tpot_ms:.2f}"))
+    rows.append(("floor (memory)", "", "", f"{floor:.1f}", f"{floor / base:.2f}x" if base else "-", "", ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for j, row in enumerate(rows):
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
@@ -720,9 +755,8 @@ def main(argv: list[str] | None = None) -> dict:
         "warmup_s": {r.name: round(r.warmup_s, 3) for r in results},
         "methods": {r.name: r.to_json() for r in results},
     }
-    plain = by_name["plain"]
-    # per step of the whole batch (B tokens), prefill included: what a round is compared with
-    plain_ms = 1e3 * plain.total_seconds / max(1, plain.tokens) * B
+    # a plain decode step of the whole batch, prefill left out (TPOT): what a round is compared with
+    plain_ms = by_name["plain"].tpot_ms
     if args.count_ops:
         report["aten_ops_eager"] = count_aten_ops(model, head, prompts[0], TreeConfig(
             args.num_steps, args.eagle_topk, args.num_draft_tokens))
@@ -767,9 +801,10 @@ def main(argv: list[str] | None = None) -> dict:
         vs_hf = "" if r["speedup_vs_hf"] is None else f"{r['speedup_vs_hf']}x transformers, "
         print(f"speculative: tau {r['acceptance_length']:.2f}, {r['speedup_vs_plain']}x plain, "
               f"{vs_hf}greedy identical: {r['greedy_identical']}, per round "
-              f"draft {r['draft_ms']} ms / verify {r['verify_ms']} ms / other {r['other_ms']} ms; "
-              f"verify = {r['verify_vs_plain_step']}x and each draft step {r['draft_step_vs_plain_step']}x "
-              f"a plain step ({r['plain_step_ms']} ms)")
+              f"draft {r['draft_ms']} ms / verify {r['verify_ms']} ms / other {r['other_ms']} ms"
+              + (f"; verify = {r['verify_vs_plain_step']}x and each draft step "
+                 f"{r['draft_step_vs_plain_step']}x a plain step (plain TPOT {r['plain_step_ms']} ms)"
+                 if "plain_step_ms" in r else ""))
         print(f"warm-up (compilation included, not in tokens/s): {report['warmup_s']} s")
         print("accept rate per position:", r["accept_rate_per_position"])
         agree = r["greedy_agreement_spec_vs_plain"]

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from eagle_infer.errors import UserError, cli_errors
 from eagle_infer.model import Transformer, causal_mask
+from eagle_infer.quantize import int8_compile_settings
 from eagle_infer.sampling import SamplingParams, logits_to_probs, sample
 
 # Called with (sequence index, token id); returning True stops that sequence (stop strings).
@@ -184,7 +185,25 @@ def compiled_cache_rows(max_batch: int, max_bs: int) -> int:
     return max(max_batch, batch_bucket(min(max_batch, max_bs)))
 
 
-def compile_step(fn: Callable, mode: str | None = None) -> Callable:
+class WithInductorSettings:
+    """A compiled step called under Inductor settings and a compile-cache tag
+    (quantize.int8_compile_settings): compilation happens lazily inside a call, at any batch
+    bucket, so every call carries them (a few microseconds)."""
+
+    def __init__(self, fn: Callable, options: dict, cache_tag: str):
+        self.fn, self.options, self.cache_tag = fn, options, cache_tag
+
+    def __call__(self, *args: torch.Tensor):
+        import torch._inductor.config as inductor_config
+
+        # freezing needs grad off (else the template has no constant weight and no kernel)
+        with (torch.no_grad(), inductor_config.patch(self.options),
+              torch.compiler.config.patch(cache_key_tag=self.cache_tag)):
+            return self.fn(*args)
+
+
+def compile_step(fn: Callable, mode: str | None = None,
+                 inductor: tuple[dict, str] | None = None) -> Callable:
     """torch.compile with full graphs and static shapes (but a traced kv length where the
     caller marks it: mark_kv_dynamic). Measured in one process on a 2-core Xeon (AVX-512, no
     AVX512-BF16: fp32), 1 thread, default model: plain step 72 ms compiled vs 83 ms eager,
@@ -196,11 +215,15 @@ def compile_step(fn: Callable, mode: str | None = None) -> Callable:
     process: 1 / 4 rows bf16 20.4 / 22.4 ms frozen, 20.6 / 22.2 not; 16 rows 30.0 vs 29.4 bf16,
     45.6 vs 45.7 fp32; 1 row fp32 39.0 vs 38.8; AMD EPYC AVX2 only, fp32 one-row steps on MKL,
     one process, three rounds: 44.6-44.8 ms frozen, 38.8-43.2 not), and it turns AOTAutograd's
-    cache off, so a second start compiled a plain step in 19 s with it, 12 s without."""
+    cache off, so a second start compiled a plain step in 19 s with it, 12 s without.
+
+    Int8 targets are the exception: `inductor` (quantize.int8_compile_settings) turns freezing on
+    for Inductor's int8 GEMM template, which needs constant weights."""
     import torch._dynamo.config
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+    return compiled if inductor is None else WithInductorSettings(compiled, *inductor)
 
 
 class BucketedStep:
@@ -244,7 +267,7 @@ class CompiledDecode:
 
     def __init__(self, model: Transformer, mode: str | None = None):
         self.model, self.mode = model, mode
-        self.fn = compile_step(self._step, mode)
+        self.fn = compile_step(self._step, mode, int8_compile_settings(model))
 
     def _step(self, tokens: torch.Tensor, cur: torch.Tensor,
               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,6 +40,7 @@ from eagle_infer.generate import (
 )
 from eagle_infer.heads import DraftHead
 from eagle_infer.model import Transformer, build_attn_mask
+from eagle_infer.quantize import int8_compile_settings
 from eagle_infer.sampling import SamplingParams, next_token
 from eagle_infer.tree import Acceptance, DraftTree, TreeConfig, accept_greedy, accept_sampling, draft_tree
 
@@ -333,9 +334,10 @@ class SpecDecoder:
         self.head.setup_cache(rows, self.max_seq_len)
         self.compiled, self.max_bs, self.compile_mode = True, max_bs, mode
         graphs = mode == CUDA_GRAPHS
+        inductor = int8_compile_settings(self.target, self.head)
         # Argument mask_arg of each step carries the kv length (a mask, or draft_tree's kv_ref).
         self.draft_tree_fn, self.greedy_round_fn, self.verify_fn, self.catch_up_fn = (
-            BucketedStep(f, compile_step(f, mode), max_bs, clone=graphs, mask_arg=arg,
+            BucketedStep(f, compile_step(f, mode, inductor), max_bs, clone=graphs, mask_arg=arg,
                          max_kv=self.max_seq_len)
             for f, arg in ((self._draft_tree, 4), (self._verify_commit_greedy, 5), (self._verify, 3),
                            (self._catch_up, 3)))
@@ -475,8 +477,11 @@ def generate_speculative(
     eos_token_ids: Sequence[int] | None = None,
     max_seq_len: int | None = None,
     decoder: SpecDecoder | None = None,
+    on_token: Callable[[int, int], bool] | None = None,
 ) -> tuple[list[list[int]], SpecStats]:
-    """Decode a batch of prompts speculatively; returns the new tokens of each and the stats."""
+    """Decode a batch of prompts speculatively; returns the new tokens of each and the stats.
+    on_token(index, token), as in generate, sees each token as it is emitted; True stops that
+    sequence."""
     if max_new_tokens <= 0:
         raise UserError(f"max_new_tokens must be > 0, got {max_new_tokens}")
     tree = tree or TreeConfig()
@@ -484,7 +489,9 @@ def generate_speculative(
     eos = set(target.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
     dec = decoder or SpecDecoder(target, head, tree, max_batch=len(prompts), max_seq_len=max_seq_len)
     dec.stats = SpecStats()
-    seqs = [Sequence_(list(p), params[i], max_new_tokens, eos) for i, p in enumerate(prompts)]
+    seqs = [Sequence_(list(p), params[i], max_new_tokens, eos,
+                      on_token=None if on_token is None else (lambda t, i=i: on_token(i, t)))
+            for i, p in enumerate(prompts)]
     dec.add_many(seqs)
     while dec.seqs:
         dec.step()

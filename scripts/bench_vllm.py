@@ -115,10 +115,13 @@ def cpu_info() -> dict:
 
 
 def spec_entry(r: dict) -> dict:
-    """The fields of our bench's speculative report that the sitting's JSON keeps."""
-    return {"tokens_per_s": r["tokens_per_s"], "acceptance_length": r["acceptance_length"],
-            "accept_rate_per_position": r["accept_rate_per_position"],
-            "speedup_vs_ours_plain": r["speedup_vs_plain"]}
+    """The fields of our bench's speculative report that the sitting's JSON keeps: tokens/s,
+    tau, TTFT / TPOT, and the run's own plain decoding with a round's cost against its TPOT."""
+    spec = next(m for name, m in r["methods"].items() if name != "plain")
+    keep = ("acceptance_length", "accept_rate_per_position", "plain_tokens_per_s", "plain_step_ms",
+            "verify_vs_plain_step", "draft_step_vs_plain_step", "round_vs_plain_step")
+    return {"tokens_per_s": r["tokens_per_s"], "ttft_ms": spec.get("ttft_ms"), "tpot_ms": spec.get("tpot_ms"),
+            "speedup_vs_ours_plain": r["speedup_vs_plain"], **{k: r.get(k) for k in keep}}
 
 
 def run_ours(args: argparse.Namespace, head: Path | None, tree: tuple[int, int, int] | None = None,

@@ -33,6 +33,13 @@ def test_bench_speculative_report(tmp_path, default_model_fp32):
                 "draft_step_vs_plain_step", "plain_step_ms"):
         assert key in r, key
     assert r["compiled"] is False and r["warmup_s"]["plain"] > 0
+    # TTFT (prefill) and TPOT (decode steps) per method that reports tokens as they come; a
+    # round is compared with plain decoding's TPOT, not with tokens/s, which carries the prefill
+    for name in ("plain", "spec s3k2n6"):
+        m = r["methods"][name]
+        assert 0 < m["ttft_ms"] and 0 < m["tpot_ms"], m
+        assert m["ttft_ms"] + 5 * m["tpot_ms"] <= 1e3 * m["seconds"] * 1.001, m  # 6 tokens, one call
+    assert r["plain_step_ms"] == r["methods"]["plain"]["tpot_ms"]
     ops = r["aten_ops_eager"]
     assert ops["plain_step"] > 0 and ops["round_keep_slots"] < 40, ops  # one index op pair, all layers
     assert r["greedy_identical"] is True

@@ -73,17 +73,26 @@ def test_oracle_head_on_an_int8_target_accepts_and_stays_exact():
     assert stats.acceptance_length() > 2.0
 
 
-def test_compiled_int8_steps_equal_eager():
-    target = tiny_target(layers=2)
-    head = random_head(target, "eagle3", draft_vocab=40)
-    quantize_linears(target, "int8")
-    prompts = prompts_for(target.config.vocab_size, lens=(6, 13))
-    plain = generate(target, prompts, 24)
-    assert generate(target, prompts, 24, compile=True) == plain
-    tree = TreeConfig(num_steps=3, eagle_topk=2, num_draft_tokens=6)
-    dec = SpecDecoder(target, head, tree, max_batch=2, max_seq_len=128).compile()
-    spec, _ = generate_speculative(target, head, prompts, 24, tree=tree, decoder=dec)
-    assert spec == plain
+def test_compiled_int8_steps_equal_eager_with_each_targets_own_weights():
+    """Compiled int8 steps (Inductor's int8 GEMM template on frozen weights) decode as the eager
+    ones do, for two targets of the same shapes in one process: torch's compile cache keeps the
+    template's packed weights by value, so without a tag of the weights (int8_compile_settings)
+    the second target would decode with the first one's."""
+    outputs = []
+    for seed in (0, 1):
+        target = tiny_target(layers=2, seed=seed)
+        head = random_head(target, "eagle3", draft_vocab=40)
+        quantize_linears(target, "int8")
+        prompts = prompts_for(target.config.vocab_size, lens=(6, 13))
+        plain = generate(target, prompts, 24)
+        assert generate(target, prompts, 24, compile=True) == plain
+        outputs.append(plain)
+        if seed == 0:
+            tree = TreeConfig(num_steps=3, eagle_topk=2, num_draft_tokens=6)
+            dec = SpecDecoder(target, head, tree, max_batch=2, max_seq_len=128).compile()
+            spec, _ = generate_speculative(target, head, prompts, 24, tree=tree, decoder=dec)
+            assert spec == plain
+    assert outputs[0] != outputs[1]
 
 
 def test_load_model_int8_and_a_head_for_it(tiny_model_dir, tmp_path):
