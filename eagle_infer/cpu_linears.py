@@ -1,5 +1,8 @@
-"""oneDNN for the Linear layers of the target and its draft head on a CPU: fp32 at 2-512 rows,
-bf16 from one row where the CPU has native bf16 (AVX512-BF16 / AMX).
+"""The Linear layers of the target and its draft head on a CPU. Backends (load_model's
+cpu_linears): "torch" (MKL), "onednn" (below) and "inductor" (compiled steps only: Inductor's
+C++ GEMM template on frozen weights, compile_settings; eager calls run torch's kernel).
+
+oneDNN: fp32 at 2-512 rows, bf16 from one row where the CPU has native bf16 (AVX512-BF16 / AMX).
 
 A verify runs 4-17 rows through the target. torch's fp32 Linear (MKL sgemm) costs 3-4x a one-row
 step at those sizes on an AVX2 AMD EPYC, where oneDNN with weights prepacked costs 1.1-1.9x
@@ -17,6 +20,7 @@ a call with a known output shape. The packed copy doubles the Linear weights' me
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import weakref
 
@@ -137,3 +141,53 @@ def use_onednn_linears(model: nn.Module, rows_hint: int = 16) -> int:
         m.__class__ = OneDNNLinear
         m.key = key
     return len(linears)
+
+
+# Compiled steps over frozen weights: Inductor lowers every Linear to its C++ GEMM template (a
+# weight vector loaded, or for int8 converted to fp32, in registers and reused across the
+# call's rows). The template alone ("CPP"), not also torch's kernels ("CPP,ATEN", which Inductor
+# then times per shape and picks from): one kernel at every row count, so a verify's rows equal
+# one-row steps' bit for bit (checked at 1-64 rows), and a shorter first compile (int8 plain
+# step 180 s instead of 210 s, about the same speed). AMD EPYC AVX2, 2 threads, default target,
+# 3 MT-bench prompts x 64 tokens: int8 plain 31.2 -> 44.4-48.4 tok/s (torch's
+# _weight_int8pack_mm -> template; the template computes and returns fp32 where torch's kernel
+# rounds to bf16, so compiled int8 steps are not bitwise the eager ones); fp32 plain TPOT 47.7 ->
+# 28.3 ms with backend "CPP,ATEN" (README).
+FROZEN_GEMM = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+
+
+def compile_settings(*modules: nn.Module) -> tuple[dict, str] | None:
+    """Inductor settings and a compile-cache tag for compiled steps over these modules (a target
+    and its head): FROZEN_GEMM where the target's Linears are int8 or its cpu_linears is
+    "inductor", on a CPU whose template kernels exist (AVX2 / AVX-512); else None (defaults).
+
+    The tag fingerprints the Linear weights: torch (2.13) stores the GEMM template's prepacked
+    copy of a frozen weight by value in its FX graph cache, keyed by the graph and shapes alone,
+    so a second model of the same shapes computed with the first one's weights (measured:
+    outputs off by ~3 on a cache hit). torch.compiler's cache_key_tag is the knob meant to
+    break such caches."""
+    from torch._inductor import cpu_vec_isa
+
+    from eagle_infer.quantize import Int8Linear
+
+    int8 = [m for mod in modules for m in mod.modules() if isinstance(m, Int8Linear)]
+    frozen = int8 or getattr(modules[0], "cpu_linears", None) == "inductor"
+    if not frozen or not isinstance(cpu_vec_isa.pick_vec_isa(), (cpu_vec_isa.VecAVX2, cpu_vec_isa.VecAVX512)):
+        return None
+    h = hashlib.blake2b(digest_size=16)
+    for mod in modules:
+        for m in mod.modules():
+            if isinstance(m, Int8Linear):
+                _hash_into(h, m.weight_int8)
+                _hash_into(h, m.scale)
+            elif isinstance(m, nn.Linear):
+                _hash_into(h, m.weight)
+    return FROZEN_GEMM, "frozen-gemm-" + h.hexdigest()
+
+
+def _hash_into(h, t: Tensor) -> None:
+    """Feed a 1-D or 2-D CPU tensor's bytes to h without a copy where it is row- or column-major."""
+    t = t.detach()
+    t = t if t.is_contiguous() else t.t() if t.t().is_contiguous() else t.contiguous()
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    h.update(memoryview(t.view(ints).numpy()))

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from eagle_infer.cpu_linears import compile_settings
 from eagle_infer.errors import UserError, cli_errors
 from eagle_infer.model import Transformer, causal_mask
-from eagle_infer.quantize import int8_compile_settings
 from eagle_infer.sampling import SamplingParams, logits_to_probs, sample
 
 # Called with (sequence index, token id); returning True stops that sequence (stop strings).
@@ -187,7 +187,7 @@ def compiled_cache_rows(max_batch: int, max_bs: int) -> int:
 
 class WithInductorSettings:
     """A compiled step called under Inductor settings and a compile-cache tag
-    (quantize.int8_compile_settings): compilation happens lazily inside a call, at any batch
+    (cpu_linears.compile_settings): compilation happens lazily inside a call, at any batch
     bucket, so every call carries them (a few microseconds)."""
 
     def __init__(self, fn: Callable, options: dict, cache_tag: str):
@@ -217,8 +217,9 @@ def compile_step(fn: Callable, mode: str | None = None,
     one process, three rounds: 44.6-44.8 ms frozen, 38.8-43.2 not), and it turns AOTAutograd's
     cache off, so a second start compiled a plain step in 19 s with it, 12 s without.
 
-    Int8 targets are the exception: `inductor` (quantize.int8_compile_settings) turns freezing on
-    for Inductor's int8 GEMM template, which needs constant weights."""
+    Int8 targets and cpu_linears="inductor" are the exception: `inductor`
+    (cpu_linears.compile_settings) turns freezing on for Inductor's GEMM template, which needs
+    constant weights."""
     import torch._dynamo.config
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
@@ -267,7 +268,7 @@ class CompiledDecode:
 
     def __init__(self, model: Transformer, mode: str | None = None):
         self.model, self.mode = model, mode
-        self.fn = compile_step(self._step, mode, int8_compile_settings(model))
+        self.fn = compile_step(self._step, mode, compile_settings(model))
 
     def _step(self, tokens: torch.Tensor, cur: torch.Tensor,
               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

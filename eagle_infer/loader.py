@@ -87,8 +87,10 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     cpu_linears (fp32 or bf16 on a CPU; default: $EAGLE_CPU_LINEARS, else "auto"): "onednn" runs
     Linears through oneDNN with prepacked weights (eagle_infer/cpu_linears.py): fp32 calls of
     more than one row (verify, batches, prefill), bf16 calls of any size where the CPU has native
-    bf16; "torch" runs them through torch's kernel; "auto" = onednn where this torch has it, the
-    model has Linears it packs and the packed copy fits in free memory."""
+    bf16; "torch" runs them through torch's kernel; "inductor": compiled steps run them through
+    Inductor's C++ GEMM template on frozen weights (cpu_linears.compile_settings; eager calls run
+    torch's kernel); "auto" = onednn where this torch has it, the model has Linears it packs and
+    the packed copy fits in free memory."""
     folder = resolve_model_path(path)
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
@@ -117,8 +119,8 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
         if torch_dtype == torch.float32 and quantization == "none":
             column_major_linears(model)
         backend = cpu_linears or os.environ.get("EAGLE_CPU_LINEARS", "auto")
-        if backend not in ("auto", "torch", "onednn"):
-            raise UserError(f"cpu_linears must be auto, torch or onednn, got {backend!r}")
+        if backend not in ("auto", "torch", "onednn", "inductor"):
+            raise UserError(f"cpu_linears must be auto, torch, onednn or inductor, got {backend!r}")
         from eagle_infer import cpu_linears as onednn
 
         if backend == "auto":

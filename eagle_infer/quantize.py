@@ -27,8 +27,6 @@ identical over 128 tokens).
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -37,17 +35,6 @@ from eagle_infer.errors import UserError
 
 QUANTIZATIONS = ("none", "int8")
 MAX_ROWS = 256  # above: prefill-sized calls, an fp32 GEMM on the dequantized weight is faster
-
-# Compiled steps over int8 Linears: Inductor freezes the weights and lowers every Linear to its
-# C++ GEMM template (the int8 weight converted to fp32 in registers, reused across the call's
-# rows). AMD EPYC AVX2, 2 threads, the default target, 3 MT-bench prompts x 64 tokens: plain
-# 31.2 -> 44.4-48.4 tok/s, a 4-node verify 40.0 -> 27.1 ms. The template alone ("CPP"), not
-# also torch's kernel ("CPP,ATEN", which Inductor then times per shape and picks from): one
-# kernel at every row count, so a verify's rows equal one-row steps' bit for bit (checked at
-# 1-64 rows) as torch's kernel's did, a first compile of 180 s instead of 210 s, and about the
-# same speed (44.9 tok/s with both). The template computes and returns fp32 where torch's kernel
-# rounds its output to bf16: compiled int8 steps are not bitwise the eager ones.
-INT8_INDUCTOR = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
 
 
 def quantize_weight(w: Tensor) -> tuple[Tensor, Tensor]:
@@ -111,27 +98,6 @@ def quantize_linears(model: nn.Module, quantization: str) -> int:
                 setattr(parent, name, Int8Linear(child))
                 n += 1
     return n
-
-
-def int8_compile_settings(*modules: nn.Module) -> tuple[dict, str] | None:
-    """Inductor settings and a compile-cache tag for steps over these modules, if any Linear of
-    theirs is int8 (else None). The tag fingerprints the int8 weights: torch (2.13) stores the
-    GEMM template's prepacked copy of a frozen weight by value in its FX graph cache, keyed by
-    the graph and shapes alone, so a second model of the same shapes would compute with the
-    first one's weights (measured: outputs off by ~3 on a cache hit). torch.compiler's
-    cache_key_tag is the knob meant to break such caches."""
-    from torch._inductor import cpu_vec_isa
-
-    linears = [m for mod in modules for m in mod.modules() if isinstance(m, Int8Linear)]
-    # the template's int8 micro-kernels are AVX2 / AVX-512 ones; elsewhere torch's kernel stays
-    if not linears or not isinstance(cpu_vec_isa.pick_vec_isa(),
-                                     (cpu_vec_isa.VecAVX2, cpu_vec_isa.VecAVX512)):
-        return None
-    h = hashlib.blake2b(digest_size=16)
-    for m in linears:
-        h.update(memoryview(m.weight_int8.detach().contiguous().numpy()))
-        h.update(memoryview(m.scale.detach().view(torch.int16).numpy()))
-    return INT8_INDUCTOR, "int8-" + h.hexdigest()
 
 
 def lm_head_weight(model: nn.Module) -> Tensor:

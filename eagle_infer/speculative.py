@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
+from eagle_infer.cpu_linears import compile_settings
 from eagle_infer.errors import UserError
 from eagle_infer.generate import (
     CUDA_GRAPHS,
@@ -40,7 +41,6 @@ from eagle_infer.generate import (
 )
 from eagle_infer.heads import DraftHead
 from eagle_infer.model import Transformer, build_attn_mask
-from eagle_infer.quantize import int8_compile_settings
 from eagle_infer.sampling import SamplingParams, next_token
 from eagle_infer.tree import Acceptance, DraftTree, TreeConfig, accept_greedy, accept_sampling, draft_tree
 
@@ -334,7 +334,7 @@ class SpecDecoder:
         self.head.setup_cache(rows, self.max_seq_len)
         self.compiled, self.max_bs, self.compile_mode = True, max_bs, mode
         graphs = mode == CUDA_GRAPHS
-        inductor = int8_compile_settings(self.target, self.head)
+        inductor = compile_settings(self.target, self.head)
         # Argument mask_arg of each step carries the kv length (a mask, or draft_tree's kv_ref).
         self.draft_tree_fn, self.greedy_round_fn, self.verify_fn, self.catch_up_fn = (
             BucketedStep(f, compile_step(f, mode, inductor), max_bs, clone=graphs, mask_arg=arg,

@@ -1,6 +1,7 @@
 """cpu_linears=onednn: Linears through oneDNN prepacked weights (fp32 at 2-512 rows; bf16 from
 one row, where the CPU has native bf16) give the same numbers as torch's, eager and compiled,
-and speculative decoding stays token-identical to plain decoding with them."""
+and speculative decoding stays token-identical to plain decoding with them. cpu_linears=inductor:
+compiled steps on Inductor's GEMM template decode as the eager steps do."""
 
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def test_packed_copies_go_with_their_model():
 
 
 def test_load_model_rejects_an_unknown_backend(tiny_model_dir):
-    with pytest.raises(UserError, match="cpu_linears must be auto, torch or onednn"):
+    with pytest.raises(UserError, match="cpu_linears must be auto, torch, onednn or inductor"):
         load_model(tiny_model_dir("llama"), "fp32", "cpu", cpu_linears="mkl")
 
 
@@ -122,3 +123,24 @@ def test_auto_backend_needs_room_for_the_packed_copy(tiny_model_dir, monkeypatch
     assert load_model(path, "fp32", "cpu").cpu_linears == "torch"
     monkeypatch.setenv("EAGLE_CPU_LINEARS", "onednn")  # an explicit choice is kept
     assert load_model(path, "fp32", "cpu").cpu_linears == "onednn"
+
+
+def test_inductor_linears_compiled_steps_equal_eager():
+    """cpu_linears="inductor": compiled steps freeze the weights for Inductor's C++ GEMM template
+    (where the CPU has its AVX2 / AVX-512 kernels), under a compile-cache tag that differs for
+    different weights; compiled plain decoding equals eager."""
+    from torch._inductor import cpu_vec_isa
+
+    target, other = tiny_target(layers=2), tiny_target(layers=2, seed=1)
+    target.cpu_linears = other.cpu_linears = "inductor"
+    head = random_head(target, "eagle3", draft_vocab=40)
+    settings = cpu_linears.compile_settings(target, head)
+    if not isinstance(cpu_vec_isa.pick_vec_isa(), (cpu_vec_isa.VecAVX2, cpu_vec_isa.VecAVX512)):
+        assert settings is None
+        return
+    assert settings[0]["freezing"] and settings[0]["max_autotune"]
+    assert cpu_linears.compile_settings(other)[1] != cpu_linears.compile_settings(target)[1]
+    assert cpu_linears.compile_settings(tiny_target(layers=2)) is None  # torch's Linears: defaults
+    prompts = prompts_for(target.config.vocab_size, lens=(6, 13))
+    # speculative steps on the same settings: test_quantize compiles them for an int8 target
+    assert generate(target, prompts, 16, compile=True) == generate(target, prompts, 16)

@@ -76,7 +76,7 @@ def test_oracle_head_on_an_int8_target_accepts_and_stays_exact():
 def test_compiled_int8_steps_equal_eager_with_each_targets_own_weights():
     """Compiled int8 steps (Inductor's int8 GEMM template on frozen weights) decode as the eager
     ones do, for two targets of the same shapes in one process: torch's compile cache keeps the
-    template's packed weights by value, so without a tag of the weights (int8_compile_settings)
+    template's packed weights by value, so without a tag of the weights (cpu_linears.compile_settings)
     the second target would decode with the first one's."""
     outputs = []
     for seed in (0, 1):
