@@ -151,8 +151,9 @@ def use_onednn_linears(model: nn.Module, rows_hint: int = 16) -> int:
 # step 180 s instead of 210 s, about the same speed). AMD EPYC AVX2, 2 threads, default target,
 # 3 MT-bench prompts x 64 tokens: int8 plain 31.2 -> 44.4-48.4 tok/s (torch's
 # _weight_int8pack_mm -> template; the template computes and returns fp32 where torch's kernel
-# rounds to bf16, so compiled int8 steps are not bitwise the eager ones); fp32 plain TPOT 47.7 ->
-# 28.3 ms with backend "CPP,ATEN" (README).
+# rounds to bf16, so compiled int8 steps are not bitwise the eager ones); fp32 (cpu_linears
+# "inductor") plain TPOT 46.1 -> 35.3 ms ("CPP,ATEN" in another run: 47.7 -> 28.3), and 44.3 ->
+# 27.9 ms on 5 prompts x 128 (README).
 FROZEN_GEMM = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
 
 
