@@ -441,20 +441,25 @@ def profile_decoding(model, prompt: list[int], max_new_tokens: int, compile_step
     return written
 
 
+def _best_seconds(fn: Callable[[], object], repeats: int, device: str) -> float:
+    """The fastest of `repeats` timed calls, after one untimed call that faults the pages in."""
+    best = float("inf")
+    for _ in range(repeats + 1):
+        if device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def measure_copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5, device: str = "cpu") -> float:
     """Bytes/s one way of a large tensor copy (best of `repeats`): it reads and writes nbytes."""
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first copy faults the pages in
-        if device != "cpu":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        if device != "cpu":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
+    return nbytes / _best_seconds(lambda: dst.copy_(src), repeats, device)
 
 
 def measure_read_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5, device: str = "cpu") -> float:
@@ -462,16 +467,7 @@ def measure_read_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5, device: 
     its weights. A copy also writes, so its one-way rate reads lower (2-core AMD EPYC AVX2: a
     sum 26-36 GB/s, a copy's one way 10-16 GB/s, over one afternoon's runs)."""
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        if device != "cpu":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        src.sum()
-        if device != "cpu":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
+    return nbytes / _best_seconds(src.sum, repeats, device)
 
 
 def weight_bytes_per_token(model) -> int:

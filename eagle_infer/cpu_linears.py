@@ -171,8 +171,8 @@ def compile_settings(*modules: nn.Module) -> tuple[dict, str] | None:
 
     from eagle_infer.quantize import Int8Linear
 
-    int8 = [m for mod in modules for m in mod.modules() if isinstance(m, Int8Linear)]
-    frozen = int8 or getattr(modules[0], "cpu_linears", None) == "inductor"
+    frozen = (getattr(modules[0], "cpu_linears", None) == "inductor"
+              or any(isinstance(m, Int8Linear) for mod in modules for m in mod.modules()))
     if not frozen or not isinstance(cpu_vec_isa.pick_vec_isa(), (cpu_vec_isa.VecAVX2, cpu_vec_isa.VecAVX512)):
         return None
     h = hashlib.blake2b(digest_size=16)

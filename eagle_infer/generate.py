@@ -188,17 +188,20 @@ def compiled_cache_rows(max_batch: int, max_bs: int) -> int:
 class WithInductorSettings:
     """A compiled step called under Inductor settings and a compile-cache tag
     (cpu_linears.compile_settings): compilation happens lazily inside a call, at any batch
-    bucket, so every call carries them (a few microseconds)."""
+    bucket, so every call carries them. torch.compile's `options` would not do: freezing is
+    decided outside their scope. The patches are built once and re-entered (38 us a call; built
+    per call, 112 us: AMD EPYC AVX2)."""
 
     def __init__(self, fn: Callable, options: dict, cache_tag: str):
-        self.fn, self.options, self.cache_tag = fn, options, cache_tag
-
-    def __call__(self, *args: torch.Tensor):
         import torch._inductor.config as inductor_config
 
+        self.fn = fn
+        self.patches = (inductor_config.patch(options), torch.compiler.config.patch(cache_key_tag=cache_tag))
+
+    def __call__(self, *args: torch.Tensor):
+        inductor, compiler = self.patches
         # freezing needs grad off (else the template has no constant weight and no kernel)
-        with (torch.no_grad(), inductor_config.patch(self.options),
-              torch.compiler.config.patch(cache_key_tag=self.cache_tag)):
+        with torch.no_grad(), inductor, compiler:
             return self.fn(*args)
 
 

@@ -52,8 +52,8 @@ say "prompts: $(wc -l <"$P") from $PROMPTS; runs: $RUNS"
 C=$W/capture
 say "capture: greedy answers, token ids only, batches of $CBATCH, at most $CAPTURE_S s"
 timeout "$CAPTURE_S" "${EAGLE[@]}" stage=capture data.source="$P" data.heldout=0 capture.offset=0 \
-  capture.limit=null capture.temperature=0 capture.store_states=false capture.batch_size="$CBATCH" capture.shard_size="$CBATCH" capture_dir="$C" \
-  eval.num_samples=0 hydra.run.dir="$W/hydra/capture" ${CAPTURE_ARGS:-} >"$W/capture.log" 2>&1
+  capture.limit=null capture.temperature=0 capture.store_states=false capture.batch_size="$CBATCH" \
+  capture.shard_size="$CBATCH" capture_dir="$C" eval.num_samples=0 hydra.run.dir="$W/hydra/capture" ${CAPTURE_ARGS:-} >"$W/capture.log" 2>&1
 say "capture: exit $?; $(grep -a -E '^capture|gen .*tok/s' "$W/capture.log" | tail -2 | tr '\r' '\n' | tail -2)"
 
 train() {  # name kind lr batch epochs steps head_dir
