@@ -9,7 +9,8 @@
 # image lacks (cp312 wheels); pylib.tgz: hydra-core, omegaconf and antlr4 (pure Python, copied
 # from .venv: antlr4 4.9.3 has no wheel); hf_small: the converted target's config and tokenizer
 # files (the device's transformers would otherwise write its own); question.jsonl: MT-bench;
-# SEGMENT_OFFSET=N adds prompts for scripts/gpu_grow.sh from training conversation N on.
+# SEGMENT_OFFSET=N adds prompts for scripts/gpu_grow.sh from training conversation N on
+# (SEGMENT_TURNS=K: their first K answers; the capture then wants capture.max_turns=K).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -34,5 +35,6 @@ pins=$("$PY" -m pip freeze 2>/dev/null | grep -i -E '^(annotated[-_]types|dill|f
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d .whl $pins
-[ -z "${SEGMENT_OFFSET:-}" ] || "$PY" scripts/segment_prompts.py --offset "$SEGMENT_OFFSET" --out .blob2/segment.jsonl.xz
+[ -z "${SEGMENT_OFFSET:-}" ] || "$PY" scripts/segment_prompts.py --offset "$SEGMENT_OFFSET" \
+  --max-turns "${SEGMENT_TURNS:-1}" --out .blob2/segment.jsonl.xz
 du -sh .blob1 .blob2 .blob3 .whl

@@ -20,6 +20,10 @@
 # Segment 7 (README) ran it with PROBE=20 RUNS="e3:eagle3:1e-4:4:2 e3hi:eagle3:3e-4:4:2
 # e2:eagle2:1e-4:4:1", then again on the same warm machine (the capture resumed) with
 # CAPTURE_S=95 RUNS="f3:eagle3:1e-4:4:2:1500 f3b:eagle3:2e-4:8:2:800 f2:eagle2:1e-4:4:2:1600".
+# Segment 8 (later turns; README: not published) added CAPTURE_ARGS="capture.max_turns=3
+# capture.max_new_tokens_per_turn=256 data.max_length=1024" to TOTAL=565 CAPTURE_S=220
+# RUNS="e3:eagle3:2e-4:8:2 e3hi:eagle3:4e-4:8:2 e2:eagle2:1e-4:4:1", then TOTAL=380 CAPTURE_S=160
+# RUNS="f3:eagle3:2e-4:8:2:400 f3hi:eagle3:4e-4:8:2:400 f2:eagle2:1e-4:4:1:400".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}

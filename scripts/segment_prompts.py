@@ -10,6 +10,7 @@ index as "id", so the segment's range stays on record.
 
     .venv/bin/python scripts/segment_prompts.py --offset 6960 --out seg7.jsonl.xz
     .venv/bin/python scripts/segment_prompts.py --offset 0 --max-turns 4 --out turns.jsonl.xz
+    .venv/bin/python scripts/segment_prompts.py --offset 0 --max-turns 3 --min-turns 2 --out later.jsonl.xz
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-length", type=int, default=640)
     ap.add_argument("--max-turns", type=int, default=1, help="answers a conversation (capture.max_turns)")
+    ap.add_argument("--min-turns", type=int, default=1,
+                    help="leave out conversations with fewer answers (first turns captured before)")
     ap.add_argument("--out", type=Path, required=True, help=".jsonl or .jsonl.xz")
     a = ap.parse_args()
 
@@ -43,7 +46,7 @@ def main() -> None:
     train_idx, _ = split_heldout(list(range(len(convs))), a.heldout, a.seed)
     stop = len(train_idx) if a.limit is None else min(len(train_idx), a.offset + a.limit)
     tok = load_tokenizer(resolve_model_path(None))
-    kept, too_long, skipped = [], 0, 0
+    kept, too_long, skipped, few = [], 0, 0, 0
     for k in range(a.offset, stop):
         try:
             job = plan_conversation(k, convs[train_idx[k]], regenerate=True, max_turns=a.max_turns)
@@ -51,6 +54,9 @@ def main() -> None:
             skipped += 1
             continue
         msgs = job.messages
+        if len(job.slots) < a.min_turns:
+            few += 1
+            continue
         if len(render_prompt(tok, msgs[: job.slots[0]])) >= a.max_length:
             too_long += 1
             continue
@@ -62,7 +68,7 @@ def main() -> None:
     a.out.write_bytes(lzma.compress(text) if a.out.suffix == ".xz" else text)
     print(f"training conversations {a.offset}-{stop - 1}: {len(kept)} prompts written to {a.out} "
           f"({a.out.stat().st_size / 1e6:.1f} MB); {too_long} prompts >= {a.max_length} tokens and "
-          f"{skipped} without a user turn left out")
+          f"{skipped} without a user turn left out; {few} with fewer than {a.min_turns} answers")
 
 
 if __name__ == "__main__":
