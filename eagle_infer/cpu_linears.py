@@ -157,6 +157,23 @@ def use_onednn_linears(model: nn.Module, rows_hint: int = 16) -> int:
 FROZEN_GEMM = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
 
 
+def without_mkl_prepack():
+    """A context manager (re-enterable) under which Inductor's freezing leaves fp32 Linear weights
+    to the GEMM template instead of first packing them for MKL.
+
+    Why: with MKL in the build, freezing rewrites every fp32 Linear on a constant weight into
+    MKL's packed linear, whose packed weight is an opaque mkldnn tensor; the template then drops
+    it for its own packed copy, but the FX graph cache has already refused the graph ("Bypassing
+    FX Graph Cache because 'mkldnn tensors unpickleable'", torch 2.13), so every start compiled
+    the whole step anew (AMD EPYC AVX2, 2 threads, default target, fp32 plain step: two starts in
+    a row 163 and 169 s of warm-up, under cProfile). That rewrite asks `torch._C.has_mkl` first;
+    answered False, the matmul reaches the template directly (the same kernels), and the graph
+    caches. bf16 weights take oneDNN's packing whatever this says (and stay uncached)."""
+    from unittest import mock
+
+    return mock.patch.object(torch._C, "has_mkl", False)
+
+
 def compile_settings(*modules: nn.Module) -> tuple[dict, str] | None:
     """Inductor settings and a compile-cache tag for compiled steps over these modules (a target
     and its head): FROZEN_GEMM where the target's Linears are int8 or its cpu_linears is

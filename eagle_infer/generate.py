@@ -195,13 +195,16 @@ class WithInductorSettings:
     def __init__(self, fn: Callable, options: dict, cache_tag: str):
         import torch._inductor.config as inductor_config
 
+        from eagle_infer.cpu_linears import without_mkl_prepack
+
         self.fn = fn
-        self.patches = (inductor_config.patch(options), torch.compiler.config.patch(cache_key_tag=cache_tag))
+        self.patches = (inductor_config.patch(options), torch.compiler.config.patch(cache_key_tag=cache_tag),
+                        without_mkl_prepack())
 
     def __call__(self, *args: torch.Tensor):
-        inductor, compiler = self.patches
+        inductor, compiler, no_mkl = self.patches
         # freezing needs grad off (else the template has no constant weight and no kernel)
-        with torch.no_grad(), inductor, compiler:
+        with torch.no_grad(), inductor, compiler, no_mkl:
             return self.fn(*args)
 
 

@@ -143,4 +143,13 @@ def test_inductor_linears_compiled_steps_equal_eager():
     assert cpu_linears.compile_settings(tiny_target(layers=2)) is None  # torch's Linears: defaults
     prompts = prompts_for(target.config.vocab_size, lens=(6, 13))
     # speculative steps on the same settings: test_quantize compiles them for an int8 target
-    assert generate(target, prompts, 16, compile=True) == generate(target, prompts, 16)
+    eager = generate(target, prompts, 16)
+    assert generate(target, prompts, 16, compile=True) == eager
+    # A later start compiles from torch's FX graph cache (fp32 weights left unpacked for MKL:
+    # without_mkl_prepack), same tokens.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    assert generate(target, prompts, 16, compile=True) == eager
+    assert counters["inductor"]["fxgraph_cache_hit"] > hits, dict(counters["inductor"])
