@@ -179,33 +179,39 @@ def compile_settings(*modules: nn.Module) -> tuple[dict, str] | None:
     and its head): FROZEN_GEMM where the target's Linears are int8 or its cpu_linears is
     "inductor", on a CPU whose template kernels exist (AVX2 / AVX-512); else None (defaults).
 
-    The tag fingerprints the Linear weights: torch (2.13) stores the GEMM template's prepacked
-    copy of a frozen weight by value in its FX graph cache, keyed by the graph and shapes alone,
-    so a second model of the same shapes computed with the first one's weights (measured:
-    outputs off by ~3 on a cache hit). torch.compiler's cache_key_tag is the knob meant to
-    break such caches."""
+    The tag fingerprints every frozen constant, i.e. all parameters and buffers but the KV
+    cache's: torch (2.13) stores frozen constants (the GEMM template's prepacked weights among
+    them) by value in its FX graph cache, keyed by the graph and shapes alone, so a second model
+    of the same shapes computed with the first one's weights (measured: outputs off by ~3 on a
+    cache hit). torch.compiler's cache_key_tag is the knob meant to break such caches."""
     from torch._inductor import cpu_vec_isa
 
+    from eagle_infer.model import KVCache
     from eagle_infer.quantize import Int8Linear
 
     frozen = (getattr(modules[0], "cpu_linears", None) == "inductor"
               or any(isinstance(m, Int8Linear) for mod in modules for m in mod.modules()))
     if not frozen or not isinstance(cpu_vec_isa.pick_vec_isa(), (cpu_vec_isa.VecAVX2, cpu_vec_isa.VecAVX512)):
         return None
-    h = hashlib.blake2b(digest_size=16)
+    h, seen = hashlib.blake2b(digest_size=16), set()
     for mod in modules:
         for m in mod.modules():
-            if isinstance(m, Int8Linear):
-                _hash_into(h, m.weight_int8)
-                _hash_into(h, m.scale)
-            elif isinstance(m, nn.Linear):
-                _hash_into(h, m.weight)
+            if isinstance(m, KVCache):  # written every step: not a constant
+                continue
+            for name, t in itertools.chain(m.named_parameters(recurse=False), m.named_buffers(recurse=False)):
+                if t is None or t.data_ptr() in seen:  # a tied weight once
+                    continue
+                seen.add(t.data_ptr())
+                h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+                _hash_into(h, t)
     return FROZEN_GEMM, "frozen-gemm-" + h.hexdigest()
 
 
 def _hash_into(h, t: Tensor) -> None:
-    """Feed a 1-D or 2-D CPU tensor's bytes to h without a copy where it is row- or column-major."""
+    """Feed a CPU tensor's bytes to h, without a copy where it is contiguous (or a column-major matrix)."""
     t = t.detach()
-    t = t if t.is_contiguous() else t.t() if t.t().is_contiguous() else t.contiguous()
+    if t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous():
+        t = t.t()
+    t = t.contiguous().reshape(-1)
     ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
     h.update(memoryview(t.view(ints).numpy()))

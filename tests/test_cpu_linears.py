@@ -140,6 +140,13 @@ def test_inductor_linears_compiled_steps_equal_eager():
         return
     assert settings[0]["freezing"] and settings[0]["max_autotune"]
     assert cpu_linears.compile_settings(other)[1] != cpu_linears.compile_settings(target)[1]
+    # Every frozen constant counts, not only the Linears: a final norm of its own, another tag.
+    renormed = tiny_target(layers=2)
+    renormed.cpu_linears = "inductor"
+    tag = cpu_linears.compile_settings(renormed)[1]
+    with torch.no_grad():
+        renormed.norm.weight.mul_(2)
+    assert cpu_linears.compile_settings(renormed)[1] != tag
     assert cpu_linears.compile_settings(tiny_target(layers=2)) is None  # torch's Linears: defaults
     prompts = prompts_for(target.config.vocab_size, lens=(6, 13))
     # speculative steps on the same settings: test_quantize compiles them for an int8 target
