@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eagle_infer.cpu_linears import compile_settings
+from eagle_infer.cpu_linears import compile_settings, without_mkl_prepack
 from eagle_infer.errors import UserError, cli_errors
 from eagle_infer.model import Transformer, causal_mask
 from eagle_infer.sampling import SamplingParams, logits_to_probs, sample
@@ -194,8 +194,6 @@ class WithInductorSettings:
 
     def __init__(self, fn: Callable, options: dict, cache_tag: str):
         import torch._inductor.config as inductor_config
-
-        from eagle_infer.cpu_linears import without_mkl_prepack
 
         self.fn = fn
         self.patches = (inductor_config.patch(options), torch.compiler.config.patch(cache_key_tag=cache_tag),

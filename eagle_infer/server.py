@@ -767,9 +767,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--disable-cuda-graph", action="store_false", dest="use_cuda_graph",
                     help="CUDA: run draft and verify eagerly (default: CUDA graphs per batch bucket)")
     ap.add_argument("--enable-torch-compile", action="store_true",
-                    help="torch.compile the decode steps (Inductor; int8 targets: frozen weights and its "
-                    "int8 GEMM template, minutes at a first start), one graph per "
-                    "batch bucket, compiled before the server starts serving (tens of seconds per "
+                    help="torch.compile the decode steps (Inductor; int8 targets and EAGLE_CPU_LINEARS="
+                    "inductor: frozen weights and its GEMM template, minutes at a first start), one "
+                    "graph per batch bucket, compiled before the server starts serving (tens of seconds per "
                     "graph on a 2-core CPU; torch's compile cache shortens later starts). Default on "
                     "a CPU, where it measured 1.25-1.43x the eager steps' tokens/s")
     ap.add_argument("--disable-torch-compile", action="store_false", dest="enable_torch_compile",
