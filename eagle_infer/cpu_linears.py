@@ -20,6 +20,8 @@ a call with a known output shape. The packed copy doubles the Linear weights' me
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import itertools
 import weakref
@@ -172,6 +174,39 @@ def without_mkl_prepack():
     from unittest import mock
 
     return mock.patch.object(torch._C, "has_mkl", False)
+
+
+@functools.cache
+def _uncached_template_from_string():
+    """Inductor's own KernelTemplate._template_from_string (read before any patch replaces it)."""
+    from torch._inductor.codegen.common import KernelTemplate
+
+    return KernelTemplate.__dict__["_template_from_string"].__func__
+
+
+@functools.cache
+def _jinja_template(source: str):
+    return _uncached_template_from_string()(source)
+
+
+def cached_kernel_templates():
+    """A context manager (re-enterable) under which Inductor parses each jinja source of its C++
+    GEMM template once per process instead of at every use.
+
+    Why: Inductor (torch 2.13) builds a new jinja Template from the same few source strings for
+    every GEMM it renders (KernelTemplate._template_from_string: ~10 a render, each a full jinja
+    parse and Python compile); that parsing took 59 of the 209 s that a first compile of the
+    plain fp32 step took (121 GEMMs, each rendered twice; AMD EPYC AVX2, under cProfile). A jinja
+    Template renders any number of times, and the environment it comes from is one cached
+    object, so one Template per source is the same as a new one each time."""
+    from unittest import mock
+
+    from torch._inductor.codegen.common import KernelTemplate
+
+    if not isinstance(KernelTemplate.__dict__.get("_template_from_string"), staticmethod):
+        return contextlib.nullcontext()  # another torch: leave it alone
+    _uncached_template_from_string()
+    return mock.patch.object(KernelTemplate, "_template_from_string", staticmethod(_jinja_template))
 
 
 def compile_settings(*modules: nn.Module) -> tuple[dict, str] | None:

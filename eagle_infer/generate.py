@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eagle_infer.cpu_linears import compile_settings, without_mkl_prepack
+from eagle_infer.cpu_linears import cached_kernel_templates, compile_settings, without_mkl_prepack
 from eagle_infer.errors import UserError, cli_errors
 from eagle_infer.model import Transformer, causal_mask
 from eagle_infer.sampling import SamplingParams, logits_to_probs, sample
@@ -197,12 +197,12 @@ class WithInductorSettings:
 
         self.fn = fn
         self.patches = (inductor_config.patch(options), torch.compiler.config.patch(cache_key_tag=cache_tag),
-                        without_mkl_prepack())
+                        without_mkl_prepack(), cached_kernel_templates())
 
     def __call__(self, *args: torch.Tensor):
-        inductor, compiler, no_mkl = self.patches
+        inductor, compiler, no_mkl, templates = self.patches
         # freezing needs grad off (else the template has no constant weight and no kernel)
-        with torch.no_grad(), inductor, compiler, no_mkl:
+        with torch.no_grad(), inductor, compiler, no_mkl, templates:
             return self.fn(*args)
 
 

@@ -160,3 +160,23 @@ def test_inductor_linears_compiled_steps_equal_eager():
     hits = counters["inductor"]["fxgraph_cache_hit"]
     assert generate(target, prompts, 16, compile=True) == eager
     assert counters["inductor"]["fxgraph_cache_hit"] > hits, dict(counters["inductor"])
+
+
+def test_kernel_templates_parsed_once_and_render_the_same():
+    """cached_kernel_templates: one jinja Template per source for the whole process (Inductor
+    builds one per use), rendering what a freshly parsed one renders; outside it, Inductor's own."""
+    pytest.importorskip("jinja2")
+    from torch._inductor.codegen.common import KernelTemplate
+
+    source = "{{ name }}: {{ body | indent_except_first(1) }}"
+    fresh = KernelTemplate._template_from_string(source)
+    assert KernelTemplate._template_from_string(source) is not fresh
+    with cpu_linears.cached_kernel_templates():
+        first = KernelTemplate._template_from_string(source)
+        assert KernelTemplate._template_from_string(source) is first
+        assert KernelTemplate._template_from_string(source + " ") is not first
+    with cpu_linears.cached_kernel_templates():  # re-entered: still the same one
+        assert KernelTemplate._template_from_string(source) is first
+    assert KernelTemplate._template_from_string(source) is not first
+    args = {"name": "k", "body": "a\nb"}
+    assert first.render(**args) == fresh.render(**args) == "k: a\n    b"
