@@ -1,6 +1,7 @@
 """The Linear layers of the target and its draft head on a CPU. Backends (load_model's
-cpu_linears): "torch" (MKL), "onednn" (below) and "inductor" (compiled steps only: Inductor's
-C++ GEMM template on frozen weights, compile_settings; eager calls run torch's kernel).
+cpu_linears): "torch" (MKL), "onednn" (below) and "inductor": compiled steps run Inductor's C++
+GEMM template on frozen weights (compile_settings), eager calls (prefill, uncompiled steps) run
+as "onednn" does. auto_backend picks "inductor" for fp32 where the template has its kernels.
 
 oneDNN: fp32 at 2-512 rows, bf16 from one row where the CPU has native bf16 (AVX512-BF16 / AMX).
 
@@ -72,13 +73,16 @@ onednn_linear = torch.ops.eagle.onednn_linear
 class OneDNNLinear(nn.Linear):
     """A bias-free nn.Linear (same parameters and state dict) whose calls of up to MAX_ROWS rows
     go through oneDNN (one-row calls only in ONE_ROW_DTYPES); use_onednn_linears converts only
-    bias-free layers."""
+    bias-free layers. With compiled_template, a compiled step traces a plain F.linear instead,
+    which Inductor lowers to its GEMM template on the frozen weight (compile_settings)."""
 
     key: int
+    compiled_template: bool = False
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows > MAX_ROWS or (rows == 1 and self.weight.dtype not in ONE_ROW_DTYPES):
+        if (rows > MAX_ROWS or (rows == 1 and self.weight.dtype not in ONE_ROW_DTYPES)
+                or (self.compiled_template and torch.compiler.is_compiling())):
             return F.linear(x, self.weight)
         return onednn_linear(x, self.weight, self.key)
 
@@ -118,21 +122,38 @@ def available_memory_bytes() -> int | None:
     return None
 
 
+def template_isa() -> bool:
+    """Whether Inductor has its C++ GEMM template's kernels for this CPU (AVX2 / AVX-512)."""
+    from torch._inductor import cpu_vec_isa
+
+    return isinstance(cpu_vec_isa.pick_vec_isa(), (cpu_vec_isa.VecAVX2, cpu_vec_isa.VecAVX512))
+
+
 def auto_backend(model: nn.Module) -> str:
     """"onednn" where this torch has it, the model has Linears it packs (bf16 ones only where the
     CPU has native bf16) and the packed copy fits twice over in free memory (a server still
-    needs room for caches and requests), else "torch"."""
+    needs room for caches and requests), else "torch"; "inductor" instead of "onednn" for fp32
+    Linears where the template has its kernels and both packed copies (oneDNN's for eager calls,
+    the template's frozen one) fit twice over.
+
+    Why fp32 only: measured on the AVX2 AMD EPYC (2 threads, default target), compiled plain
+    steps of 24-28 ms on the template against 44-51 ms on MKL / oneDNN; bf16 is not measured on
+    the template (no native bf16 here), and its weights would miss torch's compile cache."""
     need = convertible_bytes(model) if available() else 0
     if need == 0:
         return "torch"
     free = available_memory_bytes()
     if free is not None and 2 * need > free:
         return "torch"
+    fp32 = all(m.weight.dtype == torch.float32 for m in _convertible(model))
+    if fp32 and template_isa() and (free is None or 4 * need <= free):
+        return "inductor"
     return "onednn"
 
 
-def use_onednn_linears(model: nn.Module, rows_hint: int = 16) -> int:
-    """Make every bias-free CPU Linear of `model` in packable_dtypes() an OneDNNLinear; returns how many."""
+def use_onednn_linears(model: nn.Module, rows_hint: int = 16, compiled_template: bool = False) -> int:
+    """Make every bias-free CPU Linear of `model` in packable_dtypes() an OneDNNLinear (that
+    compiled steps trace as F.linear where compiled_template); returns how many."""
     if not available():
         raise RuntimeError("cpu_linears=onednn: this torch build has no oneDNN (mkldnn) linear ops")
     linears = _convertible(model)
@@ -142,6 +163,7 @@ def use_onednn_linears(model: nn.Module, rows_hint: int = 16) -> int:
         weakref.finalize(m, _PACKED.pop, key, None)
         m.__class__ = OneDNNLinear
         m.key = key
+        m.compiled_template = compiled_template
     return len(linears)
 
 
@@ -219,14 +241,12 @@ def compile_settings(*modules: nn.Module) -> tuple[dict, str] | None:
     them) by value in its FX graph cache, keyed by the graph and shapes alone, so a second model
     of the same shapes computed with the first one's weights (measured: outputs off by ~3 on a
     cache hit). torch.compiler's cache_key_tag is the knob meant to break such caches."""
-    from torch._inductor import cpu_vec_isa
-
     from eagle_infer.model import KVCache
     from eagle_infer.quantize import Int8Linear
 
     frozen = (getattr(modules[0], "cpu_linears", None) == "inductor"
               or any(isinstance(m, Int8Linear) for mod in modules for m in mod.modules()))
-    if not frozen or not isinstance(cpu_vec_isa.pick_vec_isa(), (cpu_vec_isa.VecAVX2, cpu_vec_isa.VecAVX512)):
+    if not frozen or not template_isa():
         return None
     h, seen = hashlib.blake2b(digest_size=16), set()
     for mod in modules:

@@ -214,16 +214,17 @@ def compile_step(fn: Callable, mode: str | None = None,
     16-token verify 157 vs 169 ms. Several buckets share one code object, so the recompile limit
     is raised to hold them all.
 
-    No Inductor weight freezing: since the Linears run on oneDNN's prepacked weights
-    (cpu_linears), it no longer changes a step's time (AMD EPYC AVX512-BF16, 2 threads, one
-    process: 1 / 4 rows bf16 20.4 / 22.4 ms frozen, 20.6 / 22.2 not; 16 rows 30.0 vs 29.4 bf16,
-    45.6 vs 45.7 fp32; 1 row fp32 39.0 vs 38.8; AMD EPYC AVX2 only, fp32 one-row steps on MKL,
-    one process, three rounds: 44.6-44.8 ms frozen, 38.8-43.2 not), and it turns AOTAutograd's
-    cache off, so a second start compiled a plain step in 19 s with it, 12 s without.
+    No Inductor weight freezing where the Linears run on oneDNN's prepacked weights (bf16 with
+    native bf16; cpu_linears="onednn"): there it does not change a step's time (AMD EPYC
+    AVX512-BF16, 2 threads, one process: 1 / 4 rows bf16 20.4 / 22.4 ms frozen, 20.6 / 22.2
+    not; 16 rows 30.0 vs 29.4 bf16, 45.6 vs 45.7 fp32; 1 row fp32 39.0 vs 38.8; AMD EPYC AVX2
+    only, fp32 one-row steps on MKL, one process, three rounds: 44.6-44.8 ms frozen, 38.8-43.2
+    not), and it turns AOTAutograd's cache off, so a second start compiled a plain step in 19 s
+    with it, 12 s without.
 
-    Int8 targets and cpu_linears="inductor" are the exception: `inductor`
-    (cpu_linears.compile_settings) turns freezing on for Inductor's GEMM template, which needs
-    constant weights."""
+    Int8 targets and cpu_linears="inductor" (the fp32 default on AVX2 / AVX-512 CPUs) are the
+    exception: `inductor` (cpu_linears.compile_settings) turns freezing on for Inductor's GEMM
+    template, which needs constant weights."""
     import torch._dynamo.config
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)

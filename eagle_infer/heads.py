@@ -526,8 +526,9 @@ def load_head_for(path: str | os.PathLike, target) -> DraftHead:
     quantization = getattr(target, "quantization", "none")
     if quantization != "none":
         quantize_linears(head, quantization)
-    elif getattr(target, "cpu_linears", "torch") == "onednn":
-        from eagle_infer.cpu_linears import use_onednn_linears
+    elif getattr(target, "cpu_linears", "torch") in ("onednn", "inductor"):
+        from eagle_infer import cpu_linears
 
-        use_onednn_linears(head)
+        if cpu_linears.available():
+            cpu_linears.use_onednn_linears(head, compiled_template=target.cpu_linears == "inductor")
     return head

@@ -89,8 +89,9 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     more than one row (verify, batches, prefill), bf16 calls of any size where the CPU has native
     bf16; "torch" runs them through torch's kernel; "inductor": compiled steps run them through
     Inductor's C++ GEMM template on frozen weights (cpu_linears.compile_settings; eager calls run
-    torch's kernel); "auto" = onednn where this torch has it, the model has Linears it packs and
-    the packed copy fits in free memory."""
+    as onednn's); "auto" = inductor for fp32 where the template has its kernels (AVX2 / AVX-512),
+    else onednn, where this torch has it, the model has Linears it packs and the packed copies
+    fit in free memory (cpu_linears.auto_backend)."""
     folder = resolve_model_path(path)
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
@@ -125,8 +126,9 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
 
         if backend == "auto":
             backend = onednn.auto_backend(model)
-        if backend == "onednn" and quantization == "none":
-            onednn.use_onednn_linears(model)
+        eager_onednn = backend == "onednn" or (backend == "inductor" and onednn.available())
+        if eager_onednn and quantization == "none":
+            onednn.use_onednn_linears(model, compiled_template=backend == "inductor")
         model.cpu_linears = backend
     quantize_linears(model, quantization)
     model.quantization = quantization

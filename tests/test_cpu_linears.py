@@ -39,6 +39,31 @@ def test_linears_swapped_and_equal_eager_and_compiled():
     torch.testing.assert_close(lin(x3), F.linear(x3, w), rtol=1e-5, atol=1e-5)
 
 
+def test_compiled_template_linears_trace_a_plain_linear(monkeypatch):
+    """compiled_template: eager calls of 2-512 rows still go through oneDNN, a compiled call's
+    graph holds a plain linear (which Inductor lowers to its GEMM template), not the oneDNN op."""
+    target = tiny_target(layers=1)
+    cpu_linears.use_onednn_linears(target, compiled_template=True)
+    lin = target.layers[0].mlp.down_proj
+    assert rows_through_onednn(lin, monkeypatch, [1, 4], 1e-5) == [4]
+    graphs = []
+
+    def keep_graph(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x = torch.randn(4, lin.in_features)
+    torch.testing.assert_close(torch.compile(lin, backend=keep_graph, fullgraph=True)(x),
+                               F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
+    targets = {n.target for n in graphs[0].graph.nodes if n.op == "call_function"}
+    op = torch.ops.eagle.onednn_linear  # (rows_through_onednn wrapped the module's name for it)
+    assert F.linear in targets and op not in targets, targets
+    lin.compiled_template = False  # without it the graph keeps the oneDNN op
+    torch._dynamo.reset()
+    torch.compile(lin, backend=keep_graph, fullgraph=True)(x)
+    assert op in {n.target for n in graphs[1].graph.nodes}
+
+
 def rows_through_onednn(lin: torch.nn.Module, monkeypatch, rows: list[int], tol: float) -> list[int]:
     calls = []
     real = cpu_linears.onednn_linear
@@ -104,21 +129,29 @@ def test_load_head_for_puts_the_head_on_the_targets_backend(tiny_model_dir, tmp_
     path = tiny_model_dir("llama")
     saved = random_head(load_model(path, "fp32", "cpu", cpu_linears="torch"), "eagle3", draft_vocab=40)
     save_head(saved, tmp_path / "head", dtype=torch.float32)
-    for backend, linear in (("onednn", cpu_linears.OneDNNLinear), ("torch", torch.nn.Linear)):
+    for backend, linear in (("onednn", cpu_linears.OneDNNLinear), ("inductor", cpu_linears.OneDNNLinear),
+                            ("torch", torch.nn.Linear)):
         target = load_model(path, "fp32", "cpu", cpu_linears=backend)
         head = load_head_for(tmp_path / "head", target)
         assert target.cpu_linears == backend
         assert type(head.fc) is linear and type(head.lm_head) is linear
         assert type(head.midlayer.self_attn.q_proj) is linear
+        template = backend == "inductor"  # compiled steps trace F.linear for the GEMM template
+        assert getattr(head.fc, "compiled_template", False) is template
+        assert getattr(target.layers[0].mlp.down_proj, "compiled_template", False) is template
         x = torch.randn(4, head.lm_head.in_features)
         torch.testing.assert_close(head.lm_head(x), saved.lm_head(x), rtol=1e-5, atol=1e-5)
 
 
-def test_auto_backend_needs_room_for_the_packed_copy(tiny_model_dir, monkeypatch):
+def test_auto_backend_needs_room_for_the_packed_copies(tiny_model_dir, monkeypatch):
     path = tiny_model_dir("llama")
-    assert load_model(path, "fp32", "cpu").cpu_linears == "onednn"  # the default: auto, room enough
+    # the default (auto, room enough): fp32 compiled steps on the template where it has kernels
+    want = "inductor" if cpu_linears.template_isa() else "onednn"
+    assert load_model(path, "fp32", "cpu").cpu_linears == want
     need = cpu_linears.convertible_bytes(load_model(path, "fp32", "cpu", cpu_linears="torch"))
     assert need > 0
+    monkeypatch.setattr(cpu_linears, "available_memory_bytes", lambda: 4 * need - 1)
+    assert load_model(path, "fp32", "cpu").cpu_linears == "onednn"  # room for one packed copy
     monkeypatch.setattr(cpu_linears, "available_memory_bytes", lambda: 2 * need - 1)
     assert load_model(path, "fp32", "cpu").cpu_linears == "torch"
     monkeypatch.setenv("EAGLE_CPU_LINEARS", "onednn")  # an explicit choice is kept
