@@ -767,11 +767,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--disable-cuda-graph", action="store_false", dest="use_cuda_graph",
                     help="CUDA: run draft and verify eagerly (default: CUDA graphs per batch bucket)")
     ap.add_argument("--enable-torch-compile", action="store_true",
-                    help="torch.compile the decode steps (Inductor; int8 targets and EAGLE_CPU_LINEARS="
-                    "inductor: frozen weights and its GEMM template, minutes at a first start), one "
-                    "graph per batch bucket, compiled before the server starts serving (tens of seconds per "
-                    "graph on a 2-core CPU; torch's compile cache shortens later starts). Default on "
-                    "a CPU, where it measured 1.25-1.43x the eager steps' tokens/s")
+                    help="torch.compile the decode steps (Inductor; fp32 on AVX2 / AVX-512 CPUs and int8 "
+                    "targets: frozen weights and its GEMM template, ~1.5-2 minutes a graph at a first "
+                    "start on 2 cores, ~35 s from torch's compile cache later), one graph per batch "
+                    "bucket, compiled before the server starts serving. Default on a CPU, where it "
+                    "measured 1.25-1.43x the eager steps' tokens/s before the template (which took "
+                    "another third off a plain step: README)")
     ap.add_argument("--disable-torch-compile", action="store_false", dest="enable_torch_compile",
                     help="CPU: run the decode steps eagerly (no compile at start-up)")
     ap.set_defaults(enable_torch_compile=None)
