@@ -122,6 +122,11 @@ def available_memory_bytes() -> int | None:
     return None
 
 
+# Packed copies of the Linear weights with cpu_linears="inductor": oneDNN's for eager calls, and
+# a frozen one in each compiled graph that holds the target (the plain step, the verify step).
+TEMPLATE_COPIES = 3
+
+
 def template_isa() -> bool:
     """Whether Inductor has its C++ GEMM template's kernels for this CPU (AVX2 / AVX-512)."""
     from torch._inductor import cpu_vec_isa
@@ -133,8 +138,7 @@ def auto_backend(model: nn.Module) -> str:
     """"onednn" where this torch has it, the model has Linears it packs (bf16 ones only where the
     CPU has native bf16) and the packed copy fits twice over in free memory (a server still
     needs room for caches and requests), else "torch"; "inductor" instead of "onednn" for fp32
-    Linears where the template has its kernels and both packed copies (oneDNN's for eager calls,
-    the template's frozen one) fit twice over.
+    Linears where the template has its kernels and TEMPLATE_COPIES packed copies fit twice over.
 
     Why fp32 only: measured on the AVX2 AMD EPYC (2 threads, default target), compiled plain
     steps of 24-28 ms on the template against 44-51 ms on MKL / oneDNN; bf16 is not measured on
@@ -146,7 +150,7 @@ def auto_backend(model: nn.Module) -> str:
     if free is not None and 2 * need > free:
         return "torch"
     fp32 = all(m.weight.dtype == torch.float32 for m in _convertible(model))
-    if fp32 and template_isa() and (free is None or 4 * need <= free):
+    if fp32 and template_isa() and (free is None or 2 * TEMPLATE_COPIES * need <= free):
         return "inductor"
     return "onednn"
 

@@ -150,8 +150,9 @@ def test_auto_backend_needs_room_for_the_packed_copies(tiny_model_dir, monkeypat
     assert load_model(path, "fp32", "cpu").cpu_linears == want
     need = cpu_linears.convertible_bytes(load_model(path, "fp32", "cpu", cpu_linears="torch"))
     assert need > 0
-    monkeypatch.setattr(cpu_linears, "available_memory_bytes", lambda: 4 * need - 1)
-    assert load_model(path, "fp32", "cpu").cpu_linears == "onednn"  # room for one packed copy
+    copies = cpu_linears.TEMPLATE_COPIES
+    monkeypatch.setattr(cpu_linears, "available_memory_bytes", lambda: 2 * copies * need - 1)
+    assert load_model(path, "fp32", "cpu").cpu_linears == "onednn"  # room for one packed copy only
     monkeypatch.setattr(cpu_linears, "available_memory_bytes", lambda: 2 * need - 1)
     assert load_model(path, "fp32", "cpu").cpu_linears == "torch"
     monkeypatch.setenv("EAGLE_CPU_LINEARS", "onednn")  # an explicit choice is kept

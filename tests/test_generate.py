@@ -314,8 +314,12 @@ def test_bench_weight_bytes(tiny_models):
         assert weight_bytes_per_token(model) == (total if arch == "tied" else total - embed)
 
 
-def test_bench_main_plain_only(tmp_path):
+def test_bench_main_plain_only(tmp_path, monkeypatch):
     from eagle_infer.bench import main
+
+    # The previous default backend: the fp32 default compiles the real target's step on Inductor's
+    # GEMM template (~1.5 minutes cold on 2 cores); test_cpu_linears compiles it on tiny targets.
+    monkeypatch.setenv("EAGLE_CPU_LINEARS", "onednn")
 
     out = tmp_path / "bench.json"
     report = main(["--num-prompts", "1", "--max-new-tokens", "3", "--dtype", "fp32", "--no-hf",
