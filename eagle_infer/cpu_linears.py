@@ -185,7 +185,7 @@ def use_onednn_linears(model: nn.Module, rows_hint: int = 16, compiled_template:
 FROZEN_GEMM = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
 
 
-def without_mkl_prepack():
+def without_mkl_prepack() -> contextlib.AbstractContextManager:
     """A context manager (re-enterable) under which Inductor's freezing leaves fp32 Linear weights
     to the GEMM template instead of first packing them for MKL.
 
@@ -215,7 +215,7 @@ def _jinja_template(source: str):
     return _uncached_template_from_string()(source)
 
 
-def cached_kernel_templates():
+def cached_kernel_templates() -> contextlib.AbstractContextManager:
     """A context manager (re-enterable) under which Inductor parses each jinja source of its C++
     GEMM template once per process instead of at every use.
 
