@@ -171,6 +171,15 @@ def use_onednn_linears(model: nn.Module, rows_hint: int = 16, compiled_template:
     return len(linears)
 
 
+def use_backend_linears(model: nn.Module, backend: str) -> int:
+    """The eager side of a backend for `model` (a target, or a head loaded for it): oneDNN-packed
+    Linears for "onednn" (an error without oneDNN) and for "inductor" where this torch has oneDNN,
+    traced as F.linear by compiled steps for "inductor"; nothing for "torch". Returns how many."""
+    if backend == "onednn" or (backend == "inductor" and available()):
+        return use_onednn_linears(model, compiled_template=backend == "inductor")
+    return 0
+
+
 # Compiled steps over frozen weights: Inductor lowers every Linear to its C++ GEMM template (a
 # weight vector loaded, or for int8 converted to fp32, in registers and reused across the
 # call's rows). The template alone ("CPP"), not also torch's kernels ("CPP,ATEN", which Inductor

@@ -526,9 +526,8 @@ def load_head_for(path: str | os.PathLike, target) -> DraftHead:
     quantization = getattr(target, "quantization", "none")
     if quantization != "none":
         quantize_linears(head, quantization)
-    elif getattr(target, "cpu_linears", "torch") in ("onednn", "inductor"):
-        from eagle_infer import cpu_linears
+    else:
+        from eagle_infer.cpu_linears import use_backend_linears
 
-        if cpu_linears.available():
-            cpu_linears.use_onednn_linears(head, compiled_template=target.cpu_linears == "inductor")
+        use_backend_linears(head, getattr(target, "cpu_linears", "torch"))
     return head

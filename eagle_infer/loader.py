@@ -126,9 +126,8 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
 
         if backend == "auto":
             backend = onednn.auto_backend(model)
-        eager_onednn = backend == "onednn" or (backend == "inductor" and onednn.available())
-        if eager_onednn and quantization == "none":
-            onednn.use_onednn_linears(model, compiled_template=backend == "inductor")
+        if quantization == "none":
+            onednn.use_backend_linears(model, backend)
         model.cpu_linears = backend
     quantize_linears(model, quantization)
     model.quantization = quantization
