@@ -290,13 +290,14 @@ class SpecRun:
         parts relative to one plain step (the runtime's share of the speedup, whatever the head's tau)."""
         st, rounds = self.stats, max(1, self.stats.rounds)
         verify_ms, draft_ms = 1e3 * st.verify_s / rounds, 1e3 * st.draft_s / rounds
-        draft_step_ms = 1e3 * st.draft_s / max(1, st.draft_calls)
         rel = {}
         if plain_step_ms:
             rel = {"plain_step_ms": round(plain_step_ms, 3),
                    "verify_vs_plain_step": round(verify_ms / plain_step_ms, 3),
-                   # draft forwards timed in draft_ms: num_steps - 1 tree steps (+ a sampled round's catch-up)
-                   "draft_step_vs_plain_step": round(draft_step_ms / plain_step_ms, 3),
+                   # draft forwards timed in draft_ms: num_steps - 1 tree steps (+ a sampled round's
+                   # catch-up); none at num_steps 1 (the one draft step runs inside the verify call)
+                   "draft_step_vs_plain_step": (round(1e3 * st.draft_s / st.draft_calls / plain_step_ms, 3)
+                                                if st.draft_calls else None),
                    "round_vs_plain_step": round(1e3 * (st.draft_s + st.verify_s + st.other_s) / rounds
                                                 / plain_step_ms, 3)}
         return {
@@ -817,9 +818,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"speculative: tau {r['acceptance_length']:.2f}, {r['speedup_vs_plain']}x plain, "
               f"{vs_hf}greedy identical: {r['greedy_identical']}, per round "
               f"draft {r['draft_ms']} ms / verify {r['verify_ms']} ms / other {r['other_ms']} ms"
-              + (f"; verify = {r['verify_vs_plain_step']}x and each draft step "
-                 f"{r['draft_step_vs_plain_step']}x a plain step (plain TPOT {r['plain_step_ms']} ms)"
-                 if "plain_step_ms" in r else ""))
+              + (f"; verify = {r['verify_vs_plain_step']}x"
+                 + (f" and each draft step {r['draft_step_vs_plain_step']}x"
+                    if r["draft_step_vs_plain_step"] is not None else "")
+                 + f" a plain step (plain TPOT {r['plain_step_ms']} ms)" if "plain_step_ms" in r else ""))
         print(f"warm-up (compilation included, not in tokens/s): {report['warmup_s']} s")
         print("accept rate per position:", r["accept_rate_per_position"])
         agree = r["greedy_agreement_spec_vs_plain"]

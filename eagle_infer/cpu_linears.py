@@ -26,6 +26,7 @@ import functools
 import hashlib
 import itertools
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -244,35 +245,53 @@ def cached_kernel_templates() -> contextlib.AbstractContextManager:
     return mock.patch.object(KernelTemplate, "_template_from_string", staticmethod(_jinja_template))
 
 
-def compile_settings(*modules: nn.Module) -> tuple[dict, str] | None:
-    """Inductor settings and a compile-cache tag for compiled steps over these modules (a target
-    and its head): FROZEN_GEMM where the target's Linears are int8 or its cpu_linears is
-    "inductor", on a CPU whose template kernels exist (AVX2 / AVX-512); else None (defaults).
+@dataclass(eq=False)
+class FrozenCompile:
+    """Inductor settings (FROZEN_GEMM) for compiled steps over `modules` (a target and its head),
+    and their compile-cache tag.
 
     The tag fingerprints every frozen constant, i.e. all parameters and buffers but the KV
     cache's: torch (2.13) stores frozen constants (the GEMM template's prepacked weights among
     them) by value in its FX graph cache, keyed by the graph and shapes alone, so a second model
     of the same shapes computed with the first one's weights (measured: outputs off by ~3 on a
-    cache hit). torch.compiler's cache_key_tag is the knob meant to break such caches."""
-    from eagle_infer.model import KVCache
+    cache hit). torch.compiler's cache_key_tag is the knob meant to break such caches. It is
+    computed at its first read, i.e. the first compile (generate.WithInductorSettings), not when a
+    decoder is built: hashing the default target's weights takes 1.6 s, and many decoders are
+    built that never compile, or compile later."""
+
+    options: dict
+    modules: tuple[nn.Module, ...]
+
+    @functools.cached_property
+    def cache_tag(self) -> str:
+        from eagle_infer.model import KVCache
+
+        h, seen = hashlib.blake2b(digest_size=16), set()
+        for mod in self.modules:
+            for m in mod.modules():
+                if isinstance(m, KVCache):  # written every step: not a constant
+                    continue
+                own = itertools.chain(m.named_parameters(recurse=False), m.named_buffers(recurse=False))
+                for name, t in own:
+                    if t is None or t.data_ptr() in seen:  # a tied weight once
+                        continue
+                    seen.add(t.data_ptr())
+                    h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+                    _hash_into(h, t)
+        return "frozen-gemm-" + h.hexdigest()
+
+
+def compile_settings(*modules: nn.Module) -> FrozenCompile | None:
+    """How compiled steps over these modules (a target and its head) compile on a CPU: on
+    FROZEN_GEMM (FrozenCompile) where the target's Linears are int8 or its cpu_linears is
+    "inductor", on a CPU whose template kernels exist (AVX2 / AVX-512); else None (defaults)."""
     from eagle_infer.quantize import Int8Linear
 
     frozen = (getattr(modules[0], "cpu_linears", None) == "inductor"
               or any(isinstance(m, Int8Linear) for mod in modules for m in mod.modules()))
     if not frozen or not template_isa():
         return None
-    h, seen = hashlib.blake2b(digest_size=16), set()
-    for mod in modules:
-        for m in mod.modules():
-            if isinstance(m, KVCache):  # written every step: not a constant
-                continue
-            for name, t in itertools.chain(m.named_parameters(recurse=False), m.named_buffers(recurse=False)):
-                if t is None or t.data_ptr() in seen:  # a tied weight once
-                    continue
-                seen.add(t.data_ptr())
-                h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
-                _hash_into(h, t)
-    return FROZEN_GEMM, "frozen-gemm-" + h.hexdigest()
+    return FrozenCompile(FROZEN_GEMM, modules)
 
 
 def _hash_into(h, t: Tensor) -> None:

@@ -19,7 +19,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eagle_infer.cpu_linears import cached_kernel_templates, compile_settings, without_mkl_prepack
+from eagle_infer.cpu_linears import (
+    FrozenCompile,
+    cached_kernel_templates,
+    compile_settings,
+    without_mkl_prepack,
+)
 from eagle_infer.errors import UserError, cli_errors
 from eagle_infer.model import Transformer, causal_mask
 from eagle_infer.sampling import SamplingParams, logits_to_probs, sample
@@ -187,19 +192,22 @@ def compiled_cache_rows(max_batch: int, max_bs: int) -> int:
 
 class WithInductorSettings:
     """A compiled step called under Inductor settings and a compile-cache tag
-    (cpu_linears.compile_settings): compilation happens lazily inside a call, at any batch
+    (cpu_linears.FrozenCompile): compilation happens lazily inside a call, at any batch
     bucket, so every call carries them. torch.compile's `options` would not do: freezing is
-    decided outside their scope. The patches are built once and re-entered (38 us a call; built
-    per call, 112 us: AMD EPYC AVX2)."""
+    decided outside their scope. The patches are built at the first call (which compiles; the
+    tag hashes the weights then) and re-entered (38 us a call; built per call, 112 us: AMD EPYC
+    AVX2)."""
 
-    def __init__(self, fn: Callable, options: dict, cache_tag: str):
-        import torch._inductor.config as inductor_config
-
-        self.fn = fn
-        self.patches = (inductor_config.patch(options), torch.compiler.config.patch(cache_key_tag=cache_tag),
-                        without_mkl_prepack(), cached_kernel_templates())
+    def __init__(self, fn: Callable, settings: FrozenCompile):
+        self.fn, self.settings, self.patches = fn, settings, None
 
     def __call__(self, *args: torch.Tensor):
+        if self.patches is None:
+            import torch._inductor.config as inductor_config
+
+            self.patches = (inductor_config.patch(self.settings.options),
+                            torch.compiler.config.patch(cache_key_tag=self.settings.cache_tag),
+                            without_mkl_prepack(), cached_kernel_templates())
         inductor, compiler, no_mkl, templates = self.patches
         # freezing needs grad off (else the template has no constant weight and no kernel)
         with torch.no_grad(), inductor, compiler, no_mkl, templates:
@@ -207,7 +215,7 @@ class WithInductorSettings:
 
 
 def compile_step(fn: Callable, mode: str | None = None,
-                 inductor: tuple[dict, str] | None = None) -> Callable:
+                 inductor: FrozenCompile | None = None) -> Callable:
     """torch.compile with full graphs and static shapes (but a traced kv length where the
     caller marks it: mark_kv_dynamic). Measured in one process on a 2-core Xeon (AVX-512, no
     AVX512-BF16: fp32), 1 thread, default model: plain step 72 ms compiled vs 83 ms eager,
@@ -229,7 +237,7 @@ def compile_step(fn: Callable, mode: str | None = None,
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     compiled = torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
-    return compiled if inductor is None else WithInductorSettings(compiled, *inductor)
+    return compiled if inductor is None else WithInductorSettings(compiled, inductor)
 
 
 class BucketedStep:

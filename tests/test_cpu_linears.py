@@ -12,7 +12,7 @@ from test_speculative import prompts_for, random_head, tiny_target
 
 from eagle_infer import cpu_linears
 from eagle_infer.errors import UserError
-from eagle_infer.generate import generate
+from eagle_infer.generate import CompiledDecode, generate
 from eagle_infer.heads import load_head_for, save_head
 from eagle_infer.loader import load_model
 from eagle_infer.speculative import generate_speculative
@@ -159,12 +159,13 @@ def test_auto_backend_needs_room_for_the_packed_copies(tiny_model_dir, monkeypat
     assert load_model(path, "fp32", "cpu").cpu_linears == "onednn"
 
 
-def test_inductor_linears_compiled_steps_equal_eager():
+def test_inductor_linears_compiled_steps_equal_eager(monkeypatch):
     """cpu_linears="inductor": compiled steps freeze the weights for Inductor's C++ GEMM template
     (where the CPU has its AVX2 / AVX-512 kernels), under a compile-cache tag that differs for
     different weights; compiled plain decoding equals eager."""
     from torch._inductor import cpu_vec_isa
 
+    real_hash = cpu_linears._hash_into
     target, other = tiny_target(layers=2), tiny_target(layers=2, seed=1)
     target.cpu_linears = other.cpu_linears = "inductor"
     head = random_head(target, "eagle3", draft_vocab=40)
@@ -172,20 +173,27 @@ def test_inductor_linears_compiled_steps_equal_eager():
     if not isinstance(cpu_vec_isa.pick_vec_isa(), (cpu_vec_isa.VecAVX2, cpu_vec_isa.VecAVX512)):
         assert settings is None
         return
-    assert settings[0]["freezing"] and settings[0]["max_autotune"]
-    assert cpu_linears.compile_settings(other)[1] != cpu_linears.compile_settings(target)[1]
+    assert settings.options["freezing"] and settings.options["max_autotune"]
+    assert cpu_linears.compile_settings(other).cache_tag != cpu_linears.compile_settings(target).cache_tag
     # Every frozen constant counts, not only the Linears: a final norm of its own, another tag.
     renormed = tiny_target(layers=2)
     renormed.cpu_linears = "inductor"
-    tag = cpu_linears.compile_settings(renormed)[1]
+    tag = cpu_linears.compile_settings(renormed).cache_tag
     with torch.no_grad():
         renormed.norm.weight.mul_(2)
-    assert cpu_linears.compile_settings(renormed)[1] != tag
+    assert cpu_linears.compile_settings(renormed).cache_tag != tag
     assert cpu_linears.compile_settings(tiny_target(layers=2)) is None  # torch's Linears: defaults
     prompts = prompts_for(target.config.vocab_size, lens=(6, 13))
     # speculative steps on the same settings: test_quantize compiles them for an int8 target
     eager = generate(target, prompts, 16)
+    # The tag hashes the weights at the first compile, not when a compiled step is built.
+    hashed = []
+    monkeypatch.setattr(cpu_linears, "_hash_into", lambda h, t: hashed.append(t) or real_hash(h, t))
+    step = CompiledDecode(target)
+    assert hashed == []
     assert generate(target, prompts, 16, compile=True) == eager
+    assert sum(t is target.norm.weight for t in hashed) == 1  # once for the whole decode
+    assert step.fn.patches is None
     # A later start compiles from torch's FX graph cache (fp32 weights left unpacked for MKL:
     # without_mkl_prepack), same tokens.
     from torch._dynamo.utils import counters
