@@ -815,13 +815,15 @@ def main(argv: list[str] | None = None) -> dict:
     if spec_runs:
         r = report
         vs_hf = "" if r["speedup_vs_hf"] is None else f"{r['speedup_vs_hf']}x transformers, "
+        vs_step = ""
+        if "plain_step_ms" in r:
+            each = ("" if r["draft_step_vs_plain_step"] is None
+                    else f" and each draft step {r['draft_step_vs_plain_step']}x")
+            vs_step = (f"; verify = {r['verify_vs_plain_step']}x{each} a plain step "
+                       f"(plain TPOT {r['plain_step_ms']} ms)")
         print(f"speculative: tau {r['acceptance_length']:.2f}, {r['speedup_vs_plain']}x plain, "
               f"{vs_hf}greedy identical: {r['greedy_identical']}, per round "
-              f"draft {r['draft_ms']} ms / verify {r['verify_ms']} ms / other {r['other_ms']} ms"
-              + (f"; verify = {r['verify_vs_plain_step']}x"
-                 + (f" and each draft step {r['draft_step_vs_plain_step']}x"
-                    if r["draft_step_vs_plain_step"] is not None else "")
-                 + f" a plain step (plain TPOT {r['plain_step_ms']} ms)" if "plain_step_ms" in r else ""))
+              f"draft {r['draft_ms']} ms / verify {r['verify_ms']} ms / other {r['other_ms']} ms{vs_step}")
         print(f"warm-up (compilation included, not in tokens/s): {report['warmup_s']} s")
         print("accept rate per position:", r["accept_rate_per_position"])
         agree = r["greedy_agreement_spec_vs_plain"]
