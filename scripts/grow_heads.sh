@@ -26,7 +26,10 @@
 # EAGLE-2 not, held-out tau -0.043; a session later EAGLE-2 one epoch on the same capture:
 # held-out +0.040, published as segment 6 from runs/grow/seg6e2), 6960-14809 by segment 7 on a
 # lent H100 (scripts/gpu_grow.sh; published: EAGLE-3 at lr 2e-4, 8 a step, beat 1e-4, 4 a step).
-# The next segment starts at 14810 (~2,400 prompts left); EAGLE-3 wants LR=2e-4 BATCH=8.
+# 14810-16089 by segment 9 (first turns, EAGLE-3 only, on the AVX2 CPU: the capture stopped
+# after 1,280 conversations to leave time for training; README; segment 8, up to 3 turns of
+# 256 tokens on a lent H100, not published, had used 14810 on too). First turns left: from 16090
+# (~1,250 prompts); EAGLE-3 wants LR=2e-4 BATCH=8.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
