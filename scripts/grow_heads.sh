@@ -29,7 +29,8 @@
 # 14810-16089 by segment 9 (first turns, EAGLE-3 only, on the AVX2 CPU: the capture stopped
 # after 1,280 conversations to leave time for training; README; segment 8, up to 3 turns of
 # 256 tokens on a lent H100, not published, had used 14810 on too). First turns left: from 16090
-# (~1,250 prompts); EAGLE-3 wants LR=2e-4 BATCH=8.
+# (~1,250 prompts). LR=2e-4 BATCH=8 was segment 7's best (from segment 6's head, 1.6M tokens);
+# from segment 7's head on segment 9's 259k tokens it lost held-out tau (2.021 -> 1.946).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
