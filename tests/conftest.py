@@ -57,7 +57,9 @@ def pytest_configure(config):
     os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
     # One torch thread by default: on a small machine shared with other jobs, OpenMP threads
     # spinning against each other made the suite 5-30x slower (13 min vs 3 min measured on
-    # the 2-core box under load). EAGLE_TEST_THREADS=N picks N; 0 keeps torch's default.
+    # the 2-core box under load). The README's command runs two pytest-xdist workers, one
+    # thread each: both cores busy, none oversubscribed. EAGLE_TEST_THREADS=N picks N; 0 keeps
+    # torch's default.
     n = int(os.environ.get("EAGLE_TEST_THREADS", "1"))
     if n > 0:
         torch.set_num_threads(n)
