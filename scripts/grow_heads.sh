@@ -30,7 +30,9 @@
 # after 1,280 conversations to leave time for training; README; segment 8, up to 3 turns of
 # 256 tokens on a lent H100, not published, had used 14810 on too). First turns left: from 16090
 # (~1,250 prompts). LR=2e-4 BATCH=8 was segment 7's best (from segment 6's head, 1.6M tokens);
-# from segment 7's head on segment 9's 259k tokens it lost held-out tau (2.021 -> 1.946).
+# from segment 7's head on segment 9's 259k tokens it lost held-out tau (2.021 -> 1.946), and so
+# did lr 1e-4 with a 10% warm-up for one epoch (run 9b: 1.963); the next segment should replay
+# the old data beside the new (train.extra_captures).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

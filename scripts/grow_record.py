@@ -42,7 +42,8 @@ def segment_record(kind: str, args: argparse.Namespace) -> dict:
     return {
         "kind": kind, "segment": args.segment, "conversations": [args.offset, args.offset + args.limit],
         "capture": {"data": args.data, **totals}, "epochs": summary.get("epochs_done", tr.get("epochs")),
-        "lr": tr.get("lr"), "batch_size": tr.get("batch_size"), "device": summary.get("device", "cpu"),
+        "lr": tr.get("lr"), "batch_size": tr.get("batch_size"), "warmup_ratio": tr.get("warmup_ratio"),
+        "device": summary.get("device", "cpu"), "run": args.run,
         "steps": summary["step"], "token_passes": summary["tokens_total"],
         "train_seconds_last_run": summary["train_seconds_this_run"],
         "tokens_seen": tokens_seen_before(head) + totals["tokens"],
@@ -61,6 +62,8 @@ def main() -> None:
     ap.add_argument("--data", required=True, choices=["onpolicy", "tf"])
     ap.add_argument("--segment-dir", required=True)
     ap.add_argument("--capture", required=True)
+    ap.add_argument("--run", default="", help="a letter for another training run on the same segment "
+                    "(its record is kept beside the first's: 9, 9b, ...)")
     ap.add_argument("--publish", action="store_true")
     args = ap.parse_args()
 
@@ -73,10 +76,12 @@ def main() -> None:
     if args.publish:
         head_log.write_text(json.dumps(published + [rec], indent=1) + "\n")
     records = read(RESULTS) if RESULTS.exists() else []
-    records = [r for r in records if (r["kind"], r["segment"]) != (args.kind, args.segment)]
-    records = sorted(records + [{**rec, "published": args.publish}], key=lambda r: (r["kind"], r["segment"]))
+    key = (args.kind, args.segment, args.run)
+    records = [r for r in records if (r["kind"], r["segment"], r.get("run", "")) != key]
+    records = sorted(records + [{**rec, "published": args.publish}],
+                     key=lambda r: (r["kind"], r["segment"], r.get("run", "")))
     RESULTS.write_text(json.dumps(records, indent=1) + "\n")
-    print(f"{args.kind}: segment {args.segment} held-out tau {rec['heldout_tau_before']:.3f} -> "
+    print(f"{args.kind}: segment {args.segment}{args.run} held-out tau {rec['heldout_tau_before']:.3f} -> "
           f"{rec['heldout_tau_after']:.3f}" + (" (published)" if args.publish else ""))
 
 

@@ -143,7 +143,8 @@ def main() -> None:
         grown.setdefault(g["kind"], []).append(
             {k: g[k] for k in ("segment", "conversations", "tokens_seen", "heldout_tau_before",
                                "heldout_tau_after", "steps", "epochs", "lr", "published")}
-            | {"data": g["capture"]["data"], "capture_tokens": g["capture"]["tokens"]})
+            | {"data": g["capture"]["data"], "capture_tokens": g["capture"]["tokens"],
+               "label": f"{g['segment']}{g.get('run', '')}"})
     fits = {k: power_fit([p["train_set"]["tokens"] for p in v], [p["tau"] for p in v])
             for k, v in curves.items()}
     # The same law through the largest from-scratch point and the shipped head, which trained
@@ -185,7 +186,7 @@ def main() -> None:
             ax.scatter([g["tokens_seen"]], [g["heldout_tau_after"]], marker="P", s=60, zorder=3,
                        color=line.get_color() if g["published"] else "none", edgecolors=line.get_color(),
                        label=None if i else f"{kind} + grow segment N (hollow: not published)")
-            ax.annotate(f"{g['segment']}", (g["tokens_seen"], g["heldout_tau_after"]),
+            ax.annotate(g.get("label", str(g["segment"])), (g["tokens_seen"], g["heldout_tau_after"]),
                         fontsize=7, xytext=(4, -3), textcoords="offset points", color=line.get_color())
         f2 = through_shipped.get(kind)
         if f2:
@@ -219,7 +220,8 @@ def main() -> None:
               + " / ".join(f"{x:.2f}" for x in sh["top1_per_position"][:3]) + " |")
     for kind, gs in grown.items():
         for g in gs:
-            print(f"| {kind} + segment {g['segment']} ({g['data']}, conversations {g['conversations'][0]}-"
+            print(f"| {kind} + segment {g.get('label', g['segment'])} ({g['data']}, "
+                  f"conversations {g['conversations'][0]}-"
                   f"{g['conversations'][1] - 1}{'' if g['published'] else ', not published'}) | | "
                   f"+ {g['capture_tokens']:,} | | + {g['steps']} | {g['heldout_tau_after']:.3f} | |")
     print(json.dumps(fits))
