@@ -161,9 +161,11 @@ def evaluate_head(head, target, dataset, unroll_steps: int, num_samples: int | N
 
 def fingerprint(cfg: DictConfig, hpath: Path) -> dict:
     files = [hpath / "config.json", hpath / "model.safetensors"]
-    return {"head": str(hpath), "head_mtime": [f.stat().st_mtime if f.is_file() else None for f in files],
-            "capture": str(abspath(cfg.capture_dir)), "unroll": int(sel(cfg, "eval.unroll", 7)),
-            "num_samples": sel(cfg, "eval.num_samples")}
+    out = {"head": str(hpath), "head_mtime": [f.stat().st_mtime if f.is_file() else None for f in files],
+           "capture": str(abspath(cfg.capture_dir)), "unroll": int(sel(cfg, "eval.unroll", 7)),
+           "num_samples": sel(cfg, "eval.num_samples")}
+    split = str(sel(cfg, "eval.split", "heldout"))
+    return out if split == "heldout" else {**out, "split": split}  # earlier records stay complete
 
 
 def is_complete(cfg: DictConfig) -> bool:
@@ -208,7 +210,10 @@ def run(cfg: DictConfig) -> dict:
     target = load_target_io(sel(cfg, "model.path", "default"), device)
     head = load_head(hpath, target.config, target.embed_tokens, target.lm_head_weight, dtype=torch.float32)
     capture_dir = abspath(cfg.capture_dir)
-    ds = CaptureDataset(capture_dir, split="heldout", model=target.config, require_aux=head.eagle3)
+    # split=train: the capture's training split, e.g. a head's own training data beside the
+    # held-out split, to tell fitting from generalising
+    split = str(sel(cfg, "eval.split", "heldout"))
+    ds = CaptureDataset(capture_dir, split=split, model=target.config, require_aux=head.eagle3)
     online = None
     if not ds.has_states:  # online mode: any layers the head reads can be computed
         from eagle_train.capture import OnlineStates
@@ -222,7 +227,8 @@ def run(cfg: DictConfig) -> dict:
                             f"the capture {capture_dir} holds {have}: capture with "
                             f"capture.aux_layers={head.config.aux_hidden_indices}")
     if len(ds) == 0:
-        raise UserError(f"held-out capture {ds.path} holds no samples (data.heldout=0?)")
+        raise UserError(f"{split} capture {ds.path} holds no samples"
+                        + (" (data.heldout=0?)" if split == "heldout" else ""))
     K = int(sel(cfg, "eval.unroll", 7))
     if K < 1:
         raise UserError(f"eval.unroll={K}: must be >= 1")
@@ -233,8 +239,8 @@ def run(cfg: DictConfig) -> dict:
     if head.eagle3 and head.t2d is not None:
         # Every held-out answer token outside the draft vocabulary is a rejection no training
         # can fix; on greedy held-out answers these are the target's own greedy tokens.
-        result["draft_vocab_coverage_heldout"] = draft_vocab_coverage(ds, head.t2d)
-    result.update({"head": str(hpath), "kind": head.config.kind, "capture": str(ds.path),
+        result[f"draft_vocab_coverage_{split}"] = draft_vocab_coverage(ds, head.t2d)
+    result.update({"head": str(hpath), "kind": head.config.kind, "capture": str(ds.path), "split": split,
                    "heldout_answers": heldout_answers(ds.manifest.get("settings") or {}),
                    "model": str(sel(cfg, "model.name", "")), "seconds": round(time.perf_counter() - t0, 2),
                    "fingerprint": fingerprint(cfg, hpath)})
@@ -246,11 +252,12 @@ def run(cfg: DictConfig) -> dict:
     records = read_log(hpath / LOG_FILE)
     plot_eval(result, records, out_dir / PLOT_FILE, f"{result['model']} {result['kind']} ({hpath.name})")
     rates = " ".join(f"{r:.2f}" for r in result["accept_rate_per_position"])
-    cov = result.get("draft_vocab_coverage_heldout")
+    where = "held-out" if split == "heldout" else f"{split}-split"
+    cov = result.get(f"draft_vocab_coverage_{split}")
     if cov is not None:
-        log(f"eval: the draft vocabulary ({int(head.t2d.sum()):,} tokens) covers {cov:.2%} of the held-out "
+        log(f"eval: the draft vocabulary ({int(head.t2d.sum()):,} tokens) covers {cov:.2%} of the {where} "
             f"answer tokens")
-    log(f"eval: {result['kind']} head {hpath} on {result['num_samples']} held-out samples "
+    log(f"eval: {result['kind']} head {hpath} on {result['num_samples']} {where} samples "
         f"({result['heldout_answers']} answers, {result['num_start_positions']:,} start positions): "
         f"acceptance length "
         f"{result['acceptance_length']:.3f} (chain of {K}); accept rate per position [{rates}]; "

@@ -98,3 +98,25 @@ def test_eval_head_override_and_missing_head(env, tmp_path):  # noqa: F811
     assert len(res["accept_rate_per_position"]) == 2 and res["acceptance_length"] >= 1.0
     with pytest.raises(UserError, match="no draft head"):
         evaluate.run(make_cfg(env, tmp_path, **{"eval.head": str(tmp_path / "nowhere")}))
+
+
+def test_eval_on_the_training_split(trained, env, tmp_path):  # noqa: F811
+    """eval.split=train measures a head on its own training data (beside the held-out split:
+    fitting against generalising), in its own eval folder; another split name is an error
+    naming the choices."""
+    _, out = trained
+
+    def cfg(**over):
+        return make_cfg(env, out, **{"eval.unroll": UNROLL, **over})
+
+    own = cfg(**{"eval.split": "train", "eval.num_samples": "null", "eval_dir": str(tmp_path / "eval-train")})
+    res = evaluate.run(own)
+    train = CaptureDataset(env["capture"])
+    assert res["split"] == "train" and res["capture"] == str(train.path) and res["num_samples"] == len(train)
+    held = evaluate.run(cfg(**{"eval_dir": str(tmp_path / "eval-heldout")}))
+    assert held["split"] == "heldout" and held["num_samples"] == N_HELDOUT
+    assert res["acceptance_length"] > held["acceptance_length"]  # the head was overfit on these
+    assert evaluate.is_complete(own)  # a held-out eval into the same folder is not this one
+    assert not evaluate.is_complete(cfg(**{"eval.num_samples": "null", "eval_dir": own.eval_dir}))
+    with pytest.raises(UserError, match="unknown capture split 'test': use train or heldout"):
+        evaluate.run(cfg(**{"eval.split": "test", "eval_dir": str(tmp_path / "e")}))
