@@ -159,12 +159,18 @@ def evaluate_head(head, target, dataset, unroll_steps: int, num_samples: int | N
     return out
 
 
+def eval_split(cfg: DictConfig) -> str:
+    """The capture split evaluated: heldout, or train (a head's own training data beside the
+    held-out split, to tell fitting from generalising)."""
+    return str(sel(cfg, "eval.split", "heldout"))
+
+
 def fingerprint(cfg: DictConfig, hpath: Path) -> dict:
     files = [hpath / "config.json", hpath / "model.safetensors"]
     out = {"head": str(hpath), "head_mtime": [f.stat().st_mtime if f.is_file() else None for f in files],
            "capture": str(abspath(cfg.capture_dir)), "unroll": int(sel(cfg, "eval.unroll", 7)),
            "num_samples": sel(cfg, "eval.num_samples")}
-    split = str(sel(cfg, "eval.split", "heldout"))
+    split = eval_split(cfg)
     return out if split == "heldout" else {**out, "split": split}  # earlier records stay complete
 
 
@@ -210,9 +216,7 @@ def run(cfg: DictConfig) -> dict:
     target = load_target_io(sel(cfg, "model.path", "default"), device)
     head = load_head(hpath, target.config, target.embed_tokens, target.lm_head_weight, dtype=torch.float32)
     capture_dir = abspath(cfg.capture_dir)
-    # split=train: the capture's training split, e.g. a head's own training data beside the
-    # held-out split, to tell fitting from generalising
-    split = str(sel(cfg, "eval.split", "heldout"))
+    split = eval_split(cfg)
     ds = CaptureDataset(capture_dir, split=split, model=target.config, require_aux=head.eagle3)
     online = None
     if not ds.has_states:  # online mode: any layers the head reads can be computed

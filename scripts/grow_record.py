@@ -76,10 +76,11 @@ def main() -> None:
     if args.publish:
         head_log.write_text(json.dumps(published + [rec], indent=1) + "\n")
     records = read(RESULTS) if RESULTS.exists() else []
-    key = (args.kind, args.segment, args.run)
-    records = [r for r in records if (r["kind"], r["segment"], r.get("run", "")) != key]
-    records = sorted(records + [{**rec, "published": args.publish}],
-                     key=lambda r: (r["kind"], r["segment"], r.get("run", "")))
+    def key(r: dict) -> tuple:  # records before --run existed have no "run"
+        return r["kind"], r["segment"], r.get("run", "")
+
+    records = [r for r in records if key(r) != key(rec)] + [{**rec, "published": args.publish}]
+    records = sorted(records, key=key)
     RESULTS.write_text(json.dumps(records, indent=1) + "\n")
     print(f"{args.kind}: segment {args.segment}{args.run} held-out tau {rec['heldout_tau_before']:.3f} -> "
           f"{rec['heldout_tau_after']:.3f}" + (" (published)" if args.publish else ""))

@@ -186,7 +186,7 @@ def main() -> None:
             ax.scatter([g["tokens_seen"]], [g["heldout_tau_after"]], marker="P", s=60, zorder=3,
                        color=line.get_color() if g["published"] else "none", edgecolors=line.get_color(),
                        label=None if i else f"{kind} + grow segment N (hollow: not published)")
-            ax.annotate(g.get("label", str(g["segment"])), (g["tokens_seen"], g["heldout_tau_after"]),
+            ax.annotate(g["label"], (g["tokens_seen"], g["heldout_tau_after"]),
                         fontsize=7, xytext=(4, -3), textcoords="offset points", color=line.get_color())
         f2 = through_shipped.get(kind)
         if f2:
@@ -220,7 +220,7 @@ def main() -> None:
               + " / ".join(f"{x:.2f}" for x in sh["top1_per_position"][:3]) + " |")
     for kind, gs in grown.items():
         for g in gs:
-            print(f"| {kind} + segment {g.get('label', g['segment'])} ({g['data']}, "
+            print(f"| {kind} + segment {g['label']} ({g['data']}, "
                   f"conversations {g['conversations'][0]}-"
                   f"{g['conversations'][1] - 1}{'' if g['published'] else ', not published'}) | | "
                   f"+ {g['capture_tokens']:,} | | + {g['steps']} | {g['heldout_tau_after']:.3f} | |")
