@@ -1,7 +1,10 @@
 """The Linear layers of the target and its draft head on a CPU. Backends (load_model's
-cpu_linears): "torch" (MKL), "onednn" (below) and "inductor": compiled steps run Inductor's C++
+cpu_linears): "torch" (MKL), "onednn" (below), "inductor": compiled steps run Inductor's C++
 GEMM template on frozen weights (compile_settings), eager calls (prefill, uncompiled steps) run
-as "onednn" does. auto_backend picks "inductor" for fp32 where the template has its kernels.
+as "onednn" does; and "avx2": calls of up to AVX2_MAX_ROWS rows, eager and compiled, run our
+kernel (kernels/avx2_linear.cpp: the template's register block with the weight stream
+prefetched), larger ones torch's. auto_backend picks "avx2" for fp32 on AVX2 CPUs (measured
+there), "inductor" for fp32 on AVX-512 ones.
 
 oneDNN: fp32 at 2-512 rows, bf16 from one row where the CPU has native bf16 (AVX512-BF16 / AMX).
 
@@ -25,6 +28,7 @@ import contextlib
 import functools
 import hashlib
 import itertools
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -88,6 +92,59 @@ class OneDNNLinear(nn.Linear):
         return onednn_linear(x, self.weight, self.key)
 
 
+# Rows up to which an "avx2" Linear runs our kernel, above which torch's (prefill chunks): AMD
+# EPYC AVX2, 2 threads, 3072 x 576: 16 / 32 / 64 rows ours 1.56 / 2.98 / 5.97 ms, torch's
+# 1.96 / 2.73 / 4.36; 1 / 4 rows 0.16 / 0.39 against 0.30 / 1.31. A decode step or a verify
+# (a tree's nodes times the batch) on a CPU stays under it, so its rows are bitwise the
+# one-row step's.
+AVX2_MAX_ROWS = 32
+
+
+class Avx2Linear(nn.Linear):
+    """A bias-free fp32 nn.Linear (same parameters and state dict) whose calls of up to
+    AVX2_MAX_ROWS rows, eager and compiled, run kernels/avx2_linear on its packed copy of the
+    weight (the buffer packed_weight, outside the state dict)."""
+
+    packed_weight: Tensor
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.numel() // x.shape[-1] > AVX2_MAX_ROWS:
+            return F.linear(x, self.weight)
+        return torch.ops.eagle.avx2_linear(x, self.packed_weight, self.out_features)
+
+
+def use_avx2_linears(model: nn.Module) -> int:
+    """Make every bias-free fp32 CPU Linear of `model` an Avx2Linear (building the kernel the
+    first time on this machine); returns how many."""
+    from eagle_infer.kernels import avx2_linear
+
+    if not avx2_linear.supported():
+        raise RuntimeError("cpu_linears=avx2: this CPU has no AVX2 / FMA")
+    avx2_linear.load()
+    linears = [m for m in model.modules() if type(m) is nn.Linear and m.bias is None
+               and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+    for m in linears:
+        m.register_buffer("packed_weight", avx2_linear.pack(m.weight), persistent=False)
+        m.__class__ = Avx2Linear
+    return len(linears)
+
+
+def avx2_default() -> bool:
+    """Whether "auto" picks "avx2" for fp32: an AVX2 CPU without AVX-512 (where it was measured
+    against the template: AVX-512 CPUs keep "inductor") whose kernel builds here."""
+    from eagle_infer.kernels import avx2_linear
+
+    if torch.backends.cpu.get_cpu_capability() != "AVX2":
+        return False
+    try:
+        avx2_linear.load()
+    except Exception as e:  # no compiler or ninja: the template needs a compiler too
+        warnings.warn(f"cpu_linears: the avx2 kernel did not build ({e}); using the next backend",
+                      stacklevel=2)
+        return False
+    return True
+
+
 def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
@@ -138,12 +195,14 @@ def template_isa() -> bool:
 def auto_backend(model: nn.Module) -> str:
     """"onednn" where this torch has it, the model has Linears it packs (bf16 ones only where the
     CPU has native bf16) and the packed copy fits twice over in free memory (a server still
-    needs room for caches and requests), else "torch"; "inductor" instead of "onednn" for fp32
-    Linears where the template has its kernels and TEMPLATE_COPIES packed copies fit twice over.
+    needs room for caches and requests), else "torch"; for fp32 Linears "avx2" instead where
+    avx2_default() (one packed copy, as oneDNN's), else "inductor" where the template has its
+    kernels and TEMPLATE_COPIES packed copies fit twice over.
 
     Why fp32 only: measured on the AVX2 AMD EPYC (2 threads, default target), compiled plain
-    steps of 24-28 ms on the template against 44-51 ms on MKL / oneDNN; bf16 is not measured on
-    the template (no native bf16 here), and its weights would miss torch's compile cache."""
+    steps of 24-28 ms on the template against 44-51 ms on MKL / oneDNN, and the avx2 kernel
+    faster than the template at 1 and 4 rows (README); bf16 is not measured on either (no native
+    bf16 here), and its weights would miss torch's compile cache on the template."""
     need = convertible_bytes(model) if available() else 0
     if need == 0:
         return "torch"
@@ -151,6 +210,8 @@ def auto_backend(model: nn.Module) -> str:
     if free is not None and 2 * need > free:
         return "torch"
     fp32 = all(m.weight.dtype == torch.float32 for m in _convertible(model))
+    if fp32 and avx2_default():
+        return "avx2"
     if fp32 and template_isa() and (free is None or 2 * TEMPLATE_COPIES * need <= free):
         return "inductor"
     return "onednn"
@@ -175,7 +236,10 @@ def use_onednn_linears(model: nn.Module, rows_hint: int = 16, compiled_template:
 def use_backend_linears(model: nn.Module, backend: str) -> int:
     """The eager side of a backend for `model` (a target, or a head loaded for it): oneDNN-packed
     Linears for "onednn" (an error without oneDNN) and for "inductor" where this torch has oneDNN,
-    traced as F.linear by compiled steps for "inductor"; nothing for "torch". Returns how many."""
+    traced as F.linear by compiled steps for "inductor"; our kernel's Linears for "avx2"; nothing
+    for "torch". Returns how many."""
+    if backend == "avx2":
+        return use_avx2_linears(model)
     if backend == "onednn" or (backend == "inductor" and available()):
         return use_onednn_linears(model, compiled_template=backend == "inductor")
     return 0

@@ -89,9 +89,10 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     more than one row (verify, batches, prefill), bf16 calls of any size where the CPU has native
     bf16; "torch" runs them through torch's kernel; "inductor": compiled steps run them through
     Inductor's C++ GEMM template on frozen weights (cpu_linears.compile_settings; eager calls run
-    as onednn's); "auto" = inductor for fp32 where the template has its kernels (AVX2 / AVX-512),
-    else onednn, where this torch has it, the model has Linears it packs and the packed copies
-    fit in free memory (cpu_linears.auto_backend)."""
+    as onednn's); "avx2": calls of up to 32 rows, eager and compiled, run our AVX2 kernel
+    (eagle_infer/kernels/avx2_linear.cpp); "auto" = avx2 for fp32 on an AVX2 CPU without AVX-512,
+    inductor for fp32 on an AVX-512 one, else onednn, where this torch has it, the model has
+    Linears it packs and the packed copies fit in free memory (cpu_linears.auto_backend)."""
     folder = resolve_model_path(path)
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
@@ -120,8 +121,8 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
         if torch_dtype == torch.float32 and quantization == "none":
             column_major_linears(model)
         backend = cpu_linears or os.environ.get("EAGLE_CPU_LINEARS", "auto")
-        if backend not in ("auto", "torch", "onednn", "inductor"):
-            raise UserError(f"cpu_linears must be auto, torch, onednn or inductor, got {backend!r}")
+        if backend not in ("auto", "torch", "onednn", "inductor", "avx2"):
+            raise UserError(f"cpu_linears must be auto, torch, onednn, inductor or avx2, got {backend!r}")
         from eagle_infer import cpu_linears as onednn
 
         if backend == "auto":

@@ -14,6 +14,7 @@ from eagle_infer import cpu_linears
 from eagle_infer.errors import UserError
 from eagle_infer.generate import CompiledDecode, generate
 from eagle_infer.heads import load_head_for, save_head
+from eagle_infer.kernels import avx2_linear
 from eagle_infer.loader import load_model
 from eagle_infer.speculative import generate_speculative
 from eagle_infer.tree import TreeConfig
@@ -121,7 +122,7 @@ def test_packed_copies_go_with_their_model():
 
 
 def test_load_model_rejects_an_unknown_backend(tiny_model_dir):
-    with pytest.raises(UserError, match="cpu_linears must be auto, torch, onednn or inductor"):
+    with pytest.raises(UserError, match="cpu_linears must be auto, torch, onednn, inductor or avx2"):
         load_model(tiny_model_dir("llama"), "fp32", "cpu", cpu_linears="mkl")
 
 
@@ -129,8 +130,11 @@ def test_load_head_for_puts_the_head_on_the_targets_backend(tiny_model_dir, tmp_
     path = tiny_model_dir("llama")
     saved = random_head(load_model(path, "fp32", "cpu", cpu_linears="torch"), "eagle3", draft_vocab=40)
     save_head(saved, tmp_path / "head", dtype=torch.float32)
-    for backend, linear in (("onednn", cpu_linears.OneDNNLinear), ("inductor", cpu_linears.OneDNNLinear),
-                            ("torch", torch.nn.Linear)):
+    backends = [("onednn", cpu_linears.OneDNNLinear), ("inductor", cpu_linears.OneDNNLinear),
+                ("torch", torch.nn.Linear)]
+    if avx2_linear.supported():
+        backends.append(("avx2", cpu_linears.Avx2Linear))
+    for backend, linear in backends:
         target = load_model(path, "fp32", "cpu", cpu_linears=backend)
         head = load_head_for(tmp_path / "head", target)
         assert target.cpu_linears == backend
@@ -145,14 +149,19 @@ def test_load_head_for_puts_the_head_on_the_targets_backend(tiny_model_dir, tmp_
 
 def test_auto_backend_needs_room_for_the_packed_copies(tiny_model_dir, monkeypatch):
     path = tiny_model_dir("llama")
-    # the default (auto, room enough): fp32 compiled steps on the template where it has kernels
-    want = "inductor" if cpu_linears.template_isa() else "onednn"
+    # the default (auto, room enough): fp32 on our kernel on an AVX2 CPU, on the template on an
+    # AVX-512 one
+    avx2 = torch.backends.cpu.get_cpu_capability() == "AVX2"
+    want = "avx2" if avx2 else "inductor" if cpu_linears.template_isa() else "onednn"
     assert load_model(path, "fp32", "cpu").cpu_linears == want
     need = cpu_linears.convertible_bytes(load_model(path, "fp32", "cpu", cpu_linears="torch"))
     assert need > 0
     copies = cpu_linears.TEMPLATE_COPIES
     monkeypatch.setattr(cpu_linears, "available_memory_bytes", lambda: 2 * copies * need - 1)
-    assert load_model(path, "fp32", "cpu").cpu_linears == "onednn"  # room for one packed copy only
+    # room for one packed copy only: enough for ours, not for the template's
+    assert load_model(path, "fp32", "cpu").cpu_linears == ("avx2" if avx2 else "onednn")
+    monkeypatch.setattr(cpu_linears, "avx2_default", lambda: False)
+    assert load_model(path, "fp32", "cpu").cpu_linears == "onednn"
     monkeypatch.setattr(cpu_linears, "available_memory_bytes", lambda: 2 * need - 1)
     assert load_model(path, "fp32", "cpu").cpu_linears == "torch"
     monkeypatch.setenv("EAGLE_CPU_LINEARS", "onednn")  # an explicit choice is kept

@@ -218,8 +218,9 @@ def test_later_stage_modules_are_found_or_named(stage, tmp_path):
 
 @pytest.mark.slow
 def test_installed_wheel_finds_conf_and_reference_heads(tmp_path):
-    """A wheel has no repository root: conf/ and heads/ must travel inside it, and an installed
-    copy (here: outside any checkout) must compose the config and find the default head."""
+    """A wheel has no repository root: conf/, heads/ and the CPU kernel's C++ source must travel
+    inside it, and an installed copy (here: outside any checkout) must compose the config and
+    find the default head."""
     import shutil
 
     # Built from a fresh copy of what the wheel is made of: setuptools reuses a build/ folder
@@ -243,12 +244,14 @@ def test_installed_wheel_finds_conf_and_reference_heads(tmp_path):
     run.mkdir()
     probe = ("import eagle_train.__main__ as m, json; "
              "from eagle_infer.default_model import default_head_path as h; "
-             "print(json.dumps([m.__file__, m.CONF_DIR, str(h('eagle3')), str(h('eagle2'))]))")
+             "from eagle_infer.kernels.avx2_linear import SOURCE; "
+             "print(json.dumps([m.__file__, m.CONF_DIR, str(h('eagle3')), str(h('eagle2')), str(SOURCE)]))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=run, env=env, capture_output=True, text=True,
                          timeout=120, check=True)
-    module, conf, head3, head2 = json.loads(out.stdout)
-    for p in (module, conf, head3, head2):
+    module, conf, head3, head2, kernel = json.loads(out.stdout)
+    for p in (module, conf, head3, head2, kernel):
         assert Path(p).resolve().is_relative_to(site.resolve()), p
+    assert Path(kernel).is_file()
     for head in (head3, head2):
         assert (Path(head) / "model.safetensors").is_file() and (Path(head) / "config.json").is_file()
     job = subprocess.run([sys.executable, "-m", "eagle_train", "--cfg", "job", "stage=train", "draft=eagle2"],

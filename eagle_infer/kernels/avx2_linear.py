@@ -1,0 +1,56 @@
+"""fp32 Linears of a few rows on AVX2 + FMA (avx2_linear.cpp): a decode step's one row and a
+verify's tree of rows, over weights packed in 24-column panels, as torch.ops.eagle.avx2_linear.
+
+The C++ source is built once per machine by torch's extension builder (a C++ compiler, which
+Inductor needs anyway, and ninja) into its cache (~/.cache/torch_extensions or
+$TORCH_EXTENSIONS_DIR; about a minute the first time), then loaded from there. Compiled steps
+see the op as an external call with a known output shape (register_fake below).
+
+    wp = pack(linear.weight)                       # [ceil(N / 24), K, 24]
+    y = torch.ops.eagle.avx2_linear(x, wp, N)      # == F.linear(x, linear.weight), fp32
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+PANEL = 24
+SOURCE = Path(__file__).with_name("avx2_linear.cpp")
+
+
+def supported() -> bool:
+    """Whether this CPU runs the kernel (AVX2 with FMA: torch's own dispatch level says so)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+@functools.cache
+def load() -> None:
+    """Build (first time on a machine) and load the op, and give compiled graphs its shape."""
+    from torch.utils import cpp_extension
+
+    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: at::parallel_for's threads
+    cpp_extension.load("eagle_avx2_linear", [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                       is_python_module=False, verbose=False)
+
+    @torch.library.register_fake("eagle::avx2_linear")
+    def _(x: Tensor, packed_weight: Tensor, out_features: int) -> Tensor:
+        return x.new_empty(*x.shape[:-1], out_features)
+
+
+def pack(weight: Tensor) -> Tensor:
+    """weight [N, K] fp32 -> [ceil(N / 24), K, 24]: panel p holds columns 24p..24p+23 of W.T,
+    zero-padded past N."""
+    n, k = weight.shape
+    padded = F.pad(weight.detach().float(), (0, 0, 0, -n % PANEL))
+    return padded.reshape(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def avx2_linear(x: Tensor, packed_weight: Tensor, out_features: int) -> Tensor:
+    """x [..., K] @ W.T -> [..., out_features] through W's packed copy (pack)."""
+    load()
+    return torch.ops.eagle.avx2_linear(x, packed_weight, out_features)
