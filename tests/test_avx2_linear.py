@@ -87,3 +87,17 @@ def test_greedy_identical_on_avx2_linears_eager_and_compiled():
     assert generate(target, prompts, 24, compile=True) == plain
     spec, _ = generate_speculative(target, head, prompts, 24, tree=TreeConfig())
     assert spec == plain
+
+
+def test_auto_falls_back_with_a_warning_when_the_kernel_does_not_build(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert cpu_linears.avx2_default()
+
+    def no_compiler():
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(avx2_linear, "load", no_compiler)
+    with pytest.warns(UserWarning, match="avx2 kernel did not build .*no C\\+\\+ compiler"):
+        assert not cpu_linears.avx2_default()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert not cpu_linears.avx2_default()  # AVX-512 CPUs keep the template (not measured there)
