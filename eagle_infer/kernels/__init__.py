@@ -1,4 +1,5 @@
-"""Fused device kernels (Triton, CUDA only) and the pure-torch references they are checked against.
+"""Fused device kernels (Triton, CUDA only) and the pure-torch references they are checked against;
+and avx2_linear (C++, fp32 Linears of a few rows on AVX2 CPUs, imported where it is used).
 
 Nothing here imports triton at module import time: a CPU-only install never needs it, and tests
 that run kernels under TRITON_INTERPRET=1 must set that variable before triton is first imported.
