@@ -121,8 +121,7 @@ def use_avx2_linears(model: nn.Module) -> int:
     if not avx2_linear.supported():
         raise RuntimeError("cpu_linears=avx2: this CPU has no AVX2 / FMA")
     avx2_linear.load()
-    linears = [m for m in model.modules() if type(m) is nn.Linear and m.bias is None
-               and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+    linears = [m for m in _convertible(model) if m.weight.dtype == torch.float32]
     for m in linears:
         m.register_buffer("packed_weight", avx2_linear.pack(m.weight), persistent=False)
         m.__class__ = Avx2Linear
@@ -157,7 +156,7 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
 
 
 def _convertible(model: nn.Module) -> list[nn.Linear]:
-    """The Linears of `model` use_onednn_linears packs."""
+    """The Linears of `model` use_onednn_linears packs (its fp32 ones: use_avx2_linears)."""
     dtypes = packable_dtypes()
     return [m for m in model.modules() if type(m) is nn.Linear and m.bias is None
             and m.weight.device.type == "cpu" and m.weight.dtype in dtypes]
