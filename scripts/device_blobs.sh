@@ -10,7 +10,9 @@
 # from .venv: antlr4 4.9.3 has no wheel); hf_small: the converted target's config and tokenizer
 # files (the device's transformers would otherwise write its own); question.jsonl: MT-bench;
 # SEGMENT_OFFSET=N adds prompts for scripts/gpu_grow.sh from training conversation N on
-# (SEGMENT_TURNS=K: their first K answers; the capture then wants capture.max_turns=K).
+# (SEGMENT_TURNS=K: their first K answers; the capture then wants capture.max_turns=K);
+# SEGMENT_REPLAY=OFFSET:LIMIT appends the prompts of conversations already trained on (replay),
+# after the new ones, so that a capture cut short by its time limit has the new ones first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -37,4 +39,7 @@ pins=$("$PY" -m pip freeze 2>/dev/null | grep -i -E '^(annotated[-_]types|dill|f
   -d .whl $pins
 [ -z "${SEGMENT_OFFSET:-}" ] || "$PY" scripts/segment_prompts.py --offset "$SEGMENT_OFFSET" \
   --max-turns "${SEGMENT_TURNS:-1}" --out .blob2/segment.jsonl.xz
+[ -z "${SEGMENT_REPLAY:-}" ] || { "$PY" scripts/segment_prompts.py --offset "${SEGMENT_REPLAY%%:*}" \
+  --limit "${SEGMENT_REPLAY#*:}" --max-turns "${SEGMENT_TURNS:-1}" --out /tmp/replay.jsonl.xz &&
+  cat /tmp/replay.jsonl.xz >>.blob2/segment.jsonl.xz; }  # xz streams concatenate
 du -sh .blob1 .blob2 .blob3 .whl

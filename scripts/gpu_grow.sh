@@ -44,7 +44,6 @@ mkdir -p "$OUT" "$W"
 LOG=$OUT/gpu_grow.log
 say() { echo "[$((SECONDS - T0)) s] $*" | tee -a "$LOG"; }
 EAGLE=("$PY" -m eagle_train preset=reference workdir="$W" device="$DEVICE")
-run() { "${EAGLE[@]}" train.wandb.mode=disabled "$@"; }
 
 case $PROMPTS in
   *.xz) P=$W/prompts.jsonl
@@ -55,15 +54,31 @@ say "prompts: $(wc -l <"$P") from $PROMPTS; runs: $RUNS"
 
 C=$W/capture
 say "capture: greedy answers, token ids only, batches of $CBATCH, at most $CAPTURE_S s"
-timeout "$CAPTURE_S" "${EAGLE[@]}" stage=capture data.source="$P" data.heldout=0 capture.offset=0 \
-  capture.limit=null capture.temperature=0 capture.store_states=false capture.batch_size="$CBATCH" \
-  capture.shard_size="$CBATCH" capture_dir="$C" eval.num_samples=0 hydra.run.dir="$W/hydra/capture" ${CAPTURE_ARGS:-} >"$W/capture.log" 2>&1
-say "capture: exit $?; $(grep -a -E '^capture|gen .*tok/s' "$W/capture.log" | tail -2 | tr '\r' '\n' | tail -2)"
+capture() {  # time limit, extra overrides...
+  local limit=$1
+  shift
+  timeout "$limit" "${EAGLE[@]}" stage=capture data.source="$P" data.heldout=0 capture.offset=0 \
+    capture.limit=null capture.temperature=0 capture.store_states=false capture.batch_size="$CBATCH" \
+    capture.shard_size="$CBATCH" capture_dir="$C" eval.num_samples=0 hydra.run.dir="$W/hydra/capture" \
+    ${CAPTURE_ARGS:-} "$@" >>"$W/capture.log" 2>&1
+}
+# Decode steps replay as CUDA graphs (capture.compile=auto); should that fail, the rest of the
+# capture's time goes to eager steps (a capture resumes from its finished shards).
+capture "$CAPTURE_S"
+rc=$?
+left=$((CAPTURE_S - (SECONDS - T0)))
+if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$left" -gt 30 ]; then
+  say "capture: exit $rc ($(grep -a -i -E 'error' "$W/capture.log" | tail -1)); eager steps for the $left s left"
+  capture "$left" capture.compile=false
+  rc=$?
+fi
+say "capture: exit $rc; $(grep -a -E '^capture|gen .*tok/s' "$W/capture.log" | tail -2 | tr '\r' '\n' | tail -2)"
 
-train() {  # name kind lr batch epochs steps head_dir
-  run stage=train draft="$2" capture_dir="$C" train.init_from="heads/$T-$2" train.lr="$3" \
-    train.batch_size="$4" train.epochs="$5" train.max_steps="$6" train.save_every=0 head_dir="$7" \
-    hydra.run.dir="$7.hydra"
+train() {  # name kind lr batch epochs steps head_dir; stopped in time for the packing below
+  timeout "$((BUDGET - (SECONDS - T0) - 25))" "${EAGLE[@]}" train.wandb.mode=disabled stage=train \
+    draft="$2" capture_dir="$C" train.init_from="heads/$T-$2" train.lr="$3" train.batch_size="$4" \
+    train.epochs="$5" train.max_steps="$6" train.save_every=0 head_dir="$7" hydra.run.dir="$7.hydra" \
+    ${TRAIN_ARGS:-}
 }
 # The probes run side by side, as the real runs will.
 pids=()

@@ -259,6 +259,36 @@ def test_capture_offset_takes_a_disjoint_slice(reference_capture, tmp_path, defa
                     model=default_model_fp32, tokenizer=tokenizer)
 
 
+def test_compiled_regeneration_stores_the_same_answers(tmp_path, tokenizer):
+    """capture.compile=true (what auto picks on CUDA, there as CUDA graphs) regenerates through
+    compiled decode steps: on a CPU, with a 2-layer target of the default vocabulary, the same
+    answers as the eager steps, token for token. auto stays eager on a CPU."""
+    from test_speculative import tiny_target
+    from torch._dynamo.utils import counters
+
+    from eagle_train import capture
+    from eagle_train.shards import CaptureDataset
+
+    target = tiny_target(vocab=tokenizer.vocab_size, layers=2)
+    over = [*CAPTURE_OVERRIDES, "capture.store_states=false", "capture.max_new_tokens_per_turn=12",
+            "capture.aux_layers=[0,1,2]"]
+    data = {}
+    for flag in ("false", "true"):
+        cfg = compose([*over, f"capture.compile={flag}", f"workdir={tmp_path / flag}"])
+        assert capture.compile_generation(cfg, torch.device("cpu")) is (flag == "true")
+        counters.clear()
+        capture.run(cfg, model=target, tokenizer=tokenizer)
+        assert (counters["stats"]["unique_graphs"] > 0) is (flag == "true")  # compiled, or eager
+        ds = CaptureDataset(cfg.capture_dir)
+        data[flag] = [ds[i]["input_ids"].tolist() for i in range(len(ds))]
+    assert len(data["true"]) == 4 and data["true"] == data["false"]
+    auto = compose(over)
+    assert capture.compile_generation(auto, torch.device("cpu")) is False
+    assert capture.compile_generation(auto, torch.device("cuda")) is True
+    with pytest.raises(UserError, match="capture.compile must be auto, true or false, got 'yes'"):
+        capture.compile_generation(compose([*over, "capture.compile=yes"]), torch.device("cpu"))
+
+
 def test_online_capture_stores_tokens_only_and_online_states_match(reference_capture, tmp_path, monkeypatch,
                                                                    default_model_fp32, tokenizer):
     """capture.store_states=false: the same samples, tokens and masks only; OnlineStates gives a
