@@ -202,7 +202,27 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, gqa: bool) 
         mask = mask if mask.dtype == torch.bool else mask.float()
         return F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=mask,
                                               enable_gqa=gqa).to(q.dtype)
+    if gqa and q.device.type == "cuda":
+        return grouped_query_attention(q, keys, values, mask)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+
+
+def grouped_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+    """attention() with the query heads that share a kv head folded into its query rows:
+    q [B, heads, T, D] -> [B, kv_heads, G*T, D] (G = heads / kv_heads; head h reads kv head
+    h // G), mask [B, 1, T, S] -> [B, 1, G*T, S]. On CUDA, SDPA runs enable_gqa only in its flash
+    kernel, which takes no mask and no fp32: with our masks every call fell to the math kernel,
+    which first copies the keys and values G times (at a capture's batch of 256 and kv 1024, ~1 GB
+    a layer). Folded, the heads match and the memory-efficient kernel takes the call."""
+    B, H, T, D = q.shape
+    KVH = keys.shape[1]
+    G = H // KVH
+    if T == 1:
+        folded_mask = mask.expand(B, 1, G, mask.shape[-1])
+    else:
+        folded_mask = mask[:, :, None].expand(B, 1, G, T, mask.shape[-1]).reshape(B, 1, G * T, -1)
+    out = F.scaled_dot_product_attention(q.reshape(B, KVH, G * T, D), keys, values, attn_mask=folded_mask)
+    return out.reshape(B, H, T, D)
 
 
 # ---------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ cp "$("$PY" -c "from eagle_infer.default_model import MTBENCH_QUESTIONS as q, pa
 site=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 (cd "$site" && tar czf - --exclude=__pycache__ hydra hydra_core-*.dist-info omegaconf omegaconf-*.dist-info \
    antlr4 antlr4_python3_runtime-*.dist-info) >.blob2/pylib.tgz
-pins=$("$PY" -m pip freeze 2>/dev/null | grep -i -E '^(annotated[-_]types|dill|fastapi|gguf|pydantic|pydantic[-_]core|sniffio|sse[-_]starlette|starlette|typing[-_]extensions|typing[-_]inspection|uvicorn)==')
+pins=$("$PY" -m pip freeze 2>/dev/null | grep -i -E '^(annotated[-_]types|dill|fastapi|gguf|pydantic|opentelemetry[-_]api|pydantic[-_]core|sniffio|sse[-_]starlette|starlette|typing[-_]extensions|typing[-_]inspection|uvicorn)==')
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d .whl $pins

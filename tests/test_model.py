@@ -342,3 +342,25 @@ def test_bf16_attention_matches_fp32_sdpa(batch, queries):
         out = attention(q, k, v, m, gqa=True)
         assert out.dtype == torch.bfloat16 and out.shape == q.shape
         torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("batch,queries", [(1, 1), (3, 1), (2, 5)])
+def test_grouped_query_attention_folds_heads_exactly(batch, queries):
+    """attention() on CUDA folds the query heads sharing a kv head into its query rows (SDPA's
+    enable_gqa takes only the flash kernel, which refuses masks): the same values as SDPA with
+    enable_gqa, with either mask form, and masks of one row broadcast over the queries."""
+    import torch.nn.functional as F
+
+    from eagle_infer.model import attn_bias, grouped_query_attention
+
+    torch.manual_seed(0)
+    S = 40
+    q = torch.randn(batch, 6, queries, 16)
+    k, v = torch.randn(2, batch, 2, S, 16)
+    mask = torch.rand(batch, queries, S) < 0.7
+    mask[..., 0] = True
+    for m in (mask[:, None], attn_bias(mask, torch.float32), mask[:1, None, :1]):
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+        out = grouped_query_attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, m)
+        assert out.shape == q.shape
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
