@@ -62,12 +62,12 @@ capture() {  # time limit, extra overrides...
     capture.shard_size="$CBATCH" capture_dir="$C" eval.num_samples=0 hydra.run.dir="$W/hydra/capture" \
     ${CAPTURE_ARGS:-} "$@" >>"$W/capture.log" 2>&1
 }
-# Decode steps replay as CUDA graphs (capture.compile=auto); should that fail, the rest of the
-# capture's time goes to eager steps (a capture resumes from its finished shards).
+# With CAPTURE_ARGS="capture.compile=auto" decode steps replay as CUDA graphs; should that fail,
+# the rest of the capture's time goes to eager steps (a capture resumes from its finished shards).
 capture "$CAPTURE_S"
 rc=$?
 left=$((CAPTURE_S - (SECONDS - T0)))
-if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$left" -gt 30 ]; then
+if [[ "${CAPTURE_ARGS:-}" == *capture.compile=* ]] && [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$left" -gt 30 ]; then
   say "capture: exit $rc ($(grep -a -i -E 'error' "$W/capture.log" | tail -1)); eager steps for the $left s left"
   capture "$left" capture.compile=false
   rc=$?

@@ -262,7 +262,7 @@ def test_capture_offset_takes_a_disjoint_slice(reference_capture, tmp_path, defa
 def test_compiled_regeneration_stores_the_same_answers(tmp_path, tokenizer):
     """capture.compile=true (what auto picks on CUDA, there as CUDA graphs) regenerates through
     compiled decode steps: on a CPU, with a 2-layer target of the default vocabulary, the same
-    answers as the eager steps, token for token. auto stays eager on a CPU."""
+    answers as the eager steps, token for token. The default is eager; auto is eager on a CPU."""
     from test_speculative import tiny_target
     from torch._dynamo.utils import counters
 
@@ -282,7 +282,8 @@ def test_compiled_regeneration_stores_the_same_answers(tmp_path, tokenizer):
         ds = CaptureDataset(cfg.capture_dir)
         data[flag] = [ds[i]["input_ids"].tolist() for i in range(len(ds))]
     assert len(data["true"]) == 4 and data["true"] == data["false"]
-    auto = compose(over)
+    assert capture.compile_generation(compose(over), torch.device("cuda")) is False
+    auto = compose([*over, "capture.compile=auto"])
     assert capture.compile_generation(auto, torch.device("cpu")) is False
     assert capture.compile_generation(auto, torch.device("cuda")) is True
     with pytest.raises(UserError, match="capture.compile must be auto, true or false, got 'yes'"):
