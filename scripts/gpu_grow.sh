@@ -24,6 +24,11 @@
 # capture.max_new_tokens_per_turn=256 data.max_length=1024" to TOTAL=565 CAPTURE_S=220
 # RUNS="e3:eagle3:2e-4:8:2 e3hi:eagle3:4e-4:8:2 e2:eagle2:1e-4:4:1", then TOTAL=380 CAPTURE_S=160
 # RUNS="f3:eagle3:2e-4:8:2:400 f3hi:eagle3:4e-4:8:2:400 f2:eagle2:1e-4:4:1:400".
+# Segment 10 (new first turns, then replay: device_blobs.sh SEGMENT_REPLAY) ran CAPTURE_ARGS=
+# "capture.compile=auto" (then the default) CAPTURE_S=150 RUNS="r3:eagle3:1e-4:8:1:1200
+# r3hi:eagle3:2e-4:8:1:1200 r2:eagle2:1e-4:4:1:2400" TOTAL=560, then CAPTURE_ARGS=
+# "capture.compile=false" CAPTURE_S=135 RUNS="s3:eagle3:1e-4:8:1:650 s3hi:eagle3:2e-4:8:1:650"
+# TOTAL=320. CAPTURE_ARGS and TRAIN_ARGS add overrides to the capture and to every training.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -75,7 +80,9 @@ fi
 say "capture: exit $rc; $(grep -a -E '^capture|gen .*tok/s' "$W/capture.log" | tail -2 | tr '\r' '\n' | tail -2)"
 
 train() {  # name kind lr batch epochs steps head_dir; stopped in time for the packing below
-  timeout "$((BUDGET - (SECONDS - T0) - 25))" "${EAGLE[@]}" train.wandb.mode=disabled stage=train \
+  local limit=$((BUDGET - (SECONDS - T0) - 25))
+  [ "$limit" -gt 0 ] || limit=1  # timeout 0 would mean no limit
+  timeout "$limit" "${EAGLE[@]}" train.wandb.mode=disabled stage=train \
     draft="$2" capture_dir="$C" train.init_from="heads/$T-$2" train.lr="$3" train.batch_size="$4" \
     train.epochs="$5" train.max_steps="$6" train.save_every=0 head_dir="$7" hydra.run.dir="$7.hydra" \
     ${TRAIN_ARGS:-}
