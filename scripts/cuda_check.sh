@@ -11,6 +11,9 @@
 #
 #   OUT=runs/cuda_check bash scripts/cuda_check.sh
 #   N=10 TOKENS=256 PROMPTS=prompts.jsonl bash scripts/cuda_check.sh
+#   STEPS=capture CAPTURE_PROMPTS=seg.jsonl.xz bash scripts/cuda_check.sh   (not in the default STEPS:
+#     CAPTURE_N=768 conversations captured with eager steps, then with CUDA graphs; tok/s of each;
+#     DEVICE=cpu runs the step on a CPU, as a dry run)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -53,7 +56,18 @@ for s in $STEPS; do
     server) step server 400 "$PY" scripts/bench_server.py --concurrency 1 --num-requests "$N" \
               --max-tokens "$TOKENS" ${PROMPTS:+--prompts "$PROMPTS"} --out "$OUT/bench_server.json" ;;
     chain) bench chain 300 --no-hf --num-steps 3 --eagle-topk 1 --num-draft-tokens 3 ;;
-    *) say "unknown step $s (tests, graphs, eager, batch4, server, chain)" ;;
+    capture)  # a grow segment's capture rate, eager steps against CUDA graphs (capture.compile)
+      src=${CAPTURE_PROMPTS:-/root/blob/segment.jsonl.xz}
+      "$PY" -c "import lzma,shutil,sys; shutil.copyfileobj((lzma.open if sys.argv[1].endswith('.xz') else open)(sys.argv[1], 'rb'), open(sys.argv[2], 'wb'))" \
+        "$src" /tmp/capture_prompts.jsonl || say "capture: no prompts in $src (device_blobs.sh SEGMENT_OFFSET)"
+      for c in false auto; do
+        step "capture_compile_$c" 240 "$PY" -m eagle_train preset=reference workdir="/tmp/capture_$c" device="${DEVICE:-cuda}" \
+          stage=capture data.source=/tmp/capture_prompts.jsonl data.heldout=0 capture.limit="${CAPTURE_N:-768}" \
+          capture.temperature=0 capture.store_states=false capture.batch_size=256 capture.shard_size=256 \
+          capture.compile="$c" eval.num_samples=0 train.wandb.mode=disabled
+        say "capture_compile_$c: $(grep -a 'generated .* tok/s' "$LOG" | tail -1)"
+      done ;;
+    *) say "unknown step $s (tests, graphs, eager, batch4, server, chain, capture)" ;;
   esac
 done
 say "== done in $SECONDS s"
