@@ -214,6 +214,16 @@ def _record_token_time(seen: dict[int, list[float]], t0: float, i: int, token: i
     return False
 
 
+def _time_call(res: BenchResult, fn: DecodeFn, batch: Sequence[list[int]]) -> None:
+    """One timed call of fn on a batch, recorded in res."""
+    seen: dict[int, list[float]] = {}  # index in the batch -> [first, last] token time
+    t0 = time.perf_counter()
+    outs = fn([list(p) for p in batch], partial(_record_token_time, seen, t0))
+    res.seconds.append(time.perf_counter() - t0)
+    res.outputs += [list(o) for o in outs]
+    res.token_times += [(seen[i][0], seen[i][1], len(o)) for i, o in enumerate(outs) if i in seen]
+
+
 def time_decoding(name: str, fn: DecodeFn, prompts: Sequence[list[int]], warmup: bool = True,
                   batch_size: int = 1) -> BenchResult:
     """Run fn on the prompts batch_size at a time and time each call, after one untimed
@@ -227,19 +237,36 @@ def time_decoding(name: str, fn: DecodeFn, prompts: Sequence[list[int]], warmup:
             fn(batch, lambda i, t: False)
         res.warmup_s = time.perf_counter() - t0
     for batch in tqdm(batches(prompts, batch_size), desc=name, unit="batch", leave=False, file=sys.stderr):
-        seen: dict[int, list[float]] = {}  # index in the batch -> [first, last] token time
-        t0 = time.perf_counter()
-        outs = fn([list(p) for p in batch], partial(_record_token_time, seen, t0))
-        res.seconds.append(time.perf_counter() - t0)
-        res.outputs += [list(o) for o in outs]
-        res.token_times += [(seen[i][0], seen[i][1], len(o)) for i, o in enumerate(outs) if i in seen]
+        _time_call(res, fn, batch)
     return res
+
+
+def time_interleaved(fns: dict[str, DecodeFn], prompts: Sequence[list[int]]) -> dict[str, BenchResult]:
+    """Each prompt decoded by every method in turn, the order reversed at every other prompt
+    (A B, B A, ...): a machine that speeds up or slows down during the run (VMs here moved by
+    10-50% within the hour) then weighs on every method alike, where timing one method's prompts
+    and then the other's put the drift into their ratio. Batch 1; no warm-up (the caller's)."""
+    from tqdm.auto import tqdm
+
+    results = {name: BenchResult(name) for name in fns}
+    bar = tqdm(prompts, desc=" / ".join(fns), unit="prompt", leave=False, file=sys.stderr)
+    for i, prompt in enumerate(bar):
+        for name in (list(fns) if i % 2 == 0 else list(fns)[::-1]):
+            _time_call(results[name], fns[name], [prompt])
+    return results
 
 
 @torch.no_grad()
 def bench_plain(model, prompts: Sequence[list[int]], max_new_tokens: int,
                 ignore_eos: bool = True, compile_steps: bool = False, batch_size: int = 1) -> BenchResult:
     """Our plain greedy decoding (eagle_infer.generate.generate), batch_size prompts a call."""
+    return time_decoding("plain", plain_decode_fn(model, max_new_tokens, ignore_eos, compile_steps),
+                         prompts, batch_size=batch_size)
+
+
+def plain_decode_fn(model, max_new_tokens: int, ignore_eos: bool = True,
+                    compile_steps: bool = False) -> DecodeFn:
+    """A DecodeFn of our plain greedy decoding."""
     from eagle_infer.generate import generate
 
     eos = [] if ignore_eos else None
@@ -248,7 +275,7 @@ def bench_plain(model, prompts: Sequence[list[int]], max_new_tokens: int,
         return generate(model, batch, max_new_tokens, eos_token_ids=eos, on_token=on_token,
                         compile=compile_steps)
 
-    return time_decoding("plain", run, prompts, batch_size=batch_size)
+    return run
 
 
 @torch.no_grad()
@@ -322,6 +349,23 @@ def bench_spec(model, head, prompts: Sequence[list[int]], max_new_tokens: int, t
                name: str = "speculative", batch_size: int = 1) -> SpecRun:
     """Speculative decoding (eagle_infer.speculative), batch_size prompts a call, one decoder
     reused across calls."""
+    run, total, dec = spec_decode_fn(model, head, prompts, max_new_tokens, tree, ignore_eos, params,
+                                     compile_steps, batch_size)
+    t0 = time.perf_counter()
+    for batch in warmup_batches(prompts, batch_size):  # warm-up and compilation, not counted
+        run(batch)
+    warmup_s = time.perf_counter() - t0
+    total.__init__()
+    res = time_decoding(name, run, prompts, warmup=False, batch_size=batch_size)
+    res.warmup_s = warmup_s
+    return SpecRun(res, total, tree, dec)
+
+
+def spec_decode_fn(model, head, prompts: Sequence[list[int]], max_new_tokens: int, tree: TreeConfig,
+                   ignore_eos: bool = True, params: SamplingParams | None = None, compile_steps: bool = False,
+                   batch_size: int = 1) -> tuple[DecodeFn, SpecStats, object]:
+    """A DecodeFn of speculative decoding through one decoder sized for the prompts, the stats it
+    adds every call to, and the decoder."""
     from eagle_infer.generate import compile_mode_for
     from eagle_infer.speculative import SpecDecoder, generate_speculative
 
@@ -339,14 +383,28 @@ def bench_spec(model, head, prompts: Sequence[list[int]], max_new_tokens: int, t
         total.merge(st)
         return out
 
-    t0 = time.perf_counter()
-    for batch in warmup_batches(prompts, batch_size):  # warm-up and compilation, not counted
-        run(batch)
-    warmup_s = time.perf_counter() - t0
-    total.__init__()
-    res = time_decoding(name, run, prompts, warmup=False, batch_size=batch_size)
-    res.warmup_s = warmup_s
-    return SpecRun(res, total, tree, dec)
+    return run, total, dec
+
+
+def bench_plain_and_spec(model, head, prompts: Sequence[list[int]], max_new_tokens: int, tree: TreeConfig,
+                         compile_steps: bool = False) -> tuple[BenchResult, SpecRun]:
+    """Plain and speculative greedy decoding at batch 1, each warmed up (compiled) first, then
+    timed prompt by prompt in alternating order (time_interleaved): a ratio of the two that a
+    drifting machine moves less than two runs one after the other."""
+    plain_fn = plain_decode_fn(model, max_new_tokens, compile_steps=compile_steps)
+    spec_fn, stats, dec = spec_decode_fn(model, head, prompts, max_new_tokens, tree,
+                                         compile_steps=compile_steps)
+    warmup = {}
+    for name, fn in (("plain", plain_fn), ("speculative", spec_fn)):
+        t0 = time.perf_counter()
+        for batch in warmup_batches(prompts, 1):
+            fn(batch, lambda i, t: False)
+        warmup[name] = time.perf_counter() - t0
+    stats.__init__()
+    res = time_interleaved({"plain": plain_fn, "speculative": spec_fn}, prompts)
+    for name, r in res.items():
+        r.warmup_s = warmup[name]
+    return res["plain"], SpecRun(res["speculative"], stats, tree, dec)
 
 
 def count_aten_ops(model, head, prompt: list[int], tree: TreeConfig, rounds: int = 8) -> dict:

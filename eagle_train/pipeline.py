@@ -430,7 +430,7 @@ def run_bench(cfg: DictConfig) -> dict | None:
     tree (3/4/4 by default: what pays on a CPU). Writes ``<workdir>/bench.json``; 0 prompts = off."""
     import torch
 
-    from eagle_infer.bench import bench_plain, bench_spec, compile_default, load_prompts
+    from eagle_infer.bench import bench_plain_and_spec, compile_default, load_prompts
     from eagle_infer.heads import load_head_for
     from eagle_infer.loader import default_device, dtype_name, load_model, load_tokenizer, resolve_dtype
     from eagle_infer.tree import TreeConfig
@@ -465,14 +465,14 @@ def run_bench(cfg: DictConfig) -> dict | None:
     compiled = compile_default(device) if str(b.get("compile", "auto")) == "auto" else bool(b.compile)
     t0 = time.perf_counter()
     with torch.no_grad():
-        plain = bench_plain(model, prompts, new, compile_steps=compiled)
-        spec = bench_spec(model, head, prompts, new, tree, compile_steps=compiled)
+        plain, spec = bench_plain_and_spec(model, head, prompts, new, tree, compile_steps=compiled)
     plain_tps, spec_tps = plain.tokens_per_s, spec.result.tokens_per_s
     tau = spec.stats.acceptance_length()
     report = {"head": str(head_dir), "init_from": OmegaConf.select(cfg, "train.init_from"),
               "prompts": f"MT-bench first turns 1..{len(prompts)}", "max_new_tokens": new,
               "tree": [tree.num_steps, tree.eagle_topk, tree.num_draft_tokens], "dtype": dtype,
               "device": device, "cpu": cpu_name(), "threads": torch.get_num_threads(), "compiled": compiled,
+              "timing": "interleaved: each prompt plain and speculative, the order reversed every other one",
               "warmup_s": round(plain.warmup_s + spec.result.warmup_s, 1),
               "plain_tokens_per_s": round(plain_tps, 3), "spec_tokens_per_s": round(spec_tps, 3),
               "speedup": round(spec_tps / plain_tps, 3) if plain_tps else None,

@@ -78,3 +78,24 @@ def test_bench_int8_target_reports_its_weights(tmp_path, default_model_fp32):
     assert r["settings"]["quantization"] == "int8"
     assert r["weight_bytes_per_token"] < 0.3 * weight_bytes_per_token(default_model_fp32)
     assert r["methods"]["plain"]["tokens"] == 6 and r["rounds"] > 0
+
+
+def test_time_interleaved_alternates_the_order():
+    """Each prompt runs through every method, in the given order and then reversed, so drift of
+    the machine's speed falls on both; each method's outputs stay in prompt order."""
+    from eagle_infer.bench import time_interleaved
+
+    calls = []
+
+    def method(name):
+        def run(batch, on_token):
+            calls.append((name, batch[0][0]))
+            on_token(0, 7)
+            return [[batch[0][0] * 10]]
+        return run
+
+    res = time_interleaved({"a": method("a"), "b": method("b")}, [[1], [2], [3]])
+    assert calls == [("a", 1), ("b", 1), ("b", 2), ("a", 2), ("a", 3), ("b", 3)]
+    for name in ("a", "b"):
+        r = res[name]
+        assert r.outputs == [[10], [20], [30]] and len(r.seconds) == 3 and len(r.token_times) == 3
