@@ -386,6 +386,7 @@ def spec_decode_fn(model, head, prompts: Sequence[list[int]], max_new_tokens: in
     return run, total, dec
 
 
+@torch.no_grad()
 def bench_plain_and_spec(model, head, prompts: Sequence[list[int]], max_new_tokens: int, tree: TreeConfig,
                          compile_steps: bool = False) -> tuple[BenchResult, SpecRun]:
     """Plain and speculative greedy decoding at batch 1, each warmed up (compiled) first, then
