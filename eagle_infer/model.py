@@ -217,10 +217,8 @@ def grouped_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tenso
     B, H, T, D = q.shape
     KVH = keys.shape[1]
     G = H // KVH
-    if T == 1:
-        folded_mask = mask.expand(B, 1, G, mask.shape[-1])
-    else:
-        folded_mask = mask[:, :, None].expand(B, 1, G, T, mask.shape[-1]).reshape(B, 1, G * T, -1)
+    # a view, no copy, where T == 1 (a decode step) or the mask broadcasts over T
+    folded_mask = mask[:, :, None].expand(B, 1, G, T, mask.shape[-1]).reshape(B, 1, G * T, -1)
     out = F.scaled_dot_product_attention(q.reshape(B, KVH, G * T, D), keys, values, attn_mask=folded_mask)
     return out.reshape(B, H, T, D)
 
