@@ -214,6 +214,14 @@ def _record_token_time(seen: dict[int, list[float]], t0: float, i: int, token: i
     return False
 
 
+def warm_up(fn: DecodeFn, prompts: Sequence[list[int]], batch_size: int = 1) -> float:
+    """fn's untimed calls on warmup_batches (compilation happens here); returns their seconds."""
+    t0 = time.perf_counter()
+    for batch in warmup_batches(prompts, batch_size):
+        fn(batch, lambda i, t: False)
+    return time.perf_counter() - t0
+
+
 def _time_call(res: BenchResult, fn: DecodeFn, batch: Sequence[list[int]]) -> None:
     """One timed call of fn on a batch, recorded in res."""
     seen: dict[int, list[float]] = {}  # index in the batch -> [first, last] token time
@@ -232,10 +240,7 @@ def time_decoding(name: str, fn: DecodeFn, prompts: Sequence[list[int]], warmup:
 
     res = BenchResult(name, batch_size=batch_size)
     if warmup:
-        t0 = time.perf_counter()
-        for batch in warmup_batches(prompts, batch_size):
-            fn(batch, lambda i, t: False)
-        res.warmup_s = time.perf_counter() - t0
+        res.warmup_s = warm_up(fn, prompts, batch_size)
     for batch in tqdm(batches(prompts, batch_size), desc=name, unit="batch", leave=False, file=sys.stderr):
         _time_call(res, fn, batch)
     return res
@@ -351,11 +356,8 @@ def bench_spec(model, head, prompts: Sequence[list[int]], max_new_tokens: int, t
     reused across calls."""
     run, total, dec = spec_decode_fn(model, head, prompts, max_new_tokens, tree, ignore_eos, params,
                                      compile_steps, batch_size)
-    t0 = time.perf_counter()
-    for batch in warmup_batches(prompts, batch_size):  # warm-up and compilation, not counted
-        run(batch)
-    warmup_s = time.perf_counter() - t0
-    total.__init__()
+    warmup_s = warm_up(run, prompts, batch_size)
+    total.__init__()  # the warm-up's rounds are not counted
     res = time_decoding(name, run, prompts, warmup=False, batch_size=batch_size)
     res.warmup_s = warmup_s
     return SpecRun(res, total, tree, dec)
@@ -395,14 +397,10 @@ def bench_plain_and_spec(model, head, prompts: Sequence[list[int]], max_new_toke
     plain_fn = plain_decode_fn(model, max_new_tokens, compile_steps=compile_steps)
     spec_fn, stats, dec = spec_decode_fn(model, head, prompts, max_new_tokens, tree,
                                          compile_steps=compile_steps)
-    warmup = {}
-    for name, fn in (("plain", plain_fn), ("speculative", spec_fn)):
-        t0 = time.perf_counter()
-        for batch in warmup_batches(prompts, 1):
-            fn(batch, lambda i, t: False)
-        warmup[name] = time.perf_counter() - t0
-    stats.__init__()
-    res = time_interleaved({"plain": plain_fn, "speculative": spec_fn}, prompts)
+    fns = {"plain": plain_fn, "speculative": spec_fn}
+    warmup = {name: warm_up(fn, prompts) for name, fn in fns.items()}
+    stats.__init__()  # the warm-up's rounds are not counted
+    res = time_interleaved(fns, prompts)
     for name, r in res.items():
         r.warmup_s = warmup[name]
     return res["plain"], SpecRun(res["speculative"], stats, tree, dec)
