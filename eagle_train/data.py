@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import lzma
 import os
 import random
 import re
@@ -18,7 +19,7 @@ import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from eagle_infer.default_model import MTBENCH_QUESTIONS, package_file
 from eagle_infer.errors import UserError
@@ -131,6 +132,13 @@ def _warn(msg: str) -> None:
     warnings.warn(msg, DataWarning, stacklevel=3)
 
 
+def _open_text(path: Path) -> IO[str]:
+    """The file as UTF-8 text; a ``.xz`` one (what scripts/segment_prompts.py writes) decompressed."""
+    if path.suffix == ".xz":
+        return lzma.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
 def _recover_json_array(path: Path, notes: list[str] | None = None) -> Iterator[Any]:
     """Yield the elements of a JSON array one by one, stopping cleanly where the file is cut off.
 
@@ -145,7 +153,8 @@ def _recover_json_array(path: Path, notes: list[str] | None = None) -> Iterator[
         else:
             notes.append(msg)
 
-    text = path.read_text(encoding="utf-8")
+    with _open_text(path) as f:
+        text = f.read()
     start = text.find("[")
     if start < 0 or text[:start].strip():
         raise UserError(f"{path}: not a JSON array")
@@ -200,7 +209,7 @@ def _load_with_datasets(path: Path) -> list[dict] | None:
 def _jsonl_lines(path: Path, skipped: Counter) -> Iterator[tuple[str, Any]]:
     """Yield (where, record) per line, warning about and skipping empty or malformed lines."""
     warned = 0
-    with open(path, encoding="utf-8") as f:
+    with _open_text(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 reason, problem = "empty line", "empty line"
@@ -217,7 +226,7 @@ def _jsonl_lines(path: Path, skipped: Counter) -> Iterator[tuple[str, Any]]:
 
 
 def _is_json_array(path: Path) -> bool:
-    with open(path, encoding="utf-8") as f:
+    with _open_text(path) as f:
         while True:
             chunk = f.read(4096)
             if not chunk:
@@ -228,7 +237,7 @@ def _is_json_array(path: Path) -> bool:
 
 
 def _blank_lines(path: Path) -> list[int]:
-    with open(path, encoding="utf-8") as f:
+    with _open_text(path) as f:
         return [i for i, line in enumerate(f, 1) if not line.strip()]
 
 
@@ -296,7 +305,7 @@ def load_conversations(
     Builtin names: ``sharegpt`` (the truncated package file, recovered element by element),
     ``mtbench_dummy`` (500 ShareGPT-style conversations) and ``mtbench`` (the 80 MT-bench
     questions, each as its user turns only: prompts for regeneration and evaluation, so that
-    source never requires an assistant turn). Anything else is a file path.
+    source never requires an assistant turn). Anything else is a file path (`.xz` compressed or not).
 
     Training needs something to learn from, so by default conversations without an assistant
     turn are skipped; records that fail to normalise and unreadable lines are skipped with a

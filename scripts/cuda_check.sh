@@ -57,12 +57,11 @@ for s in $STEPS; do
               --max-tokens "$TOKENS" ${PROMPTS:+--prompts "$PROMPTS"} --out "$OUT/bench_server.json" ;;
     chain) bench chain 300 --no-hf --num-steps 3 --eagle-topk 1 --num-draft-tokens 3 ;;
     capture)  # a grow segment's capture rate, eager steps against CUDA graphs (capture.compile)
-      src=${CAPTURE_PROMPTS:-/root/blob/segment.jsonl.xz}
-      "$PY" -c "import lzma,shutil,sys; shutil.copyfileobj((lzma.open if sys.argv[1].endswith('.xz') else open)(sys.argv[1], 'rb'), open(sys.argv[2], 'wb'))" \
-        "$src" /tmp/capture_prompts.jsonl || say "capture: no prompts in $src (device_blobs.sh SEGMENT_OFFSET)"
+      src=${CAPTURE_PROMPTS:-/root/blob/segment.jsonl.xz}  # .jsonl or .jsonl.xz
+      [ -f "$src" ] || say "capture: no prompts in $src (device_blobs.sh SEGMENT_OFFSET)"
       for c in false auto; do
         step "capture_compile_$c" 240 "$PY" -m eagle_train preset=reference workdir="/tmp/capture_$c" device="${DEVICE:-cuda}" \
-          stage=capture data.source=/tmp/capture_prompts.jsonl data.heldout=0 capture.limit="${CAPTURE_N:-768}" \
+          stage=capture data.source="$src" data.heldout=0 capture.limit="${CAPTURE_N:-768}" \
           capture.temperature=0 capture.store_states=false capture.batch_size=256 capture.shard_size=256 \
           capture.compile="$c" eval.num_samples=0 train.wandb.mode=disabled
         say "capture_compile_$c: $(grep -a 'generated .* tok/s' "$LOG" | tail -1)"

@@ -50,19 +50,14 @@ LOG=$OUT/gpu_grow.log
 say() { echo "[$((SECONDS - T0)) s] $*" | tee -a "$LOG"; }
 EAGLE=("$PY" -m eagle_train preset=reference workdir="$W" device="$DEVICE")
 
-case $PROMPTS in
-  *.xz) P=$W/prompts.jsonl
-        "$PY" -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" "$PROMPTS" "$P" ;;
-  *) P=$PROMPTS ;;
-esac
-say "prompts: $(wc -l <"$P") from $PROMPTS; runs: $RUNS"
+say "prompts: $PROMPTS; runs: $RUNS"
 
 C=$W/capture
 say "capture: greedy answers, token ids only, batches of $CBATCH, at most $CAPTURE_S s"
 capture() {  # time limit, extra overrides...
   local limit=$1
   shift
-  timeout "$limit" "${EAGLE[@]}" stage=capture data.source="$P" data.heldout=0 capture.offset=0 \
+  timeout "$limit" "${EAGLE[@]}" stage=capture data.source="$PROMPTS" data.heldout=0 capture.offset=0 \
     capture.limit=null capture.temperature=0 capture.store_states=false capture.batch_size="$CBATCH" \
     capture.shard_size="$CBATCH" capture_dir="$C" eval.num_samples=0 hydra.run.dir="$W/hydra/capture" \
     ${CAPTURE_ARGS:-} "$@" >>"$W/capture.log" 2>&1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 
 import pytest
 
@@ -178,6 +179,24 @@ def test_truncated_json_array_recovered(tmp_path):
     path.write_text(json.dumps([conv, conv, conv])[:-30])
     with pytest.warns(DataWarning, match="truncated"):
         assert len(load_conversations(str(path))) == 2
+
+
+def test_xz_files_read_like_plain_ones(tmp_path):
+    """segment_prompts.py writes .jsonl.xz: every reader (datasets, the tolerant line reader,
+    the truncated-array recovery) takes it compressed."""
+    import lzma
+
+    conv = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+    line = json.dumps(conv)
+    cases = {"clean.jsonl.xz": f"{line}\n{line}\n", "blank.jsonl.xz": f"{line}\n\n{line}\n",
+             "cut.json.xz": json.dumps([conv, conv, conv])[:-30]}
+    for name, text in cases.items():
+        path = tmp_path / name
+        with lzma.open(path, "wt", encoding="utf-8") as f:
+            f.write(text)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DataWarning)  # the blank line and the cut
+            assert len(load_conversations(str(path))) == 2, name
 
 
 def test_missing_file_is_user_error(tmp_path):
