@@ -9,6 +9,7 @@ tokens, batch 2, fp32 so stored states can be compared tightly).
 from __future__ import annotations
 
 import json
+import lzma
 import os
 import signal
 import subprocess
@@ -339,11 +340,11 @@ def test_segment_prompts_match_what_capture_plans(tmp_path, tokenizer):
     from eagle_train.capture import Skip, plan_conversation
     from eagle_train.data import load_conversations, render_prompt, split_heldout
 
-    out = tmp_path / "seg.jsonl"
+    out = tmp_path / "seg.jsonl.xz"  # what device_blobs.sh carries
     subprocess.run([sys.executable, "scripts/segment_prompts.py", "--source", "mtbench_dummy",
                     "--offset", "100", "--limit", "60", "--max-length", "37", "--max-turns", "2",
                     "--out", str(out)], check=True, capture_output=True)
-    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    recs = [json.loads(line) for line in lzma.decompress(out.read_bytes()).decode().splitlines()]
     convs = load_conversations("mtbench_dummy")
     train_idx, _ = split_heldout(list(range(len(convs))), 40, 0)
     expected = []
@@ -357,7 +358,8 @@ def test_segment_prompts_match_what_capture_plans(tmp_path, tokenizer):
     assert 0 < len(expected) < 60  # some prompts are too long at 37 tokens: the filter is exercised
     assert [r["id"] for r in recs] == [k for k, _ in expected]
     assert any(len(job.slots) == 2 for _, job in expected), "no two-turn conversation: the data changed"
-    # Read back as the GPU capture reads it, each conversation plans as from the dataset.
+    # Read back as the GPU capture reads it (the .xz as data.source), each conversation plans as
+    # from the dataset.
     back = load_conversations(out)
     for rec, conv, (k, want) in zip(recs, back, expected):
         got = plan_conversation(k, conv, regenerate=True, max_turns=2)
