@@ -28,11 +28,13 @@
 # lent H100 (scripts/gpu_grow.sh; published: EAGLE-3 at lr 2e-4, 8 a step, beat 1e-4, 4 a step).
 # 14810-16089 by segment 9 (first turns, EAGLE-3 only, on the AVX2 CPU: the capture stopped
 # after 1,280 conversations to leave time for training; README; segment 8, up to 3 turns of
-# 256 tokens on a lent H100, not published, had used 14810 on too). First turns left: from 16090
-# (~1,250 prompts). LR=2e-4 BATCH=8 was segment 7's best (from segment 6's head, 1.6M tokens);
-# from segment 7's head on segment 9's 259k tokens it lost held-out tau (2.021 -> 1.946), and so
-# did lr 1e-4 with a 10% warm-up for one epoch (run 9b: 1.963); the next segment should replay
-# the old data beside the new (train.extra_captures).
+# 256 tokens on a lent H100, not published, had used 14810 on too), 14810-16809 by segment 10
+# (a lent H100, published), 16810-17487 by segment 11 (the AVX2 CPU, not published): no first
+# turns are left. LR=2e-4 BATCH=8 was segment 7's best (from segment 6's head, 1.6M tokens).
+# Every CPU-sized continuation of a mature head lost held-out tau, less at a lower lr: segment 9
+# (259k tokens, 8 a step) -0.075 / -0.058 / -0.017 at 2e-4 / 1e-4 / 2e-5 (runs 9, 9b, 9c),
+# segment 11 (139k, one a step, 2 epochs) -0.069 / -0.012 at 1e-4 / 2e-5 (README); the heads
+# grew again only on a GPU's segment (segment 10: 400k tokens, 5.4 epochs at 1e-4).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

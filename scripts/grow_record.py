@@ -33,11 +33,15 @@ def tokens_seen_before(head: Path) -> int:
 
 
 def segment_record(kind: str, args: argparse.Namespace) -> dict:
-    head = Path(f"heads/{TARGET}-{kind}")
     grown = Path(args.segment_dir) / kind
     summary = read(grown / "train_summary.json")
     totals = read(Path(args.capture) / "manifest.json")["totals"]
     tr = summary["fingerprint"]["train"]
+    # "before" is the head the run started from: the committed one, unless it was trained from an
+    # older head (one checked out of git to rerun an earlier segment); a path only the training
+    # machine had falls back to the committed head.
+    init = Path(tr.get("init_from") or "")
+    head = init if (init / "eval.json").is_file() else Path(f"heads/{TARGET}-{kind}")
     after = read(Path(args.segment_dir) / f"eval-{kind}" / "eval.json")
     return {
         "kind": kind, "segment": args.segment, "conversations": [args.offset, args.offset + args.limit],
