@@ -62,14 +62,15 @@ capture() {  # time limit, extra overrides...
     capture.shard_size="$CBATCH" capture_dir="$C" eval.num_samples=0 hydra.run.dir="$W/hydra/capture" \
     ${CAPTURE_ARGS:-} "$@" >>"$W/capture.log" 2>&1
 }
-# With CAPTURE_ARGS="capture.compile=auto" decode steps replay as CUDA graphs; should that fail,
-# the rest of the capture's time goes to eager steps (a capture resumes from its finished shards).
+# Should the capture fail (CUDA graphs with CAPTURE_ARGS="capture.compile=auto", or memory at a
+# large batch of long prompts), the rest of its time goes to eager steps at a quarter of the
+# batch (a capture resumes from its finished shards; the batch size is not part of what it holds).
 capture "$CAPTURE_S"
 rc=$?
 left=$((CAPTURE_S - (SECONDS - T0)))
-if [[ "${CAPTURE_ARGS:-}" == *capture.compile=* ]] && [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$left" -gt 30 ]; then
-  say "capture: exit $rc ($(grep -a -i -E 'error' "$W/capture.log" | tail -1)); eager steps for the $left s left"
-  capture "$left" capture.compile=false
+if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$left" -gt 30 ]; then
+  say "capture: exit $rc ($(grep -a -i -E 'error' "$W/capture.log" | tail -1)); eager steps, batches of $((CBATCH / 4)), for the $left s left"
+  capture "$left" capture.compile=false capture.batch_size=$((CBATCH / 4))
   rc=$?
 fi
 say "capture: exit $rc; $(grep -a -E '^capture|gen .*tok/s' "$W/capture.log" | tail -2 | tr '\r' '\n' | tail -2)"

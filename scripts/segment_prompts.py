@@ -11,6 +11,8 @@ index as "id", so the segment's range stays on record.
     .venv/bin/python scripts/segment_prompts.py --offset 6960 --out seg7.jsonl.xz
     .venv/bin/python scripts/segment_prompts.py --offset 0 --max-turns 4 --out turns.jsonl.xz
     .venv/bin/python scripts/segment_prompts.py --offset 0 --max-turns 3 --min-turns 2 --out later.jsonl.xz
+    .venv/bin/python scripts/segment_prompts.py --offset 0 --min-length 640 --max-length 1024 \
+        --out long.jsonl.xz
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ def main() -> None:
     ap.add_argument("--heldout", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-length", type=int, default=640)
+    ap.add_argument("--min-length", type=int, default=0,
+                    help="leave out first prompts shorter (640: those the reference preset skipped)")
     ap.add_argument("--max-turns", type=int, default=1, help="answers a conversation (capture.max_turns)")
     ap.add_argument("--min-turns", type=int, default=1,
                     help="leave out conversations with fewer answers (first turns captured before)")
@@ -46,7 +50,7 @@ def main() -> None:
     train_idx, _ = split_heldout(list(range(len(convs))), a.heldout, a.seed)
     stop = len(train_idx) if a.limit is None else min(len(train_idx), a.offset + a.limit)
     tok = load_tokenizer(resolve_model_path(None))
-    kept, too_long, skipped, few = [], 0, 0, 0
+    kept, too_long, too_short, skipped, few = [], 0, 0, 0, 0
     for k in range(a.offset, stop):
         try:
             job = plan_conversation(k, convs[train_idx[k]], regenerate=True, max_turns=a.max_turns)
@@ -57,8 +61,12 @@ def main() -> None:
         if len(job.slots) < a.min_turns:
             few += 1
             continue
-        if len(render_prompt(tok, msgs[: job.slots[0]])) >= a.max_length:
+        n = len(render_prompt(tok, msgs[: job.slots[0]]))
+        if n >= a.max_length:
             too_long += 1
+            continue
+        if n < a.min_length:
+            too_short += 1
             continue
         for i in job.slots:
             msgs[i] = {"role": "assistant", "content": "."}
@@ -67,7 +75,8 @@ def main() -> None:
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept).encode()
     a.out.write_bytes(lzma.compress(text) if a.out.suffix == ".xz" else text)
     print(f"training conversations {a.offset}-{stop - 1}: {len(kept)} prompts written to {a.out} "
-          f"({a.out.stat().st_size / 1e6:.1f} MB); {too_long} prompts >= {a.max_length} tokens and "
+          f"({a.out.stat().st_size / 1e6:.1f} MB); {too_long} prompts >= {a.max_length} tokens, "
+          f"{too_short} < {a.min_length}, and "
           f"{skipped} without a user turn left out; {few} with fewer than {a.min_turns} answers")
 
 

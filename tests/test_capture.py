@@ -369,3 +369,25 @@ def test_segment_prompts_match_what_capture_plans(tmp_path, tokenizer):
         assert [m for m in got.messages if m["role"] == "user"] == \
             [m for m in want.messages if m["role"] == "user"]
         assert all(m["content"] == "." for m in rec["messages"] if m["role"] == "assistant")
+
+
+def test_segment_prompts_min_length_keeps_the_band_between(tmp_path, tokenizer):
+    """--min-length with --max-length keeps only first prompts in [min, max) tokens: the long
+    prompts a preset with a lower data.max_length skipped (segment 12's first answers)."""
+    from eagle_train.capture import plan_conversation
+    from eagle_train.data import load_conversations, render_prompt
+
+    def ids(*extra: str) -> dict[int, int]:  # training index -> tokens of its first prompt
+        out = tmp_path / f"seg{len(extra)}.jsonl"
+        subprocess.run([sys.executable, "scripts/segment_prompts.py", "--source", "mtbench_dummy",
+                        "--offset", "0", "--limit", "80", "--max-length", "60", *extra,
+                        "--out", str(out)], check=True, capture_output=True)
+        recs = [json.loads(line) for line in out.read_text().splitlines()]
+        back = load_conversations(out)
+        jobs = [(r["id"], plan_conversation(r["id"], c, regenerate=True, max_turns=1))
+                for r, c in zip(recs, back)]
+        return {k: len(render_prompt(tokenizer, job.messages[: job.slots[0]])) for k, job in jobs}
+
+    every, band = ids(), ids("--min-length", "37")
+    assert band and len(band) < len(every)  # both sides of 37 occur: the filter is exercised
+    assert band == {k: n for k, n in every.items() if n >= 37}
