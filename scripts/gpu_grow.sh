@@ -28,7 +28,11 @@
 # "capture.compile=auto" (then the default) CAPTURE_S=150 RUNS="r3:eagle3:1e-4:8:1:1200
 # r3hi:eagle3:2e-4:8:1:1200 r2:eagle2:1e-4:4:1:2400" TOTAL=560, then CAPTURE_ARGS=
 # "capture.compile=false" CAPTURE_S=135 RUNS="s3:eagle3:1e-4:8:1:650 s3hi:eagle3:2e-4:8:1:650"
-# TOTAL=320. CAPTURE_ARGS and TRAIN_ARGS add overrides to the capture and to every training.
+# TOTAL=320. Segment 12 (long first prompts, then longer answers to segment 7's prompts) ran
+# CAPTURE_ARGS="capture.max_new_tokens_per_turn=384 data.max_length=1024" TRAIN_ARGS=
+# "train.max_length=1408" TOTAL=580 CAPTURE_S=180 PROBE=20 RUNS="g3:eagle3:1e-4:8:6
+# g3m:eagle3:5e-5:8:6 g3lo:eagle3:2e-5:8:6". CAPTURE_ARGS and TRAIN_ARGS add overrides to the
+# capture and to every training. At most three EAGLE-3 heads fit what a call returns (64 MiB).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}

@@ -50,7 +50,11 @@ def segment_record(kind: str, args: argparse.Namespace) -> dict:
         "device": summary.get("device", "cpu"), "run": args.run,
         "steps": summary["step"], "token_passes": summary["tokens_total"],
         "train_seconds_last_run": summary["train_seconds_this_run"],
-        "tokens_seen": tokens_seen_before(head) + totals["tokens"],
+        # Replayed conversations (prompts and answer prefixes a published segment already held)
+        # are not new data: the data-scaling curve counts what is.
+        "tokens_seen": tokens_seen_before(head) + totals["tokens"] - args.replayed_tokens,
+        **({"replayed_tokens_est": args.replayed_tokens} if args.replayed_tokens else {}),
+        **({"note": args.note} if args.note else {}),
         "heldout_tau_before": read(head / "eval.json")["acceptance_length"],
         "heldout_tau_after": after["acceptance_length"],
         "top1_per_position_after": after["top1_per_position"],
@@ -68,6 +72,10 @@ def main() -> None:
     ap.add_argument("--capture", required=True)
     ap.add_argument("--run", default="", help="a letter for another training run on the same segment "
                     "(its record is kept beside the first's: 9, 9b, ...)")
+    ap.add_argument("--replayed-tokens", type=int, default=0,
+                    help="captured tokens an earlier segment already held (replayed prompts and answer "
+                    "prefixes), left out of tokens_seen")
+    ap.add_argument("--note", default="", help="what the conversations range leaves unsaid")
     ap.add_argument("--publish", action="store_true")
     args = ap.parse_args()
 

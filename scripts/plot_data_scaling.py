@@ -144,6 +144,8 @@ def main() -> None:
             {k: g[k] for k in ("segment", "conversations", "tokens_seen", "heldout_tau_before",
                                "heldout_tau_after", "steps", "epochs", "lr", "published")}
             | {"data": g["capture"]["data"], "capture_tokens": g["capture"]["tokens"],
+               # new to the heads: a segment that replays conversations counts only what is new
+               "new_tokens": g["capture"]["tokens"] - g.get("replayed_tokens_est", 0),
                "label": f"{g['segment']}{g.get('run', '')}"})
     fits = {k: power_fit([p["train_set"]["tokens"] for p in v], [p["tau"] for p in v])
             for k, v in curves.items()}
@@ -180,7 +182,7 @@ def main() -> None:
             ax.scatter([shipped[kind]["capture_tokens"]], [shipped[kind]["tau"]], marker="*", s=140,
                        color=line.get_color(), zorder=3, label=f"{kind} shipped (reference recipe)")
         for i, g in enumerate(grown.get(kind, [])):  # each segment: from its starting head to its result
-            x0 = g["tokens_seen"] - g["capture_tokens"]
+            x0 = g["tokens_seen"] - g["new_tokens"]
             ax.plot([x0, g["tokens_seen"]], [g["heldout_tau_before"], g["heldout_tau_after"]], lw=0.8,
                     ls="-" if g["published"] else ":", color=line.get_color())
             ax.scatter([g["tokens_seen"]], [g["heldout_tau_after"]], marker="P", s=60, zorder=3,
@@ -223,7 +225,9 @@ def main() -> None:
             print(f"| {kind} + segment {g['label']} ({g['data']}, "
                   f"conversations {g['conversations'][0]}-"
                   f"{g['conversations'][1] - 1}{'' if g['published'] else ', not published'}) | | "
-                  f"+ {g['capture_tokens']:,} | | + {g['steps']} | {g['heldout_tau_after']:.3f} | |")
+                  f"+ {g['new_tokens']:,}" + (f" (of {g['capture_tokens']:,} captured)"
+                                              if g["new_tokens"] != g["capture_tokens"] else "")
+                  + f" | | + {g['steps']} | {g['heldout_tau_after']:.3f} | |")
     print(json.dumps(fits))
     print(json.dumps(through_shipped))
 
