@@ -800,11 +800,11 @@ class TrainRecipe:
         model.train()
         if self.step < stop_step:
             for batch in self._loader(self.micro, stop_micro):
+                n_tok = int(batch["attention_mask"].sum())  # counted on the host: no device sync
                 batch = {k: (v.to(self.device, non_blocking=True) if isinstance(v, Tensor) else v)
                          for k, v in batch.items()}
                 if self.online is not None:
                     batch = self.online.fill(batch)
-                n_tok = int(batch["attention_mask"].sum())
                 with acc.accumulate(model):
                     loss, stats = model(batch)
                     acc.backward(loss)

@@ -9,6 +9,7 @@
 # image lacks (cp312 wheels); pylib.tgz: hydra-core, omegaconf and antlr4 (pure Python, copied
 # from .venv: antlr4 4.9.3 has no wheel); hf_small: the converted target's config and tokenizer
 # files (the device's transformers would otherwise write its own); question.jsonl: MT-bench;
+# heldout: the reference held-out split, token ids only (gpu_grow.sh ranks its heads on it);
 # SEGMENT_OFFSET=N adds prompts for scripts/gpu_grow.sh from training conversation N on
 # (SEGMENT_TURNS=K: their first K answers; the capture then wants capture.max_turns=K);
 # SEGMENT_REPLAY=OFFSET:LIMIT appends the prompts of conversations already trained on (replay),
@@ -29,6 +30,12 @@ mv /tmp/gpart.0 .blob1/ && mv /tmp/gpart.1 .blob2/ && mv /tmp/gpart.2 .blob3/ &&
 sha256sum "$G" | cut -d' ' -f1 >.blob3/gguf.sha256
 cp "$M"/{chat_template.jinja,config.json,generation_config.json,tokenizer.json,tokenizer_config.json} .blob3/hf_small/
 cp "$("$PY" -c "from eagle_infer.default_model import MTBENCH_QUESTIONS as q, package_file as p; print(p(*q))")" .blob3/question.jsonl
+# The reference held-out split as token ids (the target answers it greedily, as grow_heads.sh's
+# held-out split; no states: the device computes them), for gpu_grow.sh to rank its heads there.
+H=${HELDOUT_IDS:-runs/grow/heldout-ids}
+[ -f "$H/heldout/manifest.json" ] || "$PY" -m eagle_train preset=reference workdir=runs/grow stage=capture \
+  capture.limit=0 capture.store_states=false capture_dir="$H" >/dev/null
+cp -r "$H" .blob3/heldout
 
 site=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 (cd "$site" && tar czf - --exclude=__pycache__ hydra hydra_core-*.dist-info omegaconf omegaconf-*.dist-info \

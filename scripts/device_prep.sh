@@ -3,7 +3,7 @@
 # install the carried packages, reassemble and check the default target's GGUF, convert it
 # once, then MODE=check runs scripts/cuda_check.sh (STEPS, as there) and MODE=grow runs
 # scripts/gpu_grow.sh on the carried prompts (.blob2/segment.jsonl.xz) inside what is left of
-# TOTAL seconds.
+# TOTAL seconds, ranking its heads on the carried held-out split (.blob3/heldout).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD EAGLE_CACHE=/tmp/eagle PYTHONUNBUFFERED=1
@@ -20,6 +20,7 @@ python3 -c "from eagle_infer.default_model import ensure_default_model as e; pri
 cp .blob3/hf_small/* /tmp/eagle/SmolLM2-135M-Instruct/ && echo "prepared in $SECONDS s"
 case ${MODE:-check} in
   check) PROMPTS=.blob3/question.jsonl STEPS="${STEPS:-graphs eager batch4}" bash scripts/cuda_check.sh ;;
-  grow) PROMPTS=/root/blob/segment.jsonl.xz BUDGET=$((${TOTAL:-570} - SECONDS)) bash scripts/gpu_grow.sh ;;
+  grow) [ ! -f .blob3/heldout/heldout/manifest.json ] || export HELDOUT=${HELDOUT:-$PWD/.blob3/heldout}
+        PROMPTS=/root/blob/segment.jsonl.xz BUDGET=$((${TOTAL:-570} - SECONDS)) bash scripts/gpu_grow.sh ;;
   *) echo "MODE must be check or grow" >&2; exit 2 ;;
 esac

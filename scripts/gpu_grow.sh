@@ -14,6 +14,13 @@
 #   PROMPTS=seg.jsonl.xz BUDGET=520 OUT=runs/gpu_grow bash scripts/gpu_grow.sh
 #   (on a lent machine: MODE=grow bash scripts/device_prep.sh, after scripts/device_blobs.sh)
 #
+# HELDOUT: a capture folder whose heldout/ split holds token ids (device_blobs.sh carries the
+# reference held-out split as .blob3/heldout): each trained head is then evaluated there, on the
+# GPU (target states online), its tau goes into the log, and only the KEEP best heads travel back
+# with their weights (a call returns 64 MiB: three EAGLE-3 heads), so a call can train more runs
+# than it can return. The ranking is the machine's; the CPU eval stays the published number.
+# EVAL_ARGS adds overrides to those evals (eval.num_samples=4 for a dry run on a CPU).
+#
 # RUNS: name:kind:lr:batch:epochs[:steps] entries; a run given its steps skips the probe. All
 # runs under one deadline, BUDGET seconds from the start; the capture stops at CAPTURE_S and
 # training uses what it captured by then (a second call resumes the capture where it stopped).
@@ -47,6 +54,10 @@ PROBE=${PROBE:-40}             # optimizer steps of each probe (4 log windows)
 # name:kind:lr:batch:epochs[:steps]. Segment 7 measured batch 8 at lr 2e-4 best for EAGLE-3
 # (README); CPU segments had EAGLE-3 best at 2 epochs, EAGLE-2 at 1.
 RUNS=${RUNS:-"e3:eagle3:2e-4:8:2 e2:eagle2:1e-4:4:1"}
+HELDOUT=${HELDOUT:-}
+KEEP=${KEEP:-3}
+EVAL_S=0            # seconds kept back for the evals, when there is a held-out split
+[ -z "$HELDOUT" ] || EVAL_S=${EVAL_S_HELDOUT:-45}
 T=SmolLM2-135M-Instruct
 T0=$SECONDS
 mkdir -p "$OUT" "$W"
@@ -80,7 +91,7 @@ fi
 say "capture: exit $rc; $(grep -a -E '^capture|gen .*tok/s' "$W/capture.log" | tail -2 | tr '\r' '\n' | tail -2)"
 
 train() {  # name kind lr batch epochs steps head_dir; stopped in time for the packing below
-  local limit=$((BUDGET - (SECONDS - T0) - 25))
+  local limit=$((BUDGET - (SECONDS - T0) - 25 - EVAL_S))
   [ "$limit" -gt 0 ] || limit=1  # timeout 0 would mean no limit
   timeout "$limit" "${EAGLE[@]}" train.wandb.mode=disabled stage=train \
     draft="$2" capture_dir="$C" train.init_from="heads/$T-$2" train.lr="$3" train.batch_size="$4" \
@@ -97,7 +108,7 @@ for r in $RUNS; do
   pids+=($!)
 done
 [ ${#pids[@]} -eq 0 ] || wait "${pids[@]}"
-left=$((BUDGET - (SECONDS - T0) - 30))
+left=$((BUDGET - (SECONDS - T0) - 30 - EVAL_S))
 say "probes done; $left s left for training"
 pids=()
 for r in $RUNS; do
@@ -131,7 +142,37 @@ for r in $RUNS; do
   name=${r%%:*}
   say "$name: $(grep -a -h -E 'train: (done|stopped)|Error|^exit' "$W/$name.log" 2>/dev/null | tail -3 | tr '\n' ' ')"
 done
-# Heads and records (no checkpoints), the capture's manifest and config, the logs.
-(cd "$W" && tar cf - --exclude=checkpoints --exclude='*.hydra' $(for r in $RUNS; do [ -d "${r%%:*}" ] && echo "${r%%:*}"; done) \
+# The held-out evals, side by side; then the runs best first (tau; unevaluated ones last).
+ranked=()
+if [ -n "$HELDOUT" ]; then
+  pids=()
+  for r in $RUNS; do
+    IFS=: read -r name kind _ <<<"$r"
+    [ -f "$W/$name/model.safetensors" ] || continue
+    timeout $((BUDGET - (SECONDS - T0) - 20)) "${EAGLE[@]}" stage=eval draft="$kind" capture_dir="$HELDOUT" \
+      eval.head="$W/$name" eval_dir="$W/$name/eval" hydra.run.dir="$W/$name.hydra-eval" ${EVAL_ARGS:-} \
+      >"$W/eval-$name.log" 2>&1 &
+    pids+=($!)
+  done
+  [ ${#pids[@]} -eq 0 ] || wait "${pids[@]}"
+  mapfile -t ranked < <(for r in $RUNS; do
+    name=${r%%:*}
+    "$PY" -c 'import json, sys; print("%.3f" % json.load(open(sys.argv[1]))["acceptance_length"], sys.argv[2])' \
+      "$W/$name/eval/eval.json" "$name" 2>/dev/null || echo "0 $name"
+  done | sort -s -k1,1 -rn)  # stable: unevaluated runs keep the order of RUNS
+  say "held-out tau on this machine: $(printf '%s; ' "${ranked[@]}")"
+  ranked=("${ranked[@]#* }")
+else
+  for r in $RUNS; do ranked+=("${r%%:*}"); done
+fi
+# Heads and records (no checkpoints), the capture's manifest and config, the logs; weights only
+# for the KEEP best runs.
+heads=() drop=()
+for i in "${!ranked[@]}"; do
+  [ -d "$W/${ranked[$i]}" ] || continue
+  heads+=("${ranked[$i]}")
+  [ "$i" -lt "$KEEP" ] || drop+=(--exclude="${ranked[$i]}/model.safetensors")
+done
+(cd "$W" && tar cf - --exclude=checkpoints --exclude='*.hydra' --exclude='*.hydra-eval' "${drop[@]}" "${heads[@]}" \
    ./*.log capture/config.yaml capture/manifest.json 2>/dev/null) | split -b 15M - "$OUT/heads.tar."
 say "packed: $(ls "$OUT" | tr '\n' ' ')"
