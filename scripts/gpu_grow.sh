@@ -146,10 +146,12 @@ done
 ranked=()
 if [ -n "$HELDOUT" ]; then
   pids=()
+  limit=$((BUDGET - (SECONDS - T0) - 20))
+  [ "$limit" -gt 0 ] || limit=1
   for r in $RUNS; do
     IFS=: read -r name kind _ <<<"$r"
     [ -f "$W/$name/model.safetensors" ] || continue
-    timeout $((BUDGET - (SECONDS - T0) - 20)) "${EAGLE[@]}" stage=eval draft="$kind" capture_dir="$HELDOUT" \
+    timeout "$limit" "${EAGLE[@]}" stage=eval draft="$kind" capture_dir="$HELDOUT" \
       eval.head="$W/$name" eval_dir="$W/$name/eval" hydra.run.dir="$W/$name.hydra-eval" ${EVAL_ARGS:-} \
       >"$W/eval-$name.log" 2>&1 &
     pids+=($!)
@@ -168,10 +170,10 @@ fi
 # Heads and records (no checkpoints), the capture's manifest and config, the logs; weights only
 # for the KEEP best runs.
 heads=() drop=()
-for i in "${!ranked[@]}"; do
-  [ -d "$W/${ranked[$i]}" ] || continue
-  heads+=("${ranked[$i]}")
-  [ "$i" -lt "$KEEP" ] || drop+=(--exclude="${ranked[$i]}/model.safetensors")
+for name in "${ranked[@]}"; do
+  [ -d "$W/$name" ] || continue
+  [ "${#heads[@]}" -lt "$KEEP" ] || drop+=(--exclude="$name/model.safetensors")
+  heads+=("$name")
 done
 (cd "$W" && tar cf - --exclude=checkpoints --exclude='*.hydra' --exclude='*.hydra-eval' "${drop[@]}" "${heads[@]}" \
    ./*.log capture/config.yaml capture/manifest.json 2>/dev/null) | split -b 15M - "$OUT/heads.tar."
