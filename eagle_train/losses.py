@@ -240,31 +240,31 @@ def draft_loss(head, batch: dict, lm_head_w: Tensor, *, steps: int, decay: float
         rows = row_of[b, t + 1 + s]
         am = tgt_am[rows]
         n_all = b.numel()
-        if t2d is not None:  # the loss needs the target's choice drawable by the draft
-            keep = t2d[am]
-            b, t, rows, am = b[keep], t[keep], rows[keep], am[keep]
-        n = b.numel()
         # Accuracy is over every assistant prediction: one whose target token lies outside the
         # draft vocabulary is a guaranteed rejection in serving, so it counts as a miss (leaving
         # it out of the denominator read optimistic). CE stays a mean over the in-vocabulary
-        # predictions it is computed on: its sum is scaled to n_all so that ce_sum / count is it.
+        # predictions (the loss needs the target's choice drawable by the draft): a weight, not a
+        # boolean filter, so that a GPU does not wait for the host to learn how many there are;
+        # its sum is scaled to n_all so that ce_sum / count is it.
+        keep = torch.ones_like(am, dtype=torch.float32) if t2d is None else t2d[am].float()
+        n = keep.sum().clamp(min=1)
         count[s] = n_all
-        if n == 0:
+        if n_all == 0:
             # Keep every parameter in the graph (DDP expects a gradient for each of them).
             total = total + 0.0 * head.logits(g[:1, :1]).float().sum()
             continue
         gs = g[b, t]
         logp = torch.log_softmax(head.logits(gs).float(), -1)
-        ce = -(tgt_p[rows] * logp).sum(-1)
-        step_loss = ce_weight * ce.mean()
+        ce = -(tgt_p[rows] * logp).sum(-1) * keep
+        step_loss = ce_weight * ce.sum() / n
         with torch.no_grad():
             pred = logp.argmax(-1)
             pred = d2t[pred] if d2t is not None else pred
-            correct[s] = (pred == am).sum()
+            correct[s] = (pred == am).sum()  # an out-of-vocabulary target is never drawn: a miss
             ce_sum[s] = ce.detach().sum() * (n_all / n)
         if feature_weight:
-            fl = F.smooth_l1_loss(gs.float(), hidden[b, t + 1 + s].float(), reduction="none").mean(-1)
-            step_loss = step_loss + feature_weight * fl.mean()
+            fl = F.smooth_l1_loss(gs.float(), hidden[b, t + 1 + s].float(), reduction="none").mean(-1) * keep
+            step_loss = step_loss + feature_weight * fl.sum() / n
             feat_sum[s] = fl.detach().sum()
         total = total + (decay ** s) * step_loss
     return LossOutput(total, ce_sum, correct, count, feat_sum)
