@@ -32,7 +32,8 @@
 # (a lent H100, published), 16810-17487 by segment 11 (the AVX2 CPU, not published): no first
 # turns are left. Segment 12 (a lent H100, published) answered the 496 first prompts of 640-1023
 # tokens of the whole split (segment_prompts.py --min-length 640 --max-length 1024), then
-# segment 7's prompts 6960-11170 again to 384 tokens (tokens 161-384 new). LR=2e-4 BATCH=8 was segment 7's best (from segment 6's head, 1.6M tokens).
+# segment 7's prompts 6960-11170 again to 384 tokens (tokens 161-384 new). LR=2e-4 BATCH=8 was
+# segment 7's best (from segment 6's head, 1.6M tokens).
 # Every CPU-sized continuation of a mature head lost held-out tau, less at a lower lr: segment 9
 # (259k tokens, 8 a step) -0.075 / -0.058 / -0.017 at 2e-4 / 1e-4 / 2e-5 (runs 9, 9b, 9c),
 # segment 11 (139k, one a step, 2 epochs) -0.069 / -0.012 at 1e-4 / 2e-5 (README); the heads
