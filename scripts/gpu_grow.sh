@@ -38,8 +38,12 @@
 # TOTAL=320. Segment 12 (long first prompts, then longer answers to segment 7's prompts) ran
 # CAPTURE_ARGS="capture.max_new_tokens_per_turn=384 data.max_length=1024" TRAIN_ARGS=
 # "train.max_length=1408" TOTAL=580 CAPTURE_S=180 PROBE=20 RUNS="g3:eagle3:1e-4:8:6
-# g3m:eagle3:5e-5:8:6 g3lo:eagle3:2e-5:8:6". CAPTURE_ARGS and TRAIN_ARGS add overrides to the
-# capture and to every training. At most three EAGLE-3 heads fit what a call returns (64 MiB).
+# g3m:eagle3:5e-5:8:6 g3lo:eagle3:2e-5:8:6". Segment 13 (longer answers to the prompts from
+# 11171 on) ran the same CAPTURE_ARGS/TRAIN_ARGS with TOTAL=585 CAPTURE_S=180 PROBE=20
+# RUNS="h3:eagle3:1e-4:8:6 h3hi:eagle3:2e-4:8:6 h3b:eagle3:4e-4:32:6 h3bm:eagle3:2e-4:32:6" (32 a
+# step won: 2.19 against 2.12), then TOTAL=320 CAPTURE_S=75 RUNS="k3:eagle3:2e-4:32:6:280".
+# CAPTURE_ARGS and TRAIN_ARGS add overrides to the capture and to every training. At most three
+# EAGLE-3 heads fit what a call returns (64 MiB).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -51,9 +55,9 @@ BUDGET=${BUDGET:-520}          # seconds for everything, packing included
 CAPTURE_S=${CAPTURE_S:-200}    # the capture's own limit
 CBATCH=${CBATCH:-256}          # answers generated a batch
 PROBE=${PROBE:-40}             # optimizer steps of each probe (4 log windows)
-# name:kind:lr:batch:epochs[:steps]. Segment 7 measured batch 8 at lr 2e-4 best for EAGLE-3
-# (README); CPU segments had EAGLE-3 best at 2 epochs, EAGLE-2 at 1.
-RUNS=${RUNS:-"e3:eagle3:2e-4:8:2 e2:eagle2:1e-4:4:1"}
+# name:kind:lr:batch:epochs[:steps]. Segment 13 measured 32 conversations a step at lr 2e-4 best
+# for EAGLE-3 (2.2x the tokens a second of 8 a step: the steps are launch-bound; README).
+RUNS=${RUNS:-"e3:eagle3:2e-4:32:6 e2:eagle2:1e-4:4:1"}
 HELDOUT=${HELDOUT:-}
 KEEP=${KEEP:-3}
 EVAL_S=0            # seconds kept back for the evals, when there is a held-out split
