@@ -122,10 +122,17 @@ def pick_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
     """logits [B, V] -> next token per sequence, each with its own settings (greedy: the
     argmax, when a compiled step computed it already)."""
     out = logits.argmax(-1) if greedy is None else greedy.clone()
+    # Sampled rows with the same settings share one softmax and one CDF search: a capture
+    # batch of 256 sampled answers on a GPU launched ~8 kernels a row a step. Each row still
+    # draws its uniform from its own generator, so its token is the one it would get alone.
+    groups: dict[tuple[float, float, int], list[int]] = {}
     for b, p in enumerate(params):
         if not p.greedy:
-            probs = logits_to_probs(logits[b : b + 1], p.temperature, p.top_p, p.top_k)
-            out[b] = sample(probs, generators[b])[0]
+            groups.setdefault((p.temperature, p.top_p, p.top_k), []).append(b)
+    for (temperature, top_p, top_k), rows in groups.items():
+        idx = torch.tensor(rows, device=logits.device)
+        probs = logits_to_probs(logits[idx], temperature, top_p, top_k)  # [len(rows), V]
+        out[idx] = sample(probs, [generators[b] for b in rows])
     return out
 
 

@@ -7,6 +7,7 @@ Greedy rows (temperature 0) become a one-hot distribution on the argmax.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,14 +63,24 @@ def logits_to_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_
     return probs
 
 
-def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+def sample(probs: Tensor,
+           generator: torch.Generator | Sequence[torch.Generator | None] | None = None) -> Tensor:
     """probs [N, V] (rows need not sum to 1) -> token ids [N].
 
     Inverts each row's CDF at one uniform draw: exact, and one random number per row, where
     torch.multinomial took ~1.4 ms per 49k-token row on a CPU (most of a batch-32 capture
-    step's sampling). right=True never lands on a zero-probability token.
+    step's sampling). right=True never lands on a zero-probability token. `generator` is one
+    for all rows, or one per row (each row's uniform from its own stream, as if sampled alone).
     """
-    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)
+    def uniforms(n: int, g: torch.Generator | None) -> Tensor:
+        return torch.rand(n, 1, generator=g, device=probs.device, dtype=torch.float64)
+
+    if isinstance(generator, Sequence):
+        if len(generator) != probs.shape[0]:
+            raise ValueError(f"{len(generator)} generators for {probs.shape[0]} rows")
+        u = torch.cat([uniforms(1, g) for g in generator])
+    else:
+        u = uniforms(probs.shape[0], generator)
     cdf = probs.double().cumsum(-1)  # [N, V]; float64 so 49k small terms add up exactly enough
     idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
     return idx.squeeze(-1).clamp_(max=probs.shape[-1] - 1)

@@ -114,6 +114,30 @@ def test_sampling_with_seed_is_reproducible(tiny_models):
     assert mixed[0] == generate(model, prompts[:1], 20, eos_token_ids=[])[0]
 
 
+def test_pick_tokens_groups_rows_as_if_each_sampled_alone():
+    # Rows with equal settings are sampled together (one softmax, one CDF search); each row's
+    # token must still be the one its own generator gives it sampled alone.
+    from eagle_infer.generate import pick_tokens
+    from eagle_infer.sampling import next_token
+
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(0)) * 3
+    params = [SamplingParams(0.7, seed=1), SamplingParams(), SamplingParams(0.7, seed=2),
+              SamplingParams(1.0, top_p=0.9, seed=3), SamplingParams(0.7, seed=4),
+              SamplingParams(1.0, top_p=0.9, seed=5), SamplingParams(1.3, top_k=5, seed=6),
+              SamplingParams(0.7, seed=7)]
+    for step in range(3):  # the generators advance one draw a step, together or alone
+        gens = [p.generator() for p in params]
+        alone_gens = [p.generator() for p in params]
+        for _ in range(step + 1):
+            got = pick_tokens(logits, params, gens).tolist()
+            want = [next_token(logits[b], p, alone_gens[b]) for b, p in enumerate(params)]
+            assert got == want
+        logits = logits.roll(1, dims=-1)
+    with pytest.raises(ValueError, match="2 generators for 3 rows"):
+        from eagle_infer.sampling import sample
+        sample(torch.ones(3, 4), [None, None])
+
+
 def test_sampled_tokens_respect_top_k(tiny_models):
     model, _ = tiny_models("llama")
     prompt = [5, 6, 7, 8]
