@@ -13,6 +13,8 @@
 #   N=10 TOKENS=256 PROMPTS=prompts.jsonl bash scripts/cuda_check.sh
 #   STEPS=capture CAPTURE_PROMPTS=seg.jsonl.xz bash scripts/cuda_check.sh   (not in the default STEPS:
 #     CAPTURE_N=768 conversations captured with eager steps, then with CUDA graphs; tok/s of each;
+#     CAPTURE_RUNS="false:256 auto:256 false:512" sets the capture.compile:batch pairs, CAPTURE_ARGS
+#     adds overrides (capture.max_new_tokens_per_turn=384 data.max_length=1024);
 #     DEVICE=cpu runs the step on a CPU, as a dry run)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,12 +61,13 @@ for s in $STEPS; do
     capture)  # a grow segment's capture rate, eager steps against CUDA graphs (capture.compile)
       src=${CAPTURE_PROMPTS:-/root/blob/segment.jsonl.xz}  # .jsonl or .jsonl.xz
       [ -f "$src" ] || say "capture: no prompts in $src (device_blobs.sh SEGMENT_OFFSET)"
-      for c in false auto; do
-        step "capture_compile_$c" 240 "$PY" -m eagle_train preset=reference workdir="/tmp/capture_$c" device="${DEVICE:-cuda}" \
-          stage=capture data.source="$src" data.heldout=0 capture.limit="${CAPTURE_N:-768}" \
-          capture.temperature=0 capture.store_states=false capture.batch_size=256 capture.shard_size=256 \
-          capture.compile="$c" eval.num_samples=0 train.wandb.mode=disabled
-        say "capture_compile_$c: $(grep -a 'generated .* tok/s' "$LOG" | tail -1)"
+      for r in ${CAPTURE_RUNS:-false:256 auto:256}; do  # capture.compile:batch size
+        c=${r%%:*} b=${r#*:}
+        step "capture_compile_${c}_b$b" 240 "$PY" -m eagle_train preset=reference workdir="/tmp/capture_${c}_$b" \
+          device="${DEVICE:-cuda}" stage=capture data.source="$src" data.heldout=0 capture.limit="${CAPTURE_N:-768}" \
+          capture.temperature=0 capture.store_states=false capture.batch_size="$b" capture.shard_size="$b" \
+          capture.compile="$c" eval.num_samples=0 train.wandb.mode=disabled ${CAPTURE_ARGS:-}
+        say "capture_compile_${c}_b$b: $(grep -a 'generated .* tok/s' "$LOG" | tail -1)"
       done ;;
     *) say "unknown step $s (tests, graphs, eager, batch4, server, chain, capture)" ;;
   esac
