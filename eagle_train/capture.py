@@ -488,15 +488,19 @@ class OnlineStates:
     made with capture.store_states=false. Same forward, same dtype (the capture's), rounded to the
     store dtype and zero on padding, so a batch is what the stored capture would have given."""
 
-    def __init__(self, model, aux_layers: Sequence[int], dtype: torch.dtype):
+    def __init__(self, model, aux_layers: Sequence[int], dtype: torch.dtype, tf32: bool = False):
         self.model = model
         self.layers = [*aux_layers, model.config.num_layers]
         self.has_aux = bool(aux_layers)
         self.dtype = dtype
+        # An fp32 target's matmuls on TF32 tensor cores (CUDA): inputs rounded to 10 mantissa
+        # bits, finer than the 7 of the bf16 the states are stored in; on an H100 the fp32
+        # forward is a large share of an online training step. Off: states as a capture's.
+        self.tf32 = tf32
 
     @classmethod
     def for_capture(cls, manifest: dict, model_path: Any, device: torch.device,
-                    aux_layers: Sequence[int] | None = None) -> OnlineStates:
+                    aux_layers: Sequence[int] | None = None, tf32: bool = False) -> OnlineStates:
         """Load the target in the capture's dtype; `aux_layers` (HF indices) default to the
         capture's."""
         from eagle_infer.loader import load_model
@@ -504,12 +508,17 @@ class OnlineStates:
         dtype = str((manifest.get("settings") or {}).get("dtype", "auto"))
         model = load_model(model_path, dtype, str(device))
         aux = (manifest.get("aux_layer_ids") or []) if aux_layers is None else aux_layers
-        return cls(model, list(aux), store_dtype(manifest["store_dtype"]))
+        return cls(model, list(aux), store_dtype(manifest["store_dtype"]), tf32=tf32)
 
     def fill(self, batch: dict) -> dict:
         """Add ``hidden`` [B, T, H] (and ``aux`` [B, T, k*H]) to a collated batch."""
         pad = ~batch["attention_mask"][..., None]
-        states = teacher_forced_states(self.model, batch["input_ids"], self.layers)
+        before = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = self.tf32 or before
+        try:
+            states = teacher_forced_states(self.model, batch["input_ids"], self.layers)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = before
         batch["hidden"] = states[-1].to(self.dtype).masked_fill(pad, 0)
         if self.has_aux:
             batch["aux"] = torch.cat(states[:-1], -1).to(self.dtype).masked_fill(pad, 0)

@@ -525,7 +525,7 @@ def fingerprint(cfg: DictConfig, manifest: dict) -> dict:
         # Options left unset are left out, so heads trained before they existed stay complete.
         "train": {k: v for k, v in (sel(cfg, "train", {}) or {}).items()
                   if k not in ("wandb", "log_every", "save_every", "num_workers", "keep_checkpoints")
-                  and not (k in ("init_from", "extra_captures") and not v)},
+                  and not (k in ("init_from", "extra_captures", "online_tf32") and not v)},
         "seed": int(sel(cfg, "seed", 0)),
     }
 
@@ -622,7 +622,8 @@ class TrainRecipe:
 
             self.online = OnlineStates.for_capture(
                 self.manifest, sel(cfg, "model.path", "default"), self.device,
-                aux_layers=None if self.kind == "eagle3" else [])
+                aux_layers=None if self.kind == "eagle3" else [],
+                tf32=bool(sel(cfg, "train.online_tf32", False)))
 
         head = build_head(cfg, self.target, self.manifest).to(self.device)
         if self.kind == "eagle3" and bool(sel(cfg, "draft.freeze_lm_head", False)):

@@ -21,7 +21,9 @@
 # than it can return. The ranking is the machine's; the CPU eval stays the published number.
 # EVAL_ARGS adds overrides to those evals (eval.num_samples=4 for a dry run on a CPU).
 #
-# RUNS: name:kind:lr:batch:epochs[:steps] entries; a run given its steps skips the probe. All
+# RUNS: name:kind:lr:batch:epochs[:steps[:overrides]] entries; a run given its steps skips the
+# probe; overrides (comma-separated, e.g. "t3:eagle3:2e-4:32:6::train.online_tf32=true") go to that
+# run's training only, after TRAIN_ARGS. All
 # runs under one deadline, BUDGET seconds from the start; the capture stops at CAPTURE_S and
 # training uses what it captured by then (a second call resumes the capture where it stopped).
 # Segment 7 (README) ran it with PROBE=20 RUNS="e3:eagle3:1e-4:4:2 e3hi:eagle3:3e-4:4:2
@@ -94,20 +96,20 @@ if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$left" -gt 30 ]; then
 fi
 say "capture: exit $rc; $(grep -a -E '^capture|gen .*tok/s' "$W/capture.log" | tail -2 | tr '\r' '\n' | tail -2)"
 
-train() {  # name kind lr batch epochs steps head_dir; stopped in time for the packing below
-  local limit=$((BUDGET - (SECONDS - T0) - 25 - EVAL_S))
+train() {  # name kind lr batch epochs steps head_dir [overrides]; stopped in time for the packing below
+  local limit=$((BUDGET - (SECONDS - T0) - 25 - EVAL_S)) extra=${8:-}
   [ "$limit" -gt 0 ] || limit=1  # timeout 0 would mean no limit
   timeout "$limit" "${EAGLE[@]}" train.wandb.mode=disabled stage=train \
     draft="$2" capture_dir="$C" train.init_from="heads/$T-$2" train.lr="$3" train.batch_size="$4" \
     train.epochs="$5" train.max_steps="$6" train.save_every=0 head_dir="$7" hydra.run.dir="$7.hydra" \
-    ${TRAIN_ARGS:-}
+    ${TRAIN_ARGS:-} ${extra//,/ }
 }
 # The probes run side by side, as the real runs will.
 pids=()
 for r in $RUNS; do
-  IFS=: read -r name kind lr batch epochs fixed <<<"$r"
+  IFS=: read -r name kind lr batch epochs fixed extra <<<"$r"
   [ -z "$fixed" ] || continue
-  (s=$SECONDS; train "$name" "$kind" "$lr" "$batch" "$epochs" "$PROBE" "$W/probe-$name" >"$W/probe-$name.log" 2>&1
+  (s=$SECONDS; train "$name" "$kind" "$lr" "$batch" "$epochs" "$PROBE" "$W/probe-$name" "$extra" >"$W/probe-$name.log" 2>&1
    echo "$((SECONDS - s))" >"$W/probe-$name.wall") &
   pids+=($!)
 done
@@ -116,7 +118,7 @@ left=$((BUDGET - (SECONDS - T0) - 30 - EVAL_S))
 say "probes done; $left s left for training"
 pids=()
 for r in $RUNS; do
-  IFS=: read -r name kind lr batch epochs fixed <<<"$r"
+  IFS=: read -r name kind lr batch epochs fixed extra <<<"$r"
   # Steps that fit: (time left - this run's setup - 15 s) / seconds a step, at most its epochs.
   [ -n "$fixed" ] && steps=$fixed || steps=$("$PY" - "$W/probe-$name" "$(cat "$W/probe-$name.wall" 2>/dev/null || echo 0)" "$left" \
           "$epochs" "$PROBE" "$batch" 2>>"$LOG" <<'EOF' || echo 0
@@ -136,9 +138,9 @@ print(max(0, min(cap, int((left - setup - 15) / per_step))), f"{per_step:.3f}", 
 EOF
 )
   read -r steps per_step setup cap <<<"$steps"
-  say "train $name ($kind, lr $lr, batch $batch): ${steps:-0} steps (probe: ${per_step:-?} s a step, setup ${setup:-?} s; $epochs epochs = ${cap:-?} steps)"
+  say "train $name ($kind, lr $lr, batch $batch${extra:+, $extra}): ${steps:-0} steps (probe: ${per_step:-?} s a step, setup ${setup:-?} s; $epochs epochs = ${cap:-?} steps)"
   [ "${steps:-0}" -gt 0 ] || { tail -5 "$W/probe-$name.log" >>"$LOG"; continue; }
-  (train "$name" "$kind" "$lr" "$batch" "$epochs" "$steps" "$W/$name" >"$W/$name.log" 2>&1; echo "exit $?" >>"$W/$name.log") &
+  (train "$name" "$kind" "$lr" "$batch" "$epochs" "$steps" "$W/$name" "$extra" >"$W/$name.log" 2>&1; echo "exit $?" >>"$W/$name.log") &
   pids+=($!)
 done
 wait "${pids[@]}"

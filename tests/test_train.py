@@ -612,12 +612,23 @@ def tokens_only_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_online_capture_trains_and_evaluates_like_the_stored_one(env, tmp_path):
+def test_online_capture_trains_and_evaluates_like_the_stored_one(env, tmp_path, monkeypatch):
     """capture.store_states=false: shards hold tokens only, training and eval run the target per
     batch, and get what the stored states give (same losses step by step, same weights, same tau)."""
     from eagle_infer.errors import UserError
-    from eagle_train import evaluate
+    from eagle_train import capture, evaluate
     from eagle_train.shards import CaptureDataset, CaptureSet
+
+    # train.online_tf32 (EAGLE-3 below): the target's forward runs with TF32 matmuls allowed (a
+    # no-op on a CPU, so the losses still match), and only the forward.
+    tf32_seen = []
+    real_states = capture.teacher_forced_states
+
+    def spy(*args, **kwargs):
+        tf32_seen.append(torch.backends.cuda.matmul.allow_tf32)
+        return real_states(*args, **kwargs)
+
+    monkeypatch.setattr(capture, "teacher_forced_states", spy)
 
     online = tokens_only_copy(env["capture"], tmp_path / "online")
     name = f"d2t_t2d_{DRAFT_VOCAB}.safetensors"  # the draft vocabulary lives beside the capture
@@ -632,9 +643,16 @@ def test_online_capture_trains_and_evaluates_like_the_stored_one(env, tmp_path):
     for kind in ("eagle3", "eagle2"):
         over = {"train.max_steps": 4, "train.save_every": 0}
         cfg_s = make_cfg(env, tmp_path / f"stored-{kind}", kind, **over)
-        cfg_o = make_cfg(env, tmp_path / f"online-{kind}", kind, capture_dir=str(online), **over)
+        tf32 = {"train.online_tf32": True} if kind == "eagle3" else {}
+        cfg_o = make_cfg(env, tmp_path / f"online-{kind}", kind, capture_dir=str(online), **over, **tf32)
         _train(cfg_s)
+        tf32_seen.clear()
         _train(cfg_o)
+        assert tf32_seen and set(tf32_seen) == {kind == "eagle3"}
+        assert torch.backends.cuda.matmul.allow_tf32 is False
+        summary = json.loads((tmp_path / f"online-{kind}" / "head" / "train_summary.json").read_text())
+        # false (the default) is left out of the fingerprint, so earlier heads stay complete
+        assert summary["fingerprint"]["train"].get("online_tf32") is (True if tf32 else None)
         logs = [[json.loads(x) for x in (tmp_path / f"{w}-{kind}" / "head" / "train_log.jsonl").read_text()
                  .splitlines()] for w in ("stored", "online")]
         assert [r["loss"] for r in logs[1]] == pytest.approx([r["loss"] for r in logs[0]], rel=1e-4)
