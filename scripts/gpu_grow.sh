@@ -22,9 +22,9 @@
 # EVAL_ARGS adds overrides to those evals (eval.num_samples=4 for a dry run on a CPU).
 #
 # RUNS: name:kind:lr:batch:epochs[:steps[:overrides]] entries; a run given its steps skips the
-# probe; overrides (comma-separated, e.g. "t3:eagle3:2e-4:32:6::train.online_tf32=true") go to that
-# run's training only, after TRAIN_ARGS. All
-# runs under one deadline, BUDGET seconds from the start; the capture stops at CAPTURE_S and
+# probe; overrides (comma-separated, e.g. "t3:eagle3:2e-4:32:6::train.online_tf32=true") go to
+# that run's training only, after TRAIN_ARGS. All runs under one deadline, BUDGET seconds from
+# the start; the capture stops at CAPTURE_S and
 # training uses what it captured by then (a second call resumes the capture where it stopped).
 # Segment 7 (README) ran it with PROBE=20 RUNS="e3:eagle3:1e-4:4:2 e3hi:eagle3:3e-4:4:2
 # e2:eagle2:1e-4:4:1", then again on the same warm machine (the capture resumed) with
