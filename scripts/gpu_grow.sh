@@ -84,14 +84,17 @@ capture() {  # time limit, extra overrides...
     ${CAPTURE_ARGS:-} "$@" >>"$W/capture.log" 2>&1
 }
 # Should the capture fail (CUDA graphs with CAPTURE_ARGS="capture.compile=auto", or memory at a
-# large batch of long prompts), the rest of its time goes to eager steps at a quarter of the
-# batch (a capture resumes from its finished shards; the batch size is not part of what it holds).
+# large batch of long prompts), the rest of its time goes to eager steps: at a quarter of the
+# batch after running out of memory, else at the same batch (a capture resumes from its finished
+# shards; the batch size is not part of what it holds).
 capture "$CAPTURE_S"
 rc=$?
 left=$((CAPTURE_S - (SECONDS - T0)))
 if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$left" -gt 30 ]; then
-  say "capture: exit $rc ($(grep -a -i -E 'error' "$W/capture.log" | tail -1)); eager steps, batches of $((CBATCH / 4)), for the $left s left"
-  capture "$left" capture.compile=false capture.batch_size=$((CBATCH / 4))
+  b=$CBATCH
+  ! grep -a -q -i 'out of memory' "$W/capture.log" || b=$((CBATCH / 4))
+  say "capture: exit $rc ($(grep -a -i -E 'error' "$W/capture.log" | tail -1)); eager steps, batches of $b, for the $left s left"
+  capture "$left" capture.compile=false capture.batch_size="$b"
   rc=$?
 fi
 say "capture: exit $rc; $(grep -a -E '^capture|gen .*tok/s' "$W/capture.log" | tail -2 | tr '\r' '\n' | tail -2)"
