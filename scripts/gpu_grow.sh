@@ -57,8 +57,9 @@ BUDGET=${BUDGET:-520}          # seconds for everything, packing included
 CAPTURE_S=${CAPTURE_S:-200}    # the capture's own limit
 CBATCH=${CBATCH:-256}          # answers generated a batch
 PROBE=${PROBE:-40}             # optimizer steps of each probe (4 log windows)
-# name:kind:lr:batch:epochs[:steps]. Segment 13 measured 32 conversations a step at lr 2e-4 best
-# for EAGLE-3 (2.2x the tokens a second of 8 a step: the steps are launch-bound; README).
+# name:kind:lr:batch:epochs[:steps[:overrides]] (header). Segment 13 measured 32 conversations a
+# step at lr 2e-4 best for EAGLE-3 (2.2x the tokens a second of 8 a step: most of a step of 8 does
+# not grow with the batch; README).
 RUNS=${RUNS:-"e3:eagle3:2e-4:32:6 e2:eagle2:1e-4:4:1"}
 HELDOUT=${HELDOUT:-}
 KEEP=${KEEP:-3}
