@@ -18,7 +18,8 @@ relative to plain decoding's TPOT (`plain_step_ms`), so the prefill weighs on ne
 
 Methods: `plain` (eagle_infer.generate), `hf` (transformers `generate`) and `hf_assisted`
 (transformers prompt-lookup decoding, `prompt_lookup_num_tokens=10`), then speculative decoding
-with a draft head (tree settings with SGLang's names) and its acceptance statistics: tau
+with a draft head (tree settings with SGLang's names; those not given take the device's
+default tree, as the server's do: 3/4/4 on a CPU, 5/4/16 on a GPU) and its acceptance statistics: tau
 (accepted drafts + the bonus token per round), acceptance per draft position, and the time per
 round spent drafting, verifying and on the rest.
 
@@ -696,9 +697,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp = ap.add_argument_group("speculative decoding")
     sp.add_argument("--draft", default=None, help="draft head folder (default: the reference EAGLE-3 head)")
     sp.add_argument("--no-spec", action="store_true", help="plain and transformers only")
-    sp.add_argument("--num-steps", type=int, default=5)
-    sp.add_argument("--eagle-topk", type=int, default=4)
-    sp.add_argument("--num-draft-tokens", type=int, default=16)
+    tree_help = ("draft tree (SGLang's names); each one not given takes the device's default, the "
+                 "server's: 5/4/16 on a GPU, 3/4/4 on a CPU, where every verified node costs time")
+    sp.add_argument("--num-steps", type=int, default=None, help=tree_help)
+    sp.add_argument("--eagle-topk", type=int, default=None, help=tree_help)
+    sp.add_argument("--num-draft-tokens", type=int, default=None, help=tree_help)
     sp.add_argument("--token-map", default=None, help="FR-Spec token map for an EAGLE-2 head")
     sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     sp.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -739,6 +742,8 @@ def main(argv: list[str] | None = None) -> dict:
             raise UserError(f"--threads must be > 0, got {args.threads}")
         torch.set_num_threads(args.threads)
     device = args.device or default_device()
+    main_tree = TreeConfig.from_flags(args.num_steps, args.eagle_topk, args.num_draft_tokens,
+                                      torch.device(device).type)
     torch_dtype = resolve_dtype(args.dtype, device)
     args.dtype = dtype_name(torch_dtype)  # report what ran
     folder = resolve_model_path(args.model_path)
@@ -775,7 +780,6 @@ def main(argv: list[str] | None = None) -> dict:
             from eagle_train.tokenmap import load_token_map
 
             head.set_token_map(load_token_map(args.token_map, model.config.vocab_size))
-        main_tree = TreeConfig(args.num_steps, args.eagle_topk, args.num_draft_tokens)
         trees = [main_tree] + ([t for t in sweep_trees(args.sweep_steps, args.sweep_topk,
                                                         args.sweep_draft_tokens) if t != main_tree]
                                if args.sweep else [])
@@ -831,8 +835,7 @@ def main(argv: list[str] | None = None) -> dict:
     # a plain decode step of the whole batch, prefill left out (TPOT): what a round is compared with
     plain_ms = by_name["plain"].tpot_ms
     if args.count_ops:
-        report["aten_ops_eager"] = count_aten_ops(model, head, prompts[0], TreeConfig(
-            args.num_steps, args.eagle_topk, args.num_draft_tokens))
+        report["aten_ops_eager"] = count_aten_ops(model, head, prompts[0], main_tree)
     if "hf" in by_name:
         report["greedy_agreement_plain_vs_hf"] = greedy_agreement(by_name["plain"], by_name["hf"],
                                                                   model.config.eos_token_ids)

@@ -792,10 +792,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_tree(args: argparse.Namespace, device_type: str) -> TreeConfig:
     """The tree flags given, the device's default (TreeConfig.default_for) for the others."""
-    base = TreeConfig.default_for(device_type)
-    given = (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
-    return TreeConfig(*(g if g is not None else d
-                        for g, d in zip(given, (base.num_steps, base.eagle_topk, base.num_draft_tokens))))
+    return TreeConfig.from_flags(args.speculative_num_steps, args.speculative_eagle_topk,
+                                 args.speculative_num_draft_tokens, device_type)
 
 
 def compile_settings(args: argparse.Namespace, device_type: str) -> tuple[str | None, int | None] | None:

@@ -63,6 +63,16 @@ class TreeConfig:
         small tree wins (README: bf16 sweep on a 2-core CPU, 3/4/4 1.13x plain, 5/4/16 0.99x)."""
         return cls(3, 4, 4) if device_type == "cpu" else cls()
 
+    @classmethod
+    def from_flags(cls, num_steps: int | None, eagle_topk: int | None, num_draft_tokens: int | None,
+                   device_type: str) -> TreeConfig:
+        """The tree flags given (None = not given), the device's default (default_for) for the
+        others: what the server and the bench run."""
+        base = cls.default_for(device_type)
+        given = (num_steps, eagle_topk, num_draft_tokens)
+        return cls(*(g if g is not None else d
+                     for g, d in zip(given, (base.num_steps, base.eagle_topk, base.num_draft_tokens))))
+
 
 @dataclass
 class DraftTree:
