@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from eagle_infer.errors import UserError, cli_errors
+from eagle_infer.kernels import avx2_attention
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import SpecStats
 from eagle_infer.tree import TreeConfig
@@ -828,6 +829,8 @@ def main(argv: list[str] | None = None) -> dict:
             "prompt_lookup_num_tokens": 10,
         },
         "machine": machine_info(args.dtype, device),
+        "cpu_linears": getattr(model, "cpu_linears", None),
+        "cpu_attention": "avx2" if avx2_attention.enabled() else "sdpa",
         "compiled": compile_steps,
         "warmup_s": {r.name: round(r.warmup_s, 3) for r in results},
         "methods": {r.name: r.to_json() for r in results},

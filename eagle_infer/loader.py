@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -92,7 +93,9 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     as onednn's); "avx2": calls of up to 32 rows, eager and compiled, run our AVX2 kernel
     (eagle_infer/kernels/avx2_linear.cpp); "auto" = avx2 for fp32 on an AVX2 CPU without AVX-512,
     inductor for fp32 on an AVX-512 one, else onednn, where this torch has it, the model has
-    Linears it packs and the packed copies fit in free memory (cpu_linears.auto_backend)."""
+    Linears it packs and the packed copies fit in free memory (cpu_linears.auto_backend). With
+    "avx2" and fp32, attention calls of a few query rows run kernels/avx2_attention too
+    ($EAGLE_CPU_ATTENTION=sdpa keeps them on torch's SDPA)."""
     folder = resolve_model_path(path)
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
@@ -130,6 +133,18 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
         if quantization == "none":
             onednn.use_backend_linears(model, backend)
         model.cpu_linears = backend
+        if backend == "avx2" and torch_dtype == torch.float32:
+            attention = os.environ.get("EAGLE_CPU_ATTENTION", "auto")
+            if attention not in ("auto", "sdpa"):
+                raise UserError(f"EAGLE_CPU_ATTENTION must be auto or sdpa, got {attention!r}")
+            if attention == "auto":
+                from eagle_infer.kernels import avx2_attention
+
+                try:
+                    avx2_attention.enable()
+                except Exception as e:  # the Linear kernel built, so this is unexpected: say so, go on
+                    warnings.warn(f"the avx2 attention kernel did not build ({e}); attention runs on SDPA",
+                                  stacklevel=2)
     quantize_linears(model, quantization)
     model.quantization = quantization
     model.source_path = folder

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eagle_infer.errors import UserError
+from eagle_infer.kernels import avx2_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -197,7 +198,10 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, gqa: bool) 
     (bool, or additive in q's dtype). One bf16 query per row on a CPU runs in fp32: torch's CPU
     flash kernel takes ~4x longer for one bf16 query than for two (AMD EPYC AVX512-BF16, 2 threads,
     S=1024: 570 us at T=1, 178 at T=2, 129 upcast; batch 4: 2,307 vs 445), and it accumulates in
-    fp32 anyway. Every plain decode step is such a call, 30 times."""
+    fp32 anyway. Every plain decode step is such a call, 30 times. fp32 calls of a few rows on a
+    CPU go to kernels/avx2_attention once it is loaded (with the "avx2" Linears)."""
+    if avx2_attention.applies(q, mask):
+        return torch.ops.eagle.avx2_attention(q, keys, values, mask)
     if q.shape[2] == 1 and q.dtype == torch.bfloat16 and q.device.type == "cpu":
         mask = mask if mask.dtype == torch.bool else mask.float()
         return F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=mask,

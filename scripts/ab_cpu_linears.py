@@ -1,9 +1,12 @@
 """Two CPU Linear backends (load_model's cpu_linears) timed in one process, interleaved, on the
 same prompts: plain and speculative decoding with the default head, compiled. VMs of one kind
 differ by 20-50% from run to run, so a comparison between two bench runs misleads; here each
-round times every backend back to back and the medians are reported.
+round times every backend back to back and the medians are reported. A backend named with
+":sdpa" runs attention on torch's SDPA instead of kernels/avx2_attention (which the "avx2"
+backend turns on).
 
     python scripts/ab_cpu_linears.py --backends avx2 inductor --rounds 3 --json results/ab.json
+    python scripts/ab_cpu_linears.py --backends avx2 avx2:sdpa --json results/ab_attention.json
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from eagle_infer.bench import bench_plain, bench_spec, load_prompts, machine_info
 from eagle_infer.default_model import default_head_path
 from eagle_infer.heads import load_head_for
+from eagle_infer.kernels import avx2_attention
 from eagle_infer.loader import load_model, load_tokenizer
 from eagle_infer.tree import TreeConfig
 
@@ -37,17 +41,21 @@ def main() -> None:
     tree = TreeConfig(*args.tree)
     runs = {}
     for b in args.backends:  # load, compile and warm every backend first
-        model = load_model(None, "fp32", "cpu", cpu_linears=b)
+        model = load_model(None, "fp32", "cpu", cpu_linears=b.split(":")[0])
+        # the attention kernel is a process-wide switch that compiled graphs guard on: set per run
+        attention = avx2_attention.enabled() and not b.endswith(":sdpa")
+        avx2_attention.enable(attention)
         head = load_head_for(default_head_path("eagle3"), model)
         plain = bench_plain(model, prompts[:1], 8, compile_steps=True)
         spec = bench_spec(model, head, prompts[:1], 8, tree, compile_steps=True)
-        runs[b] = {"model": model, "head": head,
+        runs[b] = {"model": model, "head": head, "attention": attention,
                    "warmup_s": {"plain": plain.warmup_s, "spec": spec.result.warmup_s},
                    "plain": [], "spec": [], "tau": None}
         print(f"{b}: warm-up {runs[b]['warmup_s']}", flush=True)
     want = None
     for r in range(args.rounds):
         for b, run in runs.items():
+            avx2_attention.enable(run["attention"])
             p = bench_plain(run["model"], prompts, args.max_new_tokens, compile_steps=True)
             s = bench_spec(run["model"], run["head"], prompts, args.max_new_tokens, tree, compile_steps=True)
             run["plain"].append(p.tokens_per_s)
@@ -64,7 +72,8 @@ def main() -> None:
         out["backends"][b] = {"plain_tokens_per_s": round(plain, 2), "spec_tokens_per_s": round(spec, 2),
                               "spec_vs_plain": round(spec / plain, 3), "tau": run["tau"],
                               "plain_runs": [round(x, 2) for x in run["plain"]],
-                              "spec_runs": [round(x, 2) for x in run["spec"]], "warmup_s": run["warmup_s"]}
+                              "spec_runs": [round(x, 2) for x in run["spec"]], "warmup_s": run["warmup_s"],
+                              "attention": "avx2" if run["attention"] else "sdpa"}
         print(f"{b}: plain {plain:.1f}, spec {spec:.1f} tok/s ({spec / plain:.2f}x plain), tau {run['tau']}")
     if args.json:
         with open(args.json, "w") as f:

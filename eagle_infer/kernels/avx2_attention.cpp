@@ -1,0 +1,195 @@
+// out[b, h, t] = softmax(q[b, h, t] . K[b, h / G]^T / sqrt(D) + bias[b, 0, t]) V[b, h / G] for the
+// few query rows of a decode step (1) or a verify (a tree's nodes), fp32 on AVX2 + FMA, GQA
+// (G = heads / kv_heads query heads read one kv head). D = 64 (the head size of the targets this
+// runs; other sizes go to SDPA).
+//
+// Why not SDPA: torch's CPU flash kernel spends ~85 us on one query row over 512 keys (9 heads,
+// D 64, AMD EPYC AVX2, 2 threads) and ~210 us on four, where reading K and V once takes a few us;
+// a step calls it 30 times. Here each (batch, head) is one task: its rows' scores, softmax and
+// weighted sum of V, with K and V read from the cache in place (strided views). A row's result
+// never depends on how many rows came with it (each row runs the same loops in the same order),
+// so a verify's rows equal one-row steps', as with the AVX2 Linear kernel.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kD = 64;  // head size: eight 8-float registers
+
+// exp(x) for 8 floats (Cephes' polynomial, as in avx_mathfun): x = n ln2 + r, exp(r) by a
+// degree-5 polynomial, 2^n through the exponent bits; x below -87.3 (a masked slot's -inf
+// included) gives 0, which the caller also forces.
+inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
+  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+// Rows r0..r1 of one (batch, kv head): row r is query head g = r / T of the kv head's group at
+// position t = r % T. Scores first (each block of 8 keys, read from the cache once, serves every
+// row from L1), then each row's softmax, then sum_j p_j v_j over blocks of keys (again each V
+// block read once for all rows). A row's arithmetic is the same whichever rows come with it.
+void attend_rows(const float* q, const float* k, const float* v, int64_t kv_stride, const float* bias,
+                 int64_t T, int64_t S, int64_t r0, int64_t r1, float scale, float* scores, float* out,
+                 int64_t out_row_stride) {
+  const int64_t R = r1 - r0;
+  std::vector<float> qs(R * kD), sums(R);
+  for (int64_t r = 0; r < R; r++)
+    for (int64_t d = 0; d < kD; d++) qs[r * kD + d] = q[(r0 + r) * kD + d] * scale;
+  const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
+  alignas(32) float lanes[8];
+  int64_t j = 0;
+  for (; j + 8 <= S; j += 8) {
+    const float* kj = k + j * kv_stride;
+    for (int64_t r = 0; r < R; r++) {
+      // q in registers, four keys at a time (8 + 4 registers): one load a fused multiply-add
+      const float* qr = qs.data() + r * kD;
+      __m256 qv[8];
+      for (int d = 0; d < 8; d++) qv[d] = _mm256_loadu_ps(qr + 8 * d);
+      __m128 four[2];
+      for (int half = 0; half < 2; half++) {
+        __m256 acc[4];
+        for (int i = 0; i < 4; i++) {
+          const float* ki = kj + (4 * half + i) * kv_stride;
+          __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(ki));
+          for (int d = 1; d < 8; d++) a = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(ki + 8 * d), a);
+          acc[i] = a;
+        }
+        const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+        four[half] = _mm_add_ps(_mm256_castps256_ps128(s0123), _mm256_extractf128_ps(s0123, 1));
+      }
+      const float* b = bias + ((r0 + r) % T) * S;
+      const __m256 dots = _mm256_insertf128_ps(_mm256_castps128_ps256(four[0]), four[1], 1);
+      _mm256_storeu_ps(scores + r * S + j, _mm256_add_ps(dots, _mm256_loadu_ps(b + j)));
+    }
+  }
+  for (; j < S; j++) {  // S not a multiple of 8
+    const float* kj = k + j * kv_stride;
+    for (int64_t r = 0; r < R; r++) {
+      const float* qr = qs.data() + r * kD;
+      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qr), _mm256_loadu_ps(kj));
+      for (int d = 1; d < 8; d++) a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * d), _mm256_loadu_ps(kj + 8 * d), a);
+      _mm256_store_ps(lanes, a);
+      float dot = 0.f;
+      for (int i = 0; i < 8; i++) dot += lanes[i];
+      scores[r * S + j] = dot + bias[((r0 + r) % T) * S + j];
+    }
+  }
+  for (int64_t r = 0; r < R; r++) {  // p = exp(s - max), exactly 0 where the bias masks the slot
+    float* p = scores + r * S;
+    float m = -INFINITY;
+    for (int64_t i = 0; i < S; i++) m = std::max(m, p[i]);
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 vsum = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= S; i += 8) {
+      const __m256 s = _mm256_loadu_ps(p + i);
+      const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(s, neg_inf, _CMP_EQ_OQ), exp8(_mm256_sub_ps(s, vm)));
+      _mm256_storeu_ps(p + i, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    _mm256_store_ps(lanes, vsum);
+    float sum = 0.f;
+    for (int l = 0; l < 8; l++) sum += lanes[l];
+    for (; i < S; i++) {
+      p[i] = p[i] == -INFINITY ? 0.f : std::exp(p[i] - m);
+      sum += p[i];
+    }
+    sums[r] = sum;
+  }
+  std::vector<float> o(R * kD, 0.f);
+  constexpr int64_t kBlock = 16;  // keys per V block: 4 KB, stays in L1 across the rows
+  for (int64_t j0 = 0; j0 < S; j0 += kBlock) {
+    const int64_t j1 = std::min(S, j0 + kBlock);
+    for (int64_t r = 0; r < R; r++) {
+      float* orow = o.data() + r * kD;
+      const float* p = scores + r * S;
+      __m256 acc[8];
+      for (int d = 0; d < 8; d++) acc[d] = _mm256_loadu_ps(orow + 8 * d);
+      for (int64_t jj = j0; jj < j1; jj++) {
+        const __m256 pj = _mm256_set1_ps(p[jj]);  // 0 at masked slots: adds nothing
+        const float* vj = v + jj * kv_stride;
+        for (int d = 0; d < 8; d++) acc[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * d), acc[d]);
+      }
+      for (int d = 0; d < 8; d++) _mm256_storeu_ps(orow + 8 * d, acc[d]);
+    }
+  }
+  for (int64_t r = 0; r < R; r++) {
+    const __m256 inv = _mm256_set1_ps(1.f / sums[r]);
+    const int64_t g = (r0 + r) / T, t = (r0 + r) % T;
+    float* dst = out + g * out_row_stride + t * kD;
+    for (int d = 0; d < 8; d++) _mm256_storeu_ps(dst + 8 * d, _mm256_mul_ps(_mm256_loadu_ps(o.data() + r * kD + 8 * d), inv));
+  }
+}
+
+at::Tensor avx2_attention(const at::Tensor& q_in, const at::Tensor& keys, const at::Tensor& values,
+                          const at::Tensor& bias_in) {
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
+                  values.scalar_type() == at::kFloat && bias_in.scalar_type() == at::kFloat,
+              "avx2_attention: fp32 only");
+  TORCH_CHECK(q_in.dim() == 4 && keys.dim() == 4 && values.dim() == 4 && bias_in.dim() == 4,
+              "avx2_attention: q [B, H, T, D], keys / values [B, KVH, S, D], bias [B, 1, T, S]");
+  const int64_t B = q_in.size(0), H = q_in.size(1), T = q_in.size(2), D = q_in.size(3);
+  const int64_t KVH = keys.size(1), S = keys.size(2);
+  TORCH_CHECK(D == kD && keys.size(3) == kD && values.sizes() == keys.sizes() && keys.size(0) == B &&
+                  KVH > 0 && H % KVH == 0 && S > 0,
+              "avx2_attention: head size 64 and heads a multiple of kv heads, got q ", q_in.sizes(),
+              " keys ", keys.sizes(), " values ", values.sizes());
+  TORCH_CHECK(bias_in.size(0) == B && bias_in.size(1) == 1 && bias_in.size(2) == T && bias_in.size(3) == S,
+              "avx2_attention: bias ", bias_in.sizes(), " is not [B, 1, T, S] for q ", q_in.sizes(),
+              " and ", S, " keys");
+  // K and V in place: a cache view's rows are contiguous, its heads and sequences strided
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1 && keys.stride(2) == values.stride(2) &&
+                  keys.stride(1) == values.stride(1) && keys.stride(0) == values.stride(0),
+              "avx2_attention: keys and values must share strides with contiguous rows");
+  const at::Tensor q = q_in.contiguous(), bias = bias_in.contiguous();
+  at::Tensor out = at::empty({B, H, T, D}, q.options());
+  const int64_t G = H / KVH, R = G * T, row = keys.stride(2), sh = keys.stride(1), sb = keys.stride(0);
+  // Tasks: (batch, kv head, chunk of its R rows); a kv head's rows split into chunks only while
+  // there are fewer heads than twice the threads (a decode step at batch 1: 3 kv heads, 2 threads)
+  const int64_t chunks = std::min(R, std::max<int64_t>(1, (2 * at::get_num_threads() + B * KVH - 1) / (B * KVH)));
+  const int64_t per_chunk = (R + chunks - 1) / chunks;
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  const float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
+  const float* bp = bias.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B * KVH * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(per_chunk * S);
+    for (int64_t task = begin; task < end; task++) {
+      const int64_t c = task % chunks, bk = task / chunks, b = bk / KVH, kvh = bk % KVH;
+      const int64_t r0 = c * per_chunk, r1 = std::min(R, r0 + per_chunk);
+      if (r0 >= r1) continue;
+      const int64_t h0 = kvh * G;  // the group's first query head
+      attend_rows(qp + (b * H + h0) * T * kD, kp + b * sb + kvh * sh, vp + b * sb + kvh * sh, row,
+                  bp + b * T * S, T, S, r0, r1, scale, scores.data(), op + (b * H + h0) * T * kD, T * kD);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(eagle, m) {
+  m.def("avx2_attention(Tensor q, Tensor keys, Tensor values, Tensor bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(eagle, CPU, m) {
+  m.impl("avx2_attention", &avx2_attention);
+}

@@ -1,0 +1,62 @@
+"""Attention of a few query rows (a decode step's one, a verify's tree) over the KV cache, fp32 on
+AVX2 + FMA (avx2_attention.cpp), as torch.ops.eagle.avx2_attention: what model.attention runs
+for such calls on a CPU while it is enabled (`enable()`; the loader enables it with the "avx2"
+Linears, unless EAGLE_CPU_ATTENTION=sdpa).
+
+Built once per machine by torch's extension builder into its cache, as avx2_linear is.
+
+    enable()
+    out = torch.ops.eagle.avx2_attention(q, keys, values, bias)
+    # q [B, H, T, 64], keys / values [B, KVH, S, 64] (cache views), bias [B, 1, T, S] additive
+    # == F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, enable_gqa=True)
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("avx2_attention.cpp")
+HEAD_DIM = 64
+# Query rows (T) up to which model.attention calls the kernel: decode steps and verifies; a
+# prefill's hundreds of rows stay on SDPA's flash kernel, which blocks over them.
+MAX_ROWS = 64
+_enabled = False
+
+
+def enabled() -> bool:
+    """Whether model.attention hands fp32 CPU calls of a few rows to the kernel (enable())."""
+    return _enabled
+
+
+def enable(on: bool = True) -> None:
+    """Turn the kernel on (building and loading it first) or off for model.attention in this
+    process. A compiled step traces the choice and guards on it: graphs compiled either way stay
+    cached and are reused when the flag comes back to them."""
+    global _enabled
+    if on:
+        load()
+    _enabled = on
+
+
+@functools.cache
+def load() -> None:
+    """Build (first time on a machine) and load the op, and give compiled graphs its shape."""
+    from torch.utils import cpp_extension
+
+    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: at::parallel_for's threads
+    cpp_extension.load("eagle_avx2_attention", [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                       is_python_module=False, verbose=False)
+
+    @torch.library.register_fake("eagle::avx2_attention")
+    def _(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
+        return q.new_empty(q.shape)
+
+
+def applies(q: Tensor, mask: Tensor) -> bool:
+    """Whether model.attention hands this call (q [B, H, T, D], mask) to the kernel."""
+    return (_enabled and q.device.type == "cpu" and q.dtype == torch.float32 and mask.dtype == torch.float32
+            and q.shape[-1] == HEAD_DIM and q.shape[2] <= MAX_ROWS)

@@ -1,0 +1,141 @@
+"""kernels/avx2_attention: attention of a few query rows over the KV cache, fp32 on AVX2. It
+computes SDPA (GQA, additive masks with -inf, cache views read in place), a row's output does not
+depend on the rows beside it, model.attention hands it decode and verify calls (eager and
+compiled) only while enabled, and greedy speculative decoding on it is token-identical to plain
+decoding on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_speculative import prompts_for, random_head
+
+from eagle_infer.generate import generate
+from eagle_infer.kernels import avx2_attention, avx2_linear
+from eagle_infer.model import ModelConfig, Transformer, attention
+from eagle_infer.speculative import generate_speculative
+from eagle_infer.tree import TreeConfig
+
+pytestmark = pytest.mark.skipif(not avx2_linear.supported(), reason="CPU without AVX2 / FMA")
+
+
+@pytest.fixture
+def kernel_on():
+    """The kernel enabled for one test, the process's setting restored after it."""
+    before = avx2_attention.enabled()
+    avx2_attention.enable()
+    yield
+    avx2_attention.enable(before)
+
+
+def cache_views(B: int, KVH: int, S: int, max_len: int = 600) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys, values [B, KVH, S, 64]: strided views of a [2, B, KVH, max_len, 64] cache, as a layer's."""
+    cache = torch.randn(2, B, KVH, max_len, 64)
+    return cache.narrow(3, 0, S).unbind(0)
+
+
+def tree_bias(B: int, T: int, S: int) -> torch.Tensor:
+    """[B, 1, T, S] additive: every slot before the last T, then a tree of ancestors in the last T
+    (node t sees itself and node (t - 1) // 2), and one masked slot in the prefix of row 1."""
+    bias = torch.zeros(B, 1, T, S)
+    bias[..., S - T:] = float("-inf")
+    for t in range(T):
+        node = t
+        while True:
+            bias[:, :, t, S - T + node] = 0
+            if node == 0:
+                break
+            node = (node - 1) // 2
+    if B > 1:
+        bias[1, :, :, 2] = float("-inf")
+    return bias
+
+
+@pytest.mark.parametrize("T,S", [(1, 7), (1, 515), (4, 64), (16, 300), (3, 9)])
+def test_kernel_is_sdpa_and_rows_independent(T, S):
+    avx2_attention.load()
+    B, H, KVH = 2, 9, 3
+    q = torch.randn(B, T, H, 64).transpose(1, 2)  # [B, H, T, D], strided as the model's
+    keys, values = cache_views(B, KVH, S)
+    bias = tree_bias(B, T, S)
+    out = torch.ops.eagle.avx2_attention(q, keys, values, bias)
+    ref = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), attn_mask=bias.double(),
+                                         enable_gqa=True)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    for t in range(T):  # bit for bit: a verify's rows = one-row steps'
+        one = torch.ops.eagle.avx2_attention(q[:, :, t:t + 1], keys, values, bias[:, :, t:t + 1])
+        assert torch.equal(one, out[:, :, t:t + 1]), t
+
+
+def test_kernel_names_bad_input():
+    avx2_attention.load()
+    keys, values = cache_views(1, 3, 10)
+    q = torch.randn(1, 9, 2, 64)
+    with pytest.raises(RuntimeError, match="fp32 only"):
+        torch.ops.eagle.avx2_attention(q.double(), keys, values, torch.zeros(1, 1, 2, 10))
+    with pytest.raises(RuntimeError, match="bias .* is not \\[B, 1, T, S\\]"):
+        torch.ops.eagle.avx2_attention(q, keys, values, torch.zeros(1, 1, 2, 11))
+    with pytest.raises(RuntimeError, match="head size 64"):
+        torch.ops.eagle.avx2_attention(torch.randn(1, 9, 2, 32), keys[..., :32], values[..., :32],
+                                       torch.zeros(1, 1, 2, 10))
+
+
+def test_attention_uses_the_kernel_only_while_enabled(kernel_on):
+    q, (keys, values), bias = torch.randn(1, 9, 4, 64), cache_views(1, 3, 40), tree_bias(1, 4, 40)
+    graphs = []
+
+    def keep_graph(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    for on, rows in ((True, 4), (True, avx2_attention.MAX_ROWS + 1), (False, 4)):
+        avx2_attention.enable(on)
+        qr, br = q[:, :, :1].expand(1, 9, rows, 64), bias[:, :, :1].expand(1, 1, rows, 40)
+        torch._dynamo.reset()
+        got = torch.compile(attention, backend=keep_graph, fullgraph=True)(qr, keys, values, br, True)
+        torch.testing.assert_close(got, F.scaled_dot_product_attention(qr, keys, values, attn_mask=br,
+                                                                       enable_gqa=True), rtol=1e-5, atol=1e-5)
+        targets = {n.target for n in graphs[-1].graph.nodes if n.op == "call_function"}
+        op = torch.ops.eagle.avx2_attention
+        ours = on and rows <= avx2_attention.MAX_ROWS  # a prefill's rows stay on SDPA
+        assert bool({op, op.default} & targets) is ours, (on, rows, targets)
+
+
+def test_greedy_identical_on_the_kernel_eager_and_compiled(kernel_on):
+    cfg = ModelConfig(model_type="llama", vocab_size=96, hidden_size=128, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=512, eos_token_ids=[])
+    torch.manual_seed(0)
+    target = Transformer(cfg).eval().requires_grad_(False)
+    with torch.no_grad():
+        target.embed_tokens.weight.normal_(0, 1.0)
+        target.lm_head.weight.normal_(0, 0.6)
+    head = random_head(target, "eagle3", draft_vocab=40)
+    prompts = prompts_for(cfg.vocab_size)
+    plain = generate(target, prompts, 20)  # batch 4: every decode step has 4 rows of 1 query
+    assert generate(target, prompts, 20, compile=True) == plain
+    for tree in (TreeConfig(), TreeConfig(3, 4, 4), TreeConfig.chain(3)):
+        spec, _ = generate_speculative(target, head, prompts, 20, tree=tree)
+        assert spec == plain, tree
+
+
+def test_loader_turns_it_on_with_the_avx2_linears(monkeypatch, default_model_dir):
+    from eagle_infer.errors import UserError
+    from eagle_infer.loader import load_model
+
+    before = avx2_attention.enabled()
+    try:
+        avx2_attention.enable(False)
+        monkeypatch.setenv("EAGLE_CPU_ATTENTION", "sdpa")
+        load_model(default_model_dir, "fp32", "cpu", cpu_linears="avx2")
+        assert not avx2_attention.enabled()
+        monkeypatch.setenv("EAGLE_CPU_ATTENTION", "flash")
+        with pytest.raises(UserError, match="EAGLE_CPU_ATTENTION must be auto or sdpa, got 'flash'"):
+            load_model(default_model_dir, "fp32", "cpu", cpu_linears="avx2")
+        monkeypatch.delenv("EAGLE_CPU_ATTENTION")
+        load_model(default_model_dir, "fp32", "cpu", cpu_linears="torch")
+        assert not avx2_attention.enabled()  # only with the avx2 Linears, where it was measured
+        load_model(default_model_dir, "fp32", "cpu", cpu_linears="avx2")
+        assert avx2_attention.enabled()
+    finally:
+        avx2_attention.enable(before)
