@@ -23,6 +23,7 @@ from eagle_infer.cpu_linears import (
     FrozenCompile,
     cached_kernel_templates,
     compile_settings,
+    cpp_wrapper_for,
     without_mkl_prepack,
 )
 from eagle_infer.errors import UserError, cli_errors
@@ -222,8 +223,8 @@ class WithInductorSettings:
             return self.fn(*args)
 
 
-def compile_step(fn: Callable, mode: str | None = None,
-                 inductor: FrozenCompile | None = None) -> Callable:
+def compile_step(fn: Callable, mode: str | None = None, inductor: FrozenCompile | None = None,
+                 cpp_wrapper: bool = False) -> Callable:
     """torch.compile with full graphs and static shapes (but a traced kv length where the
     caller marks it: mark_kv_dynamic). Measured in one process on a 2-core Xeon (AVX-512, no
     AVX512-BF16: fp32), 1 thread, default model: plain step 72 ms compiled vs 83 ms eager,
@@ -240,11 +241,16 @@ def compile_step(fn: Callable, mode: str | None = None,
 
     Int8 targets and cpu_linears="inductor" (the fp32 default on AVX2 / AVX-512 CPUs) are the
     exception: `inductor` (cpu_linears.compile_settings) turns freezing on for Inductor's GEMM
-    template, which needs constant weights."""
+    template, which needs constant weights.
+
+    `cpp_wrapper` (cpu_linears.cpp_wrapper_for): Inductor's C++ wrapper calls the graph's kernels."""
     import torch._dynamo.config
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    compiled = torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+    if cpp_wrapper and mode is not None:
+        raise ValueError(f"cpp_wrapper is for Inductor's default mode, not {mode!r}")
+    options = {"cpp_wrapper": True} if cpp_wrapper else None
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, mode=mode, options=options)
     return compiled if inductor is None else WithInductorSettings(compiled, inductor)
 
 
@@ -289,7 +295,8 @@ class CompiledDecode:
 
     def __init__(self, model: Transformer, mode: str | None = None):
         self.model, self.mode = model, mode
-        self.fn = compile_step(self._step, mode, compile_settings(model))
+        settings = compile_settings(model)
+        self.fn = compile_step(self._step, mode, settings, cpp_wrapper_for(model, settings, mode))
 
     def _step(self, tokens: torch.Tensor, cur: torch.Tensor,
               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,12 +1,14 @@
 """Two CPU Linear backends (load_model's cpu_linears) timed in one process, interleaved, on the
 same prompts: plain and speculative decoding with the default head, compiled. VMs of one kind
 differ by 20-50% from run to run, so a comparison between two bench runs misleads; here each
-round times every backend back to back and the medians are reported. A backend named with
-":sdpa" runs attention on torch's SDPA instead of kernels/avx2_attention (which the "avx2"
-backend turns on).
+round times every backend back to back and the medians are reported. Suffixes take back one
+thing the "avx2" backend turns on: ":sdpa" runs attention on torch's SDPA instead of
+kernels/avx2_attention, ":py" compiles steps with Inductor's Python wrapper instead of its C++
+one (cpu_linears.cpp_wrapper_for); they combine ("avx2:sdpa:py").
 
     python scripts/ab_cpu_linears.py --backends avx2 inductor --rounds 3 --json results/ab.json
     python scripts/ab_cpu_linears.py --backends avx2 avx2:sdpa --json results/ab_attention.json
+    python scripts/ab_cpu_linears.py --backends avx2 avx2:py --json results/ab_cpp_wrapper.json
 """
 
 from __future__ import annotations
@@ -17,12 +19,39 @@ import statistics
 
 import torch
 
+import eagle_infer.generate
+import eagle_infer.speculative
 from eagle_infer.bench import bench_plain, bench_spec, load_prompts, machine_info
 from eagle_infer.default_model import default_head_path
 from eagle_infer.heads import load_head_for
 from eagle_infer.kernels import avx2_attention
 from eagle_infer.loader import load_model, load_tokenizer
 from eagle_infer.tree import TreeConfig
+
+
+def with_fresh_code(cls: type, names: list[str]) -> type:
+    """A subclass of cls whose methods `names` call cls's through new code objects: torch.compile
+    keeps compiled graphs per code object and reuses them for every model of the same shapes, so
+    a variant compiled with other settings needs code of its own."""
+    ns: dict = {}
+    for n in names:
+        exec(f"def {n}(self, *args):\n    return _method(self, *args)", {"_method": getattr(cls, n)}, ns)
+    return type(cls.__name__ + "Variant", (cls,), ns)
+
+
+ORIGINAL = (eagle_infer.generate.CompiledDecode, eagle_infer.speculative.SpecDecoder,
+            eagle_infer.generate.cpp_wrapper_for)
+STEPS = ["_draft_tree", "_verify_commit_greedy", "_verify", "_catch_up"]  # what SpecDecoder.compile compiles
+PYTHON_WRAPPER = (with_fresh_code(ORIGINAL[0], ["_step"]), with_fresh_code(ORIGINAL[1], STEPS),
+                  lambda *args: False)
+
+
+def use_wrapper(python: bool) -> None:
+    """Compiled steps built from here on (the bench builds them per model and per decoder) use
+    Inductor's Python wrapper (python) or the default (cpu_linears.cpp_wrapper_for)."""
+    decode, decoder, choice = PYTHON_WRAPPER if python else ORIGINAL
+    eagle_infer.generate.CompiledDecode, eagle_infer.speculative.SpecDecoder = decode, decoder
+    eagle_infer.generate.cpp_wrapper_for = eagle_infer.speculative.cpp_wrapper_for = choice
 
 
 def main() -> None:
@@ -41,14 +70,16 @@ def main() -> None:
     tree = TreeConfig(*args.tree)
     runs = {}
     for b in args.backends:  # load, compile and warm every backend first
-        model = load_model(None, "fp32", "cpu", cpu_linears=b.split(":")[0])
+        backend, *off = b.split(":")
+        model = load_model(None, "fp32", "cpu", cpu_linears=backend)
         # the attention kernel is a process-wide switch that compiled graphs guard on: set per run
-        attention = avx2_attention.enabled() and not b.endswith(":sdpa")
+        attention = avx2_attention.enabled() and "sdpa" not in off
         avx2_attention.enable(attention)
+        use_wrapper("py" in off)
         head = load_head_for(default_head_path("eagle3"), model)
         plain = bench_plain(model, prompts[:1], 8, compile_steps=True)
         spec = bench_spec(model, head, prompts[:1], 8, tree, compile_steps=True)
-        runs[b] = {"model": model, "head": head, "attention": attention,
+        runs[b] = {"model": model, "head": head, "attention": attention, "python_wrapper": "py" in off,
                    "warmup_s": {"plain": plain.warmup_s, "spec": spec.result.warmup_s},
                    "plain": [], "spec": [], "tau": None}
         print(f"{b}: warm-up {runs[b]['warmup_s']}", flush=True)
@@ -56,6 +87,7 @@ def main() -> None:
     for r in range(args.rounds):
         for b, run in runs.items():
             avx2_attention.enable(run["attention"])
+            use_wrapper(run["python_wrapper"])
             p = bench_plain(run["model"], prompts, args.max_new_tokens, compile_steps=True)
             s = bench_spec(run["model"], run["head"], prompts, args.max_new_tokens, tree, compile_steps=True)
             run["plain"].append(p.tokens_per_s)
@@ -73,7 +105,8 @@ def main() -> None:
                               "spec_vs_plain": round(spec / plain, 3), "tau": run["tau"],
                               "plain_runs": [round(x, 2) for x in run["plain"]],
                               "spec_runs": [round(x, 2) for x in run["spec"]], "warmup_s": run["warmup_s"],
-                              "attention": "avx2" if run["attention"] else "sdpa"}
+                              "attention": "avx2" if run["attention"] else "sdpa",
+                              "inductor_wrapper": "python" if run["python_wrapper"] else "default"}
         print(f"{b}: plain {plain:.1f}, spec {spec:.1f} tok/s ({spec / plain:.2f}x plain), tau {run['tau']}")
     if args.json:
         with open(args.json, "w") as f:

@@ -1,7 +1,8 @@
 """cpu_linears="avx2": our AVX2 kernel for Linears of a few rows (eagle_infer/kernels/avx2_linear)
 computes F.linear, a row's values do not depend on the rows beside it, compiled steps call it
 (not a silent F.linear), and greedy decoding on it, plain and speculative, eager and compiled,
-is token-identical to plain decoding on torch's Linears."""
+is token-identical to plain decoding on torch's Linears (compiled steps on Inductor's C++
+wrapper, cpu_linears.cpp_wrapper_for)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from test_speculative import prompts_for, random_head, tiny_target
 from eagle_infer import cpu_linears
 from eagle_infer.generate import generate
 from eagle_infer.kernels import avx2_linear
-from eagle_infer.speculative import generate_speculative
+from eagle_infer.speculative import SpecDecoder, generate_speculative
 from eagle_infer.tree import TreeConfig
 
 pytestmark = pytest.mark.skipif(not avx2_linear.supported(), reason="CPU without AVX2 / FMA")
@@ -84,8 +85,14 @@ def test_greedy_identical_on_avx2_linears_eager_and_compiled():
     target.cpu_linears = "avx2"
     assert cpu_linears.compile_settings(target, head) is None  # Inductor's defaults: no freezing
     assert generate(target, prompts, 24) == plain  # batch 4: every step has 4 rows
+    assert cpu_linears.cpp_wrapper_for(target, None, None)  # compiled steps: Inductor's C++ wrapper
+    assert not cpu_linears.cpp_wrapper_for(target, None, "reduce-overhead")
     assert generate(target, prompts, 24, compile=True) == plain
     spec, _ = generate_speculative(target, head, prompts, 24, tree=TreeConfig())
+    assert spec == plain
+    tree = TreeConfig(3, 4, 4)  # the CPU's default tree, its steps compiled with the C++ wrapper
+    dec = SpecDecoder(target, head, tree, max_batch=4, max_seq_len=128).compile()
+    spec, _ = generate_speculative(target, head, prompts, 24, tree=tree, decoder=dec)
     assert spec == plain
 
 
