@@ -22,8 +22,8 @@ namespace {
 constexpr int64_t kD = 64;  // head size: eight 8-float registers
 
 // exp(x) for 8 floats (Cephes' polynomial, as in avx_mathfun): x = n ln2 + r, exp(r) by a
-// degree-5 polynomial, 2^n through the exponent bits; x below -87.3 (a masked slot's -inf
-// included) gives 0, which the caller also forces.
+// degree-5 polynomial, 2^n through the exponent bits. x is clamped to [-87.3, 88.4] (exp(-87.3)
+// ~ 1e-38, not 0): the caller sets the weights of masked (-inf) slots to exactly 0 itself.
 inline __m256 exp8(__m256 x) {
   const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
   x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
