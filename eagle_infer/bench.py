@@ -501,6 +501,18 @@ def profile_decoding(model, prompt: list[int], max_new_tokens: int, compile_step
     return written
 
 
+def median_seconds(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
+    """Median seconds of `reps` timed calls after `warmup` untimed ones (CPU; the probes' timer)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[reps // 2]
+
+
 def _best_seconds(fn: Callable[[], object], repeats: int, device: str) -> float:
     """The fastest of `repeats` timed calls, after one untimed call that faults the pages in."""
     best = float("inf")

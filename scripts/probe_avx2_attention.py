@@ -10,23 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import torch.nn.functional as F
 
+from eagle_infer.bench import median_seconds
 from eagle_infer.kernels import avx2_attention
-
-
-def median_us(fn, reps: int) -> float:
-    for _ in range(20):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[reps // 2] * 1e6
 
 
 def main() -> None:
@@ -52,8 +41,9 @@ def main() -> None:
             def sdpa_call(q=q, keys=keys, values=values, bias=bias):
                 return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, enable_gqa=True)
 
-            sdpa = median_us(sdpa_call, args.reps)
-            ours = median_us(lambda a=args_: torch.ops.eagle.avx2_attention(*a), args.reps)
+            sdpa = 1e6 * median_seconds(sdpa_call, args.reps, warmup=20)
+            ours = 1e6 * median_seconds(lambda a=args_: torch.ops.eagle.avx2_attention(*a), args.reps,
+                                        warmup=20)
             diff = (torch.ops.eagle.avx2_attention(*args_) - sdpa_call()).abs().max().item()
             out["calls"].append({"kv": S, "rows": T, "sdpa_us": round(sdpa, 1), "ours_us": round(ours, 1),
                                  "max_abs_diff": diff})

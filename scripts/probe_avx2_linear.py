@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 from torch import nn
 
+from eagle_infer.bench import median_seconds
 from eagle_infer.cpu_linears import FROZEN_GEMM, FrozenCompile, cached_kernel_templates, without_mkl_prepack
 from eagle_infer.kernels import avx2_linear
 
@@ -33,17 +33,6 @@ class Copies(nn.Module):
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         return [lin(x) for lin in self.linears]
-
-
-def median_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[reps // 2] * 1e3
 
 
 def main() -> None:
@@ -73,10 +62,10 @@ def main() -> None:
             with (torch.no_grad(), inductor_config.patch(FROZEN_GEMM), without_mkl_prepack(),
                   cached_kernel_templates(), torch.compiler.config.patch(cache_key_tag=tag)):
                 want = template(x)
-                t_template = median_ms(lambda: template(x), args.reps)  # noqa: B023
+                t_template = 1e3 * median_seconds(lambda: template(x), args.reps)  # noqa: B023
             ours = lambda: [avx2_linear.avx2_linear(x, w, n) for w in packed]  # noqa: B023, E731
             same = all(torch.equal(a, b) for a, b in zip(ours(), want))
-            t_ours = median_ms(ours, args.reps)
+            t_ours = 1e3 * median_seconds(ours, args.reps)
             row = {"template_ms": round(t_template, 3), "avx2_ms": round(t_ours, 3),
                    "template_gb_s": round(mb / t_template, 1), "avx2_gb_s": round(mb / t_ours, 1),
                    "bitwise_equal": same, "weights_mb": round(mb, 1)}
