@@ -3,7 +3,7 @@ AVX2 + FMA (avx2_attention.cpp), as torch.ops.eagle.avx2_attention: what model.a
 for such calls on a CPU while it is enabled (`enable()`; the loader enables it with the "avx2"
 Linears, unless EAGLE_CPU_ATTENTION=sdpa).
 
-Built once per machine by torch's extension builder into its cache, as avx2_linear is.
+Built once per machine by torch's extension builder into its cache (avx2_linear.build).
 
     enable()
     out = torch.ops.eagle.avx2_attention(q, keys, values, bias)
@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from eagle_infer.kernels import avx2_linear
 
 SOURCE = Path(__file__).with_name("avx2_attention.cpp")
 HEAD_DIM = 64
@@ -45,11 +47,7 @@ def enable(on: bool = True) -> None:
 @functools.cache
 def load() -> None:
     """Build (first time on a machine) and load the op, and give compiled graphs its shape."""
-    from torch.utils import cpp_extension
-
-    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: at::parallel_for's threads
-    cpp_extension.load("eagle_avx2_attention", [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                       is_python_module=False, verbose=False)
+    avx2_linear.build("eagle_avx2_attention", SOURCE)
 
     @torch.library.register_fake("eagle::avx2_attention")
     def _(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:

@@ -28,14 +28,20 @@ def supported() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-@functools.cache
-def load() -> None:
-    """Build (first time on a machine) and load the op, and give compiled graphs its shape."""
+def build(name: str, source: Path) -> None:
+    """Build (first time on a machine) and load a C++ op library for AVX2 + FMA CPUs, this one's
+    and avx2_attention's."""
     from torch.utils import cpp_extension
 
     flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: at::parallel_for's threads
-    cpp_extension.load("eagle_avx2_linear", [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+    cpp_extension.load(name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                        is_python_module=False, verbose=False)
+
+
+@functools.cache
+def load() -> None:
+    """Build (first time on a machine) and load the op, and give compiled graphs its shape."""
+    build("eagle_avx2_linear", SOURCE)
 
     @torch.library.register_fake("eagle::avx2_linear")
     def _(x: Tensor, packed_weight: Tensor, out_features: int) -> Tensor:
