@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from eagle_infer.default_model import resolve_model_path
 from eagle_infer.errors import UserError
+from eagle_infer.kernels import avx2_attention
 from eagle_infer.model import ModelConfig, Transformer, convert_hf_state_dict
 from eagle_infer.quantize import quantize_linears
 
@@ -126,6 +127,9 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
         backend = cpu_linears or os.environ.get("EAGLE_CPU_LINEARS", "auto")
         if backend not in ("auto", "torch", "onednn", "inductor", "avx2"):
             raise UserError(f"cpu_linears must be auto, torch, onednn, inductor or avx2, got {backend!r}")
+        attention = os.environ.get("EAGLE_CPU_ATTENTION", "auto")
+        if attention not in ("auto", "sdpa"):
+            raise UserError(f"EAGLE_CPU_ATTENTION must be auto or sdpa, got {attention!r}")
         from eagle_infer import cpu_linears as onednn
 
         if backend == "auto":
@@ -133,18 +137,12 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
         if quantization == "none":
             onednn.use_backend_linears(model, backend)
         model.cpu_linears = backend
-        if backend == "avx2" and torch_dtype == torch.float32:
-            attention = os.environ.get("EAGLE_CPU_ATTENTION", "auto")
-            if attention not in ("auto", "sdpa"):
-                raise UserError(f"EAGLE_CPU_ATTENTION must be auto or sdpa, got {attention!r}")
-            if attention == "auto":
-                from eagle_infer.kernels import avx2_attention
-
-                try:
-                    avx2_attention.enable()
-                except Exception as e:  # the Linear kernel built, so this is unexpected: say so, go on
-                    warnings.warn(f"the avx2 attention kernel did not build ({e}); attention runs on SDPA",
-                                  stacklevel=2)
+        if backend == "avx2" and torch_dtype == torch.float32 and attention == "auto":
+            try:
+                avx2_attention.enable()
+            except Exception as e:  # the Linear kernel built, so this is unexpected: say so, go on
+                warnings.warn(f"the avx2 attention kernel did not build ({e}); attention runs on SDPA",
+                              stacklevel=2)
     quantize_linears(model, quantization)
     model.quantization = quantization
     model.source_path = folder
