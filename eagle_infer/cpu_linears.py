@@ -3,8 +3,10 @@ cpu_linears): "torch" (MKL), "onednn" (below), "inductor": compiled steps run In
 GEMM template on frozen weights (compile_settings), eager calls (prefill, uncompiled steps) run
 as "onednn" does; and "avx2": calls of up to AVX2_MAX_ROWS rows, eager and compiled, run our
 kernel (kernels/avx2_linear.cpp: the template's register block with the weight stream
-prefetched), larger ones torch's. auto_backend picks "avx2" for fp32 on AVX2 CPUs (measured
-there), "inductor" for fp32 on AVX-512 ones.
+prefetched), larger ones torch's; "avx512_bf16": bf16 calls of up to BF16_MAX_ROWS rows, eager
+and compiled, run kernels/bf16_linear.cpp (fp32 FMAs on the bf16 weights). auto_backend picks
+"avx2" for fp32 on AVX2 CPUs (measured there), "inductor" for fp32 on AVX-512 ones,
+"avx512_bf16" for bf16 on AVX512-BF16 ones.
 
 oneDNN: fp32 at 2-512 rows, bf16 from one row where the CPU has native bf16 (AVX512-BF16 / AMX).
 
@@ -113,6 +115,40 @@ class Avx2Linear(nn.Linear):
         return torch.ops.eagle.avx2_linear(x, self.packed_weight, self.out_features)
 
 
+# Rows up to which an "avx512_bf16" Linear runs our kernel (prefill chunks of more run torch's).
+# 2-core Xeon with AVX512-BF16, 2 threads, weights streamed from memory, ms a call: 3072 x 576 at
+# 1 / 16 / 64 / 512 rows ours 0.07 / 0.29 / 0.88 / 7.1, oneDNN prepacked 0.09 / 0.44 / 1.45 / 10.8,
+# torch's 0.60 at 16 (scripts/probe_bf16_linear.py): without AMX oneDNN multiplies with vdpbf16ps,
+# at half the rate of the fp32 FMAs that the kernel feeds with the bf16 weights.
+BF16_MAX_ROWS = 512
+
+
+class Bf16Linear(nn.Linear):
+    """A bias-free bf16 nn.Linear (same parameters and state dict) whose calls of up to
+    BF16_MAX_ROWS rows, eager and compiled, run kernels/bf16_linear on its packed copy of the
+    weight (the buffer packed_weight, outside the state dict)."""
+
+    packed_weight: Tensor
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.numel() // x.shape[-1] > BF16_MAX_ROWS:
+            return F.linear(x, self.weight)
+        return torch.ops.eagle.bf16_linear(x, self.packed_weight, self.out_features)
+
+
+def _use_kernel_linears(model: nn.Module, kernel, cls: type, dtype: torch.dtype) -> int:
+    """Make every bias-free CPU Linear of `model` in `dtype` a `cls`, with `kernel`'s packed copy of
+    its weight (kernel: kernels.avx2_linear or kernels.bf16_linear, built the first time on this
+    machine); returns how many."""
+    kernel.load()
+    linears = [m for m in model.modules() if type(m) is nn.Linear and m.bias is None
+               and m.weight.device.type == "cpu" and m.weight.dtype == dtype]
+    for m in linears:
+        m.register_buffer("packed_weight", kernel.pack(m.weight), persistent=False)
+        m.__class__ = cls
+    return len(linears)
+
+
 def use_avx2_linears(model: nn.Module) -> int:
     """Make every bias-free fp32 CPU Linear of `model` an Avx2Linear (building the kernel the
     first time on this machine); returns how many."""
@@ -120,12 +156,33 @@ def use_avx2_linears(model: nn.Module) -> int:
 
     if not avx2_linear.supported():
         raise RuntimeError("cpu_linears=avx2: this CPU has no AVX2 / FMA")
-    avx2_linear.load()
-    linears = [m for m in _convertible(model) if m.weight.dtype == torch.float32]
-    for m in linears:
-        m.register_buffer("packed_weight", avx2_linear.pack(m.weight), persistent=False)
-        m.__class__ = Avx2Linear
-    return len(linears)
+    return _use_kernel_linears(model, avx2_linear, Avx2Linear, torch.float32)
+
+
+def use_bf16_linears(model: nn.Module) -> int:
+    """Make every bias-free bf16 CPU Linear of `model` a Bf16Linear (building the kernel the
+    first time on this machine); returns how many."""
+    from eagle_infer.kernels import bf16_linear
+
+    if not bf16_linear.supported():
+        raise RuntimeError("cpu_linears=avx512_bf16: this CPU has no AVX512-BF16")
+    return _use_kernel_linears(model, bf16_linear, Bf16Linear, torch.bfloat16)
+
+
+def bf16_default() -> bool:
+    """Whether "auto" picks "avx512_bf16" for bf16 Linears: an AVX512-BF16 CPU whose kernel builds
+    here (measured faster than oneDNN's prepacked bf16 Linears at 1-512 rows there)."""
+    from eagle_infer.kernels import bf16_linear
+
+    if not bf16_linear.supported():
+        return False
+    try:
+        bf16_linear.load()
+    except Exception as e:  # no compiler or ninja: oneDNN's Linears need none
+        warnings.warn(f"cpu_linears: the avx512_bf16 kernel did not build ({e}); using oneDNN's",
+                      stacklevel=2)
+        return False
+    return True
 
 
 def avx2_default() -> bool:
@@ -196,12 +253,14 @@ def auto_backend(model: nn.Module) -> str:
     CPU has native bf16) and the packed copy fits twice over in free memory (a server still
     needs room for caches and requests), else "torch"; for fp32 Linears "avx2" instead where
     avx2_default() (one packed copy, as oneDNN's), else "inductor" where the template has its
-    kernels and TEMPLATE_COPIES packed copies fit twice over.
+    kernels and TEMPLATE_COPIES packed copies fit twice over; for bf16 ones "avx512_bf16" where
+    bf16_default() (one packed copy).
 
-    Why fp32 only: measured on the AVX2 AMD EPYC (2 threads, default target), compiled plain
-    steps of 24-28 ms on the template against 44-51 ms on MKL / oneDNN, and the avx2 kernel
-    faster than the template at 1 and 4 rows (README); bf16 is not measured on either (no native
-    bf16 here), and its weights would miss torch's compile cache on the template."""
+    Why: measured on the AVX2 AMD EPYC (2 threads, default target), compiled plain fp32 steps of
+    24-28 ms on the template against 44-51 ms on MKL / oneDNN, and the avx2 kernel faster than
+    the template at 1 and 4 rows (README); on a Xeon with AVX512-BF16 the bf16 kernel faster than
+    oneDNN's bf16 Linears at 1-512 rows (BF16_MAX_ROWS). bf16 is not measured on the template
+    (its weights would miss torch's compile cache there)."""
     need = convertible_bytes(model) if available() else 0
     if need == 0:
         return "torch"
@@ -209,6 +268,8 @@ def auto_backend(model: nn.Module) -> str:
     if free is not None and 2 * need > free:
         return "torch"
     fp32 = all(m.weight.dtype == torch.float32 for m in _convertible(model))
+    if not fp32 and all(m.weight.dtype == torch.bfloat16 for m in _convertible(model)) and bf16_default():
+        return "avx512_bf16"
     if fp32 and avx2_default():
         return "avx2"
     if fp32 and template_isa() and (free is None or 2 * TEMPLATE_COPIES * need <= free):
@@ -235,10 +296,12 @@ def use_onednn_linears(model: nn.Module, rows_hint: int = 16, compiled_template:
 def use_backend_linears(model: nn.Module, backend: str) -> int:
     """The eager side of a backend for `model` (a target, or a head loaded for it): oneDNN-packed
     Linears for "onednn" (an error without oneDNN) and for "inductor" where this torch has oneDNN,
-    traced as F.linear by compiled steps for "inductor"; our kernel's Linears for "avx2"; nothing
-    for "torch". Returns how many."""
+    traced as F.linear by compiled steps for "inductor"; our kernels' Linears for "avx2" (fp32)
+    and "avx512_bf16" (bf16); nothing for "torch". Returns how many."""
     if backend == "avx2":
         return use_avx2_linears(model)
+    if backend == "avx512_bf16":
+        return use_bf16_linears(model)
     if backend == "onednn" or (backend == "inductor" and available()):
         return use_onednn_linears(model, compiled_template=backend == "inductor")
     return 0
@@ -359,13 +422,15 @@ def compile_settings(*modules: nn.Module) -> FrozenCompile | None:
 
 def cpp_wrapper_for(target: nn.Module, settings: FrozenCompile | None, mode: str | None) -> bool:
     """Whether compiled steps over `target` run Inductor's C++ wrapper (the graph's kernels and
-    external ops called from generated C++, not from generated Python): on a CPU with the
-    "avx2" Linears (not frozen), where it was measured: a plain step 44.9 -> 40.0 ms (AMD EPYC
-    AVX2, 2 threads, kv 512, interleaved in one process), the same logits. A step makes ~180
-    calls (121 GEMMs, 30 attention and 30 KV-write ops, the small kernels between them), and the
-    Python wrapper spent tens of us on each."""
+    external ops called from generated C++, not from generated Python): on a CPU with our kernels'
+    Linears ("avx2", "avx512_bf16"; not frozen), where it was measured: a plain step 44.9 -> 40.0
+    ms (AMD EPYC AVX2, fp32, 2 threads, kv 512), 17.1 -> 15.9 ms (Xeon AVX512-BF16, bf16, kv 300),
+    each interleaved in one process, the same logits. A step makes ~180 calls (121 GEMMs, 30
+    attention and 30 KV-write ops, the small kernels between them), and the Python wrapper spent
+    tens of us on each."""
     cpu = next(target.parameters()).device.type == "cpu"
-    return cpu and mode is None and settings is None and getattr(target, "cpu_linears", None) == "avx2"
+    ours = getattr(target, "cpu_linears", None) in ("avx2", "avx512_bf16")
+    return cpu and mode is None and settings is None and ours
 
 
 def _hash_into(h, t: Tensor) -> None:

@@ -92,11 +92,13 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     bf16; "torch" runs them through torch's kernel; "inductor": compiled steps run them through
     Inductor's C++ GEMM template on frozen weights (cpu_linears.compile_settings; eager calls run
     as onednn's); "avx2": calls of up to 32 rows, eager and compiled, run our AVX2 kernel
-    (eagle_infer/kernels/avx2_linear.cpp); "auto" = avx2 for fp32 on an AVX2 CPU without AVX-512,
-    inductor for fp32 on an AVX-512 one, else onednn, where this torch has it, the model has
-    Linears it packs and the packed copies fit in free memory (cpu_linears.auto_backend). With
-    "avx2" and fp32, attention calls of a few query rows run kernels/avx2_attention too
-    ($EAGLE_CPU_ATTENTION=sdpa keeps them on torch's SDPA)."""
+    (eagle_infer/kernels/avx2_linear.cpp); "avx512_bf16": bf16 calls of up to 512 rows run our
+    AVX-512 kernel (eagle_infer/kernels/bf16_linear.cpp); "auto" = avx2 for fp32 on an AVX2 CPU
+    without AVX-512, inductor for fp32 on an AVX-512 one, avx512_bf16 for bf16 on an AVX512-BF16
+    one, else onednn, where this torch has it, the model has Linears it packs and the packed
+    copies fit in free memory (cpu_linears.auto_backend). With
+    "avx2" and fp32 or "avx512_bf16" and bf16, attention calls of a few query rows run
+    kernels/avx2_attention too ($EAGLE_CPU_ATTENTION=sdpa keeps them on torch's SDPA)."""
     folder = resolve_model_path(path)
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
@@ -125,8 +127,9 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
         if torch_dtype == torch.float32 and quantization == "none":
             column_major_linears(model)
         backend = cpu_linears or os.environ.get("EAGLE_CPU_LINEARS", "auto")
-        if backend not in ("auto", "torch", "onednn", "inductor", "avx2"):
-            raise UserError(f"cpu_linears must be auto, torch, onednn, inductor or avx2, got {backend!r}")
+        if backend not in ("auto", "torch", "onednn", "inductor", "avx2", "avx512_bf16"):
+            raise UserError("cpu_linears must be auto, torch, onednn, inductor, avx2 or avx512_bf16, "
+                            f"got {backend!r}")
         attention = os.environ.get("EAGLE_CPU_ATTENTION", "auto")
         if attention not in ("auto", "sdpa"):
             raise UserError(f"EAGLE_CPU_ATTENTION must be auto or sdpa, got {attention!r}")
@@ -137,7 +140,8 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
         if quantization == "none":
             onednn.use_backend_linears(model, backend)
         model.cpu_linears = backend
-        if backend == "avx2" and torch_dtype == torch.float32 and attention == "auto":
+        ours = (backend, torch_dtype) in (("avx2", torch.float32), ("avx512_bf16", torch.bfloat16))
+        if ours and attention == "auto":
             try:
                 avx2_attention.enable()
             except Exception as e:  # the Linear kernel built, so this is unexpected: say so, go on

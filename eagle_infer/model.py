@@ -198,8 +198,9 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, gqa: bool) 
     (bool, or additive in q's dtype). One bf16 query per row on a CPU runs in fp32: torch's CPU
     flash kernel takes ~4x longer for one bf16 query than for two (AMD EPYC AVX512-BF16, 2 threads,
     S=1024: 570 us at T=1, 178 at T=2, 129 upcast; batch 4: 2,307 vs 445), and it accumulates in
-    fp32 anyway. Every plain decode step is such a call, 30 times. fp32 calls of a few rows on a
-    CPU go to kernels/avx2_attention while it is enabled (the loader does, with the "avx2" Linears)."""
+    fp32 anyway. Every plain decode step is such a call, 30 times. fp32 and bf16 calls of a few
+    rows on a CPU go to kernels/avx2_attention while it is enabled (the loader does, with the
+    "avx2" Linears in fp32 and the "avx512_bf16" ones in bf16)."""
     if avx2_attention.applies(q, mask):
         return torch.ops.eagle.avx2_attention(q, keys, values, mask)
     if q.shape[2] == 1 and q.dtype == torch.bfloat16 and q.device.type == "cpu":

@@ -4,11 +4,13 @@ differ by 20-50% from run to run, so a comparison between two bench runs mislead
 round times every backend back to back and the medians are reported. Suffixes take back one
 thing the "avx2" backend turns on: ":sdpa" runs attention on torch's SDPA instead of
 kernels/avx2_attention, ":py" compiles steps with Inductor's Python wrapper instead of its C++
-one (cpu_linears.cpp_wrapper_for); they combine ("avx2:sdpa:py").
+one (cpu_linears.cpp_wrapper_for); ":cpp" compiles them with the C++ wrapper where the default is
+the Python one (e.g. bf16 "onednn"); they combine ("avx2:sdpa:py").
 
     python scripts/ab_cpu_linears.py --backends avx2 inductor --rounds 3 --json results/ab.json
     python scripts/ab_cpu_linears.py --backends avx2 avx2:sdpa --json results/ab_attention.json
     python scripts/ab_cpu_linears.py --backends avx2 avx2:py --json results/ab_cpp_wrapper.json
+    python scripts/ab_cpu_linears.py --dtype bf16 --backends onednn onednn:cpp --json results/ab.json
 """
 
 from __future__ import annotations
@@ -42,14 +44,18 @@ def with_fresh_code(cls: type, names: list[str]) -> type:
 ORIGINAL = (eagle_infer.generate.CompiledDecode, eagle_infer.speculative.SpecDecoder,
             eagle_infer.generate.cpp_wrapper_for)
 STEPS = ["_draft_tree", "_verify_commit_greedy", "_verify", "_catch_up"]  # what SpecDecoder.compile compiles
-PYTHON_WRAPPER = (with_fresh_code(ORIGINAL[0], ["_step"]), with_fresh_code(ORIGINAL[1], STEPS),
-                  lambda *args: False)
+WRAPPERS = {
+    "default": ORIGINAL,
+    "py": (with_fresh_code(ORIGINAL[0], ["_step"]), with_fresh_code(ORIGINAL[1], STEPS), lambda *args: False),
+    "cpp": (with_fresh_code(ORIGINAL[0], ["_step"]), with_fresh_code(ORIGINAL[1], STEPS),
+            lambda target, settings, mode: mode is None and settings is None),
+}
 
 
-def use_wrapper(python: bool) -> None:
+def use_wrapper(wrapper: str) -> None:
     """Compiled steps built from here on (the bench builds them per model and per decoder) use
-    Inductor's Python wrapper (python) or the default (cpu_linears.cpp_wrapper_for)."""
-    decode, decoder, choice = PYTHON_WRAPPER if python else ORIGINAL
+    Inductor's Python wrapper ("py"), its C++ one ("cpp") or the default (cpu_linears.cpp_wrapper_for)."""
+    decode, decoder, choice = WRAPPERS[wrapper]
     eagle_infer.generate.CompiledDecode, eagle_infer.speculative.SpecDecoder = decode, decoder
     eagle_infer.generate.cpp_wrapper_for = eagle_infer.speculative.cpp_wrapper_for = choice
 
@@ -62,6 +68,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--tree", type=int, nargs=3, default=[3, 4, 4], metavar=("STEPS", "TOPK", "TOKENS"))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -71,33 +78,42 @@ def main() -> None:
     runs = {}
     for b in args.backends:  # load, compile and warm every backend first
         backend, *off = b.split(":")
-        model = load_model(None, "fp32", "cpu", cpu_linears=backend)
+        model = load_model(None, args.dtype, "cpu", cpu_linears=backend)
         # the attention kernel is a process-wide switch that compiled graphs guard on: set per run
         attention = avx2_attention.enabled() and "sdpa" not in off
         avx2_attention.enable(attention)
-        use_wrapper("py" in off)
+        wrapper = "py" if "py" in off else "cpp" if "cpp" in off else "default"
+        use_wrapper(wrapper)
         head = load_head_for(default_head_path("eagle3"), model)
-        plain = bench_plain(model, prompts[:1], 8, compile_steps=True)
-        spec = bench_spec(model, head, prompts[:1], 8, tree, compile_steps=True)
-        runs[b] = {"model": model, "head": head, "attention": attention, "python_wrapper": "py" in off,
+        # the longest prompt at full length: the cache (and its graphs) at the rounds' size
+        longest = [max(prompts, key=len)]
+        plain = bench_plain(model, longest, args.max_new_tokens, compile_steps=True)
+        spec = bench_spec(model, head, longest, args.max_new_tokens, tree, compile_steps=True)
+        runs[b] = {"model": model, "head": head, "attention": attention, "wrapper": wrapper,
                    "warmup_s": {"plain": plain.warmup_s, "spec": spec.result.warmup_s},
                    "plain": [], "spec": [], "tau": None}
         print(f"{b}: warm-up {runs[b]['warmup_s']}", flush=True)
-    want = None
+    want: dict[str, list] = {}  # each run's tokens, for its next rounds
     for r in range(args.rounds):
         for b, run in runs.items():
             avx2_attention.enable(run["attention"])
-            use_wrapper(run["python_wrapper"])
+            use_wrapper(run["wrapper"])
             p = bench_plain(run["model"], prompts, args.max_new_tokens, compile_steps=True)
             s = bench_spec(run["model"], run["head"], prompts, args.max_new_tokens, tree, compile_steps=True)
             run["plain"].append(p.tokens_per_s)
             run["spec"].append(s.result.tokens_per_s)
             run["tau"] = round(s.stats.acceptance_length(), 3)
-            want = want or p.outputs  # the first plain run's tokens, for every backend and round
-            assert p.outputs == want and s.result.outputs == want, b
+            # fp32: every backend's tokens, plain and speculative, are the first plain run's; bf16
+            # rounds differently per kernel and per row count, so each run keeps its own tokens
+            if args.dtype == "fp32":
+                want.setdefault("plain", p.outputs)
+                assert p.outputs == want["plain"] and s.result.outputs == want["plain"], b
+            else:
+                assert want.setdefault(b, p.outputs) == p.outputs, b
+                assert want.setdefault(b + " spec", s.result.outputs) == s.result.outputs, b
             print(f"round {r} {b}: plain {p.tokens_per_s:.1f} tok/s, spec {s.result.tokens_per_s:.1f} "
                   f"(tau {run['tau']})", flush=True)
-    out = {"machine": machine_info("fp32", "cpu"), "prompts": args.num_prompts,
+    out = {"machine": machine_info(args.dtype, "cpu"), "prompts": args.num_prompts,
            "max_new_tokens": args.max_new_tokens, "tree": args.tree, "rounds": args.rounds, "backends": {}}
     for b, run in runs.items():
         plain, spec = statistics.median(run["plain"]), statistics.median(run["spec"])
@@ -106,7 +122,7 @@ def main() -> None:
                               "plain_runs": [round(x, 2) for x in run["plain"]],
                               "spec_runs": [round(x, 2) for x in run["spec"]], "warmup_s": run["warmup_s"],
                               "attention": "avx2" if run["attention"] else "sdpa",
-                              "inductor_wrapper": "python" if run["python_wrapper"] else "default"}
+                              "inductor_wrapper": run["wrapper"]}
         print(f"{b}: plain {plain:.1f}, spec {spec:.1f} tok/s ({spec / plain:.2f}x plain), tau {run['tau']}")
     if args.json:
         with open(args.json, "w") as f:

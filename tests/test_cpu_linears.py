@@ -89,7 +89,10 @@ def test_bf16_linears_packed_from_one_row_where_the_cpu_has_bf16(monkeypatch, ti
     if torch.bfloat16 in cpu_linears.packable_dtypes():
         assert cpu_linears.use_onednn_linears(lin) == 1
         assert rows_through_onednn(lin, monkeypatch, rows, 2e-2) == [1, 4]
-        assert model.cpu_linears == "onednn" and type(model.lm_head) is cpu_linears.OneDNNLinear
+        # auto: our kernel where the CPU has AVX512-BF16 (and it builds), else oneDNN
+        ours = cpu_linears.bf16_default()
+        assert model.cpu_linears == ("avx512_bf16" if ours else "onednn")
+        assert type(model.lm_head) is (cpu_linears.Bf16Linear if ours else cpu_linears.OneDNNLinear)
     else:  # no native bf16 (an AVX2 CPU): nothing to pack, and auto keeps torch's kernel
         assert cpu_linears.use_onednn_linears(lin) == 0
         assert model.cpu_linears == "torch" and type(model.lm_head) is torch.nn.Linear
@@ -122,7 +125,7 @@ def test_packed_copies_go_with_their_model():
 
 
 def test_load_model_rejects_an_unknown_backend(tiny_model_dir):
-    with pytest.raises(UserError, match="cpu_linears must be auto, torch, onednn, inductor or avx2"):
+    with pytest.raises(UserError, match="must be auto, torch, onednn, inductor, avx2 or avx512_bf16"):
         load_model(tiny_model_dir("llama"), "fp32", "cpu", cpu_linears="mkl")
 
 

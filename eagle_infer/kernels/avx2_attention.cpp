@@ -1,7 +1,9 @@
 // out[b, h, t] = softmax(q[b, h, t] . K[b, h / G]^T / sqrt(D) + bias[b, 0, t]) V[b, h / G] for the
 // few query rows of a decode step (1) or a verify (a tree's nodes), fp32 on AVX2 + FMA, GQA
 // (G = heads / kv_heads query heads read one kv head). D = 64 (the head size of the targets this
-// runs; other sizes go to SDPA).
+// runs; other sizes go to SDPA). A bf16 call reads its bf16 K and V in place, widens each block
+// of keys or values to fp32 once for all its query rows, and computes as an fp32 call does; its
+// output is rounded to bf16 once.
 //
 // Why not SDPA: torch's CPU flash kernel spends ~85 us on one query row over 512 keys (9 heads,
 // D 64, AMD EPYC AVX2, 2 threads) and ~210 us on four, where reading K and V once takes a few us;
@@ -15,6 +17,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -42,11 +45,28 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
 }
 
+// n keys' (or values') rows of the cache from src (rows `stride` apart) as fp32: an fp32 cache's
+// rows in place, a bf16 cache's widened into buf (a bf16 is the high half of the fp32 of the same
+// value, so exactly) once for all the query rows that read them. Returns the rows and their stride.
+inline std::pair<const float*, int64_t> widened(const float* src, int64_t, int64_t stride, float*) {
+  return {src, stride};
+}
+inline std::pair<const float*, int64_t> widened(const at::BFloat16* src, int64_t n, int64_t stride, float* buf) {
+  for (int64_t i = 0; i < n; i++)
+    for (int64_t d = 0; d < kD; d += 8) {
+      const auto* p = reinterpret_cast<const __m128i*>(src + i * stride + d);
+      const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)), 16);
+      _mm256_storeu_ps(buf + i * kD + d, _mm256_castsi256_ps(wide));
+    }
+  return {buf, kD};
+}
+
 // Rows r0..r1 of one (batch, kv head): row r is query head g = r / T of the kv head's group at
 // position t = r % T. Scores first (each block of 8 keys, read from the cache once, serves every
 // row from L1), then each row's softmax, then sum_j p_j v_j over blocks of keys (again each V
 // block read once for all rows). A row's arithmetic is the same whichever rows come with it.
-void attend_rows(const float* q, const float* k, const float* v, int64_t kv_stride, const float* bias,
+template <typename KV>
+void attend_rows(const float* q, const KV* k, const KV* v, int64_t kv_stride, const float* bias,
                  int64_t T, int64_t S, int64_t r0, int64_t r1, float scale, float* scores, float* out,
                  int64_t out_row_stride) {
   const int64_t R = r1 - r0;
@@ -55,9 +75,10 @@ void attend_rows(const float* q, const float* k, const float* v, int64_t kv_stri
     for (int64_t d = 0; d < kD; d++) qs[r * kD + d] = q[(r0 + r) * kD + d] * scale;
   const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
   alignas(32) float lanes[8];
+  std::vector<float> buf(16 * kD);  // a bf16 cache's keys or values widened (widened)
   int64_t j = 0;
   for (; j + 8 <= S; j += 8) {
-    const float* kj = k + j * kv_stride;
+    const auto [kj, k_stride] = widened(k + j * kv_stride, 8, kv_stride, buf.data());
     for (int64_t r = 0; r < R; r++) {
       // q in registers, four keys at a time (8 + 4 registers): one load a fused multiply-add
       const float* qr = qs.data() + r * kD;
@@ -67,7 +88,7 @@ void attend_rows(const float* q, const float* k, const float* v, int64_t kv_stri
       for (int half = 0; half < 2; half++) {
         __m256 acc[4];
         for (int i = 0; i < 4; i++) {
-          const float* ki = kj + (4 * half + i) * kv_stride;
+          const float* ki = kj + (4 * half + i) * k_stride;
           __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(ki));
           for (int d = 1; d < 8; d++) a = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(ki + 8 * d), a);
           acc[i] = a;
@@ -81,7 +102,7 @@ void attend_rows(const float* q, const float* k, const float* v, int64_t kv_stri
     }
   }
   for (; j < S; j++) {  // S not a multiple of 8
-    const float* kj = k + j * kv_stride;
+    const float* kj = widened(k + j * kv_stride, 1, kv_stride, buf.data()).first;
     for (int64_t r = 0; r < R; r++) {
       const float* qr = qs.data() + r * kD;
       __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qr), _mm256_loadu_ps(kj));
@@ -118,6 +139,7 @@ void attend_rows(const float* q, const float* k, const float* v, int64_t kv_stri
   constexpr int64_t kBlock = 16;  // keys per V block: 4 KB, stays in L1 across the rows
   for (int64_t j0 = 0; j0 < S; j0 += kBlock) {
     const int64_t j1 = std::min(S, j0 + kBlock);
+    const auto [vb, v_stride] = widened(v + j0 * kv_stride, j1 - j0, kv_stride, buf.data());
     for (int64_t r = 0; r < R; r++) {
       float* orow = o.data() + r * kD;
       const float* p = scores + r * S;
@@ -125,7 +147,7 @@ void attend_rows(const float* q, const float* k, const float* v, int64_t kv_stri
       for (int d = 0; d < 8; d++) acc[d] = _mm256_loadu_ps(orow + 8 * d);
       for (int64_t jj = j0; jj < j1; jj++) {
         const __m256 pj = _mm256_set1_ps(p[jj]);  // 0 at masked slots: adds nothing
-        const float* vj = v + jj * kv_stride;
+        const float* vj = vb + (jj - j0) * v_stride;
         for (int d = 0; d < 8; d++) acc[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * d), acc[d]);
       }
       for (int d = 0; d < 8; d++) _mm256_storeu_ps(orow + 8 * d, acc[d]);
@@ -141,9 +163,10 @@ void attend_rows(const float* q, const float* k, const float* v, int64_t kv_stri
 
 at::Tensor avx2_attention(const at::Tensor& q_in, const at::Tensor& keys, const at::Tensor& values,
                           const at::Tensor& bias_in) {
-  TORCH_CHECK(q_in.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
-                  values.scalar_type() == at::kFloat && bias_in.scalar_type() == at::kFloat,
-              "avx2_attention: fp32 only");
+  const auto dtype = q_in.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && keys.scalar_type() == dtype &&
+                  values.scalar_type() == dtype && bias_in.scalar_type() == dtype,
+              "avx2_attention: fp32 or bf16 only, q, keys, values and bias of one dtype");
   TORCH_CHECK(q_in.dim() == 4 && keys.dim() == 4 && values.dim() == 4 && bias_in.dim() == 4,
               "avx2_attention: q [B, H, T, D], keys / values [B, KVH, S, D], bias [B, 1, T, S]");
   const int64_t B = q_in.size(0), H = q_in.size(1), T = q_in.size(2), D = q_in.size(3);
@@ -159,7 +182,8 @@ at::Tensor avx2_attention(const at::Tensor& q_in, const at::Tensor& keys, const 
   TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1 && keys.stride(2) == values.stride(2) &&
                   keys.stride(1) == values.stride(1) && keys.stride(0) == values.stride(0),
               "avx2_attention: keys and values must share strides with contiguous rows");
-  const at::Tensor q = q_in.contiguous(), bias = bias_in.contiguous();
+  // q and bias as fp32 (a copy for bf16: a few rows); K and V are read in their own dtype
+  const at::Tensor q = q_in.to(at::kFloat).contiguous(), bias = bias_in.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({B, H, T, D}, q.options());
   const int64_t G = H / KVH, R = G * T, row = keys.stride(2), sh = keys.stride(1), sb = keys.stride(0);
   // Tasks: (batch, kv head, chunk of its R rows); a kv head's rows split into chunks only while
@@ -167,8 +191,7 @@ at::Tensor avx2_attention(const at::Tensor& q_in, const at::Tensor& keys, const 
   const int64_t chunks = std::min(R, std::max<int64_t>(1, (2 * at::get_num_threads() + B * KVH - 1) / (B * KVH)));
   const int64_t per_chunk = (R + chunks - 1) / chunks;
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  const float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
-  const float* bp = bias.data_ptr<float>();
+  const float *qp = q.data_ptr<float>(), *bp = bias.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, B * KVH * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(per_chunk * S);
@@ -177,11 +200,17 @@ at::Tensor avx2_attention(const at::Tensor& q_in, const at::Tensor& keys, const 
       const int64_t r0 = c * per_chunk, r1 = std::min(R, r0 + per_chunk);
       if (r0 >= r1) continue;
       const int64_t h0 = kvh * G;  // the group's first query head
-      attend_rows(qp + (b * H + h0) * T * kD, kp + b * sb + kvh * sh, vp + b * sb + kvh * sh, row,
-                  bp + b * T * S, T, S, r0, r1, scale, scores.data(), op + (b * H + h0) * T * kD, T * kD);
+      const int64_t kv0 = b * sb + kvh * sh;
+      if (dtype == at::kFloat)
+        attend_rows(qp + (b * H + h0) * T * kD, keys.data_ptr<float>() + kv0, values.data_ptr<float>() + kv0,
+                    row, bp + b * T * S, T, S, r0, r1, scale, scores.data(), op + (b * H + h0) * T * kD, T * kD);
+      else
+        attend_rows(qp + (b * H + h0) * T * kD, keys.data_ptr<at::BFloat16>() + kv0,
+                    values.data_ptr<at::BFloat16>() + kv0, row, bp + b * T * S, T, S, r0, r1, scale,
+                    scores.data(), op + (b * H + h0) * T * kD, T * kD);
     }
   });
-  return out;
+  return dtype == at::kFloat ? out : out.to(dtype);
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
-"""Attention of a few query rows (a decode step's one, a verify's tree) over the KV cache, fp32 on
-AVX2 + FMA (avx2_attention.cpp), as torch.ops.eagle.avx2_attention: what model.attention runs
-for such calls on a CPU while it is enabled (`enable()`; the loader enables it with the "avx2"
-Linears, unless EAGLE_CPU_ATTENTION=sdpa).
+"""Attention of a few query rows (a decode step's one, a verify's tree) over the KV cache, fp32 or
+bf16 (computed in fp32) on AVX2 + FMA (avx2_attention.cpp), as torch.ops.eagle.avx2_attention:
+what model.attention runs for such calls on a CPU while it is enabled (`enable()`; the loader
+enables it with the "avx2" Linears in fp32 and the "avx512_bf16" ones in bf16, unless
+EAGLE_CPU_ATTENTION=sdpa).
 
 Built once per machine by torch's extension builder into its cache (avx2_linear.build).
 
@@ -30,7 +31,7 @@ _enabled = False
 
 
 def enabled() -> bool:
-    """Whether model.attention hands fp32 CPU calls of a few rows to the kernel (enable())."""
+    """Whether model.attention hands fp32 / bf16 CPU calls of a few rows to the kernel (enable())."""
     return _enabled
 
 
@@ -56,5 +57,5 @@ def load() -> None:
 
 def applies(q: Tensor, mask: Tensor) -> bool:
     """Whether model.attention hands this call (q [B, H, T, D], mask) to the kernel."""
-    return (_enabled and q.device.type == "cpu" and q.dtype == torch.float32 and mask.dtype == torch.float32
-            and q.shape[-1] == HEAD_DIM and q.shape[2] <= MAX_ROWS)
+    return (_enabled and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+            and mask.dtype == q.dtype and q.shape[-1] == HEAD_DIM and q.shape[2] <= MAX_ROWS)

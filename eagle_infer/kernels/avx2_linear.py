@@ -28,12 +28,12 @@ def supported() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def build(name: str, source: Path) -> None:
+def build(name: str, source: Path, isa: list[str] = ()) -> None:
     """Build (first time on a machine) and load a C++ op library for AVX2 + FMA CPUs, this one's
-    and avx2_attention's."""
+    and avx2_attention's (and with `isa`'s extra flags bf16_linear's)."""
     from torch.utils import cpp_extension
 
-    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: at::parallel_for's threads
+    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", *isa]  # OpenMP: at::parallel_for's threads
     cpp_extension.load(name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                        is_python_module=False, verbose=False)
 

@@ -1,0 +1,75 @@
+"""The default target's Linear shapes at M rows in bf16 (a plain step is 1 row, a verify of the
+CPU default tree 4, of the GPU default tree 16, prefill chunks more): oneDNN's prepacked bf16
+Linear (cpu_linears="onednn"), torch's F.linear and our AVX-512 kernel (cpu_linears="avx512_bf16",
+eagle_infer/kernels/bf16_linear.cpp), in one process. Each shape runs over as many distinct
+weights as fill `--mb` MB, more than the last-level cache holds (260 MB reported on the 2-core
+Xeon this was written on), so the weights stream from memory as in a decode step; the read rate
+is reported beside the time. Also reports each kernel's mean error against float64.
+
+    python scripts/probe_bf16_linear.py --rows 1 4 16 64 512 --json results/probe_bf16_linear.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from eagle_infer.bench import median_seconds
+from eagle_infer.kernels import bf16_linear
+
+
+def onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """cpu_linears.OneDNNLinear's call."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576),
+          "down_proj": (576, 1536), "lm_head": (49152, 576)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 512])
+    ap.add_argument("--mb", type=float, default=400, help="MB of distinct weights a shape")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    bf16_linear.load()
+    out = {"threads": args.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+           "avx512_bf16": bf16_linear.supported(), "shapes": {}}
+    for name, (n, k) in SHAPES.items():
+        copies = max(2, int(args.mb * 1e6 // (n * k * 2)))
+        weights = [(torch.randn(n, k) * 0.05).bfloat16() for _ in range(copies)]
+        ours_w = [bf16_linear.pack(w) for w in weights]
+        onednn_w = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
+        mb = copies * n * k * 2 / 1e6
+        for m in args.rows:
+            x = torch.randn(m, k).bfloat16()
+            calls = {
+                "ours": lambda x=x: [bf16_linear.bf16_linear(x, w, n) for w in ours_w],  # noqa: B023
+                "onednn": lambda x=x: [onednn(x, w) for w in onednn_w],  # noqa: B023
+                "torch": lambda x=x: [F.linear(x, w) for w in weights],  # noqa: B023
+            }
+            want = F.linear(x.double(), weights[0].double())
+            row = {"weights_mb": round(mb, 1)}
+            for kernel, fn in calls.items():
+                err = (fn()[0].double() - want).abs().mean().item()
+                ms = 1e3 * median_seconds(fn, args.reps, 2) / copies
+                row[kernel] = {"ms_a_call": round(ms, 4), "gb_s": round(n * k * 2 / 1e6 / ms, 1),
+                               "mean_abs_err": float(f"{err:.3g}")}
+            out["shapes"].setdefault(name, {})[m] = row
+            times = "  ".join(f"{kn} {row[kn]['ms_a_call']:7.3f} ms ({row[kn]['gb_s']:5.1f} GB/s)"
+                              for kn in calls)
+            print(f"{name:13s} {n:5d}x{k:<5d} M={m:<3d} {times}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""cpu_linears="avx512_bf16": our AVX-512 kernel for bf16 Linears (eagle_infer/kernels/bf16_linear)
+computes F.linear to bf16 rounding (fp32 products and sums, one rounding at the end), a row's
+values do not depend on the rows beside it, compiled steps call it (not a silent F.linear), the
+loader picks it for bf16 on an AVX512-BF16 CPU, and greedy speculative decoding on it (with
+kernels/avx2_attention) is token-identical to plain decoding on it in bf16, eager and compiled
+(Inductor's C++ wrapper) each against its own kind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_avx2_attention import target_with_head_dim_64
+from test_speculative import prompts_for, tiny_target
+
+from eagle_infer import cpu_linears
+from eagle_infer.generate import ensure_cache, generate, prefill
+from eagle_infer.kernels import avx2_attention, bf16_linear
+from eagle_infer.loader import load_model
+from eagle_infer.speculative import SpecDecoder, generate_speculative
+from eagle_infer.tree import TreeConfig
+
+pytestmark = pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without AVX512-BF16")
+
+
+@pytest.fixture
+def attention_on():
+    """kernels/avx2_attention enabled for one test (the loader does so with these Linears), the
+    process's setting restored after it."""
+    before = avx2_attention.enabled()
+    avx2_attention.enable()
+    yield
+    avx2_attention.enable(before)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear in float64 (bf16 products are exact in fp32; the sums are within fp32 rounding)."""
+    return F.linear(x.double(), w.double())
+
+
+@pytest.mark.parametrize("n,k", [(64, 64), (100, 576), (5, 7), (576, 1536)])
+def test_kernel_is_linear_and_rows_independent(n, k):
+    w = torch.randn(n, k).bfloat16()
+    wp = bf16_linear.pack(w)
+    assert wp.shape == (-(-n // 32), -(-k // 2), 32, 2) and wp.dtype == torch.bfloat16
+    x = torch.randn(19, k).bfloat16()
+    full = bf16_linear.bf16_linear(x, wp, n)
+    assert full.dtype == torch.bfloat16 and full.shape == (19, n)
+    # one rounding to bf16 of a sum that fp32 computes within ~1e-6 relative: at most one bf16 step
+    torch.testing.assert_close(full.double(), reference(x, w).bfloat16().double(), rtol=8e-3, atol=1e-2)
+    assert (full.double() != reference(x, w).bfloat16().double()).float().mean() < 0.01
+    for rows in (1, 2, 3, 7, 8, 9, 16, 17):  # 8-row blocks and every tail
+        got = bf16_linear.bf16_linear(x[:rows], wp, n)
+        assert torch.equal(got, full[:rows]), rows  # bit for bit: a verify's rows = one-row steps'
+    x3 = x[:6].view(2, 3, k)  # [B, T, H], as the lm_head sees it
+    assert torch.equal(bf16_linear.bf16_linear(x3, wp, n), full[:6].view(2, 3, n))
+    xt = torch.randn(k, 4).bfloat16().t()  # a strided input
+    want = reference(xt, w).bfloat16().double()
+    torch.testing.assert_close(bf16_linear.bf16_linear(xt, wp, n).double(), want, rtol=8e-3, atol=1e-2)
+
+
+def test_kernel_names_bad_input():
+    wp = bf16_linear.pack(torch.randn(30, 16))
+    with pytest.raises(RuntimeError, match="bf16 only"):
+        bf16_linear.bf16_linear(torch.randn(2, 16), wp, 30)
+    with pytest.raises(RuntimeError, match="does not hold 30 outputs of 8 inputs"):
+        bf16_linear.bf16_linear(torch.randn(2, 8).bfloat16(), wp, 30)
+    with pytest.raises(RuntimeError, match="does not hold 49 outputs"):
+        bf16_linear.bf16_linear(torch.randn(2, 16).bfloat16(), wp, 49)
+
+
+def test_bf16_linears_eager_compiled_and_large_calls():
+    target = tiny_target(layers=1).to(torch.bfloat16)
+    ref = {n: m.weight.clone() for n, m in target.named_modules() if isinstance(m, torch.nn.Linear)}
+    state = target.state_dict()
+    assert cpu_linears.use_bf16_linears(target) == len(ref)
+    assert target.state_dict().keys() == state.keys()  # the packed copy is not a checkpoint tensor
+    lin = target.layers[0].mlp.down_proj
+    assert type(lin) is cpu_linears.Bf16Linear
+    w = ref["layers.0.mlp.down_proj"]
+    graphs = []
+
+    def keep_graph(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    for rows in (1, 4, cpu_linears.BF16_MAX_ROWS, cpu_linears.BF16_MAX_ROWS + 1):
+        x = torch.randn(rows, lin.in_features).bfloat16()
+        want = reference(x, w).bfloat16().double()
+        torch.testing.assert_close(lin(x).double(), want, rtol=8e-3, atol=1e-2)
+        torch._dynamo.reset()
+        got = torch.compile(lin, backend=keep_graph, fullgraph=True)(x)
+        torch.testing.assert_close(got.double(), want, rtol=8e-3, atol=1e-2)
+        targets = {n.target for n in graphs[-1].graph.nodes if n.op == "call_function"}
+        ours = rows <= cpu_linears.BF16_MAX_ROWS  # larger calls (prefill chunks): torch's kernel
+        op = torch.ops.eagle.bf16_linear
+        assert bool({op, op.default} & targets) is ours, (rows, targets)
+        assert (F.linear in targets) is not ours, (rows, targets)
+
+
+def test_bf16_speculative_greedy_identical_to_plain_on_the_kernels(attention_on):
+    """Our Linears and attention give a row the same bits whatever rows come with it, so in bf16
+    too a verify's logits are the one-row steps' and greedy speculative decoding equals plain
+    greedy decoding token for token: eager against eager, compiled (Inductor's C++ wrapper)
+    against compiled. Logits close to those on torch's Linears."""
+    fp32_target, fp32_head = target_with_head_dim_64(layers=3)
+    target, head = fp32_target.to(torch.bfloat16), fp32_head.to(torch.bfloat16)
+    prompts = prompts_for(target.config.vocab_size)
+    ensure_cache(target, 1, 64)
+    logits_torch = prefill(target, prompts[:1])[0].float()
+    cpu_linears.use_bf16_linears(target)
+    cpu_linears.use_bf16_linears(head)  # as load_head_for does for a target on "avx512_bf16"
+    target.cpu_linears = "avx512_bf16"
+    torch.testing.assert_close(prefill(target, prompts[:1])[0].float(), logits_torch, rtol=0.05, atol=0.1)
+    assert cpu_linears.compile_settings(target, head) is None  # Inductor's defaults: no freezing
+    assert cpu_linears.cpp_wrapper_for(target, None, None)  # compiled steps: Inductor's C++ wrapper
+    plain = generate(target, prompts, 24)  # batch 4: every decode step has 4 rows
+    for tree in (TreeConfig(), TreeConfig(3, 4, 4), TreeConfig.chain(3)):
+        spec, _ = generate_speculative(target, head, prompts, 24, tree=tree)
+        assert spec == plain, tree
+    # compiled graphs round bf16 where their kernels end, not after every op: their own reference
+    compiled = generate(target, prompts, 24, compile=True)
+    tree = TreeConfig(3, 4, 4)  # the CPU's default tree, its steps compiled
+    dec = SpecDecoder(target, head, tree, max_batch=4, max_seq_len=128).compile()
+    spec, _ = generate_speculative(target, head, prompts, 24, tree=tree, decoder=dec)
+    assert spec == compiled
+
+
+def test_loader_picks_the_kernel_for_bf16_and_falls_back_when_it_does_not_build(tiny_model_dir, monkeypatch):
+    path = tiny_model_dir("llama")
+    before = avx2_attention.enabled()
+    try:
+        avx2_attention.enable(False)
+        model = load_model(path, "bf16", "cpu")
+        assert avx2_attention.enabled()  # attention on our kernel too, as with the fp32 "avx2"
+    finally:
+        avx2_attention.enable(before)
+    assert model.cpu_linears == "avx512_bf16" and type(model.lm_head) is cpu_linears.Bf16Linear
+    assert load_model(path, "fp32", "cpu").cpu_linears != "avx512_bf16"  # fp32 keeps its backends
+
+    def no_compiler():
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(bf16_linear, "load", no_compiler)
+    with pytest.warns(UserWarning, match="avx512_bf16 kernel did not build .*no C\\+\\+ compiler"):
+        assert load_model(path, "bf16", "cpu").cpu_linears == "onednn"
+    monkeypatch.setattr(bf16_linear, "supported", lambda: False)
+    assert load_model(path, "bf16", "cpu").cpu_linears == "onednn"
+    with pytest.raises(RuntimeError, match="no AVX512-BF16"):
+        load_model(path, "bf16", "cpu", cpu_linears="avx512_bf16")
