@@ -170,11 +170,12 @@ def use_bf16_linears(model: nn.Module) -> int:
 
 
 def bf16_default() -> bool:
-    """Whether "auto" picks "avx512_bf16" for bf16 Linears: an AVX512-BF16 CPU whose kernel builds
-    here (measured faster than oneDNN's prepacked bf16 Linears at 1-512 rows there)."""
+    """Whether "auto" picks "avx512_bf16" for bf16 Linears: an AVX512-BF16 CPU without AMX whose
+    kernel builds here (measured faster than oneDNN's prepacked bf16 Linears at 1-512 rows there).
+    AMX CPUs keep oneDNN, which multiplies on the tiles there (not measured against ours)."""
     from eagle_infer.kernels import bf16_linear
 
-    if not bf16_linear.supported():
+    if not bf16_linear.supported() or torch.cpu._is_amx_tile_supported():
         return False
     try:
         bf16_linear.load()
@@ -420,17 +421,26 @@ def compile_settings(*modules: nn.Module) -> FrozenCompile | None:
     return FrozenCompile(FROZEN_GEMM, modules)
 
 
-def cpp_wrapper_for(target: nn.Module, settings: FrozenCompile | None, mode: str | None) -> bool:
-    """Whether compiled steps over `target` run Inductor's C++ wrapper (the graph's kernels and
-    external ops called from generated C++, not from generated Python): on a CPU with our kernels'
-    Linears ("avx2", "avx512_bf16"; not frozen), where it was measured: a plain step 44.9 -> 40.0
-    ms (AMD EPYC AVX2, fp32, 2 threads, kv 512), 17.1 -> 15.9 ms (Xeon AVX512-BF16, bf16, kv 300),
-    each interleaved in one process, the same logits. A step makes ~180 calls (121 GEMMs, 30
-    attention and 30 KV-write ops, the small kernels between them), and the Python wrapper spent
-    tens of us on each."""
+def step_options(target: nn.Module, settings: FrozenCompile | None, mode: str | None) -> dict | None:
+    """Inductor options of compiled steps over `target` on a CPU with our kernels' Linears
+    ("avx2", "avx512_bf16"; not frozen, default mode), else None:
+
+    - cpp_wrapper: the graph's kernels and external ops called from generated C++, not from
+      generated Python. A step makes ~180 calls (121 GEMMs, 30 attention and 30 KV-write ops, the
+      small kernels between them), and the Python wrapper spent tens of us on each: a plain step
+      44.9 -> 40.0 ms (AMD EPYC AVX2, fp32, 2 threads, kv 512), 17.1 -> 15.9 ms (Xeon AVX512-BF16,
+      bf16, kv 300), each interleaved in one process, the same logits.
+    - emulate_precision_casts: fused kernels round to bf16 where eager's ops do instead of keeping
+      fp32 between them. With our Linears and attention a row's bits do not depend on the rows
+      beside it, but Inductor fuses a one-row step and a many-row verify differently, so where the
+      graphs keep fp32 differs and bf16 outputs parted; rounding as eager does, greedy speculative
+      decoding equals plain decoding in bf16 too (Xeon AVX512-BF16, 5 MT-bench prompts x 128
+      tokens: 5 of 5 identical, 2 of 5 without; the same speed). fp32 steps are unchanged by it."""
     cpu = next(target.parameters()).device.type == "cpu"
     ours = getattr(target, "cpu_linears", None) in ("avx2", "avx512_bf16")
-    return cpu and mode is None and settings is None and ours
+    if not (cpu and mode is None and settings is None and ours):
+        return None
+    return {"cpp_wrapper": True, "emulate_precision_casts": True}
 
 
 def _hash_into(h, t: Tensor) -> None:

@@ -23,7 +23,7 @@ from eagle_infer.cpu_linears import (
     FrozenCompile,
     cached_kernel_templates,
     compile_settings,
-    cpp_wrapper_for,
+    step_options,
     without_mkl_prepack,
 )
 from eagle_infer.errors import UserError, cli_errors
@@ -224,7 +224,7 @@ class WithInductorSettings:
 
 
 def compile_step(fn: Callable, mode: str | None = None, inductor: FrozenCompile | None = None,
-                 cpp_wrapper: bool = False) -> Callable:
+                 options: dict | None = None) -> Callable:
     """torch.compile with full graphs and static shapes (but a traced kv length where the
     caller marks it: mark_kv_dynamic). Measured in one process on a 2-core Xeon (AVX-512, no
     AVX512-BF16: fp32), 1 thread, default model: plain step 72 ms compiled vs 83 ms eager,
@@ -243,13 +243,13 @@ def compile_step(fn: Callable, mode: str | None = None, inductor: FrozenCompile 
     exception: `inductor` (cpu_linears.compile_settings) turns freezing on for Inductor's GEMM
     template, which needs constant weights.
 
-    `cpp_wrapper` (cpu_linears.cpp_wrapper_for): Inductor's C++ wrapper calls the graph's kernels."""
+    `options` (cpu_linears.step_options): Inductor options for Inductor's default mode (the C++
+    wrapper, eager's bf16 rounding)."""
     import torch._dynamo.config
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    if cpp_wrapper and mode is not None:
-        raise ValueError(f"cpp_wrapper is for Inductor's default mode, not {mode!r}")
-    options = {"cpp_wrapper": True} if cpp_wrapper else None
+    if options and mode is not None:
+        raise ValueError(f"Inductor options are for its default mode, not {mode!r}")
     compiled = torch.compile(fn, fullgraph=True, dynamic=False, mode=mode, options=options)
     return compiled if inductor is None else WithInductorSettings(compiled, inductor)
 
@@ -296,7 +296,7 @@ class CompiledDecode:
     def __init__(self, model: Transformer, mode: str | None = None):
         self.model, self.mode = model, mode
         settings = compile_settings(model)
-        self.fn = compile_step(self._step, mode, settings, cpp_wrapper_for(model, settings, mode))
+        self.fn = compile_step(self._step, mode, settings, step_options(model, settings, mode))
 
     def _step(self, tokens: torch.Tensor, cur: torch.Tensor,
               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from eagle_infer.cpu_linears import compile_settings, cpp_wrapper_for
+from eagle_infer.cpu_linears import compile_settings, step_options
 from eagle_infer.errors import UserError
 from eagle_infer.generate import (
     CUDA_GRAPHS,
@@ -335,10 +335,10 @@ class SpecDecoder:
         self.compiled, self.max_bs, self.compile_mode = True, max_bs, mode
         graphs = mode == CUDA_GRAPHS
         inductor = compile_settings(self.target, self.head)
-        cpp_wrapper = cpp_wrapper_for(self.target, inductor, mode)
+        options = step_options(self.target, inductor, mode)
         # Argument mask_arg of each step carries the kv length (a mask, or draft_tree's kv_ref).
         self.draft_tree_fn, self.greedy_round_fn, self.verify_fn, self.catch_up_fn = (
-            BucketedStep(f, compile_step(f, mode, inductor, cpp_wrapper), max_bs, clone=graphs, mask_arg=arg,
+            BucketedStep(f, compile_step(f, mode, inductor, options), max_bs, clone=graphs, mask_arg=arg,
                          max_kv=self.max_seq_len)
             for f, arg in ((self._draft_tree, 4), (self._verify_commit_greedy, 5), (self._verify, 3),
                            (self._catch_up, 3)))

@@ -4,7 +4,7 @@ differ by 20-50% from run to run, so a comparison between two bench runs mislead
 round times every backend back to back and the medians are reported. Suffixes take back one
 thing the "avx2" backend turns on: ":sdpa" runs attention on torch's SDPA instead of
 kernels/avx2_attention, ":py" compiles steps with Inductor's Python wrapper instead of its C++
-one (cpu_linears.cpp_wrapper_for); ":cpp" compiles them with the C++ wrapper where the default is
+one (cpu_linears.step_options); ":cpp" compiles them with the C++ wrapper where the default is
 the Python one (e.g. bf16 "onednn"); they combine ("avx2:sdpa:py").
 
     python scripts/ab_cpu_linears.py --backends avx2 inductor --rounds 3 --json results/ab.json
@@ -42,22 +42,34 @@ def with_fresh_code(cls: type, names: list[str]) -> type:
 
 
 ORIGINAL = (eagle_infer.generate.CompiledDecode, eagle_infer.speculative.SpecDecoder,
-            eagle_infer.generate.cpp_wrapper_for)
+            eagle_infer.generate.step_options)
 STEPS = ["_draft_tree", "_verify_commit_greedy", "_verify", "_catch_up"]  # what SpecDecoder.compile compiles
+def python_wrapper(*args) -> dict | None:
+    """The default options without the C++ wrapper."""
+    options = {k: v for k, v in (ORIGINAL[2](*args) or {}).items() if k != "cpp_wrapper"}
+    return options or None
+
+
+def cpp_wrapper(target, settings, mode) -> dict | None:
+    """The default options with the C++ wrapper wherever Inductor's default mode runs unfrozen."""
+    if mode is not None or settings is not None:
+        return None
+    return {**(ORIGINAL[2](target, settings, mode) or {}), "cpp_wrapper": True}
+
+
 WRAPPERS = {
     "default": ORIGINAL,
-    "py": (with_fresh_code(ORIGINAL[0], ["_step"]), with_fresh_code(ORIGINAL[1], STEPS), lambda *args: False),
-    "cpp": (with_fresh_code(ORIGINAL[0], ["_step"]), with_fresh_code(ORIGINAL[1], STEPS),
-            lambda target, settings, mode: mode is None and settings is None),
+    "py": (with_fresh_code(ORIGINAL[0], ["_step"]), with_fresh_code(ORIGINAL[1], STEPS), python_wrapper),
+    "cpp": (with_fresh_code(ORIGINAL[0], ["_step"]), with_fresh_code(ORIGINAL[1], STEPS), cpp_wrapper),
 }
 
 
 def use_wrapper(wrapper: str) -> None:
     """Compiled steps built from here on (the bench builds them per model and per decoder) use
-    Inductor's Python wrapper ("py"), its C++ one ("cpp") or the default (cpu_linears.cpp_wrapper_for)."""
+    Inductor's Python wrapper ("py"), its C++ one ("cpp") or the default (cpu_linears.step_options)."""
     decode, decoder, choice = WRAPPERS[wrapper]
     eagle_infer.generate.CompiledDecode, eagle_infer.speculative.SpecDecoder = decode, decoder
-    eagle_infer.generate.cpp_wrapper_for = eagle_infer.speculative.cpp_wrapper_for = choice
+    eagle_infer.generate.step_options = eagle_infer.speculative.step_options = choice
 
 
 def main() -> None:

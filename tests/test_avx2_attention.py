@@ -59,9 +59,22 @@ def test_kernel_is_sdpa_and_rows_independent(T, S, dtype):
     avx2_attention.load()
     B, H, KVH = 2, 9, 3
     q = torch.randn(B, T, H, 64).to(dtype).transpose(1, 2)  # [B, H, T, D], strided as the model's
-    keys, values = cache_views(B, KVH, S, dtype=dtype)
+    long_keys, long_values = cache_views(B, KVH, S + 13, dtype=dtype)
+    keys, values = long_keys.narrow(2, 0, S), long_values.narrow(2, 0, S)
     bias = tree_bias(B, T, S).to(dtype)
     out = torch.ops.eagle.avx2_attention(q, keys, values, bias)
+    # bit for bit with masked slots after the last (a plain step reads fewer slots than a verify)
+    # and between (a tree's path has its siblings between its nodes): 13 more slots, 8 masked
+    # after the first S, 5 attended after them; the short call reads the first S and those 5
+    gaps = torch.full((B, 1, T, S + 13), float("-inf"), dtype=dtype)
+    gaps[..., :S], gaps[..., S + 8:] = bias, 0
+    gapped = torch.ops.eagle.avx2_attention(q, long_keys, long_values, gaps)
+    idx = torch.cat([torch.arange(S), torch.arange(S + 8, S + 13)])
+    dense = torch.ops.eagle.avx2_attention(q, long_keys[:, :, idx], long_values[:, :, idx], gaps[..., idx])
+    assert torch.equal(gapped, dense)
+    masked = torch.full((B, 1, T, 13), float("-inf"), dtype=dtype)
+    longer = torch.ops.eagle.avx2_attention(q, long_keys, long_values, torch.cat([bias, masked], -1))
+    assert torch.equal(longer, out)
     assert out.dtype == dtype
     ref = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), attn_mask=bias.double(),
                                          enable_gqa=True)

@@ -2,7 +2,7 @@
 computes F.linear, a row's values do not depend on the rows beside it, compiled steps call it
 (not a silent F.linear), and greedy decoding on it, plain and speculative, eager and compiled,
 is token-identical to plain decoding on torch's Linears (compiled steps on Inductor's C++
-wrapper, cpu_linears.cpp_wrapper_for)."""
+wrapper, cpu_linears.step_options)."""
 
 from __future__ import annotations
 
@@ -85,8 +85,8 @@ def test_greedy_identical_on_avx2_linears_eager_and_compiled():
     target.cpu_linears = "avx2"
     assert cpu_linears.compile_settings(target, head) is None  # Inductor's defaults: no freezing
     assert generate(target, prompts, 24) == plain  # batch 4: every step has 4 rows
-    assert cpu_linears.cpp_wrapper_for(target, None, None)  # compiled steps: Inductor's C++ wrapper
-    assert not cpu_linears.cpp_wrapper_for(target, None, "reduce-overhead")
+    assert cpu_linears.step_options(target, None, None)["cpp_wrapper"]  # compiled: Inductor's C++ wrapper
+    assert cpu_linears.step_options(target, None, "reduce-overhead") is None
     assert generate(target, prompts, 24, compile=True) == plain
     spec, _ = generate_speculative(target, head, prompts, 24, tree=TreeConfig())
     assert spec == plain

@@ -3,7 +3,7 @@ computes F.linear to bf16 rounding (fp32 products and sums, one rounding at the 
 values do not depend on the rows beside it, compiled steps call it (not a silent F.linear), the
 loader picks it for bf16 on an AVX512-BF16 CPU, and greedy speculative decoding on it (with
 kernels/avx2_attention) is token-identical to plain decoding on it in bf16, eager and compiled
-(Inductor's C++ wrapper) each against its own kind."""
+(Inductor's C++ wrapper, eager's bf16 rounding: cpu_linears.step_options)."""
 
 from __future__ import annotations
 
@@ -101,8 +101,8 @@ def test_bf16_linears_eager_compiled_and_large_calls():
 def test_bf16_speculative_greedy_identical_to_plain_on_the_kernels(attention_on):
     """Our Linears and attention give a row the same bits whatever rows come with it, so in bf16
     too a verify's logits are the one-row steps' and greedy speculative decoding equals plain
-    greedy decoding token for token: eager against eager, compiled (Inductor's C++ wrapper)
-    against compiled. Logits close to those on torch's Linears."""
+    greedy decoding token for token, eager and compiled (Inductor's C++ wrapper, rounding as
+    eager does). Logits close to those on torch's Linears."""
     fp32_target, fp32_head = target_with_head_dim_64(layers=3)
     target, head = fp32_target.to(torch.bfloat16), fp32_head.to(torch.bfloat16)
     prompts = prompts_for(target.config.vocab_size)
@@ -113,21 +113,23 @@ def test_bf16_speculative_greedy_identical_to_plain_on_the_kernels(attention_on)
     target.cpu_linears = "avx512_bf16"
     torch.testing.assert_close(prefill(target, prompts[:1])[0].float(), logits_torch, rtol=0.05, atol=0.1)
     assert cpu_linears.compile_settings(target, head) is None  # Inductor's defaults: no freezing
-    assert cpu_linears.cpp_wrapper_for(target, None, None)  # compiled steps: Inductor's C++ wrapper
+    options = cpu_linears.step_options(target, None, None)  # compiled: C++ wrapper, eager's bf16 casts
+    assert options == {"cpp_wrapper": True, "emulate_precision_casts": True}
     plain = generate(target, prompts, 24)  # batch 4: every decode step has 4 rows
     for tree in (TreeConfig(), TreeConfig(3, 4, 4), TreeConfig.chain(3)):
         spec, _ = generate_speculative(target, head, prompts, 24, tree=tree)
         assert spec == plain, tree
-    # compiled graphs round bf16 where their kernels end, not after every op: their own reference
-    compiled = generate(target, prompts, 24, compile=True)
+    # compiled graphs round bf16 where eager's ops do (step_options: emulate_precision_casts)
+    assert generate(target, prompts, 24, compile=True) == plain
     tree = TreeConfig(3, 4, 4)  # the CPU's default tree, its steps compiled
     dec = SpecDecoder(target, head, tree, max_batch=4, max_seq_len=128).compile()
     spec, _ = generate_speculative(target, head, prompts, 24, tree=tree, decoder=dec)
-    assert spec == compiled
+    assert spec == plain
 
 
 def test_loader_picks_the_kernel_for_bf16_and_falls_back_when_it_does_not_build(tiny_model_dir, monkeypatch):
     path = tiny_model_dir("llama")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)  # where it was measured
     before = avx2_attention.enabled()
     try:
         avx2_attention.enable(False)
@@ -141,6 +143,9 @@ def test_loader_picks_the_kernel_for_bf16_and_falls_back_when_it_does_not_build(
     def no_compiler():
         raise RuntimeError("no C++ compiler")
 
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)  # AMX: oneDNN's tiles
+    assert load_model(path, "bf16", "cpu").cpu_linears == "onednn"
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     monkeypatch.setattr(bf16_linear, "load", no_compiler)
     with pytest.warns(UserWarning, match="avx512_bf16 kernel did not build .*no C\\+\\+ compiler"):
         assert load_model(path, "bf16", "cpu").cpu_linears == "onednn"

@@ -16,7 +16,10 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -45,19 +48,28 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
 }
 
-// n keys' (or values') rows of the cache from src (rows `stride` apart) as fp32: an fp32 cache's
-// rows in place, a bf16 cache's widened into buf (a bf16 is the high half of the fp32 of the same
-// value, so exactly) once for all the query rows that read them. Returns the rows and their stride.
-inline std::pair<const float*, int64_t> widened(const float* src, int64_t, int64_t stride, float*) {
-  return {src, stride};
+// One cache row (64 values) as fp32: copied, or widened from bf16 (a bf16 is the high half of the
+// fp32 of the same value, so exactly).
+inline void row_as_fp32(const float* src, float* dst) { std::memcpy(dst, src, kD * sizeof(float)); }
+inline void row_as_fp32(const at::BFloat16* src, float* dst) {
+  for (int64_t d = 0; d < kD; d += 8) {
+    const auto* p = reinterpret_cast<const __m128i*>(src + d);
+    const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)), 16);
+    _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(wide));
+  }
 }
-inline std::pair<const float*, int64_t> widened(const at::BFloat16* src, int64_t n, int64_t stride, float* buf) {
-  for (int64_t i = 0; i < n; i++)
-    for (int64_t d = 0; d < kD; d += 8) {
-      const auto* p = reinterpret_cast<const __m128i*>(src + i * stride + d);
-      const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)), 16);
-      _mm256_storeu_ps(buf + i * kD + d, _mm256_castsi256_ps(wide));
-    }
+
+// n keys' (or values') rows of the cache from src (rows `stride` apart) as fp32, followed by zero
+// rows up to `rows`: a full block of an fp32 cache in place, else copied (widened from bf16) into
+// buf, once for all the query rows that read them. Returns the rows and their stride.
+template <typename KV>
+inline std::pair<const float*, int64_t> block_as_fp32(const KV* src, int64_t n, int64_t rows, int64_t stride,
+                                                      float* buf) {
+  if constexpr (std::is_same_v<KV, float>) {
+    if (n == rows) return {src, stride};
+  }
+  for (int64_t i = 0; i < n; i++) row_as_fp32(src + i * stride, buf + i * kD);
+  std::fill(buf + n * kD, buf + rows * kD, 0.f);
   return {buf, kD};
 }
 
@@ -70,15 +82,20 @@ void attend_rows(const float* q, const KV* k, const KV* v, int64_t kv_stride, co
                  int64_t T, int64_t S, int64_t r0, int64_t r1, float scale, float* scores, float* out,
                  int64_t out_row_stride) {
   const int64_t R = r1 - r0;
-  std::vector<float> qs(R * kD), sums(R);
+  std::vector<float> qs(R * kD), sums(R, 0.f);
   for (int64_t r = 0; r < R; r++)
     for (int64_t d = 0; d < kD; d++) qs[r * kD + d] = q[(r0 + r) * kD + d] * scale;
   const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
   alignas(32) float lanes[8];
-  std::vector<float> buf(16 * kD);  // a bf16 cache's keys or values widened (widened)
-  int64_t j = 0;
-  for (; j + 8 <= S; j += 8) {
-    const auto [kj, k_stride] = widened(k + j * kv_stride, 8, kv_stride, buf.data());
+  std::vector<float> buf(16 * kD);  // a block of keys or values as fp32 (block_as_fp32)
+  // Keys in blocks of 8 from slot 0, the last one zero-padded: a slot's score is the same
+  // whatever S is, and (below) the softmax's sum and the weighted sum of V run in slot order,
+  // where a masked slot adds an exact 0: a row's result does not change with masked slots
+  // between or after the ones it attends (a plain step reads fewer slots than a verify of the
+  // same row, and a tree's path has its siblings between its nodes).
+  for (int64_t j = 0; j < S; j += 8) {
+    const int64_t n = std::min<int64_t>(8, S - j);
+    const auto [kj, k_stride] = block_as_fp32(k + j * kv_stride, n, 8, kv_stride, buf.data());
     for (int64_t r = 0; r < R; r++) {
       // q in registers, four keys at a time (8 + 4 registers): one load a fused multiply-add
       const float* qr = qs.data() + r * kD;
@@ -96,21 +113,14 @@ void attend_rows(const float* q, const KV* k, const KV* v, int64_t kv_stride, co
         const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
         four[half] = _mm_add_ps(_mm256_castps256_ps128(s0123), _mm256_extractf128_ps(s0123, 1));
       }
-      const float* b = bias + ((r0 + r) % T) * S;
+      const float* b = bias + ((r0 + r) % T) * S + j;
       const __m256 dots = _mm256_insertf128_ps(_mm256_castps128_ps256(four[0]), four[1], 1);
-      _mm256_storeu_ps(scores + r * S + j, _mm256_add_ps(dots, _mm256_loadu_ps(b + j)));
-    }
-  }
-  for (; j < S; j++) {  // S not a multiple of 8
-    const float* kj = widened(k + j * kv_stride, 1, kv_stride, buf.data()).first;
-    for (int64_t r = 0; r < R; r++) {
-      const float* qr = qs.data() + r * kD;
-      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qr), _mm256_loadu_ps(kj));
-      for (int d = 1; d < 8; d++) a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * d), _mm256_loadu_ps(kj + 8 * d), a);
-      _mm256_store_ps(lanes, a);
-      float dot = 0.f;
-      for (int i = 0; i < 8; i++) dot += lanes[i];
-      scores[r * S + j] = dot + bias[((r0 + r) % T) * S + j];
+      if (n == 8) {
+        _mm256_storeu_ps(scores + r * S + j, _mm256_add_ps(dots, _mm256_loadu_ps(b)));
+      } else {  // the last, partial block
+        _mm256_store_ps(lanes, dots);
+        for (int64_t i = 0; i < n; i++) scores[r * S + j + i] = lanes[i] + b[i];
+      }
     }
   }
   for (int64_t r = 0; r < R; r++) {  // p = exp(s - max), exactly 0 where the bias masks the slot
@@ -118,38 +128,41 @@ void attend_rows(const float* q, const KV* k, const KV* v, int64_t kv_stride, co
     float m = -INFINITY;
     for (int64_t i = 0; i < S; i++) m = std::max(m, p[i]);
     const __m256 vm = _mm256_set1_ps(m);
-    __m256 vsum = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= S; i += 8) {
-      const __m256 s = _mm256_loadu_ps(p + i);
+    for (int64_t i = 0; i < S; i += 8) {
+      const int64_t n = std::min<int64_t>(8, S - i);
+      if (n < 8) {  // the last, partial block: masked (-inf) lanes after it
+        for (int64_t l = 0; l < 8; l++) lanes[l] = l < n ? p[i + l] : -INFINITY;
+      }
+      const __m256 s = _mm256_loadu_ps(n == 8 ? p + i : lanes);
       const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(s, neg_inf, _CMP_EQ_OQ), exp8(_mm256_sub_ps(s, vm)));
-      _mm256_storeu_ps(p + i, e);
-      vsum = _mm256_add_ps(vsum, e);
+      if (n == 8) {
+        _mm256_storeu_ps(p + i, e);
+      } else {
+        _mm256_store_ps(lanes, e);
+        for (int64_t l = 0; l < n; l++) p[i + l] = lanes[l];
+      }
     }
-    _mm256_store_ps(lanes, vsum);
-    float sum = 0.f;
-    for (int l = 0; l < 8; l++) sum += lanes[l];
-    for (; i < S; i++) {
-      p[i] = p[i] == -INFINITY ? 0.f : std::exp(p[i] - m);
-      sum += p[i];
-    }
-    sums[r] = sum;
   }
   std::vector<float> o(R * kD, 0.f);
   constexpr int64_t kBlock = 16;  // keys per V block: 4 KB, stays in L1 across the rows
   for (int64_t j0 = 0; j0 < S; j0 += kBlock) {
     const int64_t j1 = std::min(S, j0 + kBlock);
-    const auto [vb, v_stride] = widened(v + j0 * kv_stride, j1 - j0, kv_stride, buf.data());
+    const auto [vb, v_stride] = block_as_fp32(v + j0 * kv_stride, j1 - j0, j1 - j0, kv_stride, buf.data());
     for (int64_t r = 0; r < R; r++) {
       float* orow = o.data() + r * kD;
       const float* p = scores + r * S;
       __m256 acc[8];
       for (int d = 0; d < 8; d++) acc[d] = _mm256_loadu_ps(orow + 8 * d);
+      float sum = sums[r];
       for (int64_t jj = j0; jj < j1; jj++) {
         const __m256 pj = _mm256_set1_ps(p[jj]);  // 0 at masked slots: adds nothing
         const float* vj = vb + (jj - j0) * v_stride;
         for (int d = 0; d < 8; d++) acc[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * d), acc[d]);
+        // the softmax's sum in slot order too: where the attended slots sit (a tree's path has
+        // masked siblings between its nodes, a plain step none) does not change it
+        sum += p[jj];
       }
+      sums[r] = sum;
       for (int d = 0; d < 8; d++) _mm256_storeu_ps(orow + 8 * d, acc[d]);
     }
   }

@@ -4,9 +4,11 @@
 //
 // Why not oneDNN's prepacked bf16 Linear (cpu_linears="onednn"): at one row it reads the weights
 // at ~16 GB/s on a 2-core Xeon with AVX512-BF16, 60% of the read bandwidth there (profile of the
-// compiled plain step: 16.9 ms of a 21 ms step in its calls), and every call goes through a
-// Python op (the packed weight is an opaque tensor). Here the weight is an ordinary tensor, the
-// op is C++, and the stream is prefetched (scripts/probe_bf16_linear.py). Each output is one fp32
+// compiled plain step: 16.9 ms of a 21 ms step in its calls); from 16 rows it is bound by
+// vdpbf16ps, which runs at a quarter of the FMAs' rate there (0.5 against 2 a cycle: half the
+// multiply-adds a cycle); and every call goes through a Python op (the packed weight is an opaque
+// tensor). Here the weight is an ordinary tensor, the op is C++, the stream is prefetched, and
+// the bf16 weights feed fp32 FMAs (scripts/probe_bf16_linear.py). Each output is one fp32
 // FMA chain over k = 0..K-1 from zero, whatever the number of rows: a verify's rows equal
 // one-row steps' bit for bit.
 #include <ATen/ATen.h>
