@@ -6,7 +6,7 @@ kernel (kernels/avx2_linear.cpp: the template's register block with the weight s
 prefetched), larger ones torch's; "avx512_bf16": bf16 calls of up to BF16_MAX_ROWS rows, eager
 and compiled, run kernels/bf16_linear.cpp (fp32 FMAs on the bf16 weights). auto_backend picks
 "avx2" for fp32 on AVX2 CPUs (measured there), "inductor" for fp32 on AVX-512 ones,
-"avx512_bf16" for bf16 on AVX512-BF16 ones.
+"avx512_bf16" for bf16 on AVX512-BF16 ones without AMX.
 
 oneDNN: fp32 at 2-512 rows, bf16 from one row where the CPU has native bf16 (AVX512-BF16 / AMX).
 
@@ -117,9 +117,10 @@ class Avx2Linear(nn.Linear):
 
 # Rows up to which an "avx512_bf16" Linear runs our kernel (prefill chunks of more run torch's).
 # 2-core Xeon with AVX512-BF16, 2 threads, weights streamed from memory, ms a call: 3072 x 576 at
-# 1 / 16 / 64 / 512 rows ours 0.07 / 0.29 / 0.88 / 7.1, oneDNN prepacked 0.09 / 0.44 / 1.45 / 10.8,
-# torch's 0.60 at 16 (scripts/probe_bf16_linear.py): without AMX oneDNN multiplies with vdpbf16ps,
-# at half the rate of the fp32 FMAs that the kernel feeds with the bf16 weights.
+# 1 / 16 / 64 / 512 rows ours 0.146 / 0.273 / 0.801 / 6.35, oneDNN prepacked 0.183 / 0.447 / 1.336
+# / 10.46, torch's 0.251 / 0.571 / 1.511 / 10.08 (scripts/probe_bf16_linear.py): without AMX
+# oneDNN multiplies with vdpbf16ps, at half the multiply-adds a cycle of the fp32 FMAs that the
+# kernel feeds with the bf16 weights.
 BF16_MAX_ROWS = 512
 
 

@@ -96,9 +96,9 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     AVX-512 kernel (eagle_infer/kernels/bf16_linear.cpp); "auto" = avx2 for fp32 on an AVX2 CPU
     without AVX-512, inductor for fp32 on an AVX-512 one, avx512_bf16 for bf16 on an AVX512-BF16
     one, else onednn, where this torch has it, the model has Linears it packs and the packed
-    copies fit in free memory (cpu_linears.auto_backend). With
-    "avx2" and fp32 or "avx512_bf16" and bf16, attention calls of a few query rows run
-    kernels/avx2_attention too ($EAGLE_CPU_ATTENTION=sdpa keeps them on torch's SDPA)."""
+    copies fit in free memory (cpu_linears.auto_backend). With "avx2" and fp32 or "avx512_bf16"
+    and bf16, attention calls of a few query rows run kernels/avx2_attention too
+    ($EAGLE_CPU_ATTENTION=sdpa keeps them on torch's SDPA)."""
     folder = resolve_model_path(path)
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
