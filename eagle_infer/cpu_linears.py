@@ -102,17 +102,25 @@ class OneDNNLinear(nn.Linear):
 AVX2_MAX_ROWS = 32
 
 
-class Avx2Linear(nn.Linear):
-    """A bias-free fp32 nn.Linear (same parameters and state dict) whose calls of up to
-    AVX2_MAX_ROWS rows, eager and compiled, run kernels/avx2_linear on its packed copy of the
-    weight (the buffer packed_weight, outside the state dict)."""
+class KernelLinear(nn.Linear):
+    """A bias-free nn.Linear (same parameters and state dict) whose calls of up to max_rows rows,
+    eager and compiled, run our op torch.ops.eagle.<op> on its packed copy of the weight (the
+    buffer packed_weight, outside the state dict); larger calls run torch's F.linear."""
 
     packed_weight: Tensor
+    max_rows: int
+    op: str
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.numel() // x.shape[-1] > AVX2_MAX_ROWS:
+        if x.numel() // x.shape[-1] > self.max_rows:
             return F.linear(x, self.weight)
-        return torch.ops.eagle.avx2_linear(x, self.packed_weight, self.out_features)
+        return getattr(torch.ops.eagle, self.op)(x, self.packed_weight, self.out_features)
+
+
+class Avx2Linear(KernelLinear):
+    """fp32, kernels/avx2_linear."""
+
+    max_rows, op = AVX2_MAX_ROWS, "avx2_linear"
 
 
 # Rows up to which an "avx512_bf16" Linear runs our kernel (prefill chunks of more run torch's).
@@ -124,17 +132,10 @@ class Avx2Linear(nn.Linear):
 BF16_MAX_ROWS = 512
 
 
-class Bf16Linear(nn.Linear):
-    """A bias-free bf16 nn.Linear (same parameters and state dict) whose calls of up to
-    BF16_MAX_ROWS rows, eager and compiled, run kernels/bf16_linear on its packed copy of the
-    weight (the buffer packed_weight, outside the state dict)."""
+class Bf16Linear(KernelLinear):
+    """bf16, kernels/bf16_linear."""
 
-    packed_weight: Tensor
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.numel() // x.shape[-1] > BF16_MAX_ROWS:
-            return F.linear(x, self.weight)
-        return torch.ops.eagle.bf16_linear(x, self.packed_weight, self.out_features)
+    max_rows, op = BF16_MAX_ROWS, "bf16_linear"
 
 
 def _use_kernel_linears(model: nn.Module, kernel, cls: type, dtype: torch.dtype) -> int:
@@ -142,8 +143,7 @@ def _use_kernel_linears(model: nn.Module, kernel, cls: type, dtype: torch.dtype)
     its weight (kernel: kernels.avx2_linear or kernels.bf16_linear, built the first time on this
     machine); returns how many."""
     kernel.load()
-    linears = [m for m in model.modules() if type(m) is nn.Linear and m.bias is None
-               and m.weight.device.type == "cpu" and m.weight.dtype == dtype]
+    linears = _linears(model, (dtype,))
     for m in linears:
         m.register_buffer("packed_weight", kernel.pack(m.weight), persistent=False)
         m.__class__ = cls
@@ -214,11 +214,15 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
 
 
-def _convertible(model: nn.Module) -> list[nn.Linear]:
-    """The Linears of `model` use_onednn_linears packs (its fp32 ones: use_avx2_linears)."""
-    dtypes = packable_dtypes()
+def _linears(model: nn.Module, dtypes: tuple[torch.dtype, ...]) -> list[nn.Linear]:
+    """The bias-free CPU nn.Linears of `model` with weights in `dtypes`: what a backend converts."""
     return [m for m in model.modules() if type(m) is nn.Linear and m.bias is None
             and m.weight.device.type == "cpu" and m.weight.dtype in dtypes]
+
+
+def _convertible(model: nn.Module) -> list[nn.Linear]:
+    """The Linears of `model` use_onednn_linears packs (its fp32 ones: use_avx2_linears)."""
+    return _linears(model, packable_dtypes())
 
 
 def convertible_bytes(model: nn.Module) -> int:
@@ -269,9 +273,10 @@ def auto_backend(model: nn.Module) -> str:
     free = available_memory_bytes()
     if free is not None and 2 * need > free:
         return "torch"
-    fp32 = all(m.weight.dtype == torch.float32 for m in _convertible(model))
-    if not fp32 and all(m.weight.dtype == torch.bfloat16 for m in _convertible(model)) and bf16_default():
+    dtypes = {m.weight.dtype for m in _convertible(model)}  # not empty: need > 0
+    if dtypes == {torch.bfloat16} and bf16_default():
         return "avx512_bf16"
+    fp32 = dtypes == {torch.float32}
     if fp32 and avx2_default():
         return "avx2"
     if fp32 and template_isa() and (free is None or 2 * TEMPLATE_COPIES * need <= free):

@@ -98,7 +98,7 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& wp, int64_t N) 
               "bf16_linear: packed weight ", wp.sizes(), " does not hold ", N, " outputs of ", K,
               " inputs in 32-column panels of k pairs");
   // fp32 inputs, read by every panel; an odd K gets a zero column to meet the weight's zero row
-  const at::Tensor x = at::constant_pad_nd(x_in, {0, K % 2}).to(at::kFloat).contiguous();
+  const at::Tensor x = (K % 2 ? at::constant_pad_nd(x_in, {0, 1}) : x_in).to(at::kFloat).contiguous();
   std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
   out_shape.back() = N;
   at::Tensor y = at::empty(out_shape, x_in.options());
