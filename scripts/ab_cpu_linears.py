@@ -44,6 +44,8 @@ def with_fresh_code(cls: type, names: list[str]) -> type:
 ORIGINAL = (eagle_infer.generate.CompiledDecode, eagle_infer.speculative.SpecDecoder,
             eagle_infer.generate.step_options)
 STEPS = ["_draft_tree", "_verify_commit_greedy", "_verify", "_catch_up"]  # what SpecDecoder.compile compiles
+
+
 def python_wrapper(*args) -> dict | None:
     """The default options without the C++ wrapper."""
     options = {k: v for k, v in (ORIGINAL[2](*args) or {}).items() if k != "cpp_wrapper"}
