@@ -44,6 +44,11 @@
 # 11171 on) ran the same CAPTURE_ARGS/TRAIN_ARGS with TOTAL=585 CAPTURE_S=180 PROBE=20
 # RUNS="h3:eagle3:1e-4:8:6 h3hi:eagle3:2e-4:8:6 h3b:eagle3:4e-4:32:6 h3bm:eagle3:2e-4:32:6" (32 a
 # step won: 2.19 against 2.12), then TOTAL=320 CAPTURE_S=75 RUNS="k3:eagle3:2e-4:32:6:280".
+# Segment 14 (sampled answers to the first prompts, device_blobs.sh SEGMENT_OFFSET=0; README: not
+# published, every lr lowered tau) added capture.temperature=0.7 to those CAPTURE_ARGS with
+# TOTAL=585 CAPTURE_S=180 PROBE=20 RUNS="a3:eagle3:2e-4:32:6 c3:eagle3:4e-4:64:6
+# t3:eagle3:2e-4:32:6::train.online_tf32=true", then TOTAL=230 CAPTURE_S=1
+# RUNS="l3:eagle3:5e-5:32:6:200 m3:eagle3:1e-4:32:6:200".
 # CAPTURE_ARGS and TRAIN_ARGS add overrides to the capture and to every training. At most three
 # EAGLE-3 heads fit what a call returns (64 MiB).
 set -uo pipefail
@@ -100,13 +105,15 @@ if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$left" -gt 30 ]; then
 fi
 say "capture: exit $rc; $(grep -a -E '^capture|gen .*tok/s' "$W/capture.log" | tail -2 | tr '\r' '\n' | tail -2)"
 
+# train.online_tf32=true: segment 14's A/B (two runs side by side, same data, lr and batch) trained
+# 1.27x the tokens a second at equal held-out tau (2.125 against 2.126); TRAIN_ARGS may turn it off.
 train() {  # name kind lr batch epochs steps head_dir [overrides]; stopped in time for the packing below
   local limit=$((BUDGET - (SECONDS - T0) - 25 - EVAL_S)) extra=${8:-}
   [ "$limit" -gt 0 ] || limit=1  # timeout 0 would mean no limit
   timeout "$limit" "${EAGLE[@]}" train.wandb.mode=disabled stage=train \
     draft="$2" capture_dir="$C" train.init_from="heads/$T-$2" train.lr="$3" train.batch_size="$4" \
     train.epochs="$5" train.max_steps="$6" train.save_every=0 head_dir="$7" hydra.run.dir="$7.hydra" \
-    ${TRAIN_ARGS:-} ${extra//,/ }
+    train.online_tf32=true ${TRAIN_ARGS:-} ${extra//,/ }
 }
 # The probes run side by side, as the real runs will.
 pids=()
@@ -138,7 +145,9 @@ per_step = (sum(t for t, _ in steady) / sum(n for _, n in steady) if steady
             else s["train_seconds_this_run"] / probe)
 setup = wall - s["train_seconds_this_run"]
 cap = int(epochs * math.ceil(s["samples"] / batch))
-print(max(0, min(cap, int((left - setup - 15) / per_step))), f"{per_step:.3f}", f"{setup:.0f}", cap)
+# 10% over the probe's rate: side by side, real runs measured 0.97-1.07x their probes at 32 a step
+# and ~1.4x at 64 (segment 14: that run hit the deadline at 291 of 336 steps and left no head).
+print(max(0, min(cap, int((left - setup - 15) / (1.1 * per_step)))), f"{per_step:.3f}", f"{setup:.0f}", cap)
 EOF
 )
   read -r steps per_step setup cap <<<"$steps"
