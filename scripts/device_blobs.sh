@@ -14,6 +14,8 @@
 # (SEGMENT_TURNS=K: their first K answers; the capture then wants capture.max_turns=K);
 # SEGMENT_REPLAY=OFFSET:LIMIT appends the prompts of conversations already trained on (replay),
 # after the new ones, so that a capture cut short by its time limit has the new ones first.
+# SEGMENT_FILE=PATH (.jsonl or .jsonl.xz) appends prompts written elsewhere, e.g. the target's own
+# (scripts/magpie_prompts.py, data/magpie/): alone, they are the whole segment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -49,4 +51,9 @@ pins=$("$PY" -m pip freeze 2>/dev/null | grep -i -E '^(annotated[-_]types|dill|f
 [ -z "${SEGMENT_REPLAY:-}" ] || { "$PY" scripts/segment_prompts.py --offset "${SEGMENT_REPLAY%%:*}" \
   --limit "${SEGMENT_REPLAY#*:}" --max-turns "${SEGMENT_TURNS:-1}" --out /tmp/replay.jsonl.xz &&
   cat /tmp/replay.jsonl.xz >>.blob2/segment.jsonl.xz; }  # xz streams concatenate
+case ${SEGMENT_FILE:-} in
+  "") ;;
+  *.xz) cat "$SEGMENT_FILE" >>.blob2/segment.jsonl.xz ;;
+  *) xz -c "$SEGMENT_FILE" >>.blob2/segment.jsonl.xz ;;
+esac
 du -sh .blob1 .blob2 .blob3 .whl
