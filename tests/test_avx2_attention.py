@@ -87,6 +87,27 @@ def test_kernel_is_sdpa_and_rows_independent(T, S, dtype):
         assert torch.equal(one, out[:, :, t:t + 1]), t
 
 
+def test_kv_write_runs_in_cpp_once_loaded():
+    """The compiled step's cache write (eagle_infer::kv_write): the kernel library registers a C++
+    implementation for CPU tensors, which writes what index_copy_ writes and names a bad index
+    (the Python one would fail inside index_copy_ with another message)."""
+    from eagle_infer.model import kv_write
+
+    avx2_attention.load()
+    for dtype in (torch.float32, torch.bfloat16):
+        kv = torch.zeros(2, 2, 1, 3, 40, 64, dtype=dtype)
+        index = torch.tensor([5, 47, 89, 131, 173, 215])
+        new = torch.randn(6, 64).to(dtype)
+        kv_write(kv, index, new)
+        want = torch.zeros_like(kv)
+        want.view(-1, 64).index_copy_(0, index, new)
+        assert torch.equal(kv, want)
+    with pytest.raises(RuntimeError, match="outside the cache's 480 rows"):
+        kv_write(kv, torch.tensor([480]), new[:1])
+    with pytest.raises(RuntimeError, match="new \\[n, D\\] of its dtype"):
+        kv_write(kv, index, new.float())
+
+
 def test_kernel_names_bad_input():
     avx2_attention.load()
     keys, values = cache_views(1, 3, 10)
