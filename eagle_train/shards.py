@@ -117,17 +117,22 @@ def fsync_tree(root: str | os.PathLike) -> None:
         fsync_dir(d)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write text so that `path` holds either the old or the new content, never a mix."""
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write data so that `path` holds either the old or the new content, never a mix."""
     # A per-process temp name: ranks of a multi-process launch may write the same file.
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     kill_point(f"atomic_write:{path.name}")  # e.g. atomic_write:manifest.json:3 (temp written, not renamed)
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """atomic_write_bytes of the text as UTF-8."""
+    atomic_write_bytes(path, text.encode())
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:

@@ -37,7 +37,7 @@ from eagle_infer.generate import generate  # noqa: E402
 from eagle_infer.loader import load_model, load_tokenizer  # noqa: E402
 from eagle_infer.sampling import SamplingParams  # noqa: E402
 from eagle_train.capture import eos_ids  # noqa: E402
-from eagle_train.shards import atomic_write_text  # noqa: E402
+from eagle_train.shards import atomic_write_bytes, atomic_write_text  # noqa: E402
 
 SENTINEL = "\x00MAGPIE\x00"
 
@@ -165,12 +165,6 @@ def main() -> None:
           f"bigrams {summary['distinct_bigrams']:.2f}) from {counts['sampled']} sampled: "
           f"{counts['unfinished']} unfinished, {counts['short']} short, {counts['duplicate']} duplicates "
           f"-> {a.out}")
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
 
 
 if __name__ == "__main__":
