@@ -81,17 +81,20 @@ def kill_point(site: str) -> None:
 
     Sites: capture_generate, capture_forward, shard_write, shard_commit (capture);
     train_backward, train_step, ckpt_write, ckpt_saved (train); atomic_write:<file name> (a
-    manifest, log or summary written through atomic_write_text)."""
+    manifest, log or summary written through atomic_write_text). ``<site>:<n>=SIGTERM`` (or any
+    other signal's name) sends that signal instead, to test what a process does on receiving it."""
     spec = os.environ.get(KILL_ENV)
     if not spec:
         return
     n = _kill_counts[site] = _kill_counts.get(site, 0) + 1
     for item in spec.split(","):
-        name, _, count = item.strip().rpartition(":")
+        point, _, sig_name = item.strip().partition("=")
+        name, _, count = point.rpartition(":")
         if name == site and count.isdigit() and int(count) == n:
+            sig = signal.Signals[sig_name or "SIGKILL"]
             # The line tells the test where the process died (it cannot tell from the signal).
-            print(f"{KILL_ENV}: SIGKILL at {site}:{n} (pid {os.getpid()})", file=sys.stderr, flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            print(f"{KILL_ENV}: {sig.name} at {site}:{n} (pid {os.getpid()})", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), sig)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

@@ -36,6 +36,10 @@ and continues exactly as an uninterrupted run would, bit for bit on the same mac
 checkpoint is written into ``step_N.partial``, fsynced and renamed into place, so a run killed
 at any moment (mid-step, mid-checkpoint-write) leaves only complete checkpoints behind, plus
 leftovers the next start deletes; tests/test_crash_resume.py SIGKILLs runs to check it.
+SIGTERM or SIGINT (a deadline's `timeout`, a scheduler's preemption, Ctrl-C) stops it gracefully:
+the optimizer step under way finishes, a checkpoint and the head so far are saved (the summary
+says ``finished: false`` and which signal), then the process dies of that signal; a second
+signal acts at once.
 """
 
 from __future__ import annotations
@@ -44,7 +48,9 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -546,6 +552,34 @@ def is_complete(cfg: DictConfig) -> bool:
     return summary.get("fingerprint") == fp and summary.get("finished", False)
 
 
+class StopOnSignal:
+    """While training: SIGTERM / SIGINT only set `signum`; the loop stops at the next optimizer
+    step with its work saved, and run() then re-sends the signal (the handlers in place before
+    are back by then), so the caller sees the exit it expects. A second signal acts at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._before: dict[int, Any] = {}
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():  # where Python allows handlers
+            self._before = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+        signal.signal(signum, self._before[signum])
+        log(f"train: {signal.Signals(signum).name}: stopping after this optimizer step with a checkpoint "
+            f"and the head so far (send it again to stop at once)")
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, handler in self._before.items():
+            signal.signal(s, handler)
+        self._before = {}
+
+
 # ---------------------------------------------------------------------------------------------
 # The recipe
 
@@ -553,6 +587,7 @@ def is_complete(cfg: DictConfig) -> bool:
 class TrainRecipe:
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
+        self.stopped_by: int | None = None  # the signal a graceful stop was asked by (StopOnSignal)
 
     # -- setup -----------------------------------------------------------------------------------
 
@@ -799,43 +834,50 @@ class TrainRecipe:
         self.tokens_run = 0
         last: dict = {}
         model.train()
-        if self.step < stop_step:
-            for batch in self._loader(self.micro, stop_micro):
-                n_tok = int(batch["attention_mask"].sum())  # counted on the host: no device sync
-                batch = {k: (v.to(self.device, non_blocking=True) if isinstance(v, Tensor) else v)
-                         for k, v in batch.items()}
-                if self.online is not None:
-                    batch = self.online.fill(batch)
-                with acc.accumulate(model):
-                    loss, stats = model(batch)
-                    acc.backward(loss)
-                    kill_point("train_backward")  # mid-step: gradients computed, weights not updated
-                    if acc.sync_gradients and self.grad_clip > 0:
-                        acc.clip_grad_norm_(model.parameters(), self.grad_clip)
-                    self.opt.step()
-                    if acc.sync_gradients:
-                        self.sched.step()
-                    self.opt.zero_grad(set_to_none=True)
-                self.micro += 1
-                window += stats.detach()
-                win_loss += torch.stack([loss.detach().float(), torch.ones((), device=self.device)])
-                win_tokens += n_tok
-                self.tokens_run += n_tok
-                if not acc.sync_gradients:
-                    continue
-                self.step += 1
-                kill_point("train_step")
-                bar.update(1)
-                end = self.step >= stop_step
-                if self.step % self.log_every == 0 or end or self.step == self.total_steps:
-                    last = self._log(window, win_loss, win_tokens, time.perf_counter() - t_win, bar)
-                    window.zero_()
-                    win_loss.zero_()
-                    win_tokens, t_win = 0, time.perf_counter()
-                if (self.save_every and self.step % self.save_every == 0) or self.step == self.total_steps:
-                    self.save_checkpoint()
-                if end:
-                    break
+        with StopOnSignal() as stop:
+            if self.step < stop_step:
+                for batch in self._loader(self.micro, stop_micro):
+                    n_tok = int(batch["attention_mask"].sum())  # counted on the host: no device sync
+                    batch = {k: (v.to(self.device, non_blocking=True) if isinstance(v, Tensor) else v)
+                             for k, v in batch.items()}
+                    if self.online is not None:
+                        batch = self.online.fill(batch)
+                    with acc.accumulate(model):
+                        loss, stats = model(batch)
+                        acc.backward(loss)
+                        kill_point("train_backward")  # mid-step: gradients computed, weights not updated
+                        if acc.sync_gradients and self.grad_clip > 0:
+                            acc.clip_grad_norm_(model.parameters(), self.grad_clip)
+                        self.opt.step()
+                        if acc.sync_gradients:
+                            self.sched.step()
+                        self.opt.zero_grad(set_to_none=True)
+                    self.micro += 1
+                    window += stats.detach()
+                    win_loss += torch.stack([loss.detach().float(), torch.ones((), device=self.device)])
+                    win_tokens += n_tok
+                    self.tokens_run += n_tok
+                    if not acc.sync_gradients:
+                        continue
+                    self.step += 1
+                    kill_point("train_step")
+                    bar.update(1)
+                    # every process must stop at the same step (the checkpoint is a collective)
+                    stopping = self._agreed_signal(stop.signum)
+                    end = self.step >= stop_step or stopping is not None
+                    if self.step % self.log_every == 0 or end or self.step == self.total_steps:
+                        last = self._log(window, win_loss, win_tokens, time.perf_counter() - t_win, bar)
+                        window.zero_()
+                        win_loss.zero_()
+                        win_tokens, t_win = 0, time.perf_counter()
+                    periodic = self.save_every and self.step % self.save_every == 0
+                    if periodic or self.step == self.total_steps or stopping is not None:
+                        self.save_checkpoint()
+                    if stopping is not None:
+                        self.stopped_by = stopping
+                    if end:
+                        break
+        self.stopped_by = self.stopped_by or stop.signum  # (a signal after the last step: it is honoured too)
         bar.close()
         elapsed = time.perf_counter() - t_start
         tokens_all = self._tokens_run_all()
@@ -853,6 +895,14 @@ class TrainRecipe:
                 summary = self._finish(finished, tokens_all, elapsed, last)
         acc.wait_for_everyone()
         return summary
+
+    def _agreed_signal(self, signum: int | None) -> int | None:
+        """The signal to stop on if any process received one (one small collective a step when
+        there are several processes; none alone)."""
+        if self.acc.num_processes == 1:
+            return signum
+        t = torch.tensor([signum or 0], device=self.device)
+        return int(self.acc.gather(t).max().item()) or None
 
     def _tokens_run_all(self) -> int:
         """Tokens trained on since this run (re)started, summed over processes."""
@@ -916,15 +966,24 @@ class TrainRecipe:
             "final_acc_per_step": last.get("acc"), "final_feature_loss": (last.get("feature") or [None])[0],
             "head_dir": str(self.head_dir), "fingerprint": self.fingerprint,
         }
-        if finished:
+        if self.stopped_by is not None:
+            summary["stopped_by"] = signal.Signals(self.stopped_by).name
+        if finished or self.stopped_by is not None:
+            # A stopped run's head too (a deadline's work is usable as is); the summary's
+            # `finished` says which, and is_complete() accepts only a finished one.
             head = self.acc.unwrap_model(self.model).head
             save_head(head, self.head_dir, dtype=torch.bfloat16)
             # Last, and atomically: its presence says the head beside it is complete.
             atomic_write_text(self.head_dir / SUMMARY_FILE, json.dumps(summary, indent=1) + "\n")
+        if finished:
             accs = " ".join(f"{a:.3f}" for a in (summary["final_acc_per_step"] or []))
             log(f"train: done, {self.step} steps, {tps:,.0f} tokens/s this run ({tokens:,} tokens in "
                 f"{elapsed:.1f}s), final loss {summary['final_loss']}, top-1 per step [{accs}]; "
                 f"head saved to {self.head_dir}")
+        elif self.stopped_by is not None:
+            log(f"train: stopped by {summary['stopped_by']} at step {self.step}/{self.total_steps} "
+                f"({tps:,.0f} tokens/s), checkpoint saved; the head of this step is in {self.head_dir} "
+                f"(not finished: the same command resumes from the checkpoint)")
         else:
             log(f"train: stopped at step {self.step}/{self.total_steps} ({tps:,.0f} tokens/s); run the "
                 f"same command to resume from the last checkpoint")
@@ -944,6 +1003,9 @@ def run(cfg: DictConfig) -> dict:
     recipe = TrainRecipe(cfg)
     recipe.setup(cfg)
     try:
-        return recipe.train()
+        summary = recipe.train()
     finally:
         recipe.cleanup()
+    if recipe.stopped_by is not None:  # the work is saved: now die of the signal as the caller expects
+        os.kill(os.getpid(), recipe.stopped_by)
+    return summary

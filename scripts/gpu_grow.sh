@@ -108,6 +108,7 @@ say "capture: exit $rc; $(grep -a -E '^capture|gen .*tok/s' "$W/capture.log" | t
 # train.online_tf32=true: segment 14's A/B (two runs side by side, same data, lr and batch) trained
 # 1.27x the tokens a second at equal held-out tau (2.125 against 2.126); TRAIN_ARGS may turn it off.
 train() {  # name kind lr batch epochs steps head_dir [overrides]; stopped in time for the packing below
+  # (timeout's SIGTERM: the trainer saves the head of the step it reached and exits)
   local limit=$((BUDGET - (SECONDS - T0) - 25 - EVAL_S)) extra=${8:-}
   [ "$limit" -gt 0 ] || limit=1  # timeout 0 would mean no limit
   timeout "$limit" "${EAGLE[@]}" train.wandb.mode=disabled stage=train \
@@ -146,7 +147,9 @@ per_step = (sum(t for t, _ in steady) / sum(n for _, n in steady) if steady
 setup = wall - s["train_seconds_this_run"]
 cap = int(epochs * math.ceil(s["samples"] / batch))
 # 10% over the probe's rate: side by side, real runs measured 0.97-1.07x their probes at 32 a step
-# and ~1.4x at 64 (segment 14: that run hit the deadline at 291 of 336 steps and left no head).
+# and ~1.4x at 64 (segment 14: that run hit the deadline at 291 of 336 steps and left no head;
+# the trainer now stops on timeout's SIGTERM with the head of the step it reached, unfinished,
+# and its cosine schedule cut short, so fitting the steps still matters).
 print(max(0, min(cap, int((left - setup - 15) / (1.1 * per_step)))), f"{per_step:.3f}", f"{setup:.0f}", cap)
 EOF
 )

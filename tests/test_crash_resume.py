@@ -42,8 +42,8 @@ def env(tmp_path_factory):
 
 
 def run_cli(args: list[str], cwd: Path, kill: str | None = None, timeout: int = 240) -> str:
-    """python -m eagle_train ARGS in a subprocess; with `kill` (site:n) it must die of SIGKILL
-    at that site, without it it must succeed. Returns its output."""
+    """python -m eagle_train ARGS in a subprocess; with `kill` (site:n, or site:n=SIGNAME) it must
+    die of SIGKILL (or that signal) at that site, without it it must succeed. Returns its output."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("EAGLE_TEST_KILL_AT", None)
     env.pop("HYDRA_FULL_ERROR", None)
@@ -55,8 +55,12 @@ def run_cli(args: list[str], cwd: Path, kill: str | None = None, timeout: int = 
     if kill is None:
         assert p.returncode == 0, out[-6000:]
     else:
-        assert p.returncode == -signal.SIGKILL, f"no SIGKILL at {kill}: rc {p.returncode}\n{out[-6000:]}"
-        assert f"EAGLE_TEST_KILL_AT: SIGKILL at {kill} " in out, out[-3000:]
+        site, _, sig = kill.partition("=")
+        sig = sig or "SIGKILL"
+        # SIGINT ends a Python process as KeyboardInterrupt, which eagle_train turns into 130
+        want = 130 if sig == "SIGINT" else -signal.Signals[sig]
+        assert p.returncode == want, f"no {sig} at {site}: rc {p.returncode}\n{out[-6000:]}"
+        assert f"EAGLE_TEST_KILL_AT: {sig} at {site} " in out, out[-3000:]
     return out
 
 
@@ -139,6 +143,56 @@ def test_training_killed_mid_step_and_mid_checkpoint_resumes_to_the_same_weights
     a = load_file(str(tmp_path / "ref" / "head" / "checkpoints" / "step_8" / "model.safetensors"))
     b = load_file(str(head / "checkpoints" / "step_8" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_training_stopped_by_sigterm_or_sigint_saves_its_step_and_resumes_to_the_same_weights(env, tmp_path):
+    """A deadline's SIGTERM (and Ctrl-C's SIGINT) mid-step: the step finishes, a checkpoint and the
+    head of that step are saved although save_every is off, the process dies of the signal; the
+    same command resumes and ends with an uninterrupted run's weights."""
+    from safetensors.torch import load_file
+
+    ref_over = train_overrides(env, tmp_path / "ref")
+    summary_ref, _ = _train(compose(ref_over))
+    out = tmp_path / "stopped"
+    over = dict(train_overrides(env, out), **{"train.save_every": 0})
+    args = [f"{k}={v}" for k, v in over.items()]
+    head = out / "head"
+
+    text = run_cli(args, tmp_path, kill="train_backward:3=SIGTERM")
+    assert "train: stopped by SIGTERM at step 3/8" in text, text[-3000:]
+    assert checkpoints(head) == ["step_3"]
+    assert [r["step"] for r in log_steps(head)] == [1, 2, 3]
+    summary = json.loads((head / "train_summary.json").read_text())
+    assert not summary["finished"] and summary["stopped_by"] == "SIGTERM" and summary["step"] == 3
+    # the saved head is the training state of step 3 (in bf16), in the head's own layout
+    ckpt = load_file(str(head / "checkpoints" / "step_3" / "model.safetensors"))
+    saved = _head_params(head)
+    assert saved and (head / "config.json").is_file()
+    assert all(torch.equal(v, ckpt[f"head.{k}"].to(v.dtype)) for k, v in saved.items())
+
+    text = run_cli(args, tmp_path, kill="train_step:2=SIGINT")  # resumed at 3, stops at 5
+    assert "(step 3/8)" in text and "train: stopped by SIGINT at step 5/8" in text, text[-3000:]
+    assert checkpoints(head) == ["step_3", "step_5"]
+
+    text = run_cli(args, tmp_path)
+    assert "(step 5/8)" in text
+    summary = json.loads((head / "train_summary.json").read_text())
+    assert summary["finished"] and summary["step"] == 8 and "stopped_by" not in summary
+    assert summary["tokens_total"] == summary_ref["tokens_total"]
+    ref, got = _head_params(tmp_path / "ref" / "head"), _head_params(head)
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_stop_on_signal_defers_the_first_signal_only_and_restores_the_handlers():
+    from eagle_train.train import StopOnSignal
+
+    before = signal.getsignal(signal.SIGINT)
+    with StopOnSignal() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signum == signal.SIGINT  # noted, nothing raised
+        with pytest.raises(KeyboardInterrupt):  # the second acts at once
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_checkpoint_leftovers_are_cleaned_and_never_resumed_from(tmp_path):
