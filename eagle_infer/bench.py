@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from eagle_infer import cpu_linears
 from eagle_infer.errors import UserError, cli_errors
 from eagle_infer.kernels import avx2_attention
 from eagle_infer.sampling import SamplingParams
@@ -842,6 +843,7 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "machine": machine_info(args.dtype, device),
         "cpu_linears": getattr(model, "cpu_linears", None),
+        "bf16_multiply": cpu_linears.bf16_multiply(model),
         "cpu_attention": "avx2" if avx2_attention.enabled() else "sdpa",
         "compiled": compile_steps,
         "warmup_s": {r.name: round(r.warmup_s, 3) for r in results},

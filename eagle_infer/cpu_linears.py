@@ -114,6 +114,9 @@ class KernelLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         if x.numel() // x.shape[-1] > self.max_rows:
             return F.linear(x, self.weight)
+        return self.kernel(x)
+
+    def kernel(self, x: Tensor) -> Tensor:
         return getattr(torch.ops.eagle, self.op)(x, self.packed_weight, self.out_features)
 
 
@@ -128,14 +131,21 @@ class Avx2Linear(KernelLinear):
 # 1 / 16 / 64 / 512 rows ours 0.146 / 0.273 / 0.801 / 6.35, oneDNN prepacked 0.183 / 0.447 / 1.336
 # / 10.46, torch's 0.251 / 0.571 / 1.511 / 10.08 (scripts/probe_bf16_linear.py): without AMX
 # oneDNN multiplies with vdpbf16ps, at half the multiply-adds a cycle of the fp32 FMAs that the
-# kernel feeds with the bf16 weights.
+# kernel feeds with the bf16 weights. On a 2-core AMD EPYC (Zen 4) the kernel on vdpbf16ps (its
+# default there) is level with oneDNN and torch at 512 rows and 1.2-2x faster below
+# (results/probe_bf16_linear_amd_zen4.json); there the FMAs would be 2x slower at 512.
 BF16_MAX_ROWS = 512
 
 
 class Bf16Linear(KernelLinear):
-    """bf16, kernels/bf16_linear."""
+    """bf16, kernels/bf16_linear, on fp32 FMAs or on vdpbf16ps (`dot`: bf16_linear.dot_default,
+    set when the weights are packed, the same for a target and its head)."""
 
     max_rows, op = BF16_MAX_ROWS, "bf16_linear"
+    dot = False
+
+    def kernel(self, x: Tensor) -> Tensor:
+        return torch.ops.eagle.bf16_linear(x, self.packed_weight, self.out_features, self.dot)
 
 
 def _use_kernel_linears(model: nn.Module, kernel, cls: type, dtype: torch.dtype) -> int:
@@ -167,7 +177,18 @@ def use_bf16_linears(model: nn.Module) -> int:
 
     if not bf16_linear.supported():
         raise RuntimeError("cpu_linears=avx512_bf16: this CPU has no AVX512-BF16")
-    return _use_kernel_linears(model, bf16_linear, Bf16Linear, torch.bfloat16)
+    n = _use_kernel_linears(model, bf16_linear, Bf16Linear, torch.bfloat16)
+    dot = bf16_linear.dot_default()
+    for m in model.modules():
+        if isinstance(m, Bf16Linear):
+            m.dot = dot
+    return n
+
+
+def bf16_multiply(model: nn.Module) -> str | None:
+    """What the model's "avx512_bf16" Linears multiply on ("vdpbf16ps" or "fma"), None without them."""
+    kernels = [m for m in model.modules() if isinstance(m, Bf16Linear)]
+    return None if not kernels else "vdpbf16ps" if kernels[0].dot else "fma"
 
 
 def bf16_default() -> bool:

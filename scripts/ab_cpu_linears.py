@@ -5,18 +5,21 @@ round times every backend back to back and the medians are reported. Suffixes ta
 thing the "avx2" backend turns on: ":sdpa" runs attention on torch's SDPA instead of
 kernels/avx2_attention, ":py" compiles steps with Inductor's Python wrapper instead of its C++
 one (cpu_linears.step_options); ":cpp" compiles them with the C++ wrapper where the default is
-the Python one (e.g. bf16 "onednn"); they combine ("avx2:sdpa:py").
+the Python one (e.g. bf16 "onednn"); they combine ("avx2:sdpa:py"). For "avx512_bf16", ":fma"
+and ":dot" pick its multiply (kernels/bf16_linear.dot_default: fp32 FMAs or vdpbf16ps).
 
     python scripts/ab_cpu_linears.py --backends avx2 inductor --rounds 3 --json results/ab.json
     python scripts/ab_cpu_linears.py --backends avx2 avx2:sdpa --json results/ab_attention.json
     python scripts/ab_cpu_linears.py --backends avx2 avx2:py --json results/ab_cpp_wrapper.json
     python scripts/ab_cpu_linears.py --dtype bf16 --backends onednn onednn:cpp --json results/ab.json
+    python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16:fma avx512_bf16:dot
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 import torch
@@ -26,7 +29,7 @@ import eagle_infer.speculative
 from eagle_infer.bench import bench_plain, bench_spec, load_prompts, machine_info
 from eagle_infer.default_model import default_head_path
 from eagle_infer.heads import load_head_for
-from eagle_infer.kernels import avx2_attention
+from eagle_infer.kernels import avx2_attention, bf16_linear
 from eagle_infer.loader import load_model, load_tokenizer
 from eagle_infer.tree import TreeConfig
 
@@ -92,6 +95,8 @@ def main() -> None:
     runs = {}
     for b in args.backends:  # load, compile and warm every backend first
         backend, *off = b.split(":")
+        dot = "dot" in off or ("fma" not in off and bf16_linear.dot_default())
+        os.environ[bf16_linear.DOT_ENV] = "vdpbf16ps" if dot else "fma"  # for the model and its head
         model = load_model(None, args.dtype, "cpu", cpu_linears=backend)
         # the attention kernel is a process-wide switch that compiled graphs guard on: set per run
         attention = avx2_attention.enabled() and "sdpa" not in off
@@ -99,11 +104,12 @@ def main() -> None:
         wrapper = "py" if "py" in off else "cpp" if "cpp" in off else "default"
         use_wrapper(wrapper)
         head = load_head_for(default_head_path("eagle3"), model)
+        os.environ.pop(bf16_linear.DOT_ENV)
         # the longest prompt at full length: the cache (and its graphs) at the rounds' size
         longest = [max(prompts, key=len)]
         plain = bench_plain(model, longest, args.max_new_tokens, compile_steps=True)
         spec = bench_spec(model, head, longest, args.max_new_tokens, tree, compile_steps=True)
-        runs[b] = {"model": model, "head": head, "attention": attention, "wrapper": wrapper,
+        runs[b] = {"model": model, "head": head, "attention": attention, "wrapper": wrapper, "dot": dot,
                    "warmup_s": {"plain": plain.warmup_s, "spec": spec.result.warmup_s},
                    "plain": [], "spec": [], "tau": None}
         print(f"{b}: warm-up {runs[b]['warmup_s']}", flush=True)
@@ -136,7 +142,7 @@ def main() -> None:
                               "plain_runs": [round(x, 2) for x in run["plain"]],
                               "spec_runs": [round(x, 2) for x in run["spec"]], "warmup_s": run["warmup_s"],
                               "attention": "avx2" if run["attention"] else "sdpa",
-                              "inductor_wrapper": run["wrapper"]}
+                              "inductor_wrapper": run["wrapper"], "bf16_dot": run["dot"]}
         print(f"{b}: plain {plain:.1f}, spec {spec:.1f} tok/s ({spec / plain:.2f}x plain), tau {run['tau']}")
     if args.json:
         with open(args.json, "w") as f:

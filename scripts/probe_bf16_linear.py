@@ -1,7 +1,8 @@
 """The default target's Linear shapes at M rows in bf16 (a plain step is 1 row, a verify of the
 CPU default tree 4, of the GPU default tree 16, prefill chunks more): oneDNN's prepacked bf16
 Linear (cpu_linears="onednn"), torch's F.linear and our AVX-512 kernel (cpu_linears="avx512_bf16",
-eagle_infer/kernels/bf16_linear.cpp), in one process. Each shape runs over as many distinct
+eagle_infer/kernels/bf16_linear.cpp) on fp32 FMAs ("ours") and on vdpbf16ps ("ours_dot"), in one
+process. Each shape runs over as many distinct
 weights as fill `--mb` MB, more than the last-level cache holds (260 MB reported on the 2-core
 Xeon this was written on), so the weights stream from memory as in a decode step; the read rate
 is reported beside the time. Also reports each kernel's mean error against float64.
@@ -41,7 +42,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     bf16_linear.load()
     out = {"threads": args.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-           "avx512_bf16": bf16_linear.supported(), "shapes": {}}
+           "avx512_bf16": bf16_linear.supported(), "cpu_vendor": bf16_linear.cpu_vendor(),
+           "dot_default": bf16_linear.dot_default(), "shapes": {}}
     for name, (n, k) in SHAPES.items():
         copies = max(2, int(args.mb * 1e6 // (n * k * 2)))
         weights = [(torch.randn(n, k) * 0.05).bfloat16() for _ in range(copies)]
@@ -52,6 +54,7 @@ def main() -> None:
             x = torch.randn(m, k).bfloat16()
             calls = {
                 "ours": lambda x=x: [bf16_linear.bf16_linear(x, w, n) for w in ours_w],  # noqa: B023
+                "ours_dot": lambda x=x: [bf16_linear.bf16_linear(x, w, n, True) for w in ours_w],  # noqa: B023
                 "onednn": lambda x=x: [onednn(x, w) for w in onednn_w],  # noqa: B023
                 "torch": lambda x=x: [F.linear(x, w) for w in weights],  # noqa: B023
             }

@@ -1,4 +1,5 @@
-"""cpu_linears="avx512_bf16": our AVX-512 kernel for bf16 Linears (eagle_infer/kernels/bf16_linear)
+"""cpu_linears="avx512_bf16": our AVX-512 kernel for bf16 Linears (eagle_infer/kernels/bf16_linear),
+on fp32 FMAs and on vdpbf16ps (`dot`),
 computes F.linear to bf16 rounding (fp32 products and sums, one rounding at the end), a row's
 values do not depend on the rows beside it, compiled steps call it (not a silent F.linear), the
 loader picks it for bf16 on an AVX512-BF16 CPU, and greedy speculative decoding on it (with
@@ -38,25 +39,44 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x.double(), w.double())
 
 
+@pytest.mark.parametrize("dot", [False, True], ids=["fma", "vdpbf16ps"])
 @pytest.mark.parametrize("n,k", [(64, 64), (100, 576), (5, 7), (576, 1536)])
-def test_kernel_is_linear_and_rows_independent(n, k):
+def test_kernel_is_linear_and_rows_independent(n, k, dot):
     w = torch.randn(n, k).bfloat16()
     wp = bf16_linear.pack(w)
     assert wp.shape == (-(-n // 32), -(-k // 2), 32, 2) and wp.dtype == torch.bfloat16
     x = torch.randn(19, k).bfloat16()
-    full = bf16_linear.bf16_linear(x, wp, n)
+    full = bf16_linear.bf16_linear(x, wp, n, dot)
     assert full.dtype == torch.bfloat16 and full.shape == (19, n)
     # one rounding to bf16 of a sum that fp32 computes within ~1e-6 relative: at most one bf16 step
     torch.testing.assert_close(full.double(), reference(x, w).bfloat16().double(), rtol=8e-3, atol=1e-2)
     assert (full.double() != reference(x, w).bfloat16().double()).float().mean() < 0.01
     for rows in (1, 2, 3, 7, 8, 9, 16, 17):  # 8-row blocks and every tail
-        got = bf16_linear.bf16_linear(x[:rows], wp, n)
+        got = bf16_linear.bf16_linear(x[:rows], wp, n, dot)
         assert torch.equal(got, full[:rows]), rows  # bit for bit: a verify's rows = one-row steps'
     x3 = x[:6].view(2, 3, k)  # [B, T, H], as the lm_head sees it
-    assert torch.equal(bf16_linear.bf16_linear(x3, wp, n), full[:6].view(2, 3, n))
+    assert torch.equal(bf16_linear.bf16_linear(x3, wp, n, dot), full[:6].view(2, 3, n))
     xt = torch.randn(k, 4).bfloat16().t()  # a strided input
     want = reference(xt, w).bfloat16().double()
-    torch.testing.assert_close(bf16_linear.bf16_linear(xt, wp, n).double(), want, rtol=8e-3, atol=1e-2)
+    torch.testing.assert_close(bf16_linear.bf16_linear(xt, wp, n, dot).double(), want, rtol=8e-3, atol=1e-2)
+
+
+def test_dot_product_choice(monkeypatch):
+    monkeypatch.setattr(bf16_linear, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.delenv(bf16_linear.DOT_ENV, raising=False)
+    assert bf16_linear.dot_default()  # measured faster there (Zen 4)
+    monkeypatch.setattr(bf16_linear, "cpu_vendor", lambda: "GenuineIntel")
+    assert not bf16_linear.dot_default()  # the FMAs measured faster there
+    monkeypatch.setenv(bf16_linear.DOT_ENV, "vdpbf16ps")
+    assert bf16_linear.dot_default()
+    target = tiny_target(layers=1).to(torch.bfloat16)
+    cpu_linears.use_bf16_linears(target)
+    assert all(m.dot for m in target.modules() if isinstance(m, cpu_linears.Bf16Linear))
+    monkeypatch.setenv(bf16_linear.DOT_ENV, "fma")
+    assert not bf16_linear.dot_default()
+    monkeypatch.setenv(bf16_linear.DOT_ENV, "amx")
+    with pytest.raises(ValueError, match="EAGLE_BF16_DOT='amx': use auto, vdpbf16ps or fma"):
+        bf16_linear.dot_default()
 
 
 def test_kernel_names_bad_input():
@@ -98,11 +118,13 @@ def test_bf16_linears_eager_compiled_and_large_calls():
         assert (F.linear in targets) is not ours, (rows, targets)
 
 
-def test_bf16_speculative_greedy_identical_to_plain_on_the_kernels(attention_on):
+@pytest.mark.parametrize("dot", ["fma", "vdpbf16ps"])
+def test_bf16_speculative_greedy_identical_to_plain_on_the_kernels(attention_on, dot, monkeypatch):
     """Our Linears and attention give a row the same bits whatever rows come with it, so in bf16
     too a verify's logits are the one-row steps' and greedy speculative decoding equals plain
     greedy decoding token for token, eager and compiled (Inductor's C++ wrapper, rounding as
-    eager does). Logits close to those on torch's Linears."""
+    eager does). Logits close to those on torch's Linears. On FMAs and on vdpbf16ps alike."""
+    monkeypatch.setenv(bf16_linear.DOT_ENV, dot)
     fp32_target, fp32_head = target_with_head_dim_64(layers=3)
     target, head = fp32_target.to(torch.bfloat16), fp32_head.to(torch.bfloat16)
     prompts = prompts_for(target.config.vocab_size)

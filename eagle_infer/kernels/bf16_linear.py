@@ -4,11 +4,13 @@ torch.ops.eagle.bf16_linear. Built once per machine like avx2_linear (avx2_linea
 
     wp = pack(linear.weight)                       # [ceil(N / 32), ceil(K / 2), 32, 2]
     y = torch.ops.eagle.bf16_linear(x, wp, N)      # ~ F.linear(x, linear.weight), bf16
+    y = torch.ops.eagle.bf16_linear(x, wp, N, True)  # the same on vdpbf16ps (dot_default)
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -17,12 +19,35 @@ from torch import Tensor
 
 PANEL = 32
 SOURCE = Path(__file__).with_name("bf16_linear.cpp")
-FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]  # bf16: the output rounding (vcvtneps2bf16)
+FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]  # bf16: vdpbf16ps, vcvtneps2bf16
+DOT_ENV = "EAGLE_BF16_DOT"  # auto | vdpbf16ps | fma
 
 
 def supported() -> bool:
     """Whether this CPU has AVX512-BF16 (vdpbf16ps)."""
     return torch.cpu._is_avx512_bf16_supported()
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (AuthenticAMD, GenuineIntel), or "" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
+def dot_default() -> bool:
+    """Whether the kernel multiplies on vdpbf16ps (True) or on fp32 FMAs (False): $EAGLE_BF16_DOT,
+    where "auto" = vdpbf16ps on AMD CPUs. Measured (scripts/probe_bf16_linear.py, 2 threads): on a
+    2-core AMD EPYC (Zen 4) vdpbf16ps 1.0-1.1x the FMAs at 1-5 rows and 1.2-1.6x at 8-16; on a
+    2-core Intel Xeon (AVX512-BF16, no AMX) the FMAs ran twice vdpbf16ps's multiply-adds a cycle
+    (oneDNN's bf16 Linears, which use it, 1.6x slower at 16 rows). One choice a process: a row's
+    bits depend on it, and greedy speculative output equals plain output only within one choice."""
+    choice = os.environ.get(DOT_ENV, "auto")
+    if choice not in ("auto", "vdpbf16ps", "fma"):
+        raise ValueError(f"{DOT_ENV}={choice!r}: use auto, vdpbf16ps or fma")
+    return choice == "vdpbf16ps" or (choice == "auto" and cpu_vendor() == "AuthenticAMD")
 
 
 @functools.cache
@@ -33,7 +58,7 @@ def load() -> None:
     build("eagle_bf16_linear", SOURCE, FLAGS)
 
     @torch.library.register_fake("eagle::bf16_linear")
-    def _(x: Tensor, packed_weight: Tensor, out_features: int) -> Tensor:
+    def _(x: Tensor, packed_weight: Tensor, out_features: int, dot: bool = False) -> Tensor:
         return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -46,7 +71,8 @@ def pack(weight: Tensor) -> Tensor:
     return padded.reshape(-1, PANEL, (k + 1) // 2, 2).transpose(1, 2).contiguous()
 
 
-def bf16_linear(x: Tensor, packed_weight: Tensor, out_features: int) -> Tensor:
-    """x [..., K] bf16 @ W.T -> [..., out_features] bf16 through W's packed copy (pack)."""
+def bf16_linear(x: Tensor, packed_weight: Tensor, out_features: int, dot: bool = False) -> Tensor:
+    """x [..., K] bf16 @ W.T -> [..., out_features] bf16 through W's packed copy (pack), on fp32
+    FMAs or (dot) on vdpbf16ps."""
     load()
-    return torch.ops.eagle.bf16_linear(x, packed_weight, out_features)
+    return torch.ops.eagle.bf16_linear(x, packed_weight, out_features, dot)
