@@ -13,6 +13,10 @@ and ":dot" pick its multiply (kernels/bf16_linear.dot_default: fp32 FMAs or vdpb
     python scripts/ab_cpu_linears.py --backends avx2 avx2:py --json results/ab_cpp_wrapper.json
     python scripts/ab_cpu_linears.py --dtype bf16 --backends onednn onednn:cpp --json results/ab.json
     python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16:fma avx512_bf16:dot
+    python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16 --also-trees 3 4 8 2 4 6
+
+`--also-trees` times more trees after `--tree` in every round, on the same model (one backend
+suffices to compare trees).
 """
 
 from __future__ import annotations
@@ -84,6 +88,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--tree", type=int, nargs=3, default=[3, 4, 4], metavar=("STEPS", "TOPK", "TOKENS"))
+    ap.add_argument("--also-trees", type=int, nargs="*", default=[], metavar="STEPS TOPK TOKENS",
+                    help="more trees (three numbers each) timed after --tree in every round")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--json")
@@ -92,6 +98,9 @@ def main() -> None:
     tok = load_tokenizer(None)
     prompts = load_prompts(None, args.num_prompts, tok)
     tree = TreeConfig(*args.tree)
+    if len(args.also_trees) % 3:
+        ap.error("--also-trees takes three numbers a tree")
+    also = {"/".join(map(str, t)): TreeConfig(*t) for t in zip(*[iter(args.also_trees)] * 3)}
     runs = {}
     for b in args.backends:  # load, compile and warm every backend first
         backend, *off = b.split(":")
@@ -109,7 +118,10 @@ def main() -> None:
         longest = [max(prompts, key=len)]
         plain = bench_plain(model, longest, args.max_new_tokens, compile_steps=True)
         spec = bench_spec(model, head, longest, args.max_new_tokens, tree, compile_steps=True)
-        runs[b] = {"model": model, "head": head, "attention": attention, "wrapper": wrapper, "dot": dot,
+        for t in also.values():
+            bench_spec(model, head, longest, args.max_new_tokens, t, compile_steps=True)
+        runs[b] = {"also": {name: {"spec": [], "tau": None} for name in also},
+                   "model": model, "head": head, "attention": attention, "wrapper": wrapper, "dot": dot,
                    "warmup_s": {"plain": plain.warmup_s, "spec": spec.result.warmup_s},
                    "plain": [], "spec": [], "tau": None}
         print(f"{b}: warm-up {runs[b]['warmup_s']}", flush=True)
@@ -131,18 +143,29 @@ def main() -> None:
             else:
                 assert want.setdefault(b, p.outputs) == p.outputs, b
                 assert want.setdefault(b + " spec", s.result.outputs) == s.result.outputs, b
-            print(f"round {r} {b}: plain {p.tokens_per_s:.1f} tok/s, spec {s.result.tokens_per_s:.1f} "
-                  f"(tau {run['tau']})", flush=True)
+            line = (f"round {r} {b}: plain {p.tokens_per_s:.1f} tok/s, spec {s.result.tokens_per_s:.1f} "
+                    f"(tau {run['tau']})")
+            for name, t in also.items():
+                st = bench_spec(run["model"], run["head"], prompts, args.max_new_tokens, t,
+                                compile_steps=True)
+                run["also"][name]["spec"].append(st.result.tokens_per_s)
+                run["also"][name]["tau"] = round(st.stats.acceptance_length(), 3)
+                line += f", {name} {st.result.tokens_per_s:.1f} (tau {run['also'][name]['tau']})"
+            print(line, flush=True)
     out = {"machine": machine_info(args.dtype, "cpu"), "prompts": args.num_prompts,
            "max_new_tokens": args.max_new_tokens, "tree": args.tree, "rounds": args.rounds, "backends": {}}
     for b, run in runs.items():
         plain, spec = statistics.median(run["plain"]), statistics.median(run["spec"])
+        also_trees = {name: {"spec_tokens_per_s": round(statistics.median(a["spec"]), 2),
+                             "spec_runs": [round(x, 2) for x in a["spec"]], "tau": a["tau"]}
+                      for name, a in run["also"].items()}
         out["backends"][b] = {"plain_tokens_per_s": round(plain, 2), "spec_tokens_per_s": round(spec, 2),
                               "spec_vs_plain": round(spec / plain, 3), "tau": run["tau"],
                               "plain_runs": [round(x, 2) for x in run["plain"]],
                               "spec_runs": [round(x, 2) for x in run["spec"]], "warmup_s": run["warmup_s"],
                               "attention": "avx2" if run["attention"] else "sdpa",
-                              "inductor_wrapper": run["wrapper"], "bf16_dot": run["dot"]}
+                              "inductor_wrapper": run["wrapper"], "bf16_dot": run["dot"],
+                              "also_trees": also_trees}
         print(f"{b}: plain {plain:.1f}, spec {spec:.1f} tok/s ({spec / plain:.2f}x plain), tau {run['tau']}")
     if args.json:
         with open(args.json, "w") as f:
