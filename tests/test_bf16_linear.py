@@ -15,6 +15,7 @@ from test_avx2_attention import target_with_head_dim_64
 from test_speculative import prompts_for, tiny_target
 
 from eagle_infer import cpu_linears
+from eagle_infer.errors import UserError
 from eagle_infer.generate import ensure_cache, generate, prefill
 from eagle_infer.kernels import avx2_attention, bf16_linear
 from eagle_infer.loader import load_model
@@ -75,7 +76,7 @@ def test_dot_product_choice(monkeypatch):
     monkeypatch.setenv(bf16_linear.DOT_ENV, "fma")
     assert not bf16_linear.dot_default()
     monkeypatch.setenv(bf16_linear.DOT_ENV, "amx")
-    with pytest.raises(ValueError, match="EAGLE_BF16_DOT='amx': use auto, vdpbf16ps or fma"):
+    with pytest.raises(UserError, match="EAGLE_BF16_DOT must be auto, vdpbf16ps or fma, got 'amx'"):
         bf16_linear.dot_default()
 
 

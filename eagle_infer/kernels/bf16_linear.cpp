@@ -14,8 +14,9 @@
 //
 // With `dot`, vdpbf16ps multiplies instead (the bf16 inputs as they are, a k pair an instruction;
 // denormals flushed): on a 2-core AMD EPYC (Zen 4) it runs at the FMAs' rate with twice the
-// multiply-adds, so 1.0-1.1x them at 1-5 rows and 1.2-1.6x at 8-16 (the Xeon above: the other way
-// round). Each output is then one vdpbf16ps chain over the k pairs, whatever the rows, as above.
+// multiply-adds, so level with them at 1-4 rows, 1.3-1.7x at 8-16 and 2x at 64-512 (the Xeon
+// above: the other way round). Each output is then one vdpbf16ps chain over the k pairs, whatever
+// the rows, as above.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

@@ -40,13 +40,16 @@ def cpu_vendor() -> str:
 def dot_default() -> bool:
     """Whether the kernel multiplies on vdpbf16ps (True) or on fp32 FMAs (False): $EAGLE_BF16_DOT,
     where "auto" = vdpbf16ps on AMD CPUs. Measured (scripts/probe_bf16_linear.py, 2 threads): on a
-    2-core AMD EPYC (Zen 4) vdpbf16ps 1.0-1.1x the FMAs at 1-5 rows and 1.2-1.6x at 8-16; on a
+    2-core AMD EPYC (Zen 4) vdpbf16ps level with the FMAs at 1-4 rows, 1.3-1.7x at 8-16 and 2x at
+    64-512; on a
     2-core Intel Xeon (AVX512-BF16, no AMX) the FMAs ran twice vdpbf16ps's multiply-adds a cycle
     (oneDNN's bf16 Linears, which use it, 1.6x slower at 16 rows). One choice a process: a row's
     bits depend on it, and greedy speculative output equals plain output only within one choice."""
+    from eagle_infer.errors import UserError
+
     choice = os.environ.get(DOT_ENV, "auto")
     if choice not in ("auto", "vdpbf16ps", "fma"):
-        raise ValueError(f"{DOT_ENV}={choice!r}: use auto, vdpbf16ps or fma")
+        raise UserError(f"{DOT_ENV} must be auto, vdpbf16ps or fma, got {choice!r}")
     return choice == "vdpbf16ps" or (choice == "auto" and cpu_vendor() == "AuthenticAMD")
 
 
