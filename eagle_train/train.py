@@ -555,7 +555,8 @@ def is_complete(cfg: DictConfig) -> bool:
 class StopOnSignal:
     """While training: SIGTERM / SIGINT only set `signum`; the loop stops at the next optimizer
     step with its work saved, and run() then re-sends the signal (the handlers in place before
-    are back by then), so the caller sees the exit it expects. A second signal acts at once."""
+    are back by then), so the caller sees the exit it expects. A second signal acts at once. A
+    signal the process ignores (SIGINT in a background job, under nohup) stays ignored."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -565,7 +566,8 @@ class StopOnSignal:
 
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():  # where Python allows handlers
-            self._before = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+            self._before = {s: signal.signal(s, self._handle) for s in self.SIGNALS
+                            if signal.getsignal(s) is not signal.SIG_IGN}
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:

@@ -49,8 +49,10 @@ def run_cli(args: list[str], cwd: Path, kill: str | None = None, timeout: int = 
     env.pop("HYDRA_FULL_ERROR", None)
     if kill:
         env["EAGLE_TEST_KILL_AT"] = kill
+    # SIGINT as a terminal gives it (pytest-xdist's workers, and so their children, ignore it)
     p = subprocess.run([sys.executable, "-m", "eagle_train", *args], cwd=cwd, env=env,
-                       capture_output=True, text=True, timeout=timeout)
+                       capture_output=True, text=True, timeout=timeout,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out = p.stdout + p.stderr
     if kill is None:
         assert p.returncode == 0, out[-6000:]
@@ -186,13 +188,23 @@ def test_training_stopped_by_sigterm_or_sigint_saves_its_step_and_resumes_to_the
 def test_stop_on_signal_defers_the_first_signal_only_and_restores_the_handlers():
     from eagle_train.train import StopOnSignal
 
-    before = signal.getsignal(signal.SIGINT)
-    with StopOnSignal() as stop:
-        os.kill(os.getpid(), signal.SIGINT)
-        assert stop.signum == signal.SIGINT  # noted, nothing raised
-        with pytest.raises(KeyboardInterrupt):  # the second acts at once
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # (xdist's workers ignore it)
+    try:
+        with StopOnSignal() as stop:
             os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is before and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+            assert stop.signum == signal.SIGINT  # noted, nothing raised
+            with pytest.raises(KeyboardInterrupt):  # the second acts at once
+                os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        # an ignored signal stays ignored (a background job's SIGINT): no stop, nothing raised
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with StopOnSignal() as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert stop.signum is None
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_checkpoint_leftovers_are_cleaned_and_never_resumed_from(tmp_path):
