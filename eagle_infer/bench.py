@@ -565,12 +565,9 @@ def weight_bytes_per_token(model) -> int:
 def machine_info(dtype: str, device: str) -> dict:
     import transformers
 
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
+    from eagle_infer.loader import cpuinfo_field
+
+    cpu = cpuinfo_field("model name") or platform.processor()
     info = {
         "device": device,
         "cpu": cpu,

@@ -25,6 +25,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return next(name for name in ("fp32", "bf16", "fp16") if DTYPES[name] == dtype)
 
 
+def cpuinfo_field(name: str) -> str:
+    """The value of /proc/cpuinfo's first `name` line ("model name", "vendor_id"), or "" where
+    there is none (no such file, no such line)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith(name)), "")
+    except OSError:
+        return ""
+
+
 def cpu_has_fast_bf16() -> bool:
     """True on a CPU with bf16 instructions (AVX512-BF16 / AMX). Without them bf16 matmuls are
     emulated and run several times slower than fp32 (measured 3-50x on an AVX2 EPYC)."""

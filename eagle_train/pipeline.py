@@ -415,13 +415,9 @@ def cpu_name() -> str:
     """The CPU model (what a speedup on CPU depends on), from /proc/cpuinfo where there is one."""
     import platform
 
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from eagle_infer.loader import cpuinfo_field
+
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def run_bench(cfg: DictConfig) -> dict | None:

@@ -105,6 +105,7 @@ def main() -> None:
     for b in args.backends:  # load, compile and warm every backend first
         backend, *off = b.split(":")
         dot = "dot" in off or ("fma" not in off and bf16_linear.dot_default())
+        user_dot = os.environ.get(bf16_linear.DOT_ENV)  # the caller's, back after this backend's load
         os.environ[bf16_linear.DOT_ENV] = "vdpbf16ps" if dot else "fma"  # for the model and its head
         model = load_model(None, args.dtype, "cpu", cpu_linears=backend)
         # the attention kernel is a process-wide switch that compiled graphs guard on: set per run
@@ -113,7 +114,10 @@ def main() -> None:
         wrapper = "py" if "py" in off else "cpp" if "cpp" in off else "default"
         use_wrapper(wrapper)
         head = load_head_for(default_head_path("eagle3"), model)
-        os.environ.pop(bf16_linear.DOT_ENV)
+        if user_dot is None:
+            os.environ.pop(bf16_linear.DOT_ENV)
+        else:
+            os.environ[bf16_linear.DOT_ENV] = user_dot
         # the longest prompt at full length: the cache (and its graphs) at the rounds' size
         longest = [max(prompts, key=len)]
         plain = bench_plain(model, longest, args.max_new_tokens, compile_steps=True)

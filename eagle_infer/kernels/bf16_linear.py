@@ -30,21 +30,19 @@ def supported() -> bool:
 
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id (AuthenticAMD, GenuineIntel), or "" where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")), "")
-    except OSError:
-        return ""
+    from eagle_infer.loader import cpuinfo_field
+
+    return cpuinfo_field("vendor_id")
 
 
 def dot_default() -> bool:
     """Whether the kernel multiplies on vdpbf16ps (True) or on fp32 FMAs (False): $EAGLE_BF16_DOT,
     where "auto" = vdpbf16ps on AMD CPUs. Measured (scripts/probe_bf16_linear.py, 2 threads): on a
     2-core AMD EPYC (Zen 4) vdpbf16ps level with the FMAs at 1-4 rows, 1.3-1.7x at 8-16 and 2x at
-    64-512; on a
-    2-core Intel Xeon (AVX512-BF16, no AMX) the FMAs ran twice vdpbf16ps's multiply-adds a cycle
-    (oneDNN's bf16 Linears, which use it, 1.6x slower at 16 rows). One choice a process: a row's
-    bits depend on it, and greedy speculative output equals plain output only within one choice."""
+    64-512; on a 2-core Intel Xeon (AVX512-BF16, no AMX) the FMAs ran twice vdpbf16ps's
+    multiply-adds a cycle (oneDNN's bf16 Linears, which use it, 1.6x slower at 16 rows). One choice
+    a process: a row's bits depend on it, and greedy speculative output equals plain output only
+    within one choice."""
     from eagle_infer.errors import UserError
 
     choice = os.environ.get(DOT_ENV, "auto")
