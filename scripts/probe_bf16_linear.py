@@ -5,15 +5,25 @@ eagle_infer/kernels/bf16_linear.cpp) on fp32 FMAs ("ours") and on vdpbf16ps ("ou
 process. Each shape runs over as many distinct
 weights as fill `--mb` MB, more than the last-level cache holds (260 MB reported on the 2-core
 Xeon this was written on), so the weights stream from memory as in a decode step; the read rate
-is reported beside the time. Also reports each kernel's mean error against float64.
+is reported beside the time. Also reports each kernel's mean error against float64. The kernels
+take turns within each shape, so this VM's drift hits them alike. `--baseline SOURCE` adds another
+build of the kernel (another version of bf16_linear.cpp) as "baseline" / "baseline_dot", in the
+same process, and says whether its rows equal ours bit for bit: how a change to the kernel is
+measured per shape.
 
     python scripts/probe_bf16_linear.py --rows 1 4 16 64 512 --json results/probe_bf16_linear.json
+    git show HEAD~1:eagle_infer/kernels/bf16_linear.cpp > /tmp/before.cpp
+    python scripts/probe_bf16_linear.py --rows 1 9 17 --baseline /tmp/before.cpp \
+        --kernels ours_dot baseline_dot
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +37,20 @@ def onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
+def load_baseline(source: str) -> None:
+    """Build and load `source` (a version of bf16_linear.cpp) as torch.ops.eagle_baseline."""
+    from eagle_infer.kernels.avx2_linear import build
+
+    text = Path(source).read_text()
+    for macro in ("TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY_IMPL"):
+        if f"{macro}(eagle," not in text:
+            raise SystemExit(f"--baseline {source}: no {macro}(eagle, ...) block; not bf16_linear.cpp?")
+        text = text.replace(f"{macro}(eagle,", f"{macro}(eagle_baseline,")
+    copy = Path(tempfile.mkdtemp(prefix="bf16_baseline_")) / "bf16_linear_baseline.cpp"
+    copy.write_text(text)
+    build("eagle_bf16_linear_baseline", copy, bf16_linear.FLAGS)
+
+
 SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576),
           "down_proj": (576, 1536), "lm_head": (49152, 576)}
 
@@ -37,13 +61,18 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=400, help="MB of distinct weights a shape")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--baseline", metavar="SOURCE", help="another bf16_linear.cpp to time beside ours")
+    ap.add_argument("--kernels", nargs="+",
+                    help="only these (ours ours_dot onednn torch baseline baseline_dot)")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     bf16_linear.load()
+    if args.baseline:
+        load_baseline(args.baseline)
     out = {"threads": args.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
            "avx512_bf16": bf16_linear.supported(), "cpu_vendor": bf16_linear.cpu_vendor(),
-           "dot_default": bf16_linear.dot_default(), "shapes": {}}
+           "dot_default": bf16_linear.dot_default(), "baseline": args.baseline, "shapes": {}}
     for name, (n, k) in SHAPES.items():
         copies = max(2, int(args.mb * 1e6 // (n * k * 2)))
         weights = [(torch.randn(n, k) * 0.05).bfloat16() for _ in range(copies)]
@@ -58,13 +87,28 @@ def main() -> None:
                 "onednn": lambda x=x: [onednn(x, w) for w in onednn_w],  # noqa: B023
                 "torch": lambda x=x: [F.linear(x, w) for w in weights],  # noqa: B023
             }
+            if args.baseline:
+                baseline = torch.ops.eagle_baseline.bf16_linear
+                calls["baseline"] = lambda x=x: [baseline(x, w, n) for w in ours_w]  # noqa: B023
+                calls["baseline_dot"] = lambda x=x: [baseline(x, w, n, True) for w in ours_w]  # noqa: B023
+            if args.kernels:
+                calls = {name: fn for name, fn in calls.items() if name in args.kernels}
             want = F.linear(x.double(), weights[0].double())
             row = {"weights_mb": round(mb, 1)}
+            # the kernels take turns, one timed pass each a repetition: drift hits all alike
+            seconds = {kernel: [] for kernel in calls}
+            for _ in range(args.reps):
+                for kernel, fn in calls.items():
+                    seconds[kernel].append(median_seconds(fn, 1, 1 if seconds[kernel] else 2))
             for kernel, fn in calls.items():
-                err = (fn()[0].double() - want).abs().mean().item()
-                ms = 1e3 * median_seconds(fn, args.reps, 2) / copies
+                got = fn()[0]
+                err = (got.double() - want).abs().mean().item()
+                ms = 1e3 * statistics.median(seconds[kernel]) / copies
                 row[kernel] = {"ms_a_call": round(ms, 4), "gb_s": round(n * k * 2 / 1e6 / ms, 1),
                                "mean_abs_err": float(f"{err:.3g}")}
+                if kernel.startswith("baseline"):  # a rework of the kernel keeps its bits
+                    same = torch.equal(got, calls[kernel.replace("baseline", "ours")]()[0])
+                    row[kernel]["equal_to_ours"] = same
             out["shapes"].setdefault(name, {})[m] = row
             times = "  ".join(f"{kn} {row[kn]['ms_a_call']:7.3f} ms ({row[kn]['gb_s']:5.1f} GB/s)"
                               for kn in calls)

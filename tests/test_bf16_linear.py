@@ -41,18 +41,19 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dot", [False, True], ids=["fma", "vdpbf16ps"])
-@pytest.mark.parametrize("n,k", [(64, 64), (100, 576), (5, 7), (576, 1536)])
+@pytest.mark.parametrize("n,k", [(64, 64), (100, 576), (5, 7), (33, 100), (576, 1536)])
 def test_kernel_is_linear_and_rows_independent(n, k, dot):
     w = torch.randn(n, k).bfloat16()
     wp = bf16_linear.pack(w)
     assert wp.shape == (-(-n // 32), -(-k // 2), 32, 2) and wp.dtype == torch.bfloat16
-    x = torch.randn(19, k).bfloat16()
+    x = torch.randn(40, k).bfloat16()
     full = bf16_linear.bf16_linear(x, wp, n, dot)
-    assert full.dtype == torch.bfloat16 and full.shape == (19, n)
+    assert full.dtype == torch.bfloat16 and full.shape == (40, n)
     # one rounding to bf16 of a sum that fp32 computes within ~1e-6 relative: at most one bf16 step
     torch.testing.assert_close(full.double(), reference(x, w).bfloat16().double(), rtol=8e-3, atol=1e-2)
     assert (full.double() != reference(x, w).bfloat16().double()).float().mean() < 0.01
-    for rows in (1, 2, 3, 7, 8, 9, 16, 17):  # 8-row blocks and every tail
+    # tiles of 8 and every tail; 9-32 rows run k in chunks (100: a chunk and a part), 33+ do not
+    for rows in (1, 2, 3, 7, 8, 9, 16, 17, 19, 25, 32, 33):
         got = bf16_linear.bf16_linear(x[:rows], wp, n, dot)
         assert torch.equal(got, full[:rows]), rows  # bit for bit: a verify's rows = one-row steps'
     x3 = x[:6].view(2, 3, k)  # [B, T, H], as the lm_head sees it

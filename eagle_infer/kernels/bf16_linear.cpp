@@ -28,6 +28,12 @@
 namespace {
 
 constexpr int64_t kPanel = 32;  // columns per panel: two 16-float accumulators a row
+// On vdpbf16ps with 9-32 rows, k pairs each tile runs before the next tile takes the same 4 KB
+// of panel from L1 (rows_of).
+constexpr int64_t kChunk = 32;
+// k pairs ahead (8 KB of panel) that a chunk's first tile asks L2 for, so that the stream from
+// memory goes on while the other tiles multiply.
+constexpr int64_t kFar = 64;
 
 // k pairs prefetched ahead (128 bytes of panel a pair).
 template <int ROWS>
@@ -46,22 +52,58 @@ inline void store_row(at::BFloat16* y, __m512 a0, __m512 a1, int64_t cols) {
   }
 }
 
-// One panel (32 columns) for ROWS rows of x [ROWS, K] (fp32, K even): 2 * ROWS accumulators stay
-// in registers. A 32-bit lane of the packed weight holds w[n, 2p] (low half) and w[n, 2p + 1]
-// (high half); each half made an fp32 is a shift or a mask, so the bf16 weights feed fp32 FMAs,
-// twice vdpbf16ps's rate here (2 vs 0.5 a cycle) for the same multiply-adds at 8 rows and more.
-template <int ROWS>
-inline void panel(const float* __restrict__ x, int64_t K, const at::BFloat16* __restrict__ w,
-                  at::BFloat16* __restrict__ y, int64_t N, int64_t cols, std::false_type /*dot*/) {
-  __m512 acc[ROWS][2];
+// Where a tile's sums start and end: from zero in registers to the bf16 output rows y [ROWS, N]
+// (WHOLE: the tile runs over all of k), or from and to fp32 sums [ROWS, 2] kept between chunks.
+struct Out {
+  __m512* sums;
+  at::BFloat16* y;
+  int64_t N, cols;
+};
+
+template <int ROWS, bool WHOLE>
+inline void begin_sums(__m512 (&acc)[ROWS][2], const Out& out) {
 #pragma GCC unroll 8
-  for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int r = 0; r < ROWS; r++) {
+    if constexpr (WHOLE) {
+      acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    } else {
+      acc[r][0] = out.sums[2 * r], acc[r][1] = out.sums[2 * r + 1];
+    }
+  }
+}
+
+template <int ROWS, bool WHOLE>
+inline void end_sums(__m512 (&acc)[ROWS][2], const Out& out) {
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; r++) {
+    if constexpr (WHOLE) {
+      store_row(out.y + r * out.N, acc[r][0], acc[r][1], out.cols);
+    } else {
+      out.sums[2 * r] = acc[r][0], out.sums[2 * r + 1] = acc[r][1];
+    }
+  }
+}
+
+// One panel (32 columns) for ROWS rows of x [ROWS, K] (fp32, K even) over k pairs p0..p1, the
+// sums from and to `out`: 2 * ROWS accumulators stay in registers meanwhile.
+// A 32-bit lane of the packed weight holds w[n, 2p] (low half) and w[n, 2p + 1] (high half); each
+// half made an fp32 is a shift or a mask, so the bf16 weights feed fp32 FMAs, twice vdpbf16ps's
+// rate on the Xeon (2 vs 0.5 a cycle) for the same multiply-adds at 8 rows and more.
+template <int ROWS, bool LEAD, bool WHOLE>
+inline void tile(const float* __restrict__ x, int64_t K, const at::BFloat16* __restrict__ w,
+                 int64_t p0, int64_t p1, const Out& out, std::false_type /*dot*/) {
+  __m512 acc[ROWS][2];
+  begin_sums<ROWS, WHOLE>(acc, out);
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  for (int64_t p = 0; p < K / 2; p++) {
+  for (int64_t p = p0; p < p1; p++) {
     const at::BFloat16* wp = w + p * 2 * kPanel;
     // 128 bytes a pair: two cache lines to ask for (past the end is harmless: a hint)
     _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead<ROWS> * 2 * kPanel), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead<ROWS> * 2 * kPanel + kPanel), _MM_HINT_T0);
+    if constexpr (LEAD) {
+      _mm_prefetch(reinterpret_cast<const char*>(wp + kFar * 2 * kPanel), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(wp + kFar * 2 * kPanel + kPanel), _MM_HINT_T1);
+    }
     const __m512i v0 = _mm512_loadu_si512(wp), v1 = _mm512_loadu_si512(wp + kPanel);
     const __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
     const __m512 even1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
@@ -74,22 +116,24 @@ inline void panel(const float* __restrict__ x, int64_t K, const at::BFloat16* __
       acc[r][1] = _mm512_fmadd_ps(b, odd1, _mm512_fmadd_ps(a, even1, acc[r][1]));
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < ROWS; r++) store_row(y + r * N, acc[r][0], acc[r][1], cols);
+  end_sums<ROWS, WHOLE>(acc, out);
 }
 
 // The same panel on vdpbf16ps: x [ROWS, K] bf16 (K even), read a k pair (32 bits) at a time and
 // broadcast; the packed weight's lanes are already the pairs vdpbf16ps multiplies.
-template <int ROWS>
-inline void panel(const at::BFloat16* __restrict__ x, int64_t K, const at::BFloat16* __restrict__ w,
-                  at::BFloat16* __restrict__ y, int64_t N, int64_t cols, std::true_type /*dot*/) {
+template <int ROWS, bool LEAD, bool WHOLE>
+inline void tile(const at::BFloat16* __restrict__ x, int64_t K, const at::BFloat16* __restrict__ w,
+                 int64_t p0, int64_t p1, const Out& out, std::true_type /*dot*/) {
   __m512 acc[ROWS][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < K / 2; p++) {
+  begin_sums<ROWS, WHOLE>(acc, out);
+  for (int64_t p = p0; p < p1; p++) {
     const at::BFloat16* wp = w + p * 2 * kPanel;
     _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead<ROWS> * 2 * kPanel), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead<ROWS> * 2 * kPanel + kPanel), _MM_HINT_T0);
+    if constexpr (LEAD) {
+      _mm_prefetch(reinterpret_cast<const char*>(wp + kFar * 2 * kPanel), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(wp + kFar * 2 * kPanel + kPanel), _MM_HINT_T1);
+    }
     const __m512bh v0 = (__m512bh)_mm512_loadu_si512(wp), v1 = (__m512bh)_mm512_loadu_si512(wp + kPanel);
 #pragma GCC unroll 8
     for (int r = 0; r < ROWS; r++) {
@@ -100,25 +144,72 @@ inline void panel(const at::BFloat16* __restrict__ x, int64_t K, const at::BFloa
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], v1, a);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < ROWS; r++) store_row(y + r * N, acc[r][0], acc[r][1], cols);
+  end_sums<ROWS, WHOLE>(acc, out);
 }
 
-template <int ROWS, typename X, typename Dot>
-void rows_of(const X* x, int64_t M, int64_t K, const at::BFloat16* w, at::BFloat16* y, int64_t N,
-             int64_t cols, Dot dot) {
-  int64_t m = 0;
-  for (; m + ROWS <= M; m += ROWS) panel<ROWS>(x + m * K, K, w, y + m * N, N, cols, dot);
-  switch (M - m) {  // the rest, fewer than ROWS
-    case 7: panel<7>(x + m * K, K, w, y + m * N, N, cols, dot); break;
-    case 6: panel<6>(x + m * K, K, w, y + m * N, N, cols, dot); break;
-    case 5: panel<5>(x + m * K, K, w, y + m * N, N, cols, dot); break;
-    case 4: panel<4>(x + m * K, K, w, y + m * N, N, cols, dot); break;
-    case 3: panel<3>(x + m * K, K, w, y + m * N, N, cols, dot); break;
-    case 2: panel<2>(x + m * K, K, w, y + m * N, N, cols, dot); break;
-    case 1: panel<1>(x + m * K, K, w, y + m * N, N, cols, dot); break;
+// ROWS = rows (1-8) of tile<ROWS, LEAD, WHOLE>.
+template <bool LEAD, bool WHOLE, typename X, typename Dot>
+inline void tile_of(int64_t rows, const X* x, int64_t K, const at::BFloat16* w, int64_t p0,
+                    int64_t p1, const Out& out, Dot dot) {
+  switch (rows) {
+    case 8: tile<8, LEAD, WHOLE>(x, K, w, p0, p1, out, dot); break;
+    case 7: tile<7, LEAD, WHOLE>(x, K, w, p0, p1, out, dot); break;
+    case 6: tile<6, LEAD, WHOLE>(x, K, w, p0, p1, out, dot); break;
+    case 5: tile<5, LEAD, WHOLE>(x, K, w, p0, p1, out, dot); break;
+    case 4: tile<4, LEAD, WHOLE>(x, K, w, p0, p1, out, dot); break;
+    case 3: tile<3, LEAD, WHOLE>(x, K, w, p0, p1, out, dot); break;
+    case 2: tile<2, LEAD, WHOLE>(x, K, w, p0, p1, out, dot); break;
+    case 1: tile<1, LEAD, WHOLE>(x, K, w, p0, p1, out, dot); break;
     default: break;
   }
+}
+
+// All M rows of one panel, in tiles of up to 8 rows (16 accumulators in registers), each tile
+// over the whole of k: one row's step and a small tree's verify read the panel once. On vdpbf16ps
+// with 9-32 rows (a bigger tree, a batch's trees), tiles after the first would read the panel
+// again from cache after the first had streamed it from memory, compute-bound, one time after the
+// other; so there k runs in chunks of kChunk pairs that every tile takes in turn while the chunk's
+// weights sit in L1, the first tile leading the stream from memory (kFar), and the sums wait in a
+// buffer between chunks (exact fp32: each output is still one chain over k from zero whatever M).
+// Its tiles are of even size too (17 rows: 6 + 6 + 5, not 8 + 8 + 1): a tile of one or two rows
+// has too few chains to hide the instruction's latency. Measured on the Zen 4 EPYC against tile
+// after tile (scripts/probe_bf16_linear.py --baseline): a step's Linears 7-10% faster at 9-17
+// rows, level at 1-8 and 20-32; from 33 rows (prefill) the sums' trips cost more than the overlap
+// gains (64 rows: 5-10%, 512: 15%), so whole k there. The FMA loop, compute-bound from 9 rows on
+// the Zen 4, measured 2-6% slower chunked and with even tiles there, and is unmeasured so on the
+// Xeon where it is the default: it keeps tiles of 8 and the rest over the whole of k.
+constexpr int64_t kChunkedRows = 32;
+
+template <typename X, typename Dot>
+void rows_of(const X* x, int64_t M, int64_t K, const at::BFloat16* w, at::BFloat16* y, int64_t N,
+             int64_t cols, Dot dot) {
+  const int64_t pairs = K / 2, tiles = (M + 7) / 8;
+  const auto rows_of_tile = [&](int64_t t, int64_t m) -> int64_t {
+    return Dot::value ? M / tiles + (t >= tiles - M % tiles) : std::min<int64_t>(8, M - m);
+  };
+  if (!Dot::value || M <= 8 || M > kChunkedRows) {
+    for (int64_t t = 0, m = 0; t < tiles; t++) {
+      const int64_t rows = rows_of_tile(t, m);
+      tile_of<false, true>(rows, x + m * K, K, w, 0, pairs, Out{nullptr, y + m * N, N, cols}, dot);
+      m += rows;
+    }
+    return;
+  }
+  alignas(64) __m512 sums[2 * kChunkedRows];
+  for (int64_t i = 0; i < 2 * M; i++) sums[i] = _mm512_setzero_ps();
+  for (int64_t p0 = 0; p0 < pairs; p0 += kChunk) {
+    const int64_t p1 = std::min(pairs, p0 + kChunk);
+    for (int64_t t = 0, m = 0; t < tiles; t++) {
+      const int64_t rows = rows_of_tile(t, m);
+      const Out out{sums + 2 * m, nullptr, N, cols};
+      if (t == 0)
+        tile_of<true, false>(rows, x + m * K, K, w, p0, p1, out, dot);
+      else
+        tile_of<false, false>(rows, x + m * K, K, w, p0, p1, out, dot);
+      m += rows;
+    }
+  }
+  for (int64_t r = 0; r < M; r++) store_row(y + r * N, sums[2 * r], sums[2 * r + 1], cols);
 }
 
 at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& wp, int64_t N, bool dot) {
@@ -148,9 +239,9 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& wp, int64_t N, 
     for (int64_t p = begin; p < end; p++) {
       const int64_t cols = std::min(kPanel, N - p * kPanel);
       if (dot)
-        rows_of<8>(xh, M, Kp, wpp + p * panel_size, yp + p * kPanel, N, cols, std::true_type{});
+        rows_of(xh, M, Kp, wpp + p * panel_size, yp + p * kPanel, N, cols, std::true_type{});
       else
-        rows_of<8>(xf, M, Kp, wpp + p * panel_size, yp + p * kPanel, N, cols, std::false_type{});
+        rows_of(xf, M, Kp, wpp + p * panel_size, yp + p * kPanel, N, cols, std::false_type{});
     }
   });
   return y;
