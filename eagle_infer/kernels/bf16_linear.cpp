@@ -16,7 +16,8 @@
 // denormals flushed): on a 2-core AMD EPYC (Zen 4) it runs at the FMAs' rate with twice the
 // multiply-adds, so level with them at 1-4 rows, 1.3-1.7x at 8-16 and 2x at 64-512 (the Xeon
 // above: the other way round). Each output is then one vdpbf16ps chain over the k pairs, whatever
-// the rows, as above.
+// the rows, as above, also where 9-32 rows run k in chunks so that a bigger tree's verify streams
+// the weights while it multiplies (rows_of).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
