@@ -30,7 +30,7 @@ namespace {
 
 constexpr int64_t kPanel = 32;  // columns per panel: two 16-float accumulators a row
 // On vdpbf16ps with 9-32 rows, k pairs each tile runs before the next tile takes the same 4 KB
-// of panel from L1 (rows_of).
+// of panel from L1 (chunked_rows).
 constexpr int64_t kChunk = 32;
 // k pairs ahead (8 KB of panel) that a chunk's first tile asks L2 for, so that the stream from
 // memory goes on while the other tiles multiply.
@@ -50,6 +50,18 @@ inline void store_row(at::BFloat16* y, __m512 a0, __m512 a1, int64_t cols) {
     _mm256_store_si256(reinterpret_cast<__m256i*>(tail), lo);
     _mm256_store_si256(reinterpret_cast<__m256i*>(tail + 16), hi);
     std::memcpy(y, tail, cols * sizeof(at::BFloat16));
+  }
+}
+
+// Ask for the panel ahead of k pair `wp`: kAhead pairs into L1 (128 bytes a pair: two cache lines;
+// past the end is harmless, a hint), and for a chunk's leading tile kFar pairs into L2.
+template <int ROWS, bool LEAD>
+inline void prefetch(const at::BFloat16* wp) {
+  _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead<ROWS> * 2 * kPanel), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead<ROWS> * 2 * kPanel + kPanel), _MM_HINT_T0);
+  if constexpr (LEAD) {
+    _mm_prefetch(reinterpret_cast<const char*>(wp + kFar * 2 * kPanel), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(wp + kFar * 2 * kPanel + kPanel), _MM_HINT_T1);
   }
 }
 
@@ -98,13 +110,7 @@ inline void tile(const float* __restrict__ x, int64_t K, const at::BFloat16* __r
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t p = p0; p < p1; p++) {
     const at::BFloat16* wp = w + p * 2 * kPanel;
-    // 128 bytes a pair: two cache lines to ask for (past the end is harmless: a hint)
-    _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead<ROWS> * 2 * kPanel), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead<ROWS> * 2 * kPanel + kPanel), _MM_HINT_T0);
-    if constexpr (LEAD) {
-      _mm_prefetch(reinterpret_cast<const char*>(wp + kFar * 2 * kPanel), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(wp + kFar * 2 * kPanel + kPanel), _MM_HINT_T1);
-    }
+    prefetch<ROWS, LEAD>(wp);
     const __m512i v0 = _mm512_loadu_si512(wp), v1 = _mm512_loadu_si512(wp + kPanel);
     const __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
     const __m512 even1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
@@ -129,12 +135,7 @@ inline void tile(const at::BFloat16* __restrict__ x, int64_t K, const at::BFloat
   begin_sums<ROWS, WHOLE>(acc, out);
   for (int64_t p = p0; p < p1; p++) {
     const at::BFloat16* wp = w + p * 2 * kPanel;
-    _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead<ROWS> * 2 * kPanel), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead<ROWS> * 2 * kPanel + kPanel), _MM_HINT_T0);
-    if constexpr (LEAD) {
-      _mm_prefetch(reinterpret_cast<const char*>(wp + kFar * 2 * kPanel), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(wp + kFar * 2 * kPanel + kPanel), _MM_HINT_T1);
-    }
+    prefetch<ROWS, LEAD>(wp);
     const __m512bh v0 = (__m512bh)_mm512_loadu_si512(wp), v1 = (__m512bh)_mm512_loadu_si512(wp + kPanel);
 #pragma GCC unroll 8
     for (int r = 0; r < ROWS; r++) {
@@ -181,36 +182,46 @@ inline void tile_of(int64_t rows, const X* x, int64_t K, const at::BFloat16* w, 
 // Xeon where it is the default: it keeps tiles of 8 and the rest over the whole of k.
 constexpr int64_t kChunkedRows = 32;
 
-template <typename X, typename Dot>
-void rows_of(const X* x, int64_t M, int64_t K, const at::BFloat16* w, at::BFloat16* y, int64_t N,
-             int64_t cols, Dot dot) {
+// Rows of tile t of `tiles` over M rows: even sizes on vdpbf16ps, else 8 and the rest (m: the
+// rows of the tiles before).
+template <typename Dot>
+inline int64_t tile_rows(int64_t t, int64_t tiles, int64_t m, int64_t M) {
+  return Dot::value ? M / tiles + (t >= tiles - M % tiles) : std::min<int64_t>(8, M - m);
+}
+
+// 9-32 rows on vdpbf16ps: k in chunks, every tile in turn, the sums in a buffer between chunks.
+inline void chunked_rows(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* w,
+                         at::BFloat16* y, int64_t N, int64_t cols) {
   const int64_t pairs = K / 2, tiles = (M + 7) / 8;
-  const auto rows_of_tile = [&](int64_t t, int64_t m) -> int64_t {
-    return Dot::value ? M / tiles + (t >= tiles - M % tiles) : std::min<int64_t>(8, M - m);
-  };
-  if (!Dot::value || M <= 8 || M > kChunkedRows) {
-    for (int64_t t = 0, m = 0; t < tiles; t++) {
-      const int64_t rows = rows_of_tile(t, m);
-      tile_of<false, true>(rows, x + m * K, K, w, 0, pairs, Out{nullptr, y + m * N, N, cols}, dot);
-      m += rows;
-    }
-    return;
-  }
   alignas(64) __m512 sums[2 * kChunkedRows];
   for (int64_t i = 0; i < 2 * M; i++) sums[i] = _mm512_setzero_ps();
   for (int64_t p0 = 0; p0 < pairs; p0 += kChunk) {
     const int64_t p1 = std::min(pairs, p0 + kChunk);
     for (int64_t t = 0, m = 0; t < tiles; t++) {
-      const int64_t rows = rows_of_tile(t, m);
+      const int64_t rows = tile_rows<std::true_type>(t, tiles, m, M);
       const Out out{sums + 2 * m, nullptr, N, cols};
       if (t == 0)
-        tile_of<true, false>(rows, x + m * K, K, w, p0, p1, out, dot);
+        tile_of<true, false>(rows, x + m * K, K, w, p0, p1, out, std::true_type{});
       else
-        tile_of<false, false>(rows, x + m * K, K, w, p0, p1, out, dot);
+        tile_of<false, false>(rows, x + m * K, K, w, p0, p1, out, std::true_type{});
       m += rows;
     }
   }
   for (int64_t r = 0; r < M; r++) store_row(y + r * N, sums[2 * r], sums[2 * r + 1], cols);
+}
+
+template <typename X, typename Dot>
+void rows_of(const X* x, int64_t M, int64_t K, const at::BFloat16* w, at::BFloat16* y, int64_t N,
+             int64_t cols, Dot dot) {
+  if constexpr (Dot::value) {
+    if (M > 8 && M <= kChunkedRows) return chunked_rows(x, M, K, w, y, N, cols);
+  }
+  const int64_t tiles = (M + 7) / 8;
+  for (int64_t t = 0, m = 0; t < tiles; t++) {
+    const int64_t rows = tile_rows<Dot>(t, tiles, m, M);
+    tile_of<false, true>(rows, x + m * K, K, w, 0, K / 2, Out{nullptr, y + m * N, N, cols}, dot);
+    m += rows;
+  }
 }
 
 at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& wp, int64_t N, bool dot) {
