@@ -60,16 +60,12 @@ def bench_once(code: Path, ext_dir: Path, bench_args: list[str], out: Path) -> d
 def summary(run: dict) -> dict:
     """The numbers compared: plain tokens/s, and per tree tokens/s, τ and verify / plain step."""
     trees = {}
-    for row in run.get("sweep") or []:
+    # a sweep's rows, or the one tree a plain bench run reports with the same keys at its top level
+    for row in run.get("sweep") or ([run] if run.get("tree") else []):
         t = row["tree"]
         trees[f"{t['num_steps']}/{t['eagle_topk']}/{t['num_draft_tokens']}"] = {
             "tokens_per_s": row["tokens_per_s"], "tau": row["acceptance_length"],
-            "verify_vs_plain_step": row["verify_vs_plain_step"]}
-    if not trees and run.get("tree"):
-        t = run["tree"]
-        trees[f"{t['num_steps']}/{t['eagle_topk']}/{t['num_draft_tokens']}"] = {
-            "tokens_per_s": run["tokens_per_s"], "tau": run["acceptance_length"],
-            "verify_vs_plain_step": run.get("verify_vs_plain_step")}
+            "verify_vs_plain_step": row.get("verify_vs_plain_step")}
     return {"plain_tokens_per_s": run["plain_tokens_per_s"], "trees": trees,
             "mem_read_bandwidth_gb_s": run.get("mem_read_bandwidth_gb_s")}
 
