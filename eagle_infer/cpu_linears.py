@@ -437,12 +437,14 @@ class FrozenCompile:
 
 def compile_settings(*modules: nn.Module) -> FrozenCompile | None:
     """How compiled steps over these modules (a target and its head) compile on a CPU: on
-    FROZEN_GEMM (FrozenCompile) where the target's Linears are int8 or its cpu_linears is
-    "inductor", on a CPU whose template kernels exist (AVX2 / AVX-512); else None (defaults)."""
+    FROZEN_GEMM (FrozenCompile) where the target's Linears are int8 on torch's kernel (not ours) or
+    its cpu_linears is "inductor", on a CPU whose template kernels exist (AVX2 / AVX-512); else
+    None (defaults)."""
     from eagle_infer.quantize import Int8Linear
 
     frozen = (getattr(modules[0], "cpu_linears", None) == "inductor"
-              or any(isinstance(m, Int8Linear) for mod in modules for m in mod.modules()))
+              or any(isinstance(m, Int8Linear) and not m.ours
+                     for mod in modules for m in mod.modules()))
     if not frozen or not template_isa():
         return None
     return FrozenCompile(FROZEN_GEMM, modules)

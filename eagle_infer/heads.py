@@ -525,7 +525,7 @@ def load_head_for(path: str | os.PathLike, target) -> DraftHead:
         head.target_lm_head_module = [target.lm_head]
     quantization = getattr(target, "quantization", "none")
     if quantization != "none":
-        quantize_linears(head, quantization)
+        quantize_linears(head, quantization, getattr(target, "cpu_linears", "torch"))
     else:
         from eagle_infer.cpu_linears import use_backend_linears
 

@@ -157,7 +157,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
             except Exception as e:  # the Linear kernel built, so this is unexpected: say so, go on
                 warnings.warn(f"the avx2 attention kernel did not build ({e}); attention runs on SDPA",
                               stacklevel=2)
-    quantize_linears(model, quantization)
+    quantize_linears(model, quantization, model.cpu_linears)
     model.quantization = quantization
     model.source_path = folder
     return model

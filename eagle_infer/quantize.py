@@ -17,6 +17,14 @@ So do layers whose input size is not a multiple of 16: the kernel computed wrong
 on some (torch 2.13, AVX2 CPU: in_features 4 or 12 gave garbage, 5 or 33 a segfault; 8 and 24
 were right), and its AVX-512 path, unmeasured here, works in 16-wide vectors.
 
+On a CPU with AVX512-BF16 where the target's Linears run our bf16 kernel (cpu_linears
+"avx512_bf16"), calls of up to its BF16_MAX_ROWS rows, eager and compiled, run the same kernel on
+the int8 weights instead (kernels/bf16_linear.cpp, int8_linear: each output's fp32 sum over k
+times its scale, rounded to bf16 once; vdpbf16ps or FMAs as the bf16 kernel's `dot`), and
+compiled steps keep our kernels' settings rather than Inductor's template (compile_settings).
+Measured on a 2-core AMD EPYC (Zen 4), default target, ms a step's Linears (probe_bf16_linear.py
+--kernels ours_dot int8_dot): 1 / 4 / 8 rows bf16 10.2 / 10.1 / 10.6, int8 5.6 / 5.8 / 6.7.
+
 Speculative decoding follows this quantized target, not the unquantized model: greedy output
 equals the quantized target's plain greedy output in the tests (tiny targets,
 tests/test_quantize.py). On the default target it agrees, but can part at near-ties: rounding
@@ -31,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from eagle_infer.cpu_linears import BF16_MAX_ROWS
 from eagle_infer.errors import UserError
 
 QUANTIZATIONS = ("none", "int8")
@@ -48,7 +57,9 @@ def quantize_weight(w: Tensor) -> tuple[Tensor, Tensor]:
 class Int8Linear(nn.Module):
     """A Linear whose weight is int8 with per-row bf16 scales; inputs and outputs keep their dtype."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, ours: bool = False, dot: bool = False):
+        """ours: calls of up to BF16_MAX_ROWS rows on our kernel (int8_linear, on vdpbf16ps where
+        `dot`), else on torch's (_weight_int8pack_mm where in_features % 16 == 0)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.use_kernel = linear.in_features % 16 == 0
@@ -57,6 +68,13 @@ class Int8Linear(nn.Module):
         self.scale = nn.Parameter(scale, requires_grad=False)
         bias = linear.bias
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.ours, self.dot = ours, dot
+        if ours:  # the kernel's packed copy and scales, outside the state dict
+            from eagle_infer.kernels import bf16_linear
+
+            packed, packed_scale = bf16_linear.pack_int8(q, scale)
+            self.register_buffer("packed_weight", packed, persistent=False)
+            self.register_buffer("packed_scale", packed_scale, persistent=False)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The weight this layer computes with, [out, in]."""
@@ -65,7 +83,10 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, in]
-        if self.use_kernel and x2.shape[0] <= MAX_ROWS:
+        if self.ours and x2.shape[0] <= BF16_MAX_ROWS:
+            y = torch.ops.eagle.int8_linear(x2, self.packed_weight, self.packed_scale, self.out_features,
+                                            self.dot)  # [M, out] bf16
+        elif self.use_kernel and x2.shape[0] <= MAX_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scale)  # [M, out] bf16
         else:
             y = F.linear(x2.float(), self.dequantized()).bfloat16()
@@ -75,12 +96,15 @@ class Int8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weight-only"
+        kernel = f", ours ({'vdpbf16ps' if self.dot else 'fma'})" if self.ours else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weight-only{kernel}"
 
 
-def quantize_linears(model: nn.Module, quantization: str) -> int:
+def quantize_linears(model: nn.Module, quantization: str, cpu_linears: str = "torch") -> int:
     """Replace every nn.Linear of `model` by an Int8Linear ("int8"); returns how many. A tied
-    lm_head gets its own int8 copy and the embedding keeps its dtype (a step reads one row)."""
+    lm_head gets its own int8 copy and the embedding keeps its dtype (a step reads one row).
+    cpu_linears: the target's backend (load_model's); "avx512_bf16" = our kernel on the int8
+    weights, on vdpbf16ps or FMAs as the bf16 kernel would (bf16_linear.dot_default)."""
     if quantization not in QUANTIZATIONS:
         raise UserError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if quantization == "none":
@@ -91,11 +115,18 @@ def quantize_linears(model: nn.Module, quantization: str) -> int:
                         f"the model is on {dev}")
     if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
         raise UserError("quantization=int8 needs torch's aten._weight_int8pack_mm (torch >= 2.3)")
+    ours = cpu_linears == "avx512_bf16"
+    dot = False
+    if ours:
+        from eagle_infer.kernels import bf16_linear
+
+        bf16_linear.load()
+        dot = bf16_linear.dot_default()
     n = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, Int8Linear(child))
+                setattr(parent, name, Int8Linear(child, ours, dot))
                 n += 1
     return n
 

@@ -6,7 +6,9 @@ thing the "avx2" backend turns on: ":sdpa" runs attention on torch's SDPA instea
 kernels/avx2_attention, ":py" compiles steps with Inductor's Python wrapper instead of its C++
 one (cpu_linears.step_options); ":cpp" compiles them with the C++ wrapper where the default is
 the Python one (e.g. bf16 "onednn"); they combine ("avx2:sdpa:py"). For "avx512_bf16", ":fma"
-and ":dot" pick its multiply (kernels/bf16_linear.dot_default: fp32 FMAs or vdpbf16ps).
+and ":dot" pick its multiply (kernels/bf16_linear.dot_default: fp32 FMAs or vdpbf16ps). ":int8"
+loads the target with weight-only int8 Linears (`--quantization int8`; with "avx512_bf16" on our
+kernel, with the others on torch's and, compiled, Inductor's template).
 
     python scripts/ab_cpu_linears.py --backends avx2 inductor --rounds 3 --json results/ab.json
     python scripts/ab_cpu_linears.py --backends avx2 avx2:sdpa --json results/ab_attention.json
@@ -14,6 +16,7 @@ and ":dot" pick its multiply (kernels/bf16_linear.dot_default: fp32 FMAs or vdpb
     python scripts/ab_cpu_linears.py --dtype bf16 --backends onednn onednn:cpp --json results/ab.json
     python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16:fma avx512_bf16:dot
     python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16 --also-trees 3 4 8 2 4 6
+    python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16 avx512_bf16:int8 onednn:int8
 
 `--also-trees` times more trees after `--tree` in every round, on the same model (one backend
 suffices to compare trees).
@@ -107,7 +110,8 @@ def main() -> None:
         dot = "dot" in off or ("fma" not in off and bf16_linear.dot_default())
         user_dot = os.environ.get(bf16_linear.DOT_ENV)  # the caller's, back after this backend's load
         os.environ[bf16_linear.DOT_ENV] = "vdpbf16ps" if dot else "fma"  # for the model and its head
-        model = load_model(None, args.dtype, "cpu", cpu_linears=backend)
+        quantization = "int8" if "int8" in off else "none"
+        model = load_model(None, args.dtype, "cpu", cpu_linears=backend, quantization=quantization)
         # the attention kernel is a process-wide switch that compiled graphs guard on: set per run
         attention = avx2_attention.enabled() and "sdpa" not in off
         avx2_attention.enable(attention)
@@ -126,6 +130,7 @@ def main() -> None:
             bench_spec(model, head, longest, args.max_new_tokens, t, compile_steps=True)
         runs[b] = {"also": {name: {"spec": [], "tau": None} for name in also},
                    "model": model, "head": head, "attention": attention, "wrapper": wrapper, "dot": dot,
+                   "quantization": quantization,
                    "warmup_s": {"plain": plain.warmup_s, "spec": spec.result.warmup_s},
                    "plain": [], "spec": [], "tau": None}
         print(f"{b}: warm-up {runs[b]['warmup_s']}", flush=True)
@@ -169,6 +174,7 @@ def main() -> None:
                               "spec_runs": [round(x, 2) for x in run["spec"]], "warmup_s": run["warmup_s"],
                               "attention": "avx2" if run["attention"] else "sdpa",
                               "inductor_wrapper": run["wrapper"], "bf16_dot": run["dot"],
+                              "quantization": run["quantization"],
                               "also_trees": also_trees}
         print(f"{b}: plain {plain:.1f}, spec {spec:.1f} tok/s ({spec / plain:.2f}x plain), tau {run['tau']}")
     if args.json:

@@ -1,15 +1,16 @@
 """The default target's Linear shapes at M rows in bf16 (a plain step is 1 row, a verify of the
 CPU default tree 4, of the GPU default tree 16, prefill chunks more): oneDNN's prepacked bf16
 Linear (cpu_linears="onednn"), torch's F.linear and our AVX-512 kernel (cpu_linears="avx512_bf16",
-eagle_infer/kernels/bf16_linear.cpp) on fp32 FMAs ("ours") and on vdpbf16ps ("ours_dot"), in one
+eagle_infer/kernels/bf16_linear.cpp) on fp32 FMAs ("ours") and on vdpbf16ps ("ours_dot"), and
+the same kernel on the weights made int8 (`--quantization int8`: "int8", "int8_dot"), in one
 process. Each shape runs over as many distinct
 weights as fill `--mb` MB, more than the last-level cache holds (260 MB reported on the 2-core
 Xeon this was written on), so the weights stream from memory as in a decode step; the read rate
 is reported beside the time. Also reports each kernel's mean error against float64. The kernels
 take turns within each shape, so this VM's drift hits them alike. `--baseline SOURCE` adds another
-build of the kernel (another version of bf16_linear.cpp) as "baseline" / "baseline_dot", in the
-same process, and says whether its rows equal ours bit for bit: how a change to the kernel is
-measured per shape.
+build of the kernel (another version of bf16_linear.cpp) as "baseline" / "baseline_dot" (and
+"baseline_int8" / "baseline_int8_dot" where it has int8_linear), in the same process, and says
+whether its rows equal ours bit for bit: how a change to the kernel is measured per shape.
 
     python scripts/probe_bf16_linear.py --rows 1 4 16 64 512 --json results/probe_bf16_linear.json
     git show HEAD~1:eagle_infer/kernels/bf16_linear.cpp > /tmp/before.cpp
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 from eagle_infer.bench import median_seconds
 from eagle_infer.kernels import bf16_linear
+from eagle_infer.quantize import quantize_weight
 
 
 def onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -63,7 +65,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--baseline", metavar="SOURCE", help="another bf16_linear.cpp to time beside ours")
     ap.add_argument("--kernels", nargs="+",
-                    help="only these (ours ours_dot onednn torch baseline baseline_dot)")
+                    help="only these (ours ours_dot int8 int8_dot onednn torch baseline baseline_dot "
+                         "baseline_int8 baseline_int8_dot)")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -77,6 +80,7 @@ def main() -> None:
         copies = max(2, int(args.mb * 1e6 // (n * k * 2)))
         weights = [(torch.randn(n, k) * 0.05).bfloat16() for _ in range(copies)]
         ours_w = [bf16_linear.pack(w) for w in weights]
+        int8_w = [bf16_linear.pack_int8(*quantize_weight(w)) for w in weights]
         onednn_w = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
         mb = copies * n * k * 2 / 1e6
         for m in args.rows:
@@ -84,6 +88,8 @@ def main() -> None:
             calls = {
                 "ours": lambda x=x: [bf16_linear.bf16_linear(x, w, n) for w in ours_w],  # noqa: B023
                 "ours_dot": lambda x=x: [bf16_linear.bf16_linear(x, w, n, True) for w in ours_w],  # noqa: B023
+                "int8": lambda x=x: [bf16_linear.int8_linear(x, w, s, n) for w, s in int8_w],  # noqa: B023
+                "int8_dot": lambda x=x: [bf16_linear.int8_linear(x, w, s, n, True) for w, s in int8_w],  # noqa: B023
                 "onednn": lambda x=x: [onednn(x, w) for w in onednn_w],  # noqa: B023
                 "torch": lambda x=x: [F.linear(x, w) for w in weights],  # noqa: B023
             }
@@ -91,6 +97,10 @@ def main() -> None:
                 baseline = torch.ops.eagle_baseline.bf16_linear
                 calls["baseline"] = lambda x=x: [baseline(x, w, n) for w in ours_w]  # noqa: B023
                 calls["baseline_dot"] = lambda x=x: [baseline(x, w, n, True) for w in ours_w]  # noqa: B023
+                if hasattr(torch.ops.eagle_baseline, "int8_linear"):
+                    base8 = torch.ops.eagle_baseline.int8_linear
+                    calls["baseline_int8"] = lambda x=x: [base8(x, w, s, n) for w, s in int8_w]  # noqa: B023
+                    calls["baseline_int8_dot"] = lambda x=x: [base8(x, w, s, n, True) for w, s in int8_w]  # noqa: B023
             if args.kernels:
                 calls = {name: fn for name, fn in calls.items() if name in args.kernels}
             want = F.linear(x.double(), weights[0].double())
@@ -104,10 +114,13 @@ def main() -> None:
                 got = fn()[0]
                 err = (got.double() - want).abs().mean().item()
                 ms = 1e3 * statistics.median(seconds[kernel]) / copies
-                row[kernel] = {"ms_a_call": round(ms, 4), "gb_s": round(n * k * 2 / 1e6 / ms, 1),
+                weight_bytes = n * k * (1 if "int8" in kernel else 2)
+                row[kernel] = {"ms_a_call": round(ms, 4), "gb_s": round(weight_bytes / 1e6 / ms, 1),
                                "mean_abs_err": float(f"{err:.3g}")}
                 if kernel.startswith("baseline"):  # a rework of the kernel keeps its bits
-                    ours = bf16_linear.bf16_linear(x, ours_w[0], n, kernel.endswith("_dot"))
+                    dot = kernel.endswith("_dot")
+                    ours = (bf16_linear.int8_linear(x, *int8_w[0], n, dot) if "int8" in kernel
+                            else bf16_linear.bf16_linear(x, ours_w[0], n, dot))
                     row[kernel]["equal_to_ours"] = torch.equal(got, ours)
             out["shapes"].setdefault(name, {})[m] = row
             times = "  ".join(f"{kn} {row[kn]['ms_a_call']:7.3f} ms ({row[kn]['gb_s']:5.1f} GB/s)"

@@ -19,6 +19,7 @@ from eagle_infer.errors import UserError
 from eagle_infer.generate import ensure_cache, generate, prefill
 from eagle_infer.kernels import avx2_attention, bf16_linear
 from eagle_infer.loader import load_model
+from eagle_infer.quantize import quantize_weight
 from eagle_infer.speculative import SpecDecoder, generate_speculative
 from eagle_infer.tree import TreeConfig
 
@@ -63,6 +64,26 @@ def test_kernel_is_linear_and_rows_independent(n, k, dot):
     torch.testing.assert_close(bf16_linear.bf16_linear(xt, wp, n, dot).double(), want, rtol=8e-3, atol=1e-2)
 
 
+@pytest.mark.parametrize("dot", [False, True], ids=["fma", "vdpbf16ps"])
+@pytest.mark.parametrize("n,k", [(64, 64), (100, 576), (5, 7), (33, 100)])
+def test_int8_kernel_is_the_quantized_linear_and_rows_independent(n, k, dot):
+    """The int8 weights' kernel (quantize.Int8Linear on "avx512_bf16"): x @ (q * scale).T, each
+    output's sum times its scale rounded once, a row's bits whatever rows come with it."""
+    w = torch.randn(n, k) * torch.logspace(-2, 0, n)[:, None]  # rows of different scales
+    q, scale = quantize_weight(w)
+    wp, s = bf16_linear.pack_int8(q, scale)
+    assert wp.shape == (-(-n // 32), -(-k // 2), 32, 2) and wp.dtype == torch.int8
+    assert s.shape == (wp.shape[0] * 32,) and s.dtype == torch.float32
+    x = torch.randn(40, k).bfloat16()
+    full = bf16_linear.int8_linear(x, wp, s, n, dot)
+    assert full.dtype == torch.bfloat16 and full.shape == (40, n)
+    want = (x.double() @ q.double().T * scale.double()).bfloat16().double()
+    torch.testing.assert_close(full.double(), want, rtol=8e-3, atol=1e-4)
+    assert (full.double() != want).float().mean() < 0.01
+    for rows in (1, 2, 3, 7, 8, 9, 17, 32, 33):  # whole k, chunks of k (9-32 on vdpbf16ps), whole
+        assert torch.equal(bf16_linear.int8_linear(x[:rows], wp, s, n, dot), full[:rows]), rows
+
+
 def test_dot_product_choice(monkeypatch):
     monkeypatch.setattr(bf16_linear, "cpu_vendor", lambda: "AuthenticAMD")
     monkeypatch.delenv(bf16_linear.DOT_ENV, raising=False)
@@ -83,12 +104,22 @@ def test_dot_product_choice(monkeypatch):
 
 def test_kernel_names_bad_input():
     wp = bf16_linear.pack(torch.randn(30, 16))
-    with pytest.raises(RuntimeError, match="bf16 only"):
+    with pytest.raises(RuntimeError, match="bf16_linear: bf16 inputs only, got Float"):
         bf16_linear.bf16_linear(torch.randn(2, 16), wp, 30)
     with pytest.raises(RuntimeError, match="does not hold 30 outputs of 8 inputs"):
         bf16_linear.bf16_linear(torch.randn(2, 8).bfloat16(), wp, 30)
     with pytest.raises(RuntimeError, match="does not hold 49 outputs"):
         bf16_linear.bf16_linear(torch.randn(2, 16).bfloat16(), wp, 49)
+    x = torch.randn(2, 16).bfloat16()
+    with pytest.raises(RuntimeError, match="bf16_linear: bf16 packed weight only, got Char"):
+        bf16_linear.bf16_linear(x, wp.to(torch.int8), 30)
+    q8, s8 = bf16_linear.pack_int8(*quantize_weight(torch.randn(30, 16)))
+    with pytest.raises(RuntimeError, match="int8_linear: int8 packed weight only, got BFloat16"):
+        bf16_linear.int8_linear(x, wp, s8, 30)
+    with pytest.raises(RuntimeError, match="scale must be a contiguous fp32 CPU vector of 32"):
+        bf16_linear.int8_linear(x, q8, s8[:30], 30)
+    with pytest.raises(RuntimeError, match="scale must be .* got BFloat16"):
+        bf16_linear.int8_linear(x, q8, s8.bfloat16(), 30)
 
 
 def test_bf16_linears_eager_compiled_and_large_calls():

@@ -4,15 +4,19 @@ output equals the quantized target's plain greedy output, eager and compiled."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
+from test_avx2_attention import target_with_head_dim_64
 from test_speculative import oracle_head, prompts_for, random_head, tiny_target
 
-from eagle_infer import quantize
+from eagle_infer import cpu_linears, quantize
 from eagle_infer.errors import UserError
 from eagle_infer.generate import generate
 from eagle_infer.heads import load_head_for, save_head
+from eagle_infer.kernels import avx2_attention, bf16_linear
 from eagle_infer.loader import load_model
 from eagle_infer.quantize import Int8Linear, quantize_linears, quantize_weight
 from eagle_infer.speculative import SpecDecoder, generate_speculative
@@ -109,6 +113,68 @@ def test_load_model_int8_and_a_head_for_it(tiny_model_dir, tmp_path):
     prompts = prompts_for(target.config.vocab_size, lens=(7,))
     spec, _ = generate_speculative(target, head, prompts, 16, tree=TreeConfig())
     assert spec == generate(target, prompts, 16)
+
+
+@pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without AVX512-BF16")
+@pytest.mark.parametrize("dot", ["fma", "vdpbf16ps"])
+def test_int8_on_our_kernel_speculative_identical_to_plain_eager_and_compiled(dot, monkeypatch):
+    """A bf16 target on "avx512_bf16" quantized: its Linears and its head's run our kernel on the
+    int8 weights, compiled steps call it with our kernels' settings (not the frozen template),
+    and greedy speculative decoding equals plain greedy decoding of the quantized target, eager
+    and compiled, in bf16."""
+    monkeypatch.setenv(bf16_linear.DOT_ENV, dot)
+    before = avx2_attention.enabled()
+    avx2_attention.enable()
+    try:
+        target, head = target_with_head_dim_64(layers=2)
+        target, head = target.to(torch.bfloat16), head.to(torch.bfloat16)
+        prompts = prompts_for(target.config.vocab_size)
+        torch_plain = generate(target, prompts, 24)
+        on_torch = copy.deepcopy(target)
+        quantize_linears(on_torch, "int8")
+        on_torch = generate(on_torch, prompts, 24)  # torch's int8 kernel: the same quantized function
+        target.cpu_linears = "avx512_bf16"
+        n = quantize_linears(target, "int8", target.cpu_linears)
+        quantize_linears(head, "int8", target.cpu_linears)  # as load_head_for does
+        int8s = [m for mod in (target, head) for m in mod.modules() if isinstance(m, Int8Linear)]
+        assert len(int8s) > n and all(m.ours and m.dot == (dot == "vdpbf16ps") for m in int8s)
+        assert target.state_dict().keys() >= {"lm_head.weight_int8", "lm_head.scale"}
+        assert not any("packed" in k for k in target.state_dict())  # not checkpoint tensors
+        assert cpu_linears.compile_settings(target, head) is None
+        assert cpu_linears.step_options(target, None, None) == {"cpp_wrapper": True,
+                                                                "emulate_precision_casts": True}
+        plain = generate(target, prompts, 24)
+        assert plain != torch_plain  # quantized
+        # torch's kernel rounds its bf16 output differently: mostly the same tokens
+        agree = sum(a == b for p, q in zip(plain, on_torch) for a, b in zip(p, q))
+        assert agree > 0.5 * sum(map(len, plain))
+        for tree in (TreeConfig(3, 4, 4), TreeConfig.chain(3)):
+            spec, _ = generate_speculative(target, head, prompts, 24, tree=tree)
+            assert spec == plain, tree
+        assert generate(target, prompts, 24, compile=True) == plain
+        tree = TreeConfig(3, 4, 4)
+        dec = SpecDecoder(target, head, tree, max_batch=4, max_seq_len=128).compile()
+        spec, _ = generate_speculative(target, head, prompts, 24, tree=tree, decoder=dec)
+        assert spec == plain
+    finally:
+        avx2_attention.enable(before)
+
+
+@pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without AVX512-BF16")
+def test_load_model_int8_on_our_kernel(tiny_model_dir, tmp_path):
+    path = tiny_model_dir("llama")
+    target = load_model(path, "bf16", "cpu", cpu_linears="avx512_bf16", quantization="int8")
+    assert target.cpu_linears == "avx512_bf16" and target.lm_head.ours
+    save_head(random_head(load_model(path, "fp32", "cpu"), "eagle3", draft_vocab=40), tmp_path / "e3",
+              dtype=torch.float32)
+    head = load_head_for(tmp_path / "e3", target)
+    assert type(head.fc) is Int8Linear and head.fc.ours
+    prompts = prompts_for(target.config.vocab_size, lens=(7,))
+    spec, _ = generate_speculative(target, head, prompts, 16, tree=TreeConfig())
+    assert spec == generate(target, prompts, 16)
+    onednn = load_model(path, "bf16", "cpu", cpu_linears="onednn", quantization="int8")
+    assert not onednn.lm_head.ours  # torch's int8 kernel, the frozen template when compiled
+    assert cpu_linears.compile_settings(onednn) is not None
 
 
 def test_bad_quantization_requests_name_the_problem(tiny_model_dir):

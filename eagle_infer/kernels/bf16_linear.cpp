@@ -18,6 +18,12 @@
 // above: the other way round). Each output is then one vdpbf16ps chain over the k pairs, whatever
 // the rows, as above, also where 9-32 rows run k in chunks so that a bigger tree's verify streams
 // the weights while it multiplies (rows_of).
+//
+// int8 weights (int8_linear: weight-only int8, one fp32 scale a column): the same panels with a
+// byte a weight, half the bytes a step streams. Each k pair of 32 columns (64 bytes, one cache
+// line) is made fp32 in registers (exact: |q| <= 127) and then, for vdpbf16ps, bf16 (exact too),
+// and multiplied as the bf16 weights are; an output is its chain over k times its scale, rounded
+// to bf16 once, whatever the rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -29,18 +35,24 @@
 namespace {
 
 constexpr int64_t kPanel = 32;  // columns per panel: two 16-float accumulators a row
-// On vdpbf16ps with 9-32 rows, k pairs each tile runs before the next tile takes the same 4 KB
-// of panel from L1 (chunked_rows).
-constexpr int64_t kChunk = 32;
+// On vdpbf16ps with 9-32 rows, the bytes of panel (32 k pairs of bf16) each tile runs before the
+// next tile takes them from L1 (chunked_rows).
+constexpr int64_t kChunkBytes = 4096;
 // k pairs ahead (8 KB of panel) that a chunk's first tile asks L2 for, so that the stream from
 // memory goes on while the other tiles multiply.
 constexpr int64_t kFar = 64;
 
-// k pairs prefetched ahead (128 bytes of panel a pair).
+// k pairs prefetched ahead (128 bytes of bf16 panel a pair: the same bytes ahead for int8).
 template <int ROWS>
 constexpr int64_t kAhead = ROWS == 1 ? 8 : 16;
 
-inline void store_row(at::BFloat16* y, __m512 a0, __m512 a1, int64_t cols) {
+// Bytes of panel a k pair: 128 for bf16 weights, 64 for int8.
+template <typename W>
+constexpr int64_t kPairBytes = 2 * kPanel * sizeof(W);
+
+// scale: the columns' int8 scales (nullptr for bf16 weights).
+inline void store_row(at::BFloat16* y, __m512 a0, __m512 a1, int64_t cols, const float* scale) {
+  if (scale) a0 = _mm512_mul_ps(a0, _mm512_loadu_ps(scale)), a1 = _mm512_mul_ps(a1, _mm512_loadu_ps(scale + 16));
   const __m256i lo = (__m256i)_mm512_cvtneps_pbh(a0), hi = (__m256i)_mm512_cvtneps_pbh(a1);
   if (cols == kPanel) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), lo);
@@ -53,15 +65,54 @@ inline void store_row(at::BFloat16* y, __m512 a0, __m512 a1, int64_t cols) {
   }
 }
 
-// Ask for the panel ahead of k pair `wp`: kAhead pairs into L1 (128 bytes a pair: two cache lines;
-// past the end is harmless, a hint), and for a chunk's leading tile kFar pairs into L2.
-template <int ROWS, bool LEAD>
-inline void prefetch(const at::BFloat16* wp) {
-  _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead<ROWS> * 2 * kPanel), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead<ROWS> * 2 * kPanel + kPanel), _MM_HINT_T0);
+// Ask for the panel ahead of k pair `wp`: kAhead bf16 pairs' bytes into L1 (a pair's cache lines;
+// past the end is harmless, a hint), and for a chunk's leading tile kFar bf16 pairs' bytes into L2.
+template <int ROWS, bool LEAD, typename W>
+inline void prefetch(const W* wp) {
+  const char* b = reinterpret_cast<const char*>(wp);
+#pragma GCC unroll 2
+  for (int64_t line = 0; line < kPairBytes<W>; line += 64)
+    _mm_prefetch(b + kAhead<ROWS> * kPairBytes<at::BFloat16> + line, _MM_HINT_T0);
   if constexpr (LEAD) {
-    _mm_prefetch(reinterpret_cast<const char*>(wp + kFar * 2 * kPanel), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(wp + kFar * 2 * kPanel + kPanel), _MM_HINT_T1);
+#pragma GCC unroll 2
+    for (int64_t line = 0; line < kPairBytes<W>; line += 64)
+      _mm_prefetch(b + kFar * kPairBytes<at::BFloat16> + line, _MM_HINT_T1);
+  }
+}
+
+// A k pair of a panel's 32 columns as the FMA loop takes it: w[n, 2p] (even) and w[n, 2p + 1]
+// (odd) in fp32, columns 0-15 in [0], 16-31 in [1]. A 32-bit lane of bf16 weights holds the pair,
+// the even one in its low half: each made an fp32 is a shift or a mask.
+inline void load_pair(const at::BFloat16* wp, __m512 (&even)[2], __m512 (&odd)[2]) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const __m512i v0 = _mm512_loadu_si512(wp), v1 = _mm512_loadu_si512(wp + kPanel);
+  even[0] = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
+  even[1] = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
+  odd[0] = _mm512_castsi512_ps(_mm512_and_si512(v0, high));
+  odd[1] = _mm512_castsi512_ps(_mm512_and_si512(v1, high));
+}
+
+// int8 weights: 32 bytes (16 columns' pairs) widened to 16-bit lanes, each half sign-extended.
+inline void load_pair(const int8_t* wp, __m512 (&even)[2], __m512 (&odd)[2]) {
+  for (int h = 0; h < 2; h++) {
+    const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + h * kPanel)));
+    even[h] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 16));
+    odd[h] = _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 16));
+  }
+}
+
+// A k pair of 32 columns as vdpbf16ps takes it: bf16 weights' lanes already are the pairs; int8
+// ones go through fp32 (16 weights at a time) to bf16, exactly.
+inline void load_pair(const at::BFloat16* wp, __m512bh (&v)[2]) {
+  v[0] = (__m512bh)_mm512_loadu_si512(wp), v[1] = (__m512bh)_mm512_loadu_si512(wp + kPanel);
+}
+
+inline void load_pair(const int8_t* wp, __m512bh (&v)[2]) {
+  for (int h = 0; h < 2; h++) {
+    const auto* q = reinterpret_cast<const __m128i*>(wp + h * kPanel);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
+    v[h] = _mm512_cvtne2ps_pbh(hi, lo);
   }
 }
 
@@ -71,6 +122,7 @@ struct Out {
   __m512* sums;
   at::BFloat16* y;
   int64_t N, cols;
+  const float* scale;  // int8 weights' column scales, else nullptr
 };
 
 template <int ROWS, bool WHOLE>
@@ -90,7 +142,7 @@ inline void end_sums(__m512 (&acc)[ROWS][2], const Out& out) {
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; r++) {
     if constexpr (WHOLE) {
-      store_row(out.y + r * out.N, acc[r][0], acc[r][1], out.cols);
+      store_row(out.y + r * out.N, acc[r][0], acc[r][1], out.cols, out.scale);
     } else {
       out.sums[2 * r] = acc[r][0], out.sums[2 * r + 1] = acc[r][1];
     }
@@ -98,60 +150,56 @@ inline void end_sums(__m512 (&acc)[ROWS][2], const Out& out) {
 }
 
 // One panel (32 columns) for ROWS rows of x [ROWS, K] (fp32, K even) over k pairs p0..p1, the
-// sums from and to `out`: 2 * ROWS accumulators stay in registers meanwhile.
-// A 32-bit lane of the packed weight holds w[n, 2p] (low half) and w[n, 2p + 1] (high half); each
-// half made an fp32 is a shift or a mask, so the bf16 weights feed fp32 FMAs, twice vdpbf16ps's
-// rate on the Xeon (2 vs 0.5 a cycle) for the same multiply-adds at 8 rows and more.
-template <int ROWS, bool LEAD, bool WHOLE>
-inline void tile(const float* __restrict__ x, int64_t K, const at::BFloat16* __restrict__ w,
-                 int64_t p0, int64_t p1, const Out& out, std::false_type /*dot*/) {
+// sums from and to `out`: 2 * ROWS accumulators stay in registers meanwhile. The weights made
+// fp32 (load_pair) feed fp32 FMAs, twice vdpbf16ps's rate on the Xeon (2 vs 0.5 a cycle) for the
+// same multiply-adds at 8 rows and more.
+template <int ROWS, bool LEAD, bool WHOLE, typename W>
+inline void tile(const float* __restrict__ x, int64_t K, const W* __restrict__ w, int64_t p0,
+                 int64_t p1, const Out& out, std::false_type /*dot*/) {
   __m512 acc[ROWS][2];
   begin_sums<ROWS, WHOLE>(acc, out);
-  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t p = p0; p < p1; p++) {
-    const at::BFloat16* wp = w + p * 2 * kPanel;
+    const W* wp = w + p * 2 * kPanel;
     prefetch<ROWS, LEAD>(wp);
-    const __m512i v0 = _mm512_loadu_si512(wp), v1 = _mm512_loadu_si512(wp + kPanel);
-    const __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
-    const __m512 even1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
-    const __m512 odd0 = _mm512_castsi512_ps(_mm512_and_si512(v0, high));
-    const __m512 odd1 = _mm512_castsi512_ps(_mm512_and_si512(v1, high));
+    __m512 even[2], odd[2];
+    load_pair(wp, even, odd);
 #pragma GCC unroll 8
     for (int r = 0; r < ROWS; r++) {  // k = 2p, then 2p + 1: one FMA chain over k per output
       const __m512 a = _mm512_set1_ps(x[r * K + 2 * p]), b = _mm512_set1_ps(x[r * K + 2 * p + 1]);
-      acc[r][0] = _mm512_fmadd_ps(b, odd0, _mm512_fmadd_ps(a, even0, acc[r][0]));
-      acc[r][1] = _mm512_fmadd_ps(b, odd1, _mm512_fmadd_ps(a, even1, acc[r][1]));
+      acc[r][0] = _mm512_fmadd_ps(b, odd[0], _mm512_fmadd_ps(a, even[0], acc[r][0]));
+      acc[r][1] = _mm512_fmadd_ps(b, odd[1], _mm512_fmadd_ps(a, even[1], acc[r][1]));
     }
   }
   end_sums<ROWS, WHOLE>(acc, out);
 }
 
 // The same panel on vdpbf16ps: x [ROWS, K] bf16 (K even), read a k pair (32 bits) at a time and
-// broadcast; the packed weight's lanes are already the pairs vdpbf16ps multiplies.
-template <int ROWS, bool LEAD, bool WHOLE>
-inline void tile(const at::BFloat16* __restrict__ x, int64_t K, const at::BFloat16* __restrict__ w,
-                 int64_t p0, int64_t p1, const Out& out, std::true_type /*dot*/) {
+// broadcast against the weights' pairs.
+template <int ROWS, bool LEAD, bool WHOLE, typename W>
+inline void tile(const at::BFloat16* __restrict__ x, int64_t K, const W* __restrict__ w, int64_t p0,
+                 int64_t p1, const Out& out, std::true_type /*dot*/) {
   __m512 acc[ROWS][2];
   begin_sums<ROWS, WHOLE>(acc, out);
   for (int64_t p = p0; p < p1; p++) {
-    const at::BFloat16* wp = w + p * 2 * kPanel;
+    const W* wp = w + p * 2 * kPanel;
     prefetch<ROWS, LEAD>(wp);
-    const __m512bh v0 = (__m512bh)_mm512_loadu_si512(wp), v1 = (__m512bh)_mm512_loadu_si512(wp + kPanel);
+    __m512bh v[2];
+    load_pair(wp, v);
 #pragma GCC unroll 8
     for (int r = 0; r < ROWS; r++) {
       int32_t pair;
       std::memcpy(&pair, x + r * K + 2 * p, sizeof(pair));
       const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], v0, a);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], v1, a);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], v[0], a);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], v[1], a);
     }
   }
   end_sums<ROWS, WHOLE>(acc, out);
 }
 
 // ROWS = rows (1-8) of tile<ROWS, LEAD, WHOLE>.
-template <bool LEAD, bool WHOLE, typename X, typename Dot>
-inline void tile_of(int64_t rows, const X* x, int64_t K, const at::BFloat16* w, int64_t p0,
+template <bool LEAD, bool WHOLE, typename X, typename W, typename Dot>
+inline void tile_of(int64_t rows, const X* x, int64_t K, const W* w, int64_t p0,
                     int64_t p1, const Out& out, Dot dot) {
   switch (rows) {
     case 8: tile<8, LEAD, WHOLE>(x, K, w, p0, p1, out, dot); break;
@@ -190,48 +238,78 @@ inline int64_t tile_rows(int64_t t, int64_t tiles, int64_t m, int64_t M) {
 }
 
 // 9-32 rows on vdpbf16ps: k in chunks, every tile in turn, the sums in a buffer between chunks.
-inline void chunked_rows(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* w,
-                         at::BFloat16* y, int64_t N, int64_t cols) {
+// int8 weights: each chunk of the panel is made bf16 once, into an L1 buffer (exact: the values
+// the one-row path makes in registers), which every tile multiplies as bf16 weights (the same
+// vdpbf16ps chain over k per output as one row's), where tiles over the int8 panel would each
+// convert it again (10 instructions a k pair of 32 columns, against a row's 2 vdpbf16ps).
+// Measured on the Zen 4 EPYC (probe_bf16_linear.py --baseline): int8 Linears at 9 and 17 rows
+// 6-12% faster than chunks that each tile converts, 32 rows 5% slower; at 64-512 rows whole-k
+// tiles that convert for themselves were 15-20% faster than this, and on the FMA loop it was
+// level: so only here.
+template <typename W>
+inline void chunked_rows(const at::BFloat16* x, int64_t M, int64_t K, const W* w, at::BFloat16* y,
+                         int64_t N, int64_t cols, const float* scale) {
+  constexpr int64_t kChunk = kChunkBytes / kPairBytes<at::BFloat16>;
+  constexpr bool kInt8 = std::is_same_v<W, int8_t>;
   const int64_t pairs = K / 2, tiles = (M + 7) / 8;
   alignas(64) __m512 sums[2 * kChunkedRows];
+  alignas(64) at::BFloat16 converted[kInt8 ? kChunk * 2 * kPanel : 1];
   for (int64_t i = 0; i < 2 * M; i++) sums[i] = _mm512_setzero_ps();
   for (int64_t p0 = 0; p0 < pairs; p0 += kChunk) {
-    const int64_t p1 = std::min(pairs, p0 + kChunk);
+    const int64_t n = std::min(kChunk, pairs - p0);
+    const at::BFloat16* chunk;  // k pairs p0..p0 + n of the panel, bf16
+    if constexpr (kInt8) {
+      for (int64_t p = 0; p < n; p++) {
+        const int8_t* wp = w + (p0 + p) * 2 * kPanel;
+        prefetch<1, true>(wp);
+        __m512bh v[2];
+        load_pair(wp, v);
+        _mm512_store_si512(converted + p * 2 * kPanel, (__m512i)v[0]);
+        _mm512_store_si512(converted + p * 2 * kPanel + kPanel, (__m512i)v[1]);
+      }
+      chunk = converted;
+    } else {
+      chunk = w + p0 * 2 * kPanel;
+    }
     for (int64_t t = 0, m = 0; t < tiles; t++) {
       const int64_t rows = tile_rows<std::true_type>(t, tiles, m, M);
-      const Out out{sums + 2 * m, nullptr, N, cols};
-      if (t == 0)
-        tile_of<true, false>(rows, x + m * K, K, w, p0, p1, out, std::true_type{});
+      const Out out{sums + 2 * m, nullptr, N, cols, nullptr};
+      const at::BFloat16* xt = x + m * K + 2 * p0;
+      if (t == 0 && !kInt8)  // the first tile leads the stream from memory
+        tile_of<true, false>(rows, xt, K, chunk, 0, n, out, std::true_type{});
       else
-        tile_of<false, false>(rows, x + m * K, K, w, p0, p1, out, std::true_type{});
+        tile_of<false, false>(rows, xt, K, chunk, 0, n, out, std::true_type{});
       m += rows;
     }
   }
-  for (int64_t r = 0; r < M; r++) store_row(y + r * N, sums[2 * r], sums[2 * r + 1], cols);
+  for (int64_t r = 0; r < M; r++) store_row(y + r * N, sums[2 * r], sums[2 * r + 1], cols, scale);
 }
 
-template <typename X, typename Dot>
-void rows_of(const X* x, int64_t M, int64_t K, const at::BFloat16* w, at::BFloat16* y, int64_t N,
-             int64_t cols, Dot dot) {
+template <typename X, typename W, typename Dot>
+void rows_of(const X* x, int64_t M, int64_t K, const W* w, at::BFloat16* y, int64_t N,
+             int64_t cols, const float* scale, Dot dot) {
   if constexpr (Dot::value) {
-    if (M > 8 && M <= kChunkedRows) return chunked_rows(x, M, K, w, y, N, cols);
+    if (M > 8 && M <= kChunkedRows) return chunked_rows(x, M, K, w, y, N, cols, scale);
   }
   const int64_t tiles = (M + 7) / 8;
   for (int64_t t = 0, m = 0; t < tiles; t++) {
     const int64_t rows = tile_rows<Dot>(t, tiles, m, M);
-    tile_of<false, true>(rows, x + m * K, K, w, 0, K / 2, Out{nullptr, y + m * N, N, cols}, dot);
+    tile_of<false, true>(rows, x + m * K, K, w, 0, K / 2, Out{nullptr, y + m * N, N, cols, scale}, dot);
     m += rows;
   }
 }
 
-at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& wp, int64_t N, bool dot) {
-  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16,
-              "bf16_linear: bf16 only, got ", x_in.scalar_type(), " and ", wp.scalar_type());
-  TORCH_CHECK(x_in.device().is_cpu() && wp.device().is_cpu(), "bf16_linear: CPU tensors only");
+// y = x @ W.T (times the column scales for int8 W) through the packed weight wp [panels, K / 2,
+// 32, 2] of W's dtype; `name` for the errors.
+template <typename W>
+at::Tensor linear(const char* name, const at::Tensor& x_in, const at::Tensor& wp, const float* scale,
+                  int64_t N, bool dot) {
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, name, ": bf16 inputs only, got ", x_in.scalar_type());
+  TORCH_CHECK(x_in.device().is_cpu() && wp.device().is_cpu(), name, ": CPU tensors only");
   const int64_t K = x_in.size(-1);
   TORCH_CHECK(wp.dim() == 4 && wp.size(1) == (K + 1) / 2 && wp.size(2) == kPanel && wp.size(3) == 2 &&
                   wp.size(0) * kPanel >= N && wp.is_contiguous(),
-              "bf16_linear: packed weight ", wp.sizes(), " does not hold ", N, " outputs of ", K,
+              name, ": packed weight ", wp.sizes(), " does not hold ", N, " outputs of ", K,
               " inputs in 32-column panels of k pairs");
   // inputs read by every panel: fp32 for the FMAs, bf16 for vdpbf16ps; an odd K gets a zero
   // column to meet the weight's zero row
@@ -244,27 +322,46 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& wp, int64_t N, 
   if (M == 0 || N == 0) return y;
   const float* xf = dot ? nullptr : x.data_ptr<float>();
   const at::BFloat16* xh = dot ? x.data_ptr<at::BFloat16>() : nullptr;
-  const auto* wpp = wp.data_ptr<at::BFloat16>();
+  const W* wpp = wp.data_ptr<W>();
   auto* yp = y.data_ptr<at::BFloat16>();
   const int64_t panels = (N + kPanel - 1) / kPanel, panel_size = Kp * kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; p++) {
       const int64_t cols = std::min(kPanel, N - p * kPanel);
+      const float* s = scale ? scale + p * kPanel : nullptr;
       if (dot)
-        rows_of(xh, M, Kp, wpp + p * panel_size, yp + p * kPanel, N, cols, std::true_type{});
+        rows_of(xh, M, Kp, wpp + p * panel_size, yp + p * kPanel, N, cols, s, std::true_type{});
       else
-        rows_of(xf, M, Kp, wpp + p * panel_size, yp + p * kPanel, N, cols, std::false_type{});
+        rows_of(xf, M, Kp, wpp + p * panel_size, yp + p * kPanel, N, cols, s, std::false_type{});
     }
   });
   return y;
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N, bool dot) {
+  TORCH_CHECK(wp.scalar_type() == at::kBFloat16, "bf16_linear: bf16 packed weight only, got ", wp.scalar_type());
+  return linear<at::BFloat16>("bf16_linear", x, wp, nullptr, N, dot);
+}
+
+// scale: fp32 [panels * 32], zero-padded past N (pack_int8).
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale, int64_t N,
+                       bool dot) {
+  TORCH_CHECK(wp.scalar_type() == at::kChar, "int8_linear: int8 packed weight only, got ", wp.scalar_type());
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous() &&
+                  scale.size(0) == wp.size(0) * kPanel && scale.device().is_cpu(),
+              "int8_linear: scale must be a contiguous fp32 CPU vector of ", wp.size(0) * kPanel,
+              " (a packed panel's 32 columns each), got ", scale.scalar_type(), " ", scale.sizes());
+  return linear<int8_t>("int8_linear", x, wp, scale.data_ptr<float>(), N, dot);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("bf16_linear(Tensor x, Tensor packed_weight, int out_features, bool dot=False) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor packed_weight, Tensor scale, int out_features, bool dot=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(eagle, CPU, m) {
   m.impl("bf16_linear", &bf16_linear);
+  m.impl("int8_linear", &int8_linear);
 }

@@ -5,6 +5,11 @@ torch.ops.eagle.bf16_linear. Built once per machine like avx2_linear (avx2_linea
     wp = pack(linear.weight)                       # [ceil(N / 32), ceil(K / 2), 32, 2]
     y = torch.ops.eagle.bf16_linear(x, wp, N)      # ~ F.linear(x, linear.weight), bf16
     y = torch.ops.eagle.bf16_linear(x, wp, N, True)  # the same on vdpbf16ps (dot_default)
+
+Weight-only int8 (quantize.Int8Linear): the same panels of int8 weights and their scales.
+
+    wp, s = pack_int8(q, scale)                    # int8 [ceil(N / 32), ceil(K / 2), 32, 2], fp32
+    y = torch.ops.eagle.int8_linear(x, wp, s, N, dot)  # ~ bf16(x @ (q * scale).T)
 """
 
 from __future__ import annotations
@@ -62,14 +67,24 @@ def load() -> None:
     def _(x: Tensor, packed_weight: Tensor, out_features: int, dot: bool = False) -> Tensor:
         return x.new_empty(*x.shape[:-1], out_features)
 
+    @torch.library.register_fake("eagle::int8_linear")
+    def _(x: Tensor, packed_weight: Tensor, scale: Tensor, out_features: int, dot: bool = False) -> Tensor:
+        return x.new_empty(*x.shape[:-1], out_features)
 
-def pack(weight: Tensor) -> Tensor:
-    """weight [N, K] -> bf16 [ceil(N / 32), ceil(K / 2), 32, 2]: panel p holds columns
+
+def pack(weight: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """weight [N, K] -> `dtype` [ceil(N / 32), ceil(K / 2), 32, 2]: panel p holds columns
     32p..32p+31 of W.T, each k pair (2q, 2q + 1) of a column side by side; zero-padded past N
     and past an odd K."""
     n, k = weight.shape
-    padded = F.pad(weight.detach().to(torch.bfloat16), (0, k % 2, 0, -n % PANEL))
+    padded = F.pad(weight.detach().to(dtype), (0, k % 2, 0, -n % PANEL))
     return padded.reshape(-1, PANEL, (k + 1) // 2, 2).transpose(1, 2).contiguous()
+
+
+def pack_int8(q: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """An int8 weight q [N, K] and its scales [N] -> the packed int8 weight (pack) and fp32 scales
+    [ceil(N / 32) * 32], zero-padded past N."""
+    return pack(q, torch.int8), F.pad(scale.detach().float(), (0, -q.shape[0] % PANEL)).contiguous()
 
 
 def bf16_linear(x: Tensor, packed_weight: Tensor, out_features: int, dot: bool = False) -> Tensor:
@@ -77,3 +92,11 @@ def bf16_linear(x: Tensor, packed_weight: Tensor, out_features: int, dot: bool =
     FMAs or (dot) on vdpbf16ps."""
     load()
     return torch.ops.eagle.bf16_linear(x, packed_weight, out_features, dot)
+
+
+def int8_linear(x: Tensor, packed_weight: Tensor, scale: Tensor, out_features: int,
+                dot: bool = False) -> Tensor:
+    """x [..., K] bf16 @ (q * scale).T -> [..., out_features] bf16 through pack_int8's copy of q and
+    scale: each output's sum over k times its scale, rounded to bf16 once."""
+    load()
+    return torch.ops.eagle.int8_linear(x, packed_weight, scale, out_features, dot)
