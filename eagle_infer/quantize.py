@@ -23,7 +23,8 @@ the int8 weights instead (kernels/bf16_linear.cpp, int8_linear: each output's fp
 times its scale, rounded to bf16 once; vdpbf16ps or FMAs as the bf16 kernel's `dot`), and
 compiled steps keep our kernels' settings rather than Inductor's template (compile_settings).
 Measured on a 2-core AMD EPYC (Zen 4), default target, ms a step's Linears (probe_bf16_linear.py
---kernels ours_dot int8_dot): 1 / 4 / 8 rows bf16 10.2 / 10.1 / 10.6, int8 5.6 / 5.8 / 6.7.
+--kernels ours_dot int8_dot, results/probe_int8_linear_amd_zen4.json): 1 / 4 / 9 rows bf16
+9.98 / 9.59 / 10.09, int8 5.59 / 5.54 / 9.93.
 
 Speculative decoding follows this quantized target, not the unquantized model: greedy output
 equals the quantized target's plain greedy output in the tests (tiny targets,
