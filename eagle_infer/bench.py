@@ -19,7 +19,7 @@ relative to plain decoding's TPOT (`plain_step_ms`), so the prefill weighs on ne
 Methods: `plain` (eagle_infer.generate), `hf` (transformers `generate`) and `hf_assisted`
 (transformers prompt-lookup decoding, `prompt_lookup_num_tokens=10`), then speculative decoding
 with a draft head (tree settings with SGLang's names; those not given take the device's
-default tree, as the server's do: 3/4/4 on a CPU, 5/4/16 on a GPU) and its acceptance statistics: tau
+default tree, as the server's do: 2/4/4 on a CPU, 5/4/16 on a GPU) and its acceptance statistics: tau
 (accepted drafts + the bonus token per round), acceptance per draft position, and the time per
 round spent drafting, verifying and on the rest.
 
@@ -709,7 +709,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--draft", default=None, help="draft head folder (default: the reference EAGLE-3 head)")
     sp.add_argument("--no-spec", action="store_true", help="plain and transformers only")
     tree_help = ("draft tree (SGLang's names); each one not given takes the device's default, the "
-                 "server's: 5/4/16 on a GPU, 3/4/4 on a CPU, where every verified node costs time")
+                 "server's: 5/4/16 on a GPU, 2/4/4 on a CPU, where every verified node costs time")
     sp.add_argument("--num-steps", type=int, default=None, help=tree_help)
     sp.add_argument("--eagle-topk", type=int, default=None, help=tree_help)
     sp.add_argument("--num-draft-tokens", type=int, default=None, help=tree_help)

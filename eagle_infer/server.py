@@ -746,7 +746,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "default: EAGLE3 with the reference head when it is present, else NONE")
     ap.add_argument("--speculative-draft-model-path", default=None,
                     help=f"draft head folder (default: {DEFAULT_HEAD})")
-    tree_help = "default: 5/4/16 (steps/topk/draft tokens) on a GPU, 3/4/4 on a CPU"
+    tree_help = "default: 5/4/16 (steps/topk/draft tokens) on a GPU, 2/4/4 on a CPU"
     ap.add_argument("--speculative-num-steps", type=int, default=None, help=tree_help)
     ap.add_argument("--speculative-eagle-topk", type=int, default=None, help=tree_help)
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=None, help=tree_help)

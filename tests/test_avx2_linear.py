@@ -90,7 +90,7 @@ def test_greedy_identical_on_avx2_linears_eager_and_compiled():
     assert generate(target, prompts, 24, compile=True) == plain
     spec, _ = generate_speculative(target, head, prompts, 24, tree=TreeConfig())
     assert spec == plain
-    tree = TreeConfig(3, 4, 4)  # the CPU's default tree, its steps compiled with the C++ wrapper
+    tree = TreeConfig(3, 4, 4)  # a CPU-sized tree (three draft steps), compiled with the C++ wrapper
     dec = SpecDecoder(target, head, tree, max_batch=4, max_seq_len=128).compile()
     spec, _ = generate_speculative(target, head, prompts, 24, tree=tree, decoder=dec)
     assert spec == plain

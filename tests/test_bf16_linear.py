@@ -176,7 +176,7 @@ def test_bf16_speculative_greedy_identical_to_plain_on_the_kernels(attention_on,
         assert spec == plain, tree
     # compiled graphs round bf16 where eager's ops do (step_options: emulate_precision_casts)
     assert generate(target, prompts, 24, compile=True) == plain
-    tree = TreeConfig(3, 4, 4)  # the CPU's default tree, its steps compiled
+    tree = TreeConfig(3, 4, 4)  # a CPU-sized tree (three draft steps), compiled
     dec = SpecDecoder(target, head, tree, max_batch=4, max_seq_len=128).compile()
     spec, _ = generate_speculative(target, head, prompts, 24, tree=tree, decoder=dec)
     assert spec == plain

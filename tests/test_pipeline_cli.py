@@ -273,7 +273,7 @@ def test_pipeline_bench_measures_plain_vs_speculative(tmp_path, capsys):
     cfg = compose(args)
     report = run_bench(cfg)
     assert report is not None and report["greedy_identical"] is True
-    assert report["acceptance_length"] >= 1.0 and report["speedup"] > 0 and report["tree"] == [3, 4, 4]
+    assert report["acceptance_length"] >= 1.0 and report["speedup"] > 0 and report["tree"] == [2, 4, 4]
     assert json.loads((tmp_path / "bench.json").read_text()) == report
     assert run_bench(cfg) == report  # a rerun finds it measured: skipped
     assert "already measured" in capsys.readouterr().err

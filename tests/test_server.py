@@ -476,9 +476,9 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
     assert args.dtype == "auto"
     # No tree flag: the device's tree; a flag given overrides only its own field.
     assert server.resolve_tree(args, "cuda") == server.TreeConfig(5, 4, 16)
-    assert server.resolve_tree(args, "cpu") == server.TreeConfig(3, 4, 4)
+    assert server.resolve_tree(args, "cpu") == server.TreeConfig(2, 4, 4)
     one = server.build_parser().parse_args(["--speculative-num-draft-tokens", "8"])
-    assert server.resolve_tree(one, "cpu") == server.TreeConfig(3, 4, 8)
+    assert server.resolve_tree(one, "cpu") == server.TreeConfig(2, 4, 8)
     with pytest.raises(UserError, match="num_steps >= 1"):
         server.resolve_tree(server.build_parser().parse_args(["--speculative-num-steps", "0"]), "cpu")
     with caplog.at_level("WARNING"):
