@@ -186,8 +186,12 @@ def use_bf16_linears(model: nn.Module) -> int:
 
 
 def bf16_multiply(model: nn.Module) -> str | None:
-    """What the model's "avx512_bf16" Linears multiply on ("vdpbf16ps" or "fma"), None without them."""
-    kernels = [m for m in model.modules() if isinstance(m, Bf16Linear)]
+    """What the model's "avx512_bf16" Linears (bf16, or int8 on that kernel) multiply on
+    ("vdpbf16ps" or "fma"), None without them."""
+    from eagle_infer.quantize import Int8Linear
+
+    kernels = [m for m in model.modules()
+               if isinstance(m, Bf16Linear) or (isinstance(m, Int8Linear) and m.ours)]
     return None if not kernels else "vdpbf16ps" if kernels[0].dot else "fma"
 
 

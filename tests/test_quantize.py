@@ -165,6 +165,7 @@ def test_load_model_int8_on_our_kernel(tiny_model_dir, tmp_path):
     path = tiny_model_dir("llama")
     target = load_model(path, "bf16", "cpu", cpu_linears="avx512_bf16", quantization="int8")
     assert target.cpu_linears == "avx512_bf16" and target.lm_head.ours
+    assert cpu_linears.bf16_multiply(target) == ("vdpbf16ps" if target.lm_head.dot else "fma")
     save_head(random_head(load_model(path, "fp32", "cpu"), "eagle3", draft_vocab=40), tmp_path / "e3",
               dtype=torch.float32)
     head = load_head_for(tmp_path / "e3", target)
@@ -174,6 +175,7 @@ def test_load_model_int8_on_our_kernel(tiny_model_dir, tmp_path):
     assert spec == generate(target, prompts, 16)
     onednn = load_model(path, "bf16", "cpu", cpu_linears="onednn", quantization="int8")
     assert not onednn.lm_head.ours  # torch's int8 kernel, the frozen template when compiled
+    assert cpu_linears.bf16_multiply(onednn) is None
     assert cpu_linears.compile_settings(onednn) is not None
 
 
