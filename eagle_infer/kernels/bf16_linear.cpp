@@ -35,11 +35,12 @@
 namespace {
 
 constexpr int64_t kPanel = 32;  // columns per panel: two 16-float accumulators a row
-// On vdpbf16ps with 9-32 rows, the bytes of panel (32 k pairs of bf16) each tile runs before the
-// next tile takes them from L1 (chunked_rows).
+// On vdpbf16ps with 9-32 rows, the bytes of bf16 panel (32 k pairs) each tile runs before the
+// next tile takes them from L1 (chunked_rows; int8 weights: a chunk made bf16 into that much).
 constexpr int64_t kChunkBytes = 4096;
-// k pairs ahead (8 KB of panel) that a chunk's first tile asks L2 for, so that the stream from
-// memory goes on while the other tiles multiply.
+// bf16 k pairs ahead (8 KB of panel, whatever the weights' type) that a chunk's first tile (int8:
+// the chunk's conversion) asks L2 for, so that the stream from memory goes on while the other
+// tiles multiply.
 constexpr int64_t kFar = 64;
 
 // k pairs prefetched ahead (128 bytes of bf16 panel a pair: the same bytes ahead for int8).
