@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from eagle_infer.default_model import resolve_model_path
 from eagle_infer.errors import UserError
-from eagle_infer.kernels import avx2_attention
+from eagle_infer.kernels import avx2_attention, decoder_layers
 from eagle_infer.model import ModelConfig, Transformer, convert_hf_state_dict
 from eagle_infer.quantize import quantize_linears
 
@@ -158,6 +158,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
                 warnings.warn(f"the avx2 attention kernel did not build ({e}); attention runs on SDPA",
                               stacklevel=2)
     quantize_linears(model, quantization, model.cpu_linears)
+    decoder_layers.attach(model)  # last: it registers the packed or quantized weights
     model.quantization = quantization
     model.source_path = folder
     return model

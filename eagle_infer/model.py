@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eagle_infer.errors import UserError
-from eagle_infer.kernels import avx2_attention
+from eagle_infer.kernels import avx2_attention, decoder_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -395,6 +395,7 @@ class Transformer(nn.Module):
         self.max_batch = 0
         self.max_seq_len = 0
         self.cache: KVCache | None = None
+        self.fused_layers: decoder_layers.Stack | None = None  # decoder_layers.attach
 
     def setup_cache(self, max_batch: int, max_seq_len: int) -> None:
         """Preallocate the KV cache (and RoPE tables) for up to max_batch x max_seq_len."""
@@ -430,12 +431,18 @@ class Transformer(nn.Module):
         cos, sin = rope_at(self.rope_cos, self.rope_sin, positions, x.dtype)
         s = StepInputs(self.cache, (B, T), cos, sin, attn_bias(mask, x.dtype),
                        self.cache.write_index(slots, row0), row0, mask.shape[-1])
-        wanted = set(hidden_layers)
-        taps: dict[int, Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            if i in wanted:
-                taps[i] = x
-            x = layer(x, s)
+        wanted = sorted(set(hidden_layers) - {len(self.layers)})
+        taps: dict[int, Tensor]
+        if decoder_layers.applies(self, B, T):  # the layers as one C++ call (kernels/decoder_layers)
+            out = torch.ops.eagle.decoder_layers(self.fused_layers.id, x, cos, sin, s.bias, s.write_index,
+                                                 self.cache.kv, row0, B, wanted)  # [1 + taps, B*T, H]
+            x, taps = out[0], dict(zip(wanted, out[1:]))
+        else:
+            taps = {}
+            for i, layer in enumerate(self.layers):
+                if i in wanted:
+                    taps[i] = x
+                x = layer(x, s)
         x = self.norm(x)
         taps[len(self.layers)] = x
         hidden = [taps[i].view(B, T, -1) for i in hidden_layers]

@@ -13,7 +13,6 @@
 // so a verify's rows equal one-row steps', as with the AVX2 Linear kernel.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -23,40 +22,17 @@
 #include <utility>
 #include <vector>
 
+#include "avx2_math.h"
+
 namespace {
 
 constexpr int64_t kD = 64;  // head size: eight 8-float registers
-
-// exp(x) for 8 floats (Cephes' polynomial, as in avx_mathfun): x = n ln2 + r, exp(r) by a
-// degree-5 polynomial, 2^n through the exponent bits. x is clamped to [-87.3, 88.4] (exp(-87.3)
-// ~ 1e-38, not 0): the caller sets the weights of masked (-inf) slots to exactly 0 itself.
-inline __m256 exp8(__m256 x) {
-  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
-  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
-  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-  fx = _mm256_floor_ps(fx);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
-}
 
 // One cache row (64 values) as fp32: copied, or widened from bf16 (a bf16 is the high half of the
 // fp32 of the same value, so exactly).
 inline void row_as_fp32(const float* src, float* dst) { std::memcpy(dst, src, kD * sizeof(float)); }
 inline void row_as_fp32(const at::BFloat16* src, float* dst) {
-  for (int64_t d = 0; d < kD; d += 8) {
-    const auto* p = reinterpret_cast<const __m128i*>(src + d);
-    const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)), 16);
-    _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(wide));
-  }
+  for (int64_t d = 0; d < kD; d += 8) _mm256_storeu_ps(dst + d, eagle::load8(src + d));
 }
 
 // n keys' (or values') rows of the cache from src (rows `stride` apart) as fp32, followed by zero
@@ -134,7 +110,7 @@ void attend_rows(const float* q, const KV* k, const KV* v, int64_t kv_stride, co
         for (int64_t l = 0; l < 8; l++) lanes[l] = l < n ? p[i + l] : -INFINITY;
       }
       const __m256 s = _mm256_loadu_ps(n == 8 ? p + i : lanes);
-      const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(s, neg_inf, _CMP_EQ_OQ), exp8(_mm256_sub_ps(s, vm)));
+      const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(s, neg_inf, _CMP_EQ_OQ), eagle::exp8(_mm256_sub_ps(s, vm)));
       if (n == 8) {
         _mm256_storeu_ps(p + i, e);
       } else {

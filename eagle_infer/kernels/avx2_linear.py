@@ -31,9 +31,14 @@ def supported() -> bool:
 def build(name: str, source: Path, isa: list[str] = ()) -> None:
     """Build (first time on a machine) and load a C++ op library for AVX2 + FMA CPUs, this one's
     and avx2_attention's (and with `isa`'s extra flags bf16_linear's)."""
+    import zlib
+
     from torch.utils import cpp_extension
 
-    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", *isa]  # OpenMP: at::parallel_for's threads
+    # the shared header's hash in the flags: torch rebuilds when the flags or the source change;
+    # OpenMP: at::parallel_for's threads
+    header = zlib.crc32(source.with_name("avx2_math.h").read_bytes())
+    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", f"-DEAGLE_AVX2_MATH_CRC={header}", *isa]
     cpp_extension.load(name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                        is_python_module=False, verbose=False)
 

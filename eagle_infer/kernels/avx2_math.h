@@ -1,0 +1,59 @@
+// AVX2 + FMA helpers shared by the kernels built from this folder (kernels/avx2_linear.build
+// folds this file's hash into their build flags, so a change here rebuilds them).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+namespace eagle {
+
+// exp(x) for 8 floats (Cephes' polynomial, as in avx_mathfun): x = n ln2 + r, exp(r) by a
+// degree-5 polynomial, 2^n through the exponent bits. x is clamped to [-87.3, 88.4] (exp(-87.3)
+// ~ 1e-38, not 0): the caller sets the weights of masked (-inf) slots to exactly 0 itself.
+inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
+  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+// 8 values as fp32: loaded, or widened from bf16 (a bf16 is the high half of its fp32, exactly)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// fp32 bits rounded to the nearest bf16, ties to even, still in the high half (as c10::BFloat16
+// rounds every finite value)
+inline __m256i round_bits(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+}
+
+// v rounded to the dtype of p (identity for fp32): what storing and reloading it would give
+inline __m256 round8(__m256 v, const float*) { return v; }
+inline __m256 round8(__m256 v, const c10::BFloat16*) {
+  return _mm256_castsi256_ps(_mm256_and_si256(round_bits(v), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i r = _mm256_srli_epi32(round_bits(v), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+}  // namespace eagle

@@ -1,0 +1,115 @@
+"""A target's decoder layers as one C++ call per step on a CPU (decoder_layers.cpp), for the
+targets whose Linears all run our kernels (fp32 "avx2", bf16 "avx512_bf16", int8 on our kernel)
+with the attention kernel on: the model's layers as torch.ops.eagle.decoder_layers, each Linear
+and attention on the same kernels as the Python layers', the glue between them in C++.
+
+    stack = attach(model)          # the loader does, after the weights are packed or quantized
+    # model.forward then runs its layers as one call wherever applies(model, rows) holds:
+    out = torch.ops.eagle.decoder_layers(stack.id, x, cos, sin, bias, write_index, kv, row0, B, taps)
+    # out [1 + len(taps), B*T, H]: x after the last layer, then the inputs of layers `taps`
+
+The weights are registered once and named by an integer: a compiled step passes and guards a
+handful of step tensors instead of every weight (measured: ~300 tensor guards and ~250 kernel
+and op calls a step before, ~2.4 of a 8.0 ms int8 step on the main thread outside kernels; Zen 4).
+$EAGLE_FUSED_LAYERS=0 keeps the Python layers (for A/B runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from eagle_infer.errors import UserError
+from eagle_infer.kernels import avx2_attention
+
+SOURCE = Path(__file__).with_name("decoder_layers.cpp")
+ENV = "EAGLE_FUSED_LAYERS"  # 1 (default) | 0
+AVX2, BF16, INT8 = 0, 1, 2  # the Linear kernels (decoder_layers.cpp's Kind)
+
+
+@functools.cache
+def load() -> None:
+    """Build (first time on a machine) and load the op, and give compiled graphs its outputs."""
+    from eagle_infer.kernels.avx2_linear import build
+
+    build("eagle_decoder_layers", SOURCE)
+
+    @torch.library.register_fake("eagle::decoder_layers")
+    def _(id: int, x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor, write_index: Tensor, kv: Tensor,
+          row0: int, batch: int, taps: list[int]) -> Tensor:
+        return x.new_empty(1 + len(taps), *x.shape)
+
+
+class Stack:
+    """A model's registered layers: `id` names them to the op until this object is collected;
+    calls of up to `max_rows` rows (its Linears' kernel limit) and attention rows go to it."""
+
+    def __init__(self, id: int, max_rows: int):
+        self.id, self.max_rows = id, max_rows
+
+    def __del__(self):
+        try:
+            torch.ops.eagle.release_stack(self.id)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+def _kernel_of(linear: nn.Module) -> tuple[int, Tensor, Tensor] | None:
+    """(kind, packed weight, scale) of a Linear on one of our kernels without a bias, else None."""
+    from eagle_infer.cpu_linears import Avx2Linear, Bf16Linear
+    from eagle_infer.quantize import Int8Linear
+
+    empty = torch.empty(0)
+    if type(linear) is Avx2Linear and linear.bias is None:
+        return AVX2, linear.packed_weight, empty
+    if type(linear) is Bf16Linear and linear.bias is None:
+        return BF16, linear.packed_weight, empty
+    if type(linear) is Int8Linear and linear.ours and linear.bias is None:
+        return INT8, linear.packed_weight, linear.packed_scale
+    return None
+
+
+def attach(model: nn.Module) -> Stack | None:
+    """Register the model's layers with the op and set `model.fused_layers` (None where a layer
+    has a Linear off our kernels, a bias, another head size, the attention kernel is off, or
+    $EAGLE_FUSED_LAYERS=0); returns the Stack."""
+    choice = os.environ.get(ENV, "1")
+    if choice not in ("0", "1"):
+        raise UserError(f"{ENV} must be 0 or 1, got {choice!r}")
+    model.fused_layers = None
+    cfg = model.config
+    if (choice == "0" or not avx2_attention.enabled() or cfg.head_dim != avx2_attention.HEAD_DIM
+            or cfg.hidden_size % 8 or cfg.intermediate_size % 8):  # the C++ loops run 8 values at a time
+        return None
+    tensors, kinds, dots = [], [], set()
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        linears = [_kernel_of(m) for m in modules]
+        if any(k is None for k in linears):
+            return None
+        tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        for (kind, weight, scale), m in zip(linears, modules):
+            tensors += [weight, scale]
+            kinds.append(kind)
+            dots.add(bool(getattr(m, "dot", False)))
+    if len(dots) > 1:
+        return None
+    load()
+    dims = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, int(dots.pop())]
+    from eagle_infer.cpu_linears import AVX2_MAX_ROWS, BF16_MAX_ROWS
+
+    stack = Stack(torch.ops.eagle.register_stack(tensors, kinds, dims, cfg.rms_norm_eps),
+                  AVX2_MAX_ROWS if AVX2 in kinds else BF16_MAX_ROWS)
+    model.fused_layers = stack
+    return stack
+
+
+def applies(model: nn.Module, B: int, T: int) -> bool:
+    """Whether model.forward runs the layers of a call of B x T tokens as one call."""
+    stack = model.fused_layers
+    return stack is not None and T <= avx2_attention.MAX_ROWS and B * T <= stack.max_rows

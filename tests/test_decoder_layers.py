@@ -1,0 +1,219 @@
+"""kernels/decoder_layers: a target's layers as one C++ call. It computes what the Python layers
+compute (fp32 to rounding, logits, hidden states and cache writes), a row's result does not depend
+on the rows beside it, model.forward hands it decode and verify calls (eager and compiled) of
+targets whose Linears all run our kernels, greedy speculative decoding on it is token-identical
+to plain decoding on it, and bad input or a released stack gets a clear error."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from test_speculative import prompts_for, random_head
+
+from eagle_infer.cpu_linears import use_avx2_linears, use_bf16_linears
+from eagle_infer.errors import UserError
+from eagle_infer.generate import generate
+from eagle_infer.kernels import avx2_attention, avx2_linear, bf16_linear, decoder_layers
+from eagle_infer.model import ModelConfig, Transformer, causal_mask
+from eagle_infer.quantize import quantize_linears
+from eagle_infer.speculative import generate_speculative
+from eagle_infer.tree import TreeConfig
+
+pytestmark = pytest.mark.skipif(not avx2_linear.supported(), reason="CPU without AVX2 / FMA")
+needs_bf16 = pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without AVX512-BF16")
+
+
+@pytest.fixture
+def kernel_on():
+    """The attention kernel enabled for one test (the fused layers call it), restored after."""
+    before = avx2_attention.enabled()
+    avx2_attention.enable()
+    yield
+    avx2_attention.enable(before)
+
+
+def fp32_target(layers: int = 3, attention_bias: bool = False) -> Transformer:
+    """A tiny fp32 target of head size 64 (the attention kernel's) on torch's Linears."""
+    cfg = ModelConfig(model_type="llama", vocab_size=96, hidden_size=128, intermediate_size=192,
+                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=64,
+                      max_position_embeddings=512, eos_token_ids=[], attention_bias=attention_bias)
+    torch.manual_seed(0)
+    target = Transformer(cfg).eval().requires_grad_(False)
+    with torch.no_grad():
+        target.embed_tokens.weight.normal_(0, 1.0)
+        target.lm_head.weight.normal_(0, 0.6)
+        for layer in target.layers:  # norms off 1, so a norm misapplied shows
+            layer.input_layernorm.weight.uniform_(0.5, 1.5)
+            layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+    return target
+
+
+def on_our_kernels(target: Transformer, dtype: torch.dtype = torch.float32, linears: str = "ours",
+                   head: torch.nn.Module | None = None) -> Transformer:
+    """The target (and its head) in dtype on our kernels ("ours": avx2 in fp32, bf16_linear in bf16;
+    "int8": int8 weights on bf16_linear's kernel, as the loader and load_head_for do), its layers
+    attached."""
+    target = target.to(dtype)
+    if linears == "int8":
+        for module in (target, head):
+            if module is not None:
+                quantize_linears(module.to(dtype), "int8", "avx512_bf16")
+    elif dtype == torch.float32:
+        use_avx2_linears(target)
+    else:
+        use_bf16_linears(target)
+    decoder_layers.attach(target)
+    return target
+
+
+def tiny_target(dtype: torch.dtype = torch.float32, linears: str = "ours",
+                attention_bias: bool = False) -> Transformer:
+    return on_our_kernels(fp32_target(attention_bias=attention_bias), dtype, linears)
+
+
+def step_both_ways(target: Transformer, T: int, taps: list[int]):
+    """Two prompts prefilled on the Python layers, then T more tokens each (a chain) through the
+    fused layers and, from the same cache, through the Python layers: (logits, hidden, cache) each."""
+    B, P = 2, 9
+    target.setup_cache(B, 64)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 96, (B, P), generator=g)
+    pos = torch.arange(P).expand(B, P)
+    stack, target.fused_layers = target.fused_layers, None
+    target(prompt, pos, pos, causal_mask(torch.zeros(B, dtype=torch.long), P, P))
+    before = target.cache.kv.clone()
+    tokens = torch.randint(0, 96, (B, 8), generator=g)[:, :T]  # the same first tokens whatever T
+    new = (P + torch.arange(T)).expand(B, T)
+    mask = causal_mask(torch.full((B,), P), T, 32)
+    results = []
+    for fused in (stack, None):
+        target.fused_layers = fused
+        target.cache.kv.copy_(before)
+        logits, hidden = target(tokens, new, new, mask, hidden_layers=taps)
+        results.append((logits, hidden, target.cache.kv.clone()))
+    target.fused_layers = stack
+    return results
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_fused_layers_compute_the_python_layers(kernel_on, T):
+    target = tiny_target()
+    assert decoder_layers.applies(target, 2, T)
+    taps = [0, 2, 1, 3]  # 3 = the final normed state, taken in Python either way
+    (logits, hidden, kv), (ref_logits, ref_hidden, ref_kv) = step_both_ways(target, T, taps)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-4)
+    assert len(hidden) == len(taps)
+    for got, ref in zip(hidden, ref_hidden):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kv, ref_kv, rtol=1e-5, atol=1e-5)  # the new keys (rotated) and values
+    assert not torch.equal(kv, torch.zeros_like(kv))
+
+
+@pytest.mark.parametrize("dtype,linears", [
+    (torch.float32, "ours"),
+    pytest.param(torch.bfloat16, "ours", marks=needs_bf16),
+    pytest.param(torch.bfloat16, "int8", marks=needs_bf16),
+])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel_on, dtype, linears):
+    target = tiny_target(dtype=dtype, linears=linears)
+    one, *_ = step_both_ways(target, 1, [1])[0]
+    five, *_ = step_both_ways(target, 5, [1])[0]
+    assert torch.equal(one[:, 0], five[:, 0])  # each sequence's first new token, bit for bit
+
+
+@needs_bf16
+@pytest.mark.parametrize("linears", ["ours", "int8"])
+def test_bf16_and_int8_layers_round_where_the_python_layers_do(kernel_on, linears):
+    target = tiny_target(dtype=torch.bfloat16, linears=linears)
+    (logits, hidden, _), (ref_logits, ref_hidden, _) = step_both_ways(target, 5, [1, 2])
+    # the same bf16 roundings, the sums of squares in another order: at most a bf16 step apart
+    torch.testing.assert_close(logits.float(), ref_logits.float(), rtol=2e-2, atol=5e-2)
+    for got, ref in zip(hidden, ref_hidden):
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=5e-2)
+    assert (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean() >= 0.9
+
+
+def test_compiled_steps_call_the_op(kernel_on):
+    target = tiny_target()
+    target.setup_cache(1, 64)
+    graphs = []
+
+    def keep_graph(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    tokens, pos = torch.tensor([[3]]), torch.tensor([[4]])
+    mask = causal_mask(torch.tensor([4]), 1, 16)
+    torch._dynamo.reset()
+    torch.compile(target, backend=keep_graph, fullgraph=True)(tokens, pos, pos, mask)
+    calls = [n.target for n in graphs[-1].graph.nodes if n.op == "call_function"]
+    op, linear = torch.ops.eagle.decoder_layers, torch.ops.eagle.avx2_linear
+    assert sum(t in (op, op.default) for t in calls) == 1
+    assert sum(t in (linear, linear.default) for t in calls) == 1  # the lm_head's; the layers' are in the op
+    # the weights are named by the stack's id, not passed: only a few tensors enter the graph
+    assert len([n for n in graphs[-1].graph.nodes if n.op == "placeholder"]) < 12
+
+
+@pytest.mark.parametrize("dtype,linears", [
+    (torch.float32, "ours"),
+    pytest.param(torch.bfloat16, "int8", marks=needs_bf16),
+])
+def test_greedy_identical_on_the_fused_layers_eager_and_compiled(kernel_on, dtype, linears):
+    target = fp32_target()
+    head = random_head(target, "eagle3", draft_vocab=40).to(dtype)
+    target = on_our_kernels(target, dtype, linears, head)
+    assert target.fused_layers is not None
+    prompts = prompts_for(target.config.vocab_size)
+    plain = generate(target, prompts, 20)  # batch 4: every decode step has 4 rows of 1 query
+    assert generate(target, prompts, 20, compile=True) == plain
+    for tree in (TreeConfig(), TreeConfig(2, 4, 4), TreeConfig.chain(3)):
+        spec, _ = generate_speculative(target, head, prompts, 20, tree=tree)
+        assert spec == plain, tree
+
+
+def test_attach_declines_what_the_op_does_not_compute(kernel_on, monkeypatch):
+    assert tiny_target(attention_bias=True).fused_layers is None  # qkv biases (Qwen2)
+    torch_linears = tiny_target()
+    assert torch_linears.fused_layers is not None
+    plain = fp32_target()  # torch's Linears
+    assert decoder_layers.attach(plain) is None and plain.fused_layers is None
+    monkeypatch.setenv("EAGLE_FUSED_LAYERS", "0")
+    assert tiny_target().fused_layers is None
+    monkeypatch.setenv("EAGLE_FUSED_LAYERS", "yes")
+    with pytest.raises(UserError, match="EAGLE_FUSED_LAYERS must be 0 or 1, got 'yes'"):
+        tiny_target()
+    monkeypatch.delenv("EAGLE_FUSED_LAYERS")
+    avx2_attention.enable(False)
+    assert tiny_target().fused_layers is None  # the op calls the attention kernel
+
+
+def test_bad_input_and_released_stacks_get_clear_errors(kernel_on):
+    target = tiny_target()
+    target.setup_cache(1, 64)
+    x, cos = torch.randn(1, 128), torch.randn(1, 1, 1, 64)
+    bias, index = torch.zeros(1, 1, 1, 16), torch.tensor([0, 64, 128, 192])
+    op, stack = torch.ops.eagle.decoder_layers, target.fused_layers
+    out = op(stack.id, x, cos, cos, bias, index, target.cache.kv, 0, 1, [1])
+    assert out.shape == (2, 1, 128)
+    with pytest.raises(RuntimeError, match="write_index"):
+        op(stack.id, x, cos, cos, bias, index[:3], target.cache.kv, 0, 1, [])
+    with pytest.raises(RuntimeError, match="write index .* outside the cache"):
+        op(stack.id, x, cos, cos, bias, index * 1000, target.cache.kv, 0, 1, [])
+    with pytest.raises(RuntimeError, match="kv"):
+        op(stack.id, x, cos, cos, bias, index, target.cache.kv[:2], 0, 1, [])
+    with pytest.raises(RuntimeError, match="x in .* dtype|x's dtype"):
+        op(stack.id, x, cos.double(), cos, bias, index, target.cache.kv, 0, 1, [])
+    stack_id = stack.id
+    del target, stack
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"no registered stack {stack_id}"):
+        op(stack_id, x, cos, cos, bias, index, torch.zeros(3, 2, 1, 2, 64, 64), 0, 1, [])
+
+
+def test_the_loader_attaches_the_layers_with_our_kernels(kernel_on, default_model_dir):
+    from eagle_infer.loader import load_model
+
+    assert load_model(default_model_dir, "fp32", "cpu", cpu_linears="avx2").fused_layers is not None
+    assert load_model(default_model_dir, "fp32", "cpu", cpu_linears="torch").fused_layers is None
