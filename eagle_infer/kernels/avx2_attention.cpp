@@ -50,17 +50,18 @@ inline std::pair<const float*, int64_t> block_as_fp32(const KV* src, int64_t n, 
 }
 
 // Rows r0..r1 of one (batch, kv head): row r is query head g = r / T of the kv head's group at
-// position t = r % T. Scores first (each block of 8 keys, read from the cache once, serves every
+// position t = r % T. q, bias and out in the cache's dtype KV: q and the bias widened to fp32 as
+// they are read (exactly), each output rounded once as it is written. Scores first (each block of 8 keys, read from the cache once, serves every
 // row from L1), then each row's softmax, then sum_j p_j v_j over blocks of keys (again each V
 // block read once for all rows). A row's arithmetic is the same whichever rows come with it.
 template <typename KV>
-void attend_rows(const float* q, const KV* k, const KV* v, int64_t kv_stride, const float* bias,
-                 int64_t T, int64_t S, int64_t r0, int64_t r1, float scale, float* scores, float* out,
+void attend_rows(const KV* q, const KV* k, const KV* v, int64_t kv_stride, const KV* bias,
+                 int64_t T, int64_t S, int64_t r0, int64_t r1, float scale, float* scores, KV* out,
                  int64_t out_row_stride) {
   const int64_t R = r1 - r0;
   std::vector<float> qs(R * kD), sums(R, 0.f);
   for (int64_t r = 0; r < R; r++)
-    for (int64_t d = 0; d < kD; d++) qs[r * kD + d] = q[(r0 + r) * kD + d] * scale;
+    for (int64_t d = 0; d < kD; d++) qs[r * kD + d] = static_cast<float>(q[(r0 + r) * kD + d]) * scale;
   const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
   alignas(32) float lanes[8];
   std::vector<float> buf(16 * kD);  // a block of keys or values as fp32 (block_as_fp32)
@@ -89,13 +90,13 @@ void attend_rows(const float* q, const KV* k, const KV* v, int64_t kv_stride, co
         const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
         four[half] = _mm_add_ps(_mm256_castps256_ps128(s0123), _mm256_extractf128_ps(s0123, 1));
       }
-      const float* b = bias + ((r0 + r) % T) * S + j;
+      const KV* b = bias + ((r0 + r) % T) * S + j;
       const __m256 dots = _mm256_insertf128_ps(_mm256_castps128_ps256(four[0]), four[1], 1);
       if (n == 8) {
-        _mm256_storeu_ps(scores + r * S + j, _mm256_add_ps(dots, _mm256_loadu_ps(b)));
+        _mm256_storeu_ps(scores + r * S + j, _mm256_add_ps(dots, eagle::load8(b)));
       } else {  // the last, partial block
         _mm256_store_ps(lanes, dots);
-        for (int64_t i = 0; i < n; i++) scores[r * S + j + i] = lanes[i] + b[i];
+        for (int64_t i = 0; i < n; i++) scores[r * S + j + i] = lanes[i] + static_cast<float>(b[i]);
       }
     }
   }
@@ -145,9 +146,38 @@ void attend_rows(const float* q, const KV* k, const KV* v, int64_t kv_stride, co
   for (int64_t r = 0; r < R; r++) {
     const __m256 inv = _mm256_set1_ps(1.f / sums[r]);
     const int64_t g = (r0 + r) / T, t = (r0 + r) % T;
-    float* dst = out + g * out_row_stride + t * kD;
-    for (int d = 0; d < 8; d++) _mm256_storeu_ps(dst + 8 * d, _mm256_mul_ps(_mm256_loadu_ps(o.data() + r * kD + 8 * d), inv));
+    KV* dst = out + g * out_row_stride + t * kD;
+    for (int d = 0; d < 8; d++) eagle::store8(dst + 8 * d, _mm256_mul_ps(_mm256_loadu_ps(o.data() + r * kD + 8 * d), inv));
   }
+}
+
+template <typename KV>
+at::Tensor attend(const at::Tensor& q_in, const at::Tensor& keys, const at::Tensor& values,
+                  const at::Tensor& bias_in) {
+  const int64_t B = q_in.size(0), H = q_in.size(1), T = q_in.size(2), KVH = keys.size(1), S = keys.size(2);
+  const at::Tensor q = q_in.contiguous(), bias = bias_in.contiguous();  // no copies for the model's
+  at::Tensor out = at::empty({B, H, T, kD}, q.options());
+  const int64_t G = H / KVH, R = G * T, row = keys.stride(2), sh = keys.stride(1), sb = keys.stride(0);
+  // Tasks: (batch, kv head, chunk of its R rows); a kv head's rows split into chunks only while
+  // there are fewer heads than twice the threads (a decode step at batch 1: 3 kv heads, 2 threads)
+  const int64_t chunks = std::min(R, std::max<int64_t>(1, (2 * at::get_num_threads() + B * KVH - 1) / (B * KVH)));
+  const int64_t per_chunk = (R + chunks - 1) / chunks;
+  const float scale = 1.f / std::sqrt(static_cast<float>(kD));
+  const KV *qp = q.data_ptr<KV>(), *bp = bias.data_ptr<KV>(), *kp = keys.data_ptr<KV>(), *vp = values.data_ptr<KV>();
+  KV* op = out.data_ptr<KV>();
+  at::parallel_for(0, B * KVH * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(per_chunk * S);
+    for (int64_t task = begin; task < end; task++) {
+      const int64_t c = task % chunks, bk = task / chunks, b = bk / KVH, kvh = bk % KVH;
+      const int64_t r0 = c * per_chunk, r1 = std::min(R, r0 + per_chunk);
+      if (r0 >= r1) continue;
+      const int64_t h0 = kvh * G;  // the group's first query head
+      const int64_t kv0 = b * sb + kvh * sh;
+      attend_rows(qp + (b * H + h0) * T * kD, kp + kv0, vp + kv0, row, bp + b * T * S, T, S, r0, r1, scale,
+                  scores.data(), op + (b * H + h0) * T * kD, T * kD);
+    }
+  });
+  return out;
 }
 
 at::Tensor avx2_attention(const at::Tensor& q_in, const at::Tensor& keys, const at::Tensor& values,
@@ -171,35 +201,9 @@ at::Tensor avx2_attention(const at::Tensor& q_in, const at::Tensor& keys, const 
   TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1 && keys.stride(2) == values.stride(2) &&
                   keys.stride(1) == values.stride(1) && keys.stride(0) == values.stride(0),
               "avx2_attention: keys and values must share strides with contiguous rows");
-  // q and bias as fp32 (a copy for bf16: a few rows); K and V are read in their own dtype
-  const at::Tensor q = q_in.to(at::kFloat).contiguous(), bias = bias_in.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({B, H, T, D}, q.options());
-  const int64_t G = H / KVH, R = G * T, row = keys.stride(2), sh = keys.stride(1), sb = keys.stride(0);
-  // Tasks: (batch, kv head, chunk of its R rows); a kv head's rows split into chunks only while
-  // there are fewer heads than twice the threads (a decode step at batch 1: 3 kv heads, 2 threads)
-  const int64_t chunks = std::min(R, std::max<int64_t>(1, (2 * at::get_num_threads() + B * KVH - 1) / (B * KVH)));
-  const int64_t per_chunk = (R + chunks - 1) / chunks;
-  const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  const float *qp = q.data_ptr<float>(), *bp = bias.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, B * KVH * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(per_chunk * S);
-    for (int64_t task = begin; task < end; task++) {
-      const int64_t c = task % chunks, bk = task / chunks, b = bk / KVH, kvh = bk % KVH;
-      const int64_t r0 = c * per_chunk, r1 = std::min(R, r0 + per_chunk);
-      if (r0 >= r1) continue;
-      const int64_t h0 = kvh * G;  // the group's first query head
-      const int64_t kv0 = b * sb + kvh * sh;
-      if (dtype == at::kFloat)
-        attend_rows(qp + (b * H + h0) * T * kD, keys.data_ptr<float>() + kv0, values.data_ptr<float>() + kv0,
-                    row, bp + b * T * S, T, S, r0, r1, scale, scores.data(), op + (b * H + h0) * T * kD, T * kD);
-      else
-        attend_rows(qp + (b * H + h0) * T * kD, keys.data_ptr<at::BFloat16>() + kv0,
-                    values.data_ptr<at::BFloat16>() + kv0, row, bp + b * T * S, T, S, r0, r1, scale,
-                    scores.data(), op + (b * H + h0) * T * kD, T * kD);
-    }
-  });
-  return dtype == at::kFloat ? out : out.to(dtype);
+  // q, bias and K and V read in place, in their own dtype (widened as read); out in that dtype
+  return dtype == at::kFloat ? attend<float>(q_in, keys, values, bias_in)
+                             : attend<at::BFloat16>(q_in, keys, values, bias_in);
 }
 
 // The cache write of a compiled step, eagle_infer::kv_write (defined in model.py): kv viewed as

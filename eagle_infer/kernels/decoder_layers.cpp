@@ -207,9 +207,11 @@ at::Tensor layers_impl(const Stack& s, const at::Tensor& x_in, const at::Tensor&
           std::memcpy(layer_kv + wi[((B + b) * nkv + h) * T + t] * D, row + (nh + nkv + h) * D, D * sizeof(scalar_t));
       }
     }
-    const at::Tensor cache = kv.select(0, l);  // [2, rows, nkv, max_seq, D]
-    const at::Tensor keys = cache.select(0, 0).narrow(0, row0, B).narrow(2, 0, S);
-    const at::Tensor values = cache.select(0, 1).narrow(0, row0, B).narrow(2, 0, S);
+    // this layer's keys and values of rows row0.., [B, nkv, S, D] views (one op each, not four)
+    const int64_t keys_at = ((2 * l * cache_rows) + row0) * nkv * max_seq * D;
+    const at::Tensor keys = kv.as_strided({B, nkv, S, D}, {nkv * max_seq * D, max_seq * D, D, 1}, keys_at);
+    const at::Tensor values = kv.as_strided({B, nkv, S, D}, {nkv * max_seq * D, max_seq * D, D, 1},
+                                            keys_at + cache_rows * nkv * max_seq * D);
     const at::Tensor attn = run_attention(q, keys, values, bias_c);  // [B, nh, T, D]
     const scalar_t* ap = attn.data_ptr<scalar_t>();
     scalar_t* mp = merged.data_ptr<scalar_t>();
