@@ -397,6 +397,12 @@ class Transformer(nn.Module):
         self.cache: KVCache | None = None
         self.fused_layers: decoder_layers.Stack | None = None  # decoder_layers.attach
 
+    def _apply(self, fn, recurse: bool = True):
+        # .to() / .float() / .cuda() make new weights, which a fused stack (holding the old ones)
+        # would not see: back to the Python layers (decoder_layers.attach fuses them again)
+        self.fused_layers = None
+        return super()._apply(fn, recurse)
+
     def setup_cache(self, max_batch: int, max_seq_len: int) -> None:
         """Preallocate the KV cache (and RoPE tables) for up to max_batch x max_seq_len."""
         if max_seq_len > self.config.max_position_embeddings:

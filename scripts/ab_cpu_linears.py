@@ -8,7 +8,9 @@ one (cpu_linears.step_options); ":cpp" compiles them with the C++ wrapper where 
 the Python one (e.g. bf16 "onednn"); they combine ("avx2:sdpa:py"). For "avx512_bf16", ":fma"
 and ":dot" pick its multiply (kernels/bf16_linear.dot_default: fp32 FMAs or vdpbf16ps). ":int8"
 loads the target with weight-only int8 Linears (`--quantization int8`; with "avx512_bf16" on our
-kernel, with the others on torch's and, compiled, Inductor's template).
+kernel, with the others on torch's and, compiled, Inductor's template). ":pylayers" keeps the
+target's layers in Python where they would run as one C++ call (kernels/decoder_layers:
+EAGLE_FUSED_LAYERS=0 for that load).
 
     python scripts/ab_cpu_linears.py --backends avx2 inductor --rounds 3 --json results/ab.json
     python scripts/ab_cpu_linears.py --backends avx2 avx2:sdpa --json results/ab_attention.json
@@ -17,6 +19,7 @@ kernel, with the others on torch's and, compiled, Inductor's template).
     python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16:fma avx512_bf16:dot
     python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16 --also-trees 3 4 8 2 4 6
     python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16 avx512_bf16:int8 onednn:int8
+    python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16 avx512_bf16:pylayers --tree 2 4 4
 
 `--also-trees` times more trees after `--tree` in every round, on the same model (one backend
 suffices to compare trees).
@@ -36,7 +39,7 @@ import eagle_infer.speculative
 from eagle_infer.bench import bench_plain, bench_spec, load_prompts, machine_info
 from eagle_infer.default_model import default_head_path
 from eagle_infer.heads import load_head_for
-from eagle_infer.kernels import avx2_attention, bf16_linear
+from eagle_infer.kernels import avx2_attention, bf16_linear, decoder_layers
 from eagle_infer.loader import load_model, load_tokenizer
 from eagle_infer.tree import TreeConfig
 
@@ -111,7 +114,13 @@ def main() -> None:
         user_dot = os.environ.get(bf16_linear.DOT_ENV)  # the caller's, back after this backend's load
         os.environ[bf16_linear.DOT_ENV] = "vdpbf16ps" if dot else "fma"  # for the model and its head
         quantization = "int8" if "int8" in off else "none"
+        user_layers = os.environ.get(decoder_layers.ENV)
+        os.environ[decoder_layers.ENV] = "0" if "pylayers" in off else "1"
         model = load_model(None, args.dtype, "cpu", cpu_linears=backend, quantization=quantization)
+        if user_layers is None:
+            os.environ.pop(decoder_layers.ENV)
+        else:
+            os.environ[decoder_layers.ENV] = user_layers
         # the attention kernel is a process-wide switch that compiled graphs guard on: set per run
         attention = avx2_attention.enabled() and "sdpa" not in off
         avx2_attention.enable(attention)
@@ -175,6 +184,7 @@ def main() -> None:
                               "attention": "avx2" if run["attention"] else "sdpa",
                               "inductor_wrapper": run["wrapper"], "bf16_dot": run["dot"],
                               "quantization": run["quantization"],
+                              "fused_layers": run["model"].fused_layers is not None,
                               "also_trees": also_trees}
         print(f"{b}: plain {plain:.1f}, spec {spec:.1f} tok/s ({spec / plain:.2f}x plain), tau {run['tau']}")
     if args.json:

@@ -6,6 +6,7 @@ to plain decoding on it, and bad input or a released stack gets a clear error.""
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
@@ -217,3 +218,12 @@ def test_the_loader_attaches_the_layers_with_our_kernels(kernel_on, default_mode
 
     assert load_model(default_model_dir, "fp32", "cpu", cpu_linears="avx2").fused_layers is not None
     assert load_model(default_model_dir, "fp32", "cpu", cpu_linears="torch").fused_layers is None
+
+
+def test_copies_and_conversions_of_a_model_do_not_run_the_old_weights(kernel_on):
+    target = tiny_target()
+    assert copy.deepcopy(target).fused_layers is None  # its own weights: the Python layers
+    assert target.fused_layers is not None
+    target.double().float()  # new weight tensors
+    assert target.fused_layers is None
+    assert decoder_layers.attach(target) is not None

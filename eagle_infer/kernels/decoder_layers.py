@@ -51,6 +51,11 @@ class Stack:
     def __init__(self, id: int, max_rows: int):
         self.id, self.max_rows = id, max_rows
 
+    def __deepcopy__(self, memo: dict) -> None:
+        """A deep copy of a model has weights of its own, which this stack does not hold: the copy
+        runs its Python layers (attach it to fuse them)."""
+        return None
+
     def __del__(self):
         try:
             torch.ops.eagle.release_stack(self.id)
