@@ -210,6 +210,34 @@ def test_keep_slots_then_decode_matches_fresh_prefill(target):
                                    msg=lambda m, b=b: f"seq {b} after keep_slots: {m}")
 
 
+def test_compiled_keep_moves_the_rows_without_copying_the_whole_cache():
+    """A cache write through the opaque op (as a verify's layers make) then KVCache.keep, compiled:
+    the same cache as eager, and no kernel over the whole cache (an index_copy_ in keep made
+    Inductor end such graphs with a copy of the cache onto itself: 6.6 MB a verify)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from eagle_infer.model import KVCache, kv_write
+
+    caches = [KVCache(3, 2, 2, 40, 16, torch.float32, "cpu") for _ in range(2)]
+    g = torch.Generator().manual_seed(0)
+    caches[0].kv.normal_(generator=g)
+    caches[1].kv.copy_(caches[0].kv)
+    before = caches[0].kv.clone()
+    new, index = torch.randn(4, 16, generator=g), torch.tensor([1, 50, 99, 130])
+    src, dst = torch.tensor([[5, 7, 8], [9, 12, 12]]), torch.tensor([[2, 3, 4], [6, 7, 8]])
+
+    def step(cache: KVCache, new: torch.Tensor, index: torch.Tensor, src: torch.Tensor, dst: torch.Tensor):
+        kv_write(cache.kv, index, new)
+        cache.keep(src, dst)
+
+    step(caches[1], new, index, src, dst)  # eager
+    assert torch.equal(caches[1].kv[:, :, 1, :, 7], before[:, :, 1, :, 12])  # row 1: slot 12 kept at 7
+    torch._dynamo.reset()
+    _, code = run_and_get_code(torch.compile(step, fullgraph=True), caches[0], new, index, src, dst)
+    assert torch.equal(caches[0].kv, caches[1].kv)
+    assert f"{caches[0].kv.numel()}L" not in "\n".join(code)  # no loop over every cache element
+
+
 def test_bf16_runs_and_agrees_with_fp32(default_model_dir, default_model_fp32, tokenizer):
     bf16 = load_model(default_model_dir, "bf16", "cpu")
     assert bf16.embed_tokens.weight.dtype == torch.bfloat16
