@@ -206,6 +206,8 @@ def test_bad_input_and_released_stacks_get_clear_errors(kernel_on):
         op(stack.id, x, cos, cos, bias, index, target.cache.kv[:2], 0, 1, [])
     with pytest.raises(RuntimeError, match="x in .* dtype|x's dtype"):
         op(stack.id, x, cos.double(), cos, bias, index, target.cache.kv, 0, 1, [])
+    with pytest.raises(RuntimeError, match=r"x \[B\*T, 128\] in the stack's dtype"):
+        op(stack.id, torch.randn(1, 64), cos, cos, bias, index, target.cache.kv, 0, 1, [])
     stack_id = stack.id
     del target, stack
     gc.collect()

@@ -2,7 +2,7 @@
 // CPU: what model.DecoderLayer computes, layer after layer, for a decode step's row or a verify's
 // tree of rows, with the Linears and the attention on our kernels (bf16_linear.cpp,
 // avx2_linear.cpp, avx2_attention.cpp, called through the dispatcher) and the norms, RoPE, cache
-// writes, SiLU and residual adds as plain loops in between, each rounded to the model's dtype where
+// writes, SiLU and residual adds as AVX2 loops in between, each rounded to the model's dtype where
 // model.py's eager ops round.
 //
 // Why: a compiled step of the 30-layer default target runs ~150 kernel calls and ~100 small
@@ -167,9 +167,9 @@ void silu_mul(const scalar_t* gu, scalar_t* out, int64_t rows, int64_t I) {
 }
 
 template <typename scalar_t>
-at::Tensor layers_impl(const Stack& s, const at::Tensor& x_in, const at::Tensor& cos,
-                                    const at::Tensor& sin, const at::Tensor& bias, const at::Tensor& write_index,
-                                    at::Tensor& kv, int64_t row0, int64_t B, const std::vector<int64_t>& taps) {
+at::Tensor layers_impl(const Stack& s, const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
+                       const at::Tensor& bias, const at::Tensor& write_index, at::Tensor& kv, int64_t row0,
+                       int64_t B, const std::vector<int64_t>& taps) {
   const int64_t BT = x_in.size(0), H = x_in.size(1), T = BT / B, D = s.head_dim;
   const int64_t nh = s.heads, nkv = s.kv_heads, I = s.intermediate, S = bias.size(3);
   const int64_t cache_rows = kv.size(2), max_seq = kv.size(4);
@@ -238,10 +238,9 @@ at::Tensor layers_impl(const Stack& s, const at::Tensor& x_in, const at::Tensor&
 // cos, signed sin [B, T, 1, D] (model.rope_at), bias [B, 1, T, S] additive mask, write_index
 // [2 * B * kv_heads * T] (KVCache.write_index) into each layer's cache, kv [layers, 2, rows, kv_heads,
 // max_seq, D] (KVCache.kv) written there; batch row b reads cache row row0 + b.
-at::Tensor decoder_layers(int64_t id, const at::Tensor& x, const at::Tensor& cos,
-                                       const at::Tensor& sin, const at::Tensor& bias,
-                                       const at::Tensor& write_index, at::Tensor& kv, int64_t row0,
-                                       int64_t batch, std::vector<int64_t> taps) {
+at::Tensor decoder_layers(int64_t id, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                          const at::Tensor& bias, const at::Tensor& write_index, at::Tensor& kv, int64_t row0,
+                          int64_t batch, std::vector<int64_t> taps) {
   const Stack* s;
   {
     std::lock_guard<std::mutex> lock(registry_mutex);
@@ -253,6 +252,9 @@ at::Tensor decoder_layers(int64_t id, const at::Tensor& x, const at::Tensor& cos
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "decoder_layers: fp32 or bf16, got ", dtype);
   TORCH_CHECK(x.dim() == 2 && batch > 0 && x.size(0) % batch == 0, "decoder_layers: x [B*T, H], got ", x.sizes());
   const int64_t BT = x.size(0), T = BT / batch, D = s->head_dim;
+  const at::Tensor& norm = s->layers[0].in_norm;
+  TORCH_CHECK(x.size(1) == norm.size(0) && norm.scalar_type() == dtype, "decoder_layers: x [B*T, ", norm.size(0),
+              "] in the stack's dtype ", norm.scalar_type(), ", got ", x.sizes(), " ", dtype);
   TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype && bias.scalar_type() == dtype &&
                   kv.scalar_type() == dtype,
               "decoder_layers: cos, sin, bias and kv in x's dtype");
@@ -260,7 +262,8 @@ at::Tensor decoder_layers(int64_t id, const at::Tensor& x, const at::Tensor& cos
               "decoder_layers: cos, sin [B, T, 1, ", D, "], got ", cos.sizes());
   TORCH_CHECK(bias.dim() == 4 && bias.size(0) == batch && bias.size(2) == T, "decoder_layers: bias [B, 1, T, S], got ",
               bias.sizes());
-  TORCH_CHECK(kv.is_contiguous() && kv.dim() == 6 && kv.size(0) == static_cast<int64_t>(s->layers.size()) && kv.size(1) == 2 && kv.size(3) == s->kv_heads &&
+  TORCH_CHECK(kv.is_contiguous() && kv.dim() == 6 && kv.size(0) == static_cast<int64_t>(s->layers.size()) &&
+                  kv.size(1) == 2 && kv.size(3) == s->kv_heads &&
                   kv.size(5) == D && row0 >= 0 && row0 + batch <= kv.size(2) && bias.size(3) <= kv.size(4),
               "decoder_layers: kv [layers, 2, rows, kv_heads, max_seq, D] for these rows, got ", kv.sizes());
   TORCH_CHECK(write_index.scalar_type() == at::kLong && write_index.is_contiguous() &&
