@@ -319,8 +319,9 @@ class KVCache(nn.Module):
         flat = self.kv.view(-1, D)
         kept = flat.index_select(0, si)  # gathered first: overlap is safe
         if torch.compiler.is_compiling():
-            # an opaque in-place write: an index_copy_ here made compiled graphs end with a copy of
-            # the whole cache onto itself (6.6 MB a verify at a 287-slot cache, 47 MB at 2,048)
+            # an opaque in-place write: after the fused layers' cache write, an index_copy_ here
+            # made the verify graph end with a copy of the whole cache onto itself (6.6 MB at the
+            # bench's 287-slot cache; tests/test_model.py)
             kv_write(self.kv, di, kept)
         else:
             flat.index_copy_(0, di, kept)
