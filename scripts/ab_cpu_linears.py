@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import statistics
+from unittest import mock
 
 import torch
 
@@ -111,26 +112,18 @@ def main() -> None:
     for b in args.backends:  # load, compile and warm every backend first
         backend, *off = b.split(":")
         dot = "dot" in off or ("fma" not in off and bf16_linear.dot_default())
-        user_dot = os.environ.get(bf16_linear.DOT_ENV)  # the caller's, back after this backend's load
-        os.environ[bf16_linear.DOT_ENV] = "vdpbf16ps" if dot else "fma"  # for the model and its head
         quantization = "int8" if "int8" in off else "none"
-        user_layers = os.environ.get(decoder_layers.ENV)
-        os.environ[decoder_layers.ENV] = "0" if "pylayers" in off else "1"
-        model = load_model(None, args.dtype, "cpu", cpu_linears=backend, quantization=quantization)
-        if user_layers is None:
-            os.environ.pop(decoder_layers.ENV)
-        else:
-            os.environ[decoder_layers.ENV] = user_layers
-        # the attention kernel is a process-wide switch that compiled graphs guard on: set per run
-        attention = avx2_attention.enabled() and "sdpa" not in off
-        avx2_attention.enable(attention)
-        wrapper = "py" if "py" in off else "cpp" if "cpp" in off else "default"
-        use_wrapper(wrapper)
-        head = load_head_for(default_head_path("eagle3"), model)
-        if user_dot is None:
-            os.environ.pop(bf16_linear.DOT_ENV)
-        else:
-            os.environ[bf16_linear.DOT_ENV] = user_dot
+        # the multiply for the model and its head, and fused or Python layers, for this load only
+        load_env = {bf16_linear.DOT_ENV: "vdpbf16ps" if dot else "fma",
+                    decoder_layers.ENV: "0" if "pylayers" in off else "1"}
+        with mock.patch.dict(os.environ, load_env):
+            model = load_model(None, args.dtype, "cpu", cpu_linears=backend, quantization=quantization)
+            # the attention kernel is a process-wide switch that compiled graphs guard on: set per run
+            attention = avx2_attention.enabled() and "sdpa" not in off
+            avx2_attention.enable(attention)
+            wrapper = "py" if "py" in off else "cpp" if "cpp" in off else "default"
+            use_wrapper(wrapper)
+            head = load_head_for(default_head_path("eagle3"), model)
         # the longest prompt at full length: the cache (and its graphs) at the rounds' size
         longest = [max(prompts, key=len)]
         plain = bench_plain(model, longest, args.max_new_tokens, compile_steps=True)

@@ -95,6 +95,18 @@ def build_tiny_model(arch: str, out_dir: Path) -> Path:
     return out_dir
 
 
+@pytest.fixture
+def attention_kernel_on():
+    """kernels/avx2_attention enabled for one test (the loader does so with our CPU Linears, and the
+    fused decoder layers call it), the process's setting restored after it."""
+    from eagle_infer.kernels import avx2_attention
+
+    before = avx2_attention.enabled()
+    avx2_attention.enable()
+    yield
+    avx2_attention.enable(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """Factory: tiny_model_dir(arch) -> folder of a tiny HF checkpoint (built once per arch)."""

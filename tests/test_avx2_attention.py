@@ -20,15 +20,6 @@ from eagle_infer.tree import TreeConfig
 pytestmark = pytest.mark.skipif(not avx2_linear.supported(), reason="CPU without AVX2 / FMA")
 
 
-@pytest.fixture
-def kernel_on():
-    """The kernel enabled for one test, the process's setting restored after it."""
-    before = avx2_attention.enabled()
-    avx2_attention.enable()
-    yield
-    avx2_attention.enable(before)
-
-
 def cache_views(B: int, KVH: int, S: int, max_len: int = 600,
                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """keys, values [B, KVH, S, 64]: strided views of a [2, B, KVH, max_len, 64] cache, as a layer's."""
@@ -121,7 +112,7 @@ def test_kernel_names_bad_input():
                                        torch.zeros(1, 1, 2, 10))
 
 
-def test_attention_uses_the_kernel_only_while_enabled(kernel_on):
+def test_attention_uses_the_kernel_only_while_enabled(attention_kernel_on):
     q, (keys, values), bias = torch.randn(1, 9, 4, 64), cache_views(1, 3, 40), tree_bias(1, 4, 40)
     graphs = []
 
@@ -156,7 +147,7 @@ def target_with_head_dim_64(layers: int = 2) -> tuple[Transformer, torch.nn.Modu
     return target, random_head(target, "eagle3", draft_vocab=40)
 
 
-def test_greedy_identical_on_the_kernel_eager_and_compiled(kernel_on):
+def test_greedy_identical_on_the_kernel_eager_and_compiled(attention_kernel_on):
     target, head = target_with_head_dim_64()
     prompts = prompts_for(target.config.vocab_size)
     plain = generate(target, prompts, 20)  # batch 4: every decode step has 4 rows of 1 query

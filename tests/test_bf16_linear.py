@@ -26,16 +26,6 @@ from eagle_infer.tree import TreeConfig
 pytestmark = pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without AVX512-BF16")
 
 
-@pytest.fixture
-def attention_on():
-    """kernels/avx2_attention enabled for one test (the loader does so with these Linears), the
-    process's setting restored after it."""
-    before = avx2_attention.enabled()
-    avx2_attention.enable()
-    yield
-    avx2_attention.enable(before)
-
-
 def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """F.linear in float64 (bf16 products are exact in fp32; the sums are within fp32 rounding)."""
     return F.linear(x.double(), w.double())
@@ -152,7 +142,7 @@ def test_bf16_linears_eager_compiled_and_large_calls():
 
 
 @pytest.mark.parametrize("dot", ["fma", "vdpbf16ps"])
-def test_bf16_speculative_greedy_identical_to_plain_on_the_kernels(attention_on, dot, monkeypatch):
+def test_bf16_speculative_greedy_identical_to_plain_on_the_kernels(attention_kernel_on, dot, monkeypatch):
     """Our Linears and attention give a row the same bits whatever rows come with it, so in bf16
     too a verify's logits are the one-row steps' and greedy speculative decoding equals plain
     greedy decoding token for token, eager and compiled (Inductor's C++ wrapper, rounding as

@@ -26,15 +26,6 @@ pytestmark = pytest.mark.skipif(not avx2_linear.supported(), reason="CPU without
 needs_bf16 = pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without AVX512-BF16")
 
 
-@pytest.fixture
-def kernel_on():
-    """The attention kernel enabled for one test (the fused layers call it), restored after."""
-    before = avx2_attention.enabled()
-    avx2_attention.enable()
-    yield
-    avx2_attention.enable(before)
-
-
 def fp32_target(layers: int = 3, attention_bias: bool = False) -> Transformer:
     """A tiny fp32 target of head size 64 (the attention kernel's) on torch's Linears."""
     cfg = ModelConfig(model_type="llama", vocab_size=96, hidden_size=128, intermediate_size=192,
@@ -99,7 +90,7 @@ def step_both_ways(target: Transformer, T: int, taps: list[int]):
 
 
 @pytest.mark.parametrize("T", [1, 5])
-def test_fused_layers_compute_the_python_layers(kernel_on, T):
+def test_fused_layers_compute_the_python_layers(attention_kernel_on, T):
     target = tiny_target()
     assert decoder_layers.applies(target, 2, T)
     taps = [0, 2, 1, 3]  # 3 = the final normed state, taken in Python either way
@@ -117,7 +108,7 @@ def test_fused_layers_compute_the_python_layers(kernel_on, T):
     pytest.param(torch.bfloat16, "ours", marks=needs_bf16),
     pytest.param(torch.bfloat16, "int8", marks=needs_bf16),
 ])
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel_on, dtype, linears):
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(attention_kernel_on, dtype, linears):
     target = tiny_target(dtype=dtype, linears=linears)
     one, *_ = step_both_ways(target, 1, [1])[0]
     five, *_ = step_both_ways(target, 5, [1])[0]
@@ -126,7 +117,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel_on, dtype, l
 
 @needs_bf16
 @pytest.mark.parametrize("linears", ["ours", "int8"])
-def test_bf16_and_int8_layers_round_where_the_python_layers_do(kernel_on, linears):
+def test_bf16_and_int8_layers_round_where_the_python_layers_do(attention_kernel_on, linears):
     target = tiny_target(dtype=torch.bfloat16, linears=linears)
     (logits, hidden, _), (ref_logits, ref_hidden, _) = step_both_ways(target, 5, [1, 2])
     # the same bf16 roundings, the sums of squares in another order: at most a bf16 step apart
@@ -136,7 +127,7 @@ def test_bf16_and_int8_layers_round_where_the_python_layers_do(kernel_on, linear
     assert (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean() >= 0.9
 
 
-def test_compiled_steps_call_the_op(kernel_on):
+def test_compiled_steps_call_the_op(attention_kernel_on):
     target = tiny_target()
     target.setup_cache(1, 64)
     graphs = []
@@ -161,7 +152,7 @@ def test_compiled_steps_call_the_op(kernel_on):
     (torch.float32, "ours"),
     pytest.param(torch.bfloat16, "int8", marks=needs_bf16),
 ])
-def test_greedy_identical_on_the_fused_layers_eager_and_compiled(kernel_on, dtype, linears):
+def test_greedy_identical_on_the_fused_layers_eager_and_compiled(attention_kernel_on, dtype, linears):
     target = fp32_target()
     head = random_head(target, "eagle3", draft_vocab=40).to(dtype)
     target = on_our_kernels(target, dtype, linears, head)
@@ -174,7 +165,7 @@ def test_greedy_identical_on_the_fused_layers_eager_and_compiled(kernel_on, dtyp
         assert spec == plain, tree
 
 
-def test_attach_declines_what_the_op_does_not_compute(kernel_on, monkeypatch):
+def test_attach_declines_what_the_op_does_not_compute(attention_kernel_on, monkeypatch):
     assert tiny_target(attention_bias=True).fused_layers is None  # qkv biases (Qwen2)
     torch_linears = tiny_target()
     assert torch_linears.fused_layers is not None
@@ -190,7 +181,7 @@ def test_attach_declines_what_the_op_does_not_compute(kernel_on, monkeypatch):
     assert tiny_target().fused_layers is None  # the op calls the attention kernel
 
 
-def test_bad_input_and_released_stacks_get_clear_errors(kernel_on):
+def test_bad_input_and_released_stacks_get_clear_errors(attention_kernel_on):
     target = tiny_target()
     target.setup_cache(1, 64)
     x, cos = torch.randn(1, 128), torch.randn(1, 1, 1, 64)
@@ -215,14 +206,14 @@ def test_bad_input_and_released_stacks_get_clear_errors(kernel_on):
         op(stack_id, x, cos, cos, bias, index, torch.zeros(3, 2, 1, 2, 64, 64), 0, 1, [])
 
 
-def test_the_loader_attaches_the_layers_with_our_kernels(kernel_on, default_model_dir):
+def test_the_loader_attaches_the_layers_with_our_kernels(attention_kernel_on, default_model_dir):
     from eagle_infer.loader import load_model
 
     assert load_model(default_model_dir, "fp32", "cpu", cpu_linears="avx2").fused_layers is not None
     assert load_model(default_model_dir, "fp32", "cpu", cpu_linears="torch").fused_layers is None
 
 
-def test_copies_and_conversions_of_a_model_do_not_run_the_old_weights(kernel_on):
+def test_copies_and_conversions_of_a_model_do_not_run_the_old_weights(attention_kernel_on):
     target = tiny_target()
     assert copy.deepcopy(target).fused_layers is None  # its own weights: the Python layers
     assert target.fused_layers is not None

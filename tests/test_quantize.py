@@ -16,7 +16,7 @@ from eagle_infer import cpu_linears, quantize
 from eagle_infer.errors import UserError
 from eagle_infer.generate import generate
 from eagle_infer.heads import load_head_for, save_head
-from eagle_infer.kernels import avx2_attention, bf16_linear
+from eagle_infer.kernels import bf16_linear
 from eagle_infer.loader import load_model
 from eagle_infer.quantize import Int8Linear, quantize_linears, quantize_weight
 from eagle_infer.speculative import SpecDecoder, generate_speculative
@@ -117,47 +117,43 @@ def test_load_model_int8_and_a_head_for_it(tiny_model_dir, tmp_path):
 
 @pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without AVX512-BF16")
 @pytest.mark.parametrize("dot", ["fma", "vdpbf16ps"])
-def test_int8_on_our_kernel_speculative_identical_to_plain_eager_and_compiled(dot, monkeypatch):
+def test_int8_on_our_kernel_speculative_identical_to_plain_eager_and_compiled(
+        dot, monkeypatch, attention_kernel_on):
     """A bf16 target on "avx512_bf16" quantized: its Linears and its head's run our kernel on the
     int8 weights, compiled steps call it with our kernels' settings (not the frozen template),
     and greedy speculative decoding equals plain greedy decoding of the quantized target, eager
     and compiled, in bf16."""
     monkeypatch.setenv(bf16_linear.DOT_ENV, dot)
-    before = avx2_attention.enabled()
-    avx2_attention.enable()
-    try:
-        target, head = target_with_head_dim_64(layers=2)
-        target, head = target.to(torch.bfloat16), head.to(torch.bfloat16)
-        prompts = prompts_for(target.config.vocab_size)
-        torch_plain = generate(target, prompts, 24)
-        on_torch = copy.deepcopy(target)
-        quantize_linears(on_torch, "int8")
-        on_torch = generate(on_torch, prompts, 24)  # torch's int8 kernel: the same quantized function
-        target.cpu_linears = "avx512_bf16"
-        n = quantize_linears(target, "int8", target.cpu_linears)
-        quantize_linears(head, "int8", target.cpu_linears)  # as load_head_for does
-        int8s = [m for mod in (target, head) for m in mod.modules() if isinstance(m, Int8Linear)]
-        assert len(int8s) > n and all(m.ours and m.dot == (dot == "vdpbf16ps") for m in int8s)
-        assert target.state_dict().keys() >= {"lm_head.weight_int8", "lm_head.scale"}
-        assert not any("packed" in k for k in target.state_dict())  # not checkpoint tensors
-        assert cpu_linears.compile_settings(target, head) is None
-        assert cpu_linears.step_options(target, None, None) == {"cpp_wrapper": True,
-                                                                "emulate_precision_casts": True}
-        plain = generate(target, prompts, 24)
-        assert plain != torch_plain  # quantized
-        # torch's kernel rounds its bf16 output differently: mostly the same tokens
-        agree = sum(a == b for p, q in zip(plain, on_torch) for a, b in zip(p, q))
-        assert agree > 0.5 * sum(map(len, plain))
-        for tree in (TreeConfig(3, 4, 4), TreeConfig.chain(3)):
-            spec, _ = generate_speculative(target, head, prompts, 24, tree=tree)
-            assert spec == plain, tree
-        assert generate(target, prompts, 24, compile=True) == plain
-        tree = TreeConfig(3, 4, 4)
-        dec = SpecDecoder(target, head, tree, max_batch=4, max_seq_len=128).compile()
-        spec, _ = generate_speculative(target, head, prompts, 24, tree=tree, decoder=dec)
-        assert spec == plain
-    finally:
-        avx2_attention.enable(before)
+    target, head = target_with_head_dim_64(layers=2)
+    target, head = target.to(torch.bfloat16), head.to(torch.bfloat16)
+    prompts = prompts_for(target.config.vocab_size)
+    torch_plain = generate(target, prompts, 24)
+    on_torch = copy.deepcopy(target)
+    quantize_linears(on_torch, "int8")
+    on_torch = generate(on_torch, prompts, 24)  # torch's int8 kernel: the same quantized function
+    target.cpu_linears = "avx512_bf16"
+    n = quantize_linears(target, "int8", target.cpu_linears)
+    quantize_linears(head, "int8", target.cpu_linears)  # as load_head_for does
+    int8s = [m for mod in (target, head) for m in mod.modules() if isinstance(m, Int8Linear)]
+    assert len(int8s) > n and all(m.ours and m.dot == (dot == "vdpbf16ps") for m in int8s)
+    assert target.state_dict().keys() >= {"lm_head.weight_int8", "lm_head.scale"}
+    assert not any("packed" in k for k in target.state_dict())  # not checkpoint tensors
+    assert cpu_linears.compile_settings(target, head) is None
+    assert cpu_linears.step_options(target, None, None) == {"cpp_wrapper": True,
+                                                            "emulate_precision_casts": True}
+    plain = generate(target, prompts, 24)
+    assert plain != torch_plain  # quantized
+    # torch's kernel rounds its bf16 output differently: mostly the same tokens
+    agree = sum(a == b for p, q in zip(plain, on_torch) for a, b in zip(p, q))
+    assert agree > 0.5 * sum(map(len, plain))
+    for tree in (TreeConfig(3, 4, 4), TreeConfig.chain(3)):
+        spec, _ = generate_speculative(target, head, prompts, 24, tree=tree)
+        assert spec == plain, tree
+    assert generate(target, prompts, 24, compile=True) == plain
+    tree = TreeConfig(3, 4, 4)
+    dec = SpecDecoder(target, head, tree, max_batch=4, max_seq_len=128).compile()
+    spec, _ = generate_speculative(target, head, prompts, 24, tree=tree, decoder=dec)
+    assert spec == plain
 
 
 @pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without AVX512-BF16")
