@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_speculative import prompts_for, random_head
 
-from eagle_infer.cpu_linears import use_avx2_linears, use_bf16_linears
+from eagle_infer.cpu_linears import AVX2_MAX_ROWS, use_avx2_linears, use_bf16_linears
 from eagle_infer.errors import UserError
 from eagle_infer.generate import generate
 from eagle_infer.kernels import avx2_attention, avx2_linear, bf16_linear, decoder_layers
@@ -168,7 +168,8 @@ def test_greedy_identical_on_the_fused_layers_eager_and_compiled(attention_kerne
 def test_attach_declines_what_the_op_does_not_compute(attention_kernel_on, monkeypatch):
     assert tiny_target(attention_bias=True).fused_layers is None  # qkv biases (Qwen2)
     torch_linears = tiny_target()
-    assert torch_linears.fused_layers is not None
+    assert torch_linears.fused_layers.max_rows == AVX2_MAX_ROWS  # its Linears' kernel limit
+    assert decoder_layers.applies(torch_linears, 4, 8) and not decoder_layers.applies(torch_linears, 3, 11)
     plain = fp32_target()  # torch's Linears
     assert decoder_layers.attach(plain) is None and plain.fused_layers is None
     monkeypatch.setenv("EAGLE_FUSED_LAYERS", "0")

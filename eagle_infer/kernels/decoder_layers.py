@@ -63,18 +63,19 @@ class Stack:
             pass
 
 
-def _kernel_of(linear: nn.Module) -> tuple[int, Tensor, Tensor] | None:
-    """(kind, packed weight, scale) of a Linear on one of our kernels without a bias, else None."""
-    from eagle_infer.cpu_linears import Avx2Linear, Bf16Linear
+def _kernel_of(linear: nn.Module) -> tuple[int, Tensor, Tensor, int] | None:
+    """(kind, packed weight, scale, the rows up to which it runs our kernel) of a Linear on one of
+    our kernels without a bias, else None."""
+    from eagle_infer.cpu_linears import BF16_MAX_ROWS, Avx2Linear, Bf16Linear
     from eagle_infer.quantize import Int8Linear
 
     empty = torch.empty(0)
     if type(linear) is Avx2Linear and linear.bias is None:
-        return AVX2, linear.packed_weight, empty
+        return AVX2, linear.packed_weight, empty, linear.max_rows
     if type(linear) is Bf16Linear and linear.bias is None:
-        return BF16, linear.packed_weight, empty
+        return BF16, linear.packed_weight, empty, linear.max_rows
     if type(linear) is Int8Linear and linear.ours and linear.bias is None:
-        return INT8, linear.packed_weight, linear.packed_scale
+        return INT8, linear.packed_weight, linear.packed_scale, BF16_MAX_ROWS  # as Int8Linear.forward
     return None
 
 
@@ -90,7 +91,7 @@ def attach(model: nn.Module) -> Stack | None:
     if (choice == "0" or not avx2_attention.enabled() or cfg.head_dim != avx2_attention.HEAD_DIM
             or cfg.hidden_size % 8 or cfg.intermediate_size % 8):  # the C++ loops run 8 values at a time
         return None
-    tensors, kinds, dots = [], [], set()
+    tensors, kinds, dots, max_rows = [], [], set(), []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -98,18 +99,16 @@ def attach(model: nn.Module) -> Stack | None:
         if any(k is None for k in linears):
             return None
         tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-        for (kind, weight, scale), m in zip(linears, modules):
+        for (kind, weight, scale, rows), m in zip(linears, modules):
             tensors += [weight, scale]
             kinds.append(kind)
+            max_rows.append(rows)
             dots.add(bool(getattr(m, "dot", False)))
     if len(dots) > 1:
         return None
     load()
     dims = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, int(dots.pop())]
-    from eagle_infer.cpu_linears import AVX2_MAX_ROWS, BF16_MAX_ROWS
-
-    stack = Stack(torch.ops.eagle.register_stack(tensors, kinds, dims, cfg.rms_norm_eps),
-                  AVX2_MAX_ROWS if AVX2 in kinds else BF16_MAX_ROWS)
+    stack = Stack(torch.ops.eagle.register_stack(tensors, kinds, dims, cfg.rms_norm_eps), min(max_rows))
     model.fused_layers = stack
     return stack
 
