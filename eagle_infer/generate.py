@@ -299,7 +299,10 @@ class CompiledDecode:
         self.fn = compile_step(self._step, mode, settings, step_options(model, settings, mode))
 
     def _step(self, tokens: torch.Tensor, cur: torch.Tensor,
-              mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              kv_ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_ref [kv_len]: only its length is read (a traced symbol), so the mask is built in the
+        graph: built eagerly before it, its ~15 small ops took ~0.25 ms of a 6 ms int8 step (Zen 4)."""
+        mask = causal_mask(cur, 1, kv_ref.shape[-1])  # [Bp, 1, kv_len]
         logits, _ = self.model(tokens[:, None], cur[:, None], cur[:, None], mask)
         return logits[:, 0], logits[:, 0].argmax(-1)
 
@@ -311,9 +314,9 @@ class CompiledDecode:
         pad = batch_bucket(B) - B
         if pad:
             tokens, cur = F.pad(tokens, (0, pad)), F.pad(cur, (0, pad))
-        mask = causal_mask(cur, 1, kv_len)  # [Bp, 1, kv_len]
-        mark_kv_dynamic(mask, m.max_seq_len)
-        logits, greedy = self.fn(tokens, cur, mask)
+        kv_ref = torch.empty(kv_len, dtype=torch.bool, device=tokens.device)
+        mark_kv_dynamic(kv_ref, m.max_seq_len)
+        logits, greedy = self.fn(tokens, cur, kv_ref)
         if self.mode == CUDA_GRAPHS:  # CUDA graphs reuse their output buffers
             return logits[:B].clone(), greedy[:B].clone()
         return logits[:B], greedy[:B]

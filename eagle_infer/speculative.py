@@ -292,13 +292,15 @@ class SpecDecoder:
         return pos, build_attn_mask(start, tril, kv_len)
 
     def _verify_commit_greedy(self, tokens: Tensor, parent: Tensor, depth: Tensor, tree_mask: Tensor,
-                              L: Tensor, mask: Tensor) -> tuple[Tensor, ...]:
+                              L: Tensor, kv_ref: Tensor) -> tuple[Tensor, ...]:
         """A greedy round after its draft phase: verify, acceptance, commit and the draft's
         catch-up, one graph when compiled (on a GPU the eager glue between verify and catch-up
-        was ~40 small launches a round). mask [B, N, kv_len]: the verify's; the catch-up reads the
-        same kv length. Returns (logits [B, N, V], path [B, D+1], n [B], bonus [B], path tokens
-        [B, D+1], the next root's draft feature [B, h] and log-probs [B, V'])."""
+        was ~40 small launches a round). kv_ref [B, kv_len]: only its length is read, the verify's
+        and the catch-up's (so the verify's mask is built in the graph, as the plain step's).
+        Returns (logits [B, N, V], path [B, D+1], n [B], bonus [B], path tokens [B, D+1], the next
+        root's draft feature [B, h] and log-probs [B, V'])."""
         tree, N = DraftTree(tokens, parent, depth, tree_mask), tokens.shape[1]
+        mask = build_attn_mask(L, tree_mask, kv_ref.shape[-1])  # [B, N, kv_len]
         slots = L[:, None] + torch.arange(N, device=L.device)[None]
         logits, hidden = self._verify(tokens, L[:, None] + depth, slots, mask)
         acc = accept_greedy(tree, logits, self.tree.num_steps)
@@ -336,7 +338,7 @@ class SpecDecoder:
         graphs = mode == CUDA_GRAPHS
         inductor = compile_settings(self.target, self.head)
         options = step_options(self.target, inductor, mode)
-        # Argument mask_arg of each step carries the kv length (a mask, or draft_tree's kv_ref).
+        # Argument mask_arg of each step carries the kv length (a mask, or a kv_ref whose length it is).
         self.draft_tree_fn, self.greedy_round_fn, self.verify_fn, self.catch_up_fn = (
             BucketedStep(f, compile_step(f, mode, inductor, options), max_bs, clone=graphs, mask_arg=arg,
                          max_kv=self.max_seq_len)
@@ -424,15 +426,16 @@ class SpecDecoder:
                                                  kv_ref))
         t1 = time.perf_counter()
         kv = self.kv_len(L_max + max(N, T))  # verify's and catch-up's
-        mask = build_attn_mask(L, tree.mask, kv)
         params = [s.params for s in self.seqs]
         greedy = all(p.greedy for p in params)
         if greedy:
             with record_function("spec.verify_commit_greedy"):
+                kv_ref = torch.empty(B, kv, dtype=torch.bool, device=dev)
                 logits, path, n, bonus, path_tokens, g_last, logp = self.greedy_round_fn(
-                    tree.tokens, tree.parent, tree.depth, tree.mask, L, mask)
+                    tree.tokens, tree.parent, tree.depth, tree.mask, L, kv_ref)
             t2 = t3 = t4 = time.perf_counter()
         else:
+            mask = build_attn_mask(L, tree.mask, kv)
             with record_function("spec.verify"):
                 pos, slots = L[:, None] + tree.depth, L[:, None] + torch.arange(N, device=dev)[None]
                 logits, hidden = self.verify_fn(tree.tokens, pos, slots, mask)
