@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "avx2_math.h"
+#include "kernel_calls.h"
 
 namespace {
 
@@ -57,7 +58,7 @@ inline std::pair<const float*, int64_t> block_as_fp32(const KV* src, int64_t n, 
 template <typename KV>
 void attend_rows(const KV* q, const KV* k, const KV* v, int64_t kv_stride, const KV* bias,
                  int64_t T, int64_t S, int64_t r0, int64_t r1, float scale, float* scores, KV* out,
-                 int64_t out_row_stride) {
+                 int64_t out_h, int64_t out_t) {
   const int64_t R = r1 - r0;
   std::vector<float> qs(R * kD), sums(R, 0.f);
   for (int64_t r = 0; r < R; r++)
@@ -146,36 +147,50 @@ void attend_rows(const KV* q, const KV* k, const KV* v, int64_t kv_stride, const
   for (int64_t r = 0; r < R; r++) {
     const __m256 inv = _mm256_set1_ps(1.f / sums[r]);
     const int64_t g = (r0 + r) / T, t = (r0 + r) % T;
-    KV* dst = out + g * out_row_stride + t * kD;
+    KV* dst = out + g * out_h + t * out_t;
     for (int d = 0; d < 8; d++) eagle::store8(dst + 8 * d, _mm256_mul_ps(_mm256_loadu_ps(o.data() + r * kD + 8 * d), inv));
   }
 }
 
+// Tasks t0..t1 of an AttentionCall, each (batch, kv head, chunk of its G * T rows): what each
+// thread of a parallel region computes (eagle::AttentionTasks).
 template <typename KV>
+void tasks(const eagle::AttentionCall& c, int64_t t0, int64_t t1, float* scores) {
+  const int64_t G = c.H / c.KVH, R = G * c.T, per_chunk = (R + c.chunks - 1) / c.chunks;
+  const float scale = 1.f / std::sqrt(static_cast<float>(kD));
+  const KV *qp = static_cast<const KV*>(c.q), *bp = static_cast<const KV*>(c.bias);
+  const KV *kp = static_cast<const KV*>(c.k), *vp = static_cast<const KV*>(c.v);
+  KV* op = static_cast<KV*>(c.out);
+  for (int64_t task = t0; task < t1; task++) {
+    const int64_t ch = task % c.chunks, bk = task / c.chunks, b = bk / c.KVH, kvh = bk % c.KVH;
+    const int64_t r0 = ch * per_chunk, r1 = std::min(R, r0 + per_chunk);
+    if (r0 >= r1) continue;
+    const int64_t h0 = kvh * G;  // the group's first query head
+    const int64_t kv0 = b * c.batch + kvh * c.head;
+    attend_rows(qp + (b * c.H + h0) * c.T * kD, kp + kv0, vp + kv0, c.row, bp + b * c.T * c.S, c.T, c.S, r0, r1,
+                scale, scores, op + b * c.out_b + h0 * c.out_h, c.out_h, c.out_t);
+  }
+}
+
+void attention_tasks(const eagle::AttentionCall& c, int64_t t0, int64_t t1, float* scores) {
+  if (c.bf16)
+    tasks<at::BFloat16>(c, t0, t1, scores);
+  else
+    tasks<float>(c, t0, t1, scores);
+}
+
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& keys, const at::Tensor& values,
                   const at::Tensor& bias_in) {
   const int64_t B = q_in.size(0), H = q_in.size(1), T = q_in.size(2), KVH = keys.size(1), S = keys.size(2);
   const at::Tensor q = q_in.contiguous(), bias = bias_in.contiguous();  // no copies for the model's
   at::Tensor out = at::empty({B, H, T, kD}, q.options());
-  const int64_t G = H / KVH, R = G * T, row = keys.stride(2), sh = keys.stride(1), sb = keys.stride(0);
-  // Tasks: (batch, kv head, chunk of its R rows); a kv head's rows split into chunks only while
-  // there are fewer heads than twice the threads (a decode step at batch 1: 3 kv heads, 2 threads)
-  const int64_t chunks = std::min(R, std::max<int64_t>(1, (2 * at::get_num_threads() + B * KVH - 1) / (B * KVH)));
-  const int64_t per_chunk = (R + chunks - 1) / chunks;
-  const float scale = 1.f / std::sqrt(static_cast<float>(kD));
-  const KV *qp = q.data_ptr<KV>(), *bp = bias.data_ptr<KV>(), *kp = keys.data_ptr<KV>(), *vp = values.data_ptr<KV>();
-  KV* op = out.data_ptr<KV>();
+  const int64_t R = (H / KVH) * T, chunks = eagle::attention_chunks(R, B, KVH, at::get_num_threads());
+  const eagle::AttentionCall call{q.scalar_type() == at::kBFloat16, q.data_ptr(), keys.data_ptr(), values.data_ptr(),
+                                  bias.data_ptr(), out.data_ptr(), B, H, T, KVH, S, keys.stride(0), keys.stride(1),
+                                  keys.stride(2), H * T * kD, T * kD, kD, chunks};
   at::parallel_for(0, B * KVH * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(per_chunk * S);
-    for (int64_t task = begin; task < end; task++) {
-      const int64_t c = task % chunks, bk = task / chunks, b = bk / KVH, kvh = bk % KVH;
-      const int64_t r0 = c * per_chunk, r1 = std::min(R, r0 + per_chunk);
-      if (r0 >= r1) continue;
-      const int64_t h0 = kvh * G;  // the group's first query head
-      const int64_t kv0 = b * sb + kvh * sh;
-      attend_rows(qp + (b * H + h0) * T * kD, kp + kv0, vp + kv0, row, bp + b * T * S, T, S, r0, r1, scale,
-                  scores.data(), op + (b * H + h0) * T * kD, T * kD);
-    }
+    std::vector<float> scores((R + chunks - 1) / chunks * S);
+    attention_tasks(call, begin, end, scores.data());
   });
   return out;
 }
@@ -202,8 +217,7 @@ at::Tensor avx2_attention(const at::Tensor& q_in, const at::Tensor& keys, const 
                   keys.stride(1) == values.stride(1) && keys.stride(0) == values.stride(0),
               "avx2_attention: keys and values must share strides with contiguous rows");
   // q, bias and K and V read in place, in their own dtype (widened as read); out in that dtype
-  return dtype == at::kFloat ? attend<float>(q_in, keys, values, bias_in)
-                             : attend<at::BFloat16>(q_in, keys, values, bias_in);
+  return attend(q_in, keys, values, bias_in);
 }
 
 // The cache write of a compiled step, eagle_infer::kv_write (defined in model.py): kv viewed as
@@ -234,10 +248,16 @@ void kv_write(const at::Tensor& kv, const at::Tensor& index, const at::Tensor& n
 }
 
 
+// The address of attention_tasks (eagle::AttentionTasks), for decoder_layers.cpp.
+int64_t avx2_attention_tasks() {
+  return reinterpret_cast<int64_t>(static_cast<eagle::AttentionTasks>(&attention_tasks));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("avx2_attention(Tensor q, Tensor keys, Tensor values, Tensor bias) -> Tensor");
+  m.def("avx2_attention_tasks() -> int", &avx2_attention_tasks);
 }
 
 TORCH_LIBRARY_IMPL(eagle, CPU, m) {

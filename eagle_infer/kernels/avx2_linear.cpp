@@ -14,6 +14,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "kernel_calls.h"
+
 namespace {
 
 constexpr int64_t kPanel = 24;  // columns per panel: three 8-float AVX registers
@@ -64,6 +66,28 @@ inline void panel(const float* __restrict__ x, int64_t K, const float* __restric
   }
 }
 
+// Panels p0..p1 of a LinearCall (fp32 x, weight and y): what each thread of a parallel region
+// computes (eagle::LinearPanels).
+void panels(const eagle::LinearCall& c, int64_t p0, int64_t p1) {
+  const float* xp = static_cast<const float*>(c.x);
+  const float* wpp = static_cast<const float*>(c.w);
+  float* yp = static_cast<float*>(c.y);
+  const int64_t M = c.M, K = c.K, N = c.N;
+  for (int64_t p = p0; p < p1; p++) {
+    const float* w = wpp + p * K * kPanel;
+    const int64_t cols = std::min(kPanel, N - p * kPanel);
+    float* yc = yp + p * kPanel;
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) panel<4>(xp + m * K, K, w, yc + m * N, N, cols);
+    switch (M - m) {
+      case 3: panel<3>(xp + m * K, K, w, yc + m * N, N, cols); break;
+      case 2: panel<2>(xp + m * K, K, w, yc + m * N, N, cols); break;
+      case 1: panel<1>(xp + m * K, K, w, yc + m * N, N, cols); break;
+      default: break;
+    }
+  }
+}
+
 at::Tensor avx2_linear(const at::Tensor& x_in, const at::Tensor& wp, int64_t N) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && wp.scalar_type() == at::kFloat,
               "avx2_linear: fp32 only, got ", x_in.scalar_type(), " and ", wp.scalar_type());
@@ -79,32 +103,19 @@ at::Tensor avx2_linear(const at::Tensor& x_in, const at::Tensor& wp, int64_t N) 
   at::Tensor y = at::empty(out_shape, x.options());
   const int64_t M = K == 0 ? 0 : x.numel() / K;
   if (M == 0 || N == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  const float* wpp = wp.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t panels = (N + kPanel - 1) / kPanel;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; p++) {
-      const float* w = wpp + p * K * kPanel;
-      const int64_t cols = std::min(kPanel, N - p * kPanel);
-      float* yc = yp + p * kPanel;
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) panel<4>(xp + m * K, K, w, yc + m * N, N, cols);
-      switch (M - m) {
-        case 3: panel<3>(xp + m * K, K, w, yc + m * N, N, cols); break;
-        case 2: panel<2>(xp + m * K, K, w, yc + m * N, N, cols); break;
-        case 1: panel<1>(xp + m * K, K, w, yc + m * N, N, cols); break;
-        default: break;
-      }
-    }
-  });
+  const eagle::LinearCall call{x.data_ptr<float>(), M, K, wp.data_ptr<float>(), nullptr, y.data_ptr<float>(), N, false};
+  at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) { panels(call, begin, end); });
   return y;
 }
+
+// The address of panels (eagle::LinearPanels), for decoder_layers.cpp.
+int64_t avx2_linear_panels() { return reinterpret_cast<int64_t>(static_cast<eagle::LinearPanels>(&panels)); }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("avx2_linear(Tensor x, Tensor packed_weight, int out_features) -> Tensor");
+  m.def("avx2_linear_panels() -> int", &avx2_linear_panels);
 }
 
 TORCH_LIBRARY_IMPL(eagle, CPU, m) {

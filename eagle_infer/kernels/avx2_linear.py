@@ -35,10 +35,10 @@ def build(name: str, source: Path, isa: list[str] = ()) -> None:
 
     from torch.utils import cpp_extension
 
-    # the shared header's hash in the flags: torch rebuilds when the flags or the source change;
-    # OpenMP: at::parallel_for's threads
-    header = zlib.crc32(source.with_name("avx2_math.h").read_bytes())
-    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", f"-DEAGLE_AVX2_MATH_CRC={header}", *isa]
+    # the shared headers' hash in the flags: torch rebuilds when the flags or the source change;
+    # OpenMP: at::parallel_for's threads (and decoder_layers' own region)
+    headers = zlib.crc32(b"".join(p.read_bytes() for p in sorted(source.parent.glob("*.h"))))
+    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", f"-DEAGLE_KERNEL_HEADERS_CRC={headers}", *isa]
     cpp_extension.load(name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                        is_python_module=False, verbose=False)
 

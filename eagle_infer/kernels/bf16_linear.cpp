@@ -32,6 +32,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "kernel_calls.h"
+
 namespace {
 
 constexpr int64_t kPanel = 32;  // columns per panel: two 16-float accumulators a row
@@ -300,6 +302,23 @@ void rows_of(const X* x, int64_t M, int64_t K, const W* w, at::BFloat16* y, int6
   }
 }
 
+// Panels p0..p1 of a LinearCall over a packed weight of W's dtype [panels, K / 2, 32, 2] (K even):
+// what each thread of a parallel region computes (eagle::LinearPanels).
+template <typename W>
+void panels(const eagle::LinearCall& c, int64_t p0, int64_t p1) {
+  const W* w = static_cast<const W*>(c.w);
+  auto* y = static_cast<at::BFloat16*>(c.y);
+  for (int64_t p = p0; p < p1; p++) {
+    const int64_t cols = std::min(kPanel, c.N - p * kPanel);
+    const float* s = c.scale ? c.scale + p * kPanel : nullptr;
+    const W* wp = w + p * c.K * kPanel;
+    if (c.dot)
+      rows_of(static_cast<const at::BFloat16*>(c.x), c.M, c.K, wp, y + p * kPanel, c.N, cols, s, std::true_type{});
+    else
+      rows_of(static_cast<const float*>(c.x), c.M, c.K, wp, y + p * kPanel, c.N, cols, s, std::false_type{});
+  }
+}
+
 // y = x @ W.T (times the column scales for int8 W) through the packed weight wp [panels, K / 2,
 // 32, 2] of W's dtype; `name` for the errors.
 template <typename W>
@@ -319,23 +338,10 @@ at::Tensor linear(const char* name, const at::Tensor& x_in, const at::Tensor& wp
   std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
   out_shape.back() = N;
   at::Tensor y = at::empty(out_shape, x_in.options());
-  const int64_t M = K == 0 ? 0 : x_in.numel() / K, Kp = K + K % 2;
+  const int64_t M = K == 0 ? 0 : x_in.numel() / K;
   if (M == 0 || N == 0) return y;
-  const float* xf = dot ? nullptr : x.data_ptr<float>();
-  const at::BFloat16* xh = dot ? x.data_ptr<at::BFloat16>() : nullptr;
-  const W* wpp = wp.data_ptr<W>();
-  auto* yp = y.data_ptr<at::BFloat16>();
-  const int64_t panels = (N + kPanel - 1) / kPanel, panel_size = Kp * kPanel;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; p++) {
-      const int64_t cols = std::min(kPanel, N - p * kPanel);
-      const float* s = scale ? scale + p * kPanel : nullptr;
-      if (dot)
-        rows_of(xh, M, Kp, wpp + p * panel_size, yp + p * kPanel, N, cols, s, std::true_type{});
-      else
-        rows_of(xf, M, Kp, wpp + p * panel_size, yp + p * kPanel, N, cols, s, std::false_type{});
-    }
-  });
+  const eagle::LinearCall call{x.data_ptr(), M, K + K % 2, wp.data_ptr<W>(), scale, y.data_ptr(), N, dot};
+  at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) { panels<W>(call, begin, end); });
   return y;
 }
 
@@ -355,11 +361,18 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wp, const at::Tens
   return linear<int8_t>("int8_linear", x, wp, scale.data_ptr<float>(), N, dot);
 }
 
+// The address of panels<W> (eagle::LinearPanels) for bf16 or int8 weights, for decoder_layers.cpp.
+int64_t bf16_linear_panels(bool int8) {
+  const eagle::LinearPanels f = int8 ? &panels<int8_t> : &panels<at::BFloat16>;
+  return reinterpret_cast<int64_t>(f);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("bf16_linear(Tensor x, Tensor packed_weight, int out_features, bool dot=False) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor packed_weight, Tensor scale, int out_features, bool dot=False) -> Tensor");
+  m.def("bf16_linear_panels(bool int8) -> int", &bf16_linear_panels);
 }
 
 TORCH_LIBRARY_IMPL(eagle, CPU, m) {

@@ -1,9 +1,8 @@
 // The decoder layers of a Llama-family target (no biases, head size 64) as one call per step on a
 // CPU: what model.DecoderLayer computes, layer after layer, for a decode step's row or a verify's
 // tree of rows, with the Linears and the attention on our kernels (bf16_linear.cpp,
-// avx2_linear.cpp, avx2_attention.cpp, called through the dispatcher) and the norms, RoPE, cache
-// writes, SiLU and residual adds as AVX2 loops in between, each rounded to the model's dtype where
-// model.py's eager ops round.
+// avx2_linear.cpp, avx2_attention.cpp) and the norms, RoPE, cache writes, SiLU and residual adds
+// as AVX2 loops in between, each rounded to the model's dtype where model.py's eager ops round.
 //
 // Why: a compiled step of the 30-layer default target runs ~150 kernel calls and ~100 small
 // Inductor kernels, and Dynamo checks ~300 weight tensors' guards before each: on a 2-core Zen 4 with
@@ -11,19 +10,32 @@
 // thread waited (perf). The weights are registered once (register_stack) and a step names them
 // by a handle, so a compiled step neither passes nor guards them.
 //
+// The whole step is one OpenMP parallel region: each thread computes its share of every Linear's
+// panels and of the attention's tasks through the kernels' range functions (kernel_calls.h) and its
+// share of the rows of the loops between, with a barrier after each phase. Calling each kernel's op
+// instead (a parallel region, an output tensor and a dispatcher call each, ~150 a step) left the
+// other thread waiting ~20% of the op's time (perf, Zen 4, int8). Measured against that, in one
+// process, the same outputs bit for bit (2-core Zen 4, default target, kv 200, medians of 7 x 100
+// calls): int8 1 row 4.07 -> 3.76 ms, 4 rows 5.81 -> 5.19; bf16 1 row 6.60 -> 6.06, 4 rows 7.70 -> 7.06.
+//
 // A row's result never depends on the rows beside it (each kernel's rows are independent and the
 // loops here are per row), so a verify's rows equal one-row steps'.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <omp.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <mutex>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
 #include "avx2_math.h"
+#include "kernel_calls.h"
 
 namespace {
 
@@ -32,7 +44,9 @@ enum Kind : int64_t { kAvx2 = 0, kBf16 = 1, kInt8 = 2 };  // the Linear kernel o
 struct Linear {
   int64_t kind;
   at::Tensor weight, scale;  // packed weight; int8: its panel scales
-  int64_t out;
+  int64_t out, in;           // N, K
+  eagle::LinearPanels panels;  // the kernel's range function
+  int64_t width;               // its panels' columns
 };
 
 struct Layer {
@@ -45,7 +59,15 @@ struct Stack {
   int64_t heads, kv_heads, head_dim, intermediate;
   bool dot;
   double eps;
+  eagle::AttentionTasks attention;
 };
+
+// The address a kernel library's op `name` returns (kernel_calls.h): the library is loaded (the
+// model's Linears and attention run it) before a stack is registered.
+template <typename... Args>
+int64_t kernel_address(const char* name, Args... args) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<int64_t(Args...)>().call(args...);
+}
 
 std::mutex registry_mutex;
 std::unordered_map<int64_t, Stack> registry;
@@ -59,11 +81,13 @@ int64_t register_stack(const std::vector<at::Tensor>& tensors, const std::vector
   TORCH_CHECK(dims.size() == 5, "register_stack: dims = [heads, kv_heads, head_dim, intermediate, dot]");
   TORCH_CHECK(tensors.size() % 10 == 0 && kinds.size() * 10 == tensors.size() * 4 && !tensors.empty(),
               "register_stack: 10 tensors and 4 kinds a layer, got ", tensors.size(), " and ", kinds.size());
-  Stack s{{}, dims[0], dims[1], dims[2], dims[3], dims[4] != 0, eps};
+  Stack s{{}, dims[0], dims[1], dims[2], dims[3], dims[4] != 0, eps,
+          reinterpret_cast<eagle::AttentionTasks>(kernel_address("eagle::avx2_attention_tasks"))};
   TORCH_CHECK(s.head_dim == 64 && s.heads % s.kv_heads == 0, "register_stack: head size 64, heads a multiple of kv heads");
   const int64_t H = tensors[0].size(0);
   TORCH_CHECK(H % 8 == 0 && s.intermediate % 8 == 0, "register_stack: hidden and intermediate sizes multiples of 8");
   const int64_t outs[4] = {(s.heads + 2 * s.kv_heads) * s.head_dim, H, 2 * s.intermediate, H};
+  const int64_t ins[4] = {H, s.heads * s.head_dim, H, s.intermediate};
   for (size_t l = 0; l < tensors.size() / 10; l++) {
     const at::Tensor* t = tensors.data() + 10 * l;
     Layer layer{t[0], t[1], {}, {}, {}, {}};
@@ -71,7 +95,21 @@ int64_t register_stack(const std::vector<at::Tensor>& tensors, const std::vector
     for (int j = 0; j < 4; j++) {
       const int64_t kind = kinds[4 * l + j];
       TORCH_CHECK(kind == kAvx2 || kind == kBf16 || kind == kInt8, "register_stack: unknown kernel ", kind);
-      *lin[j] = Linear{kind, t[2 + 2 * j], t[3 + 2 * j], outs[j]};
+      const at::Tensor& w = t[2 + 2 * j];
+      const int64_t width = kind == kAvx2 ? 24 : 32;
+      const bool packed = kind == kAvx2 ? w.dim() == 3 && w.size(1) == ins[j] && w.size(2) == width &&
+                                              w.scalar_type() == at::kFloat
+                                        : w.dim() == 4 && w.size(1) * 2 == ins[j] && w.size(2) == width &&
+                                              w.scalar_type() == (kind == kInt8 ? at::kChar : at::kBFloat16);
+      TORCH_CHECK(packed && w.is_contiguous() && w.size(0) * width >= outs[j], "register_stack: layer ", l,
+                  " Linear ", j, ": packed weight ", w.sizes(), " ", w.scalar_type(), " does not hold ", outs[j],
+                  " outputs of ", ins[j], " inputs for kernel ", kind);
+      TORCH_CHECK(kind != kInt8 || (t[3 + 2 * j].scalar_type() == at::kFloat &&
+                                    t[3 + 2 * j].numel() == w.size(0) * width),
+                  "register_stack: int8 scales, fp32, one a packed column");
+      const int64_t address = kind == kAvx2 ? kernel_address("eagle::avx2_linear_panels")
+                                            : kernel_address("eagle::bf16_linear_panels", kind == kInt8);
+      *lin[j] = Linear{kind, w, t[3 + 2 * j], outs[j], ins[j], reinterpret_cast<eagle::LinearPanels>(address), width};
     }
     s.layers.push_back(std::move(layer));
   }
@@ -83,35 +121,6 @@ int64_t register_stack(const std::vector<at::Tensor>& tensors, const std::vector
 void release_stack(int64_t id) {
   std::lock_guard<std::mutex> lock(registry_mutex);
   registry.erase(id);
-}
-
-at::Tensor run_linear(const Linear& L, const at::Tensor& x, bool dot) {
-  using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
-  using Bf16Fn = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, bool);
-  using Int8Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool);
-  auto& d = c10::Dispatcher::singleton();
-  switch (L.kind) {
-    case kAvx2: {
-      static const auto op = d.findSchemaOrThrow("eagle::avx2_linear", "").typed<LinearFn>();
-      return op.call(x, L.weight, L.out);
-    }
-    case kBf16: {
-      static const auto op = d.findSchemaOrThrow("eagle::bf16_linear", "").typed<Bf16Fn>();
-      return op.call(x, L.weight, L.out, dot);
-    }
-    default: {
-      static const auto op = d.findSchemaOrThrow("eagle::int8_linear", "").typed<Int8Fn>();
-      return op.call(x, L.weight, L.scale, L.out, dot);
-    }
-  }
-}
-
-at::Tensor run_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                         const at::Tensor& bias) {
-  using Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("eagle::avx2_attention", "").typed<Fn>();
-  return op.call(q, keys, values, bias);
 }
 
 using eagle::load8;
@@ -166,13 +175,27 @@ void silu_mul(const scalar_t* gu, scalar_t* out, int64_t rows, int64_t I) {
   }
 }
 
+// The input of Linear L for the calling thread: the bf16 kernels' FMA loop reads fp32, so a bf16
+// model's rows are widened into the thread's own buffer (each thread does it for itself: no
+// barrier); the other kernels read the rows as they are.
+template <typename scalar_t>
+const void* linear_input(const Linear& L, bool dot, const scalar_t* x, int64_t n, float* wide) {
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    if (L.kind != kAvx2 && !dot) {
+      for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(wide + i, load8(x + i));
+      return wide;
+    }
+  }
+  return x;
+}
+
 template <typename scalar_t>
 at::Tensor layers_impl(const Stack& s, const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
                        const at::Tensor& bias, const at::Tensor& write_index, at::Tensor& kv, int64_t row0,
                        int64_t B, const std::vector<int64_t>& taps) {
   const int64_t BT = x_in.size(0), H = x_in.size(1), T = BT / B, D = s.head_dim;
-  const int64_t nh = s.heads, nkv = s.kv_heads, I = s.intermediate, S = bias.size(3);
-  const int64_t cache_rows = kv.size(2), max_seq = kv.size(4);
+  const int64_t nh = s.heads, nkv = s.kv_heads, I = s.intermediate, S = bias.size(3), QKV = (nh + 2 * nkv) * D;
+  const int64_t cache_rows = kv.size(2), max_seq = kv.size(4), L = static_cast<int64_t>(s.layers.size());
   const int64_t layer_rows = 2 * cache_rows * nkv * max_seq;  // one layer's cache as [-1, D]
   const float eps = static_cast<float>(s.eps);
   const auto opts = x_in.options();
@@ -182,54 +205,87 @@ at::Tensor layers_impl(const Stack& s, const at::Tensor& x_in, const at::Tensor&
   const int64_t* wi = write_index.data_ptr<int64_t>();  // [2 * B * nkv * T] (KVCache.write_index)
   scalar_t* kvp = kv.data_ptr<scalar_t>();
   at::Tensor out = at::empty({static_cast<int64_t>(1 + taps.size()), BT, H}, opts);
-  at::Tensor x = x_in.contiguous();
-  at::Tensor xn = at::empty({BT, H}, opts), q = at::empty({B, nh, T, D}, opts);
-  at::Tensor act = at::empty({BT, I}, opts), merged = at::empty({BT, nh * D}, opts);
-  for (int64_t l = 0; l < static_cast<int64_t>(s.layers.size()); l++) {
-    for (size_t i = 0; i < taps.size(); i++)
-      if (taps[i] == l) out[1 + i].copy_(x);
-    const Layer& ly = s.layers[l];
-    // attention: norm, q k v, RoPE on q and k, k and v into the cache, attention, o, residual
-    rms_norm(x.data_ptr<scalar_t>(), ly.in_norm.data_ptr<scalar_t>(), xn.data_ptr<scalar_t>(), BT, H, eps);
-    const at::Tensor qkv = run_linear(ly.qkv, xn, s.dot);  // [BT, (nh + 2 nkv) D]
-    const scalar_t* qkvp = qkv.data_ptr<scalar_t>();
-    scalar_t* qp = q.data_ptr<scalar_t>();
-    scalar_t* layer_kv = kvp + l * layer_rows * D;
-    for (int64_t b = 0; b < B; b++) {
-      for (int64_t t = 0; t < T; t++) {
-        const scalar_t* row = qkvp + (b * T + t) * (nh + 2 * nkv) * D;
-        const scalar_t* c = cp + (b * T + t) * D;
-        const scalar_t* sn = sp + (b * T + t) * D;
-        for (int64_t h = 0; h < nh + nkv; h++)  // q into q [B, nh, T, D], k into its cache row
-          rotate_row(row + h * D, c, sn,
-                     h < nh ? qp + ((b * nh + h) * T + t) * D : layer_kv + wi[(b * nkv + h - nh) * T + t] * D, D);
-        for (int64_t h = 0; h < nkv; h++)  // v
-          std::memcpy(layer_kv + wi[((B + b) * nkv + h) * T + t] * D, row + (nh + nkv + h) * D, D * sizeof(scalar_t));
+  // the residual stream: h (a layer's input, then its MLP's output) and g (h + attention)
+  at::Tensor h_t = x_in.clone(at::MemoryFormat::Contiguous), g_t = at::empty({BT, H}, opts);
+  at::Tensor xn_t = at::empty({BT, H}, opts), qkv_t = at::empty({BT, QKV}, opts), q_t = at::empty({B, nh, T, D}, opts);
+  at::Tensor merged_t = at::empty({BT, nh * D}, opts), gu_t = at::empty({BT, 2 * I}, opts);
+  at::Tensor act_t = at::empty({BT, I}, opts);
+  scalar_t *h = h_t.data_ptr<scalar_t>(), *g = g_t.data_ptr<scalar_t>(), *xn = xn_t.data_ptr<scalar_t>();
+  scalar_t *qkv = qkv_t.data_ptr<scalar_t>(), *q = q_t.data_ptr<scalar_t>(), *merged = merged_t.data_ptr<scalar_t>();
+  scalar_t *gu = gu_t.data_ptr<scalar_t>(), *act = act_t.data_ptr<scalar_t>(), *outp = out.data_ptr<scalar_t>();
+  std::vector<const scalar_t*> in_norms(L), post_norms(L);
+  for (int64_t l = 0; l < L; l++)
+    in_norms[l] = s.layers[l].in_norm.data_ptr<scalar_t>(), post_norms[l] = s.layers[l].post_norm.data_ptr<scalar_t>();
+  std::vector<int64_t> tap_of(L, -1);  // layer -> its tap's index in out, or -1
+  for (size_t i = 0; i < taps.size(); i++)
+    if (taps[i] >= 0 && taps[i] < L) tap_of[taps[i]] = 1 + static_cast<int64_t>(i);
+  const int threads = at::get_num_threads();
+  const int64_t R = (nh / nkv) * T, chunks = eagle::attention_chunks(R, B, nkv, threads);
+  const int64_t attention_tasks = B * nkv * chunks, widest = std::max({H, nh * D, I});
+  const bool wide_inputs = std::is_same_v<scalar_t, at::BFloat16> && !s.dot;
+
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    std::vector<float> scores((R + chunks - 1) / chunks * S), wide(wide_inputs ? BT * widest : 0);
+    int64_t r0, r1;  // this thread's rows of the loops between the kernels
+    eagle::thread_share(BT, t, n, r0, r1);
+    // this thread's panels of y [BT, N] = x @ W.T
+    auto linear = [&](const Linear& W, const scalar_t* x, scalar_t* y) {
+      int64_t p0, p1;
+      eagle::thread_share((W.out + W.width - 1) / W.width, t, n, p0, p1);
+      const eagle::LinearCall call{linear_input(W, s.dot, x, BT * W.in, wide.data()), BT, W.in, W.weight.data_ptr(),
+                                   W.kind == kInt8 ? W.scale.data_ptr<float>() : nullptr, y, W.out, s.dot};
+      W.panels(call, p0, p1);
+    };
+    for (int64_t l = 0; l < L; l++) {
+      const Layer& ly = s.layers[l];
+      // h = g + the last layer's MLP output; its input norm
+      if (l > 0) add_into(h + r0 * H, g + r0 * H, (r1 - r0) * H);
+      if (tap_of[l] >= 0 && r1 > r0)
+        std::memcpy(outp + (tap_of[l] * BT + r0) * H, h + r0 * H, (r1 - r0) * H * sizeof(scalar_t));
+      rms_norm(h + r0 * H, in_norms[l], xn + r0 * H, r1 - r0, H, eps);
+#pragma omp barrier
+      linear(ly.qkv, xn, qkv);  // [BT, (nh + 2 nkv) D]
+#pragma omp barrier
+      // RoPE on q (into q [B, nh, T, D]) and k (into its cache row), v into its cache row
+      scalar_t* layer_kv = kvp + l * layer_rows * D;
+      for (int64_t bt = r0; bt < r1; bt++) {
+        const int64_t b = bt / T, tt = bt % T;
+        const scalar_t* row = qkv + bt * QKV;
+        for (int64_t hh = 0; hh < nh + nkv; hh++)
+          rotate_row(row + hh * D, cp + bt * D, sp + bt * D,
+                     hh < nh ? q + ((b * nh + hh) * T + tt) * D : layer_kv + wi[(b * nkv + hh - nh) * T + tt] * D, D);
+        for (int64_t hh = 0; hh < nkv; hh++)
+          std::memcpy(layer_kv + wi[((B + b) * nkv + hh) * T + tt] * D, row + (nh + nkv + hh) * D, D * sizeof(scalar_t));
       }
+#pragma omp barrier
+      // attention of rows row0.. over this layer's cache, each row's heads side by side in merged [BT, nh D]
+      const int64_t keys_at = ((2 * l * cache_rows) + row0) * nkv * max_seq * D;
+      const eagle::AttentionCall attention{std::is_same_v<scalar_t, at::BFloat16>, q, kvp + keys_at,
+                                           kvp + keys_at + cache_rows * nkv * max_seq * D, bias_c.data_ptr(), merged,
+                                           B, nh, T, nkv, S, nkv * max_seq * D, max_seq * D, D, T * nh * D, D, nh * D,
+                                           chunks};
+      int64_t a0, a1;
+      eagle::thread_share(attention_tasks, t, n, a0, a1);
+      s.attention(attention, a0, a1, scores.data());
+#pragma omp barrier
+      linear(ly.o, merged, g);  // [BT, H]
+#pragma omp barrier
+      // g = h + o (addition commutes exactly); the MLP: norm, gate and up, silu(gate) * up, down
+      add_into(g + r0 * H, h + r0 * H, (r1 - r0) * H);
+      rms_norm(g + r0 * H, post_norms[l], xn + r0 * H, r1 - r0, H, eps);
+#pragma omp barrier
+      linear(ly.gate_up, xn, gu);  // [BT, 2I]
+#pragma omp barrier
+      silu_mul(gu + r0 * 2 * I, act + r0 * I, r1 - r0, I);
+#pragma omp barrier
+      linear(ly.down, act, h);  // [BT, H]
+#pragma omp barrier
     }
-    // this layer's keys and values of rows row0.., [B, nkv, S, D] views (one op each, not four)
-    const int64_t keys_at = ((2 * l * cache_rows) + row0) * nkv * max_seq * D;
-    const at::Tensor keys = kv.as_strided({B, nkv, S, D}, {nkv * max_seq * D, max_seq * D, D, 1}, keys_at);
-    const at::Tensor values = kv.as_strided({B, nkv, S, D}, {nkv * max_seq * D, max_seq * D, D, 1},
-                                            keys_at + cache_rows * nkv * max_seq * D);
-    const at::Tensor attn = run_attention(q, keys, values, bias_c);  // [B, nh, T, D]
-    const scalar_t* ap = attn.data_ptr<scalar_t>();
-    scalar_t* mp = merged.data_ptr<scalar_t>();
-    for (int64_t b = 0; b < B; b++)
-      for (int64_t h = 0; h < nh; h++)
-        for (int64_t t = 0; t < T; t++)
-          std::memcpy(mp + ((b * T + t) * nh + h) * D, ap + ((b * nh + h) * T + t) * D, D * sizeof(scalar_t));
-    at::Tensor x1 = run_linear(ly.o, merged, s.dot);  // [BT, H]
-    add_into(x1.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), BT * H);  // x + o (addition commutes exactly)
-    // MLP: norm, gate and up, silu(gate) * up, down, residual
-    rms_norm(x1.data_ptr<scalar_t>(), ly.post_norm.data_ptr<scalar_t>(), xn.data_ptr<scalar_t>(), BT, H, eps);
-    const at::Tensor gu = run_linear(ly.gate_up, xn, s.dot);  // [BT, 2I]
-    silu_mul(gu.data_ptr<scalar_t>(), act.data_ptr<scalar_t>(), BT, I);
-    at::Tensor x2 = run_linear(ly.down, act, s.dot);  // [BT, H]
-    add_into(x2.data_ptr<scalar_t>(), x1.data_ptr<scalar_t>(), BT * H);
-    x = x2;
+    add_into(h + r0 * H, g + r0 * H, (r1 - r0) * H);
+    if (r1 > r0) std::memcpy(outp + r0 * H, h + r0 * H, (r1 - r0) * H * sizeof(scalar_t));
   }
-  out[0].copy_(x);
   return out;
 }
 
@@ -269,6 +325,8 @@ at::Tensor decoder_layers(int64_t id, const at::Tensor& x, const at::Tensor& cos
   TORCH_CHECK(write_index.scalar_type() == at::kLong && write_index.is_contiguous() &&
                   write_index.numel() == 2 * BT * s->kv_heads,
               "decoder_layers: write_index [2 * B * kv_heads * T] int64");
+  for (const int64_t tap : taps)
+    TORCH_CHECK(tap >= 0 && tap < kv.size(0), "decoder_layers: tap ", tap, " is not a layer of ", kv.size(0));
   const int64_t layer_rows = 2 * kv.size(2) * kv.size(3) * kv.size(4);
   const int64_t* wi = write_index.data_ptr<int64_t>();
   for (int64_t i = 0; i < write_index.numel(); i++)

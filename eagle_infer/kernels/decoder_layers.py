@@ -1,7 +1,8 @@
 """A target's decoder layers as one C++ call per step on a CPU (decoder_layers.cpp), for the
 targets whose Linears all run our kernels (fp32 "avx2", bf16 "avx512_bf16", int8 on our kernel)
 with the attention kernel on: the model's layers as torch.ops.eagle.decoder_layers, each Linear
-and attention on the same kernels as the Python layers', the glue between them in C++.
+and attention on the same kernels as the Python layers', the glue between them in C++, the whole
+step one OpenMP parallel region (the kernels' range functions: kernel_calls.h).
 
     stack = attach(model)          # the loader does, after the weights are packed or quantized
     # model.forward then runs its layers as one call wherever applies(model, rows) holds:
