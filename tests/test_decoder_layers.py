@@ -115,6 +115,31 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(attention_kernel_on
     assert torch.equal(one[:, 0], five[:, 0])  # each sequence's first new token, bit for bit
 
 
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("dtype,linears", [
+    (torch.float32, "ours"),
+    pytest.param(torch.bfloat16, "ours", marks=needs_bf16),
+    pytest.param(torch.bfloat16, "int8", marks=needs_bf16),
+])
+def test_a_sequences_result_does_not_depend_on_the_batch_beside_it(attention_kernel_on, dtype, linears, T):
+    """Alone (batch 1: fewer kv heads than twice the threads) the op's attention splits each kv
+    head's rows between the threads; beside another sequence, a thread takes whole kv heads."""
+    target = tiny_target(dtype=dtype, linears=linears)
+    B, P = 2, 9
+    target.setup_cache(B, 64)
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, 96, (B, P), generator=g)
+    pos = torch.arange(P).expand(B, P)
+    target(prompt, pos, pos, causal_mask(torch.zeros(B, dtype=torch.long), P, P))
+    before = target.cache.kv.clone()
+    tokens, new = torch.randint(0, 96, (B, T), generator=g), (P + torch.arange(T)).expand(B, T)
+    mask = causal_mask(torch.full((B,), P), T, 40)
+    pair, hidden = target(tokens, new, new, mask, hidden_layers=[1])
+    target.cache.kv.copy_(before)
+    alone, alone_hidden = target(tokens[:1], new[:1], new[:1], mask[:1], hidden_layers=[1])
+    assert torch.equal(alone[0], pair[0]) and torch.equal(alone_hidden[0][0], hidden[0][0])
+
+
 @needs_bf16
 @pytest.mark.parametrize("linears", ["ours", "int8"])
 def test_bf16_and_int8_layers_round_where_the_python_layers_do(attention_kernel_on, linears):
