@@ -343,6 +343,7 @@ class SpecRun:
             "accept_rate_per_position": [round(r, 4)
                                          for r in st.accept_rate_per_position(self.tree.num_steps)],
             "rounds": st.rounds,
+            "plain_rounds": st.plain_rounds,  # rounds without drafts (--speculative-disable-by-batch-size)
             "draft_ms": round(draft_ms, 3),
             "verify_ms": round(verify_ms, 3),
             "other_ms": round(1e3 * st.other_s / rounds, 3),
@@ -354,11 +355,12 @@ class SpecRun:
 @torch.no_grad()
 def bench_spec(model, head, prompts: Sequence[list[int]], max_new_tokens: int, tree: TreeConfig,
                ignore_eos: bool = True, params: SamplingParams | None = None, compile_steps: bool = False,
-               name: str = "speculative", batch_size: int = 1) -> SpecRun:
+               name: str = "speculative", batch_size: int = 1,
+               disable_by_batch_size: int | None = None) -> SpecRun:
     """Speculative decoding (eagle_infer.speculative), batch_size prompts a call, one decoder
-    reused across calls."""
+    reused across calls (plain rounds while more than disable_by_batch_size sequences run)."""
     run, total, dec = spec_decode_fn(model, head, prompts, max_new_tokens, tree, ignore_eos, params,
-                                     compile_steps, batch_size)
+                                     compile_steps, batch_size, disable_by_batch_size)
     warmup_s = warm_up(run, prompts, batch_size)
     total.__init__()  # the warm-up's rounds are not counted
     res = time_decoding(name, run, prompts, warmup=False, batch_size=batch_size)
@@ -368,7 +370,8 @@ def bench_spec(model, head, prompts: Sequence[list[int]], max_new_tokens: int, t
 
 def spec_decode_fn(model, head, prompts: Sequence[list[int]], max_new_tokens: int, tree: TreeConfig,
                    ignore_eos: bool = True, params: SamplingParams | None = None, compile_steps: bool = False,
-                   batch_size: int = 1) -> tuple[DecodeFn, SpecStats, object]:
+                   batch_size: int = 1,
+                   disable_by_batch_size: int | None = None) -> tuple[DecodeFn, SpecStats, object]:
     """A DecodeFn of speculative decoding through one decoder sized for the prompts, the stats it
     adds every call to, and the decoder."""
     from eagle_infer.generate import compile_mode_for
@@ -377,7 +380,8 @@ def spec_decode_fn(model, head, prompts: Sequence[list[int]], max_new_tokens: in
     eos = [] if ignore_eos else None
     longest = max(len(p) for p in prompts) + max_new_tokens + 2 * tree.num_draft_tokens + 64
     dec = SpecDecoder(model, head, tree, max_batch=batch_size,
-                      max_seq_len=min(longest, model.config.max_position_embeddings))
+                      max_seq_len=min(longest, model.config.max_position_embeddings),
+                      disable_by_batch_size=disable_by_batch_size)
     if compile_steps:
         dec.compile(compile_mode_for(model.embed_tokens.weight.device))
     total = SpecStats()
@@ -694,6 +698,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", type=int, default=1,
                     help="decode B prompts at a time (ours only: transformers is skipped at B > 1)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
+                    help="speculative runs: rounds without drafts while more than N sequences run "
+                         "(the server's flag and default: 2 on a CPU, 1 with int8 weights, never on a "
+                         "GPU; a number at least --batch-size always speculates)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                     help="auto = bf16 where the hardware runs it fast (AVX512-BF16/AMX, CUDA), else fp32")
     ap.add_argument("--quantization", default="none", choices=["none", "int8"],
@@ -755,6 +763,11 @@ def main(argv: list[str] | None = None) -> dict:
     device = args.device or default_device()
     main_tree = TreeConfig.from_flags(args.num_steps, args.eagle_topk, args.num_draft_tokens,
                                       torch.device(device).type)
+    if args.speculative_disable_by_batch_size is None:  # the server's default on this device
+        from eagle_infer.speculative import default_disable_by_batch_size
+
+        args.speculative_disable_by_batch_size = default_disable_by_batch_size(torch.device(device).type,
+                                                                               args.quantization)
     torch_dtype = resolve_dtype(args.dtype, device)
     args.dtype = dtype_name(torch_dtype)  # report what ran
     folder = resolve_model_path(args.model_path)
@@ -797,7 +810,8 @@ def main(argv: list[str] | None = None) -> dict:
         for t in trees:
             label = f"spec s{t.num_steps}k{t.eagle_topk}n{t.num_draft_tokens}"
             spec_runs.append(bench_spec(model, head, prompts, args.max_new_tokens, t, ignore_eos, params,
-                                        compile_steps, name=label, batch_size=B))
+                                        compile_steps, name=label, batch_size=B,
+                                        disable_by_batch_size=args.speculative_disable_by_batch_size))
         results.append(spec_runs[0].result)
         for path in args.token_map_sweep or []:
             from eagle_train.tokenmap import load_token_map
@@ -805,7 +819,8 @@ def main(argv: list[str] | None = None) -> dict:
             ids = None if path == "none" else load_token_map(path, model.config.vocab_size)
             head.set_token_map(ids)
             run = bench_spec(model, head, prompts, args.max_new_tokens, main_tree, ignore_eos, params,
-                             compile_steps, name=f"map {Path(path).name}", batch_size=B)
+                             compile_steps, name=f"map {Path(path).name}", batch_size=B,
+                             disable_by_batch_size=args.speculative_disable_by_batch_size)
             size = len(ids) if ids is not None else model.config.vocab_size
             fr_rows.append({"token_map": path, "size": size,
                             "lm_head_us": round(1e6 * time_draft_lm_head(head), 1), **run.to_json()})
@@ -833,6 +848,7 @@ def main(argv: list[str] | None = None) -> dict:
             "dtype": args.dtype,
             "quantization": args.quantization,
             "batch_size": B,
+            "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
             "greedy": True,
             "ignore_eos": ignore_eos,
             "warmup_calls": "the batch_size shortest and the batch_size longest prompts",
@@ -895,8 +911,12 @@ def main(argv: list[str] | None = None) -> dict:
                     else f" and each draft step {r['draft_step_vs_plain_step']}x")
             vs_step = (f"; verify = {r['verify_vs_plain_step']}x{each} a plain step "
                        f"(plain TPOT {r['plain_step_ms']} ms)")
-        print(f"speculative: tau {r['acceptance_length']:.2f}, {r['speedup_vs_plain']}x plain, "
-              f"{vs_hf}greedy identical: {r['greedy_identical']}, per round "
+        plain_rounds = ""
+        if r["plain_rounds"]:
+            plain_rounds = (f"; {r['plain_rounds']} plain rounds (more than "
+                            f"{args.speculative_disable_by_batch_size} sequences running)")
+        print(f"speculative: tau {r['acceptance_length']:.2f} over {r['rounds']} rounds{plain_rounds}, "
+              f"{r['speedup_vs_plain']}x plain, {vs_hf}greedy identical: {r['greedy_identical']}, per round "
               f"draft {r['draft_ms']} ms / verify {r['verify_ms']} ms / other {r['other_ms']} ms{vs_step}")
         print(f"warm-up (compilation included, not in tokens/s): {report['warmup_s']} s")
         print("accept rate per position:", r["accept_rate_per_position"])

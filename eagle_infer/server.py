@@ -368,7 +368,9 @@ class Engine:
             log.exception("decode round failed")
             self._fail_running(f"decode round failed: {type(e).__name__}: {e}")
             return
-        accepted = [s.accepted[-1] for s, _ in results if s.accepted] if self.speculative else []
+        # a large batch's round drafts nothing (SpecDecoder's disable_by_batch_size)
+        drafted = self.speculative and not getattr(self.dec, "last_round_plain", False)
+        accepted = [s.accepted[-1] for s, _ in results if s.accepted] if drafted else []
         self.metrics.round(accepted, sum(len(t) for _, t in results))
         self._set_running()  # gauges and counters first: a client that sees its end may scrape next
         now = time.perf_counter()
@@ -751,6 +753,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculative-eagle-topk", type=int, default=None, help=tree_help)
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=None, help=tree_help)
     ap.add_argument("--speculative-token-map", default=None, help="FR-Spec token map (EAGLE-2 heads)")
+    ap.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
+                    help="while more than N requests are running, rounds draft nothing: a plain "
+                         "decode step that keeps the head's cache up to date, so speculation resumes "
+                         "when the batch shrinks (vLLM's name). Default: 2 on a CPU, 1 with int8 weights "
+                         "(where a batch's trees make the verify compute-bound: README), never on a GPU")
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                     help="auto = bf16 where the hardware runs it fast (CUDA, AVX512-BF16 / AMX CPUs), "
                     "else fp32; greedy output is token-identical to plain decoding in fp32")
@@ -788,6 +795,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--log-level", default="info")
     return ap
+
+
+def resolve_disable_by_batch_size(args: argparse.Namespace, device_type: str) -> int | None:
+    """--speculative-disable-by-batch-size, else the device's default
+    (speculative.default_disable_by_batch_size)."""
+    from eagle_infer.speculative import default_disable_by_batch_size
+
+    given = args.speculative_disable_by_batch_size
+    return given if given is not None else default_disable_by_batch_size(device_type, args.quantization)
 
 
 def resolve_tree(args: argparse.Namespace, device_type: str) -> TreeConfig:
@@ -898,11 +914,14 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
             from eagle_train.tokenmap import load_token_map
 
             head.set_token_map(load_token_map(args.speculative_token_map, target.config.vocab_size))
-        decoder = SpecDecoder(target, head, tree, args.max_running_requests, ctx)
+        plain_above = resolve_disable_by_batch_size(args, torch.device(device).type)
+        decoder = SpecDecoder(target, head, tree, args.max_running_requests, ctx,
+                              disable_by_batch_size=plain_above)
         usable = ctx - tree.num_draft_tokens - tree.eagle_topk * tree.num_steps
         if usable < 2:
             raise UserError(f"--context-length {ctx} leaves no room next to the draft tree")
-        log.info("speculative decoding: %s head %s, %s", kind, head_path, tree)
+        log.info("speculative decoding: %s head %s, %s%s", kind, head_path, tree,
+                 "" if plain_above is None else f", rounds without drafts above {plain_above} requests")
     compiled = compile_settings(args, torch.device(device).type)
     if compiled is not None:
         mode, max_bs = compiled

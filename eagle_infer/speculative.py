@@ -107,6 +107,9 @@ class SpecStats:
     verify_s: float = 0.0  # greedy rounds: verify, acceptance, commit and catch-up (one graph)
     other_s: float = 0.0
     draft_calls: int = 0  # draft forwards timed in draft_s (a greedy round's catch-up is in verify_s)
+    # rounds run without drafts (the batch over SpecDecoder's disable_by_batch_size): not in
+    # accepted_hist, so tau stays the head's
+    plain_rounds: int = 0
 
     def record(self, k: int, count: int = 1) -> None:
         if k >= len(self.accepted_hist):
@@ -121,6 +124,7 @@ class SpecStats:
         self.verify_s += other.verify_s
         self.other_s += other.other_s
         self.draft_calls += other.draft_calls
+        self.plain_rounds += other.plain_rounds
 
     @property
     def row_rounds(self) -> int:
@@ -215,11 +219,33 @@ def prefill_rows(target: Transformer, seqs: Sequence[Sequence_], row0: int, kv_l
     return [next_token(logits[i], s.params, s.generator) for i, s in enumerate(seqs)], hidden
 
 
+def default_disable_by_batch_size(device_type: str, quantization: str = "none") -> int | None:
+    """Above how many running sequences a server's rounds draft nothing (SpecDecoder's
+    disable_by_batch_size), when no flag says. Measured on a 2-core AMD EPYC Zen 4 (8 MT-bench
+    prompts x 128 tokens, EAGLE-3 2/4/4, README): bf16 1.19x plain at batch 2, 0.87x at batch 4
+    (plain rounds there: 1.00x); int8 weights 0.82x at batch 2, 0.57x at batch 4 (plain rounds:
+    0.92x), so a CPU speculates up to batch 2 (fp32: unmeasured, as bf16), an int8 target only
+    alone. On a GPU never: verifying a batch's trees costs about what a plain step does there."""
+    if device_type != "cpu":
+        return None
+    return 1 if quantization == "int8" else 2
+
+
 class SpecDecoder:
     def __init__(self, target: Transformer, head: DraftHead, tree: TreeConfig, max_batch: int = 1,
-                 max_seq_len: int | None = None, static_kv: bool = False):
+                 max_seq_len: int | None = None, static_kv: bool = False,
+                 disable_by_batch_size: int | None = None):
+        """disable_by_batch_size (vLLM's name): while more sequences than this are running, rounds
+        verify only each sequence's root (no drafts): a plain decode step that also keeps the
+        draft head's cache up to date, so speculation resumes when the batch shrinks. On a 2-core
+        CPU a batch's trees make the verify compute-bound (README: batch 4 EAGLE-3 0.87x plain
+        in bf16, 0.57x with int8). None: always speculate."""
         if head.config.hidden_size != target.config.hidden_size:
             raise UserError("draft head and target disagree on hidden size")
+        if disable_by_batch_size is not None and disable_by_batch_size < 0:
+            raise UserError(f"disable_by_batch_size must be >= 0, got {disable_by_batch_size}")
+        self.disable_by_batch_size = disable_by_batch_size
+        self.last_round_plain = False  # the last step() drafted nothing (its sequences record no round)
         self.target, self.head, self.tree = target, head, tree
         self.max_seq_len = max_seq_len or min(target.config.max_position_embeddings, 4096)
         self.max_batch = max_batch
@@ -303,7 +329,7 @@ class SpecDecoder:
         mask = build_attn_mask(L, tree_mask, kv_ref.shape[-1])  # [B, N, kv_len]
         slots = L[:, None] + torch.arange(N, device=L.device)[None]
         logits, hidden = self._verify(tokens, L[:, None] + depth, slots, mask)
-        acc = accept_greedy(tree, logits, self.tree.num_steps)
+        acc = accept_greedy(tree, logits, min(self.tree.num_steps, N - 1))  # a root alone: depth 0
         next_tokens, feats, path_tokens = self._commit(tokens, acc, hidden, L)
         pos, catch_mask = self._catch_up_inputs(L, next_tokens.shape[1], mask.shape[-1])
         g_last, logp = self._catch_up(next_tokens, feats, pos, catch_mask, acc.n_accepted + 1)
@@ -417,13 +443,22 @@ class SpecDecoder:
         cfg, dev = self.tree, self.device
         L = self.L[:B]
         L_max = max(s.cached for s in self.seqs)  # = L.max(), from the host: no read
-        N, T = cfg.num_draft_tokens, cfg.num_steps + 1  # tree nodes; catch-up pairs (path + bonus)
+        plain = self.disable_by_batch_size is not None and B > self.disable_by_batch_size
+        self.last_round_plain = plain
+        N = 1 if plain else cfg.num_draft_tokens  # tree nodes
+        depth = min(cfg.num_steps, N - 1)  # the deepest node; catch-up pairs: its path + the bonus
+        T = depth + 1
         t0 = time.perf_counter()
-        with record_function("spec.draft_tree"):
-            kv_ref = torch.empty(B, self.kv_len(L_max + cfg.num_steps * cfg.eagle_topk), dtype=torch.bool,
-                                 device=dev)
-            tree = DraftTree(*self.draft_tree_fn(self.root[:B], self.root_logp[:B], self.root_g[:B], L,
-                                                 kv_ref))
+        if plain:  # the root alone: the round accepts no draft and emits the target's next token
+            zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
+            tree = DraftTree(self.root[:B, None], zero, zero,
+                             torch.ones(B, 1, 1, dtype=torch.bool, device=dev))
+        else:
+            with record_function("spec.draft_tree"):
+                kv_ref = torch.empty(B, self.kv_len(L_max + cfg.num_steps * cfg.eagle_topk), dtype=torch.bool,
+                                     device=dev)
+                tree = DraftTree(*self.draft_tree_fn(self.root[:B], self.root_logp[:B], self.root_g[:B], L,
+                                                     kv_ref))
         t1 = time.perf_counter()
         kv = self.kv_len(L_max + max(N, T))  # verify's and catch-up's
         params = [s.params for s in self.seqs]
@@ -441,7 +476,7 @@ class SpecDecoder:
                 logits, hidden = self.verify_fn(tree.tokens, pos, slots, mask)
             t2 = time.perf_counter()
             with record_function("spec.accept_commit"):
-                acc = accept_sampling(tree, logits, params, [s.generator for s in self.seqs], cfg.num_steps)
+                acc = accept_sampling(tree, logits, params, [s.generator for s in self.seqs], depth)
                 path, n, bonus = acc.path, acc.n_accepted, acc.bonus
                 next_tokens, feats, path_tokens = self._commit(tree.tokens, acc, hidden, L)
             t3 = time.perf_counter()
@@ -457,13 +492,17 @@ class SpecDecoder:
         for b, (seq, row) in enumerate(zip(self.seqs, rows)):
             k = row[-1]
             seq.cached += k + 1
-            seq.accepted.append(k)
-            self.stats.record(k)
+            if not plain:
+                seq.accepted.append(k)
+                self.stats.record(k)
             seq.set_logits(logits[b, path[b, :k + 1]])  # logprobs: verify logits in front of each token
             results.append((seq, seq.emit(row[:k] + [row[-2]])))  # drafted tokens, then the bonus
-        self.stats.rounds += 1
         self.rows.drop_finished()
         t5 = time.perf_counter()
+        if plain:  # its time is a plain step's, not a round's
+            self.stats.plain_rounds += 1
+            return results
+        self.stats.rounds += 1
         self.stats.draft_s += (t1 - t0) + (t4 - t3)
         self.stats.verify_s += t2 - t1
         self.stats.other_s += (t3 - t2) + (t5 - t4)

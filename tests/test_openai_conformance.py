@@ -27,8 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"
 # Eager steps (--disable-torch-compile): what these servers check is the API, and compiling at
 # start-up would add minutes on one thread (the compiled path: test_static_shapes, test_server).
+# Rounds draft at every batch size here (a CPU's default stops above 2 running requests).
 COMMON = ["--dtype", "fp32", "--context-length", "512", "--max-running-requests", "4",
-          "--disable-torch-compile"]
+          "--disable-torch-compile", "--speculative-disable-by-batch-size", "4"]
 FLAGS = {
     "plain": ["--speculative-algorithm", "NONE"],
     "eagle3": ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",

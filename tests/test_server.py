@@ -31,11 +31,12 @@ API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
 # A small tree (still branching) keeps rounds cheap on a busy CPU; eager steps, since compiling
 # them at start-up would add minutes on one thread (the compiled path: test_compile_flags_*,
-# test_warm_up_*, test_static_shapes).
+# test_warm_up_*, test_static_shapes); rounds draft at every batch size (a CPU's default stops
+# above 2 running requests: test_large_batches_run_plain_rounds_* in test_speculative).
 SERVER_FLAGS = ["--dtype", "fp32", "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "2",
                 "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "3",
                 "--context-length", "512", "--max-running-requests", "8", "--api-key", API_KEY,
-                "--disable-torch-compile"]
+                "--disable-torch-compile", "--speculative-disable-by-batch-size", "8"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -484,6 +485,14 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
     assert server.resolve_tree(args, "cpu") == server.TreeConfig(2, 4, 4)
     one = server.build_parser().parse_args(["--speculative-num-draft-tokens", "8"])
     assert server.resolve_tree(one, "cpu") == server.TreeConfig(2, 4, 8)
+    # Rounds without drafts above 2 running requests on a CPU (1 with int8 weights), never on a GPU
+    assert server.resolve_disable_by_batch_size(args, "cpu") == 2
+    assert server.resolve_disable_by_batch_size(args, "cuda") is None
+    int8 = server.build_parser().parse_args(["--quantization", "int8"])
+    assert server.resolve_disable_by_batch_size(int8, "cpu") == 1
+    given = server.build_parser().parse_args(["--speculative-disable-by-batch-size", "8"])
+    assert server.resolve_disable_by_batch_size(given, "cpu") == 8
+    assert server.resolve_disable_by_batch_size(given, "cuda") == 8
     with pytest.raises(UserError, match="num_steps >= 1"):
         server.resolve_tree(server.build_parser().parse_args(["--speculative-num-steps", "0"]), "cpu")
     with caplog.at_level("WARNING"):
@@ -527,6 +536,7 @@ def test_compile_flags_reach_the_decoder(default_model_dir):
         assert not decoder(algo, "--disable-torch-compile").compiled
         default = decoder(algo)
         assert default.compiled and default.max_bs == 1 and default.target.cache.kv.shape[2] == 3
+        assert getattr(default, "disable_by_batch_size", None) == (2 if algo == "EAGLE3" else None)
         dec = decoder(algo, "--torch-compile-max-bs", "4")
         assert dec.compiled and dec.max_bs == 4 and dec.target.cache.kv.shape[2] == 4
         capped = decoder(algo, "--enable-torch-compile", "--torch-compile-max-bs", "2")

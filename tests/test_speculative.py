@@ -215,11 +215,42 @@ def test_tree_config_refuses_impossible_sizes():
         TreeConfig(num_steps=0)
 
 
-@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.8, top_k=5),
-                                      dict(temperature=1.2, top_p=0.7)], ids=["t1", "topk", "topp"])
-def test_sampling_matches_target_distribution(settings):
+def test_large_batches_run_plain_rounds_and_stay_identical():
+    """Over disable_by_batch_size running sequences a round verifies only each root (no drafts):
+    the output is still plain decoding's, the head's cache keeps up (speculation resumes as the
+    batch shrinks), and plain rounds stay out of the acceptance statistics."""
+    target = tiny_target(layers=2)
+    head = random_head(target, "eagle3", draft_vocab=50)
+    prompts = prompts_for(target.config.vocab_size)
+    lengths = [3, 30, 9, 21]
+    plain = [generate(target, [p], n)[0] for p, n in zip(prompts, lengths)]
+    from eagle_infer.speculative import Sequence_
+
+    dec = SpecDecoder(target, head, TreeConfig(3, 2, 6), max_batch=4, max_seq_len=256,
+                      disable_by_batch_size=2)
+    seqs = [Sequence_(p, SamplingParams(), n, set()) for p, n in zip(prompts, lengths)]
+    dec.add_many(seqs)
+    kinds = []
+    while dec.seqs:
+        batch = len(dec.seqs)
+        dec.step()
+        kinds.append((batch, dec.last_round_plain))
+    assert [s.output for s in seqs] == plain
+    assert all(plain_round == (batch > 2) for batch, plain_round in kinds)
+    assert dec.stats.plain_rounds == sum(p for _, p in kinds) > 0 and dec.stats.rounds > 0
+    assert sum(len(s.accepted) for s in seqs) == dec.stats.row_rounds  # speculative rounds only
+    with pytest.raises(UserError, match="disable_by_batch_size"):
+        SpecDecoder(target, head, TreeConfig(3, 2, 6), disable_by_batch_size=-1)
+
+
+@pytest.mark.parametrize("settings,disable", [
+    (dict(temperature=1.0), None), (dict(temperature=0.8, top_k=5), None),
+    (dict(temperature=1.2, top_p=0.7), None), (dict(temperature=1.0), 0),
+], ids=["t1", "topk", "topp", "t1-plain"])
+def test_sampling_matches_target_distribution(settings, disable):
     """The 2nd and 3rd tokens (the first produced by tree verification) follow the target's
-    exact marginal distribution (chi-square, p > 0.01)."""
+    exact marginal distribution (chi-square, p > 0.01); also where every round is a plain round
+    (disable_by_batch_size 0: the root alone, its bonus drawn from the target)."""
     V = 12
     target = tiny_target(vocab=V, layers=1, seed=5)
     head = oracle_head(target, noise=0.5)
@@ -228,7 +259,8 @@ def test_sampling_matches_target_distribution(settings):
     params = [SamplingParams(seed=1000 + i, **settings) for i in range(n)]
     outs = []
     batch = 250
-    dec = SpecDecoder(target, head, TreeConfig(3, 3, 8), max_batch=batch, max_seq_len=64)
+    dec = SpecDecoder(target, head, TreeConfig(3, 3, 8), max_batch=batch, max_seq_len=64,
+                      disable_by_batch_size=disable)
     for i in range(0, n, batch):
         outs += generate_speculative(target, head, [prompt] * batch, 3, params[i:i + batch],
                                      tree=dec.tree, decoder=dec)[0]
