@@ -1,0 +1,121 @@
+"""The fused decoder-layers op against another revision of itself, in one process: the same step's
+arguments (the default target, one sequence, T new rows at kv length S) through today's
+`eagle::decoder_layers` and through decoder_layers.cpp as it was at --baseline (built under the
+namespace eagle_old, registered on the same weights), calls alternating in rounds; prints whether
+the outputs are bit-identical and the median ms a call. A VM's speed drifts within minutes, so two
+builds are compared in one process, round after round, rather than run apart.
+
+    python scripts/probe_decoder_layers.py --baseline e244ffd --quantization int8 --kv 200 --rows 1 4
+
+The baseline's source must build against today's kernels (the ops it calls must still exist).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def build_baseline(rev: str) -> None:
+    """Build decoder_layers.cpp at `rev` as the library eagle_old_layers (ops eagle_old::...)."""
+    from eagle_infer.kernels.avx2_linear import build
+
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:eagle_infer/kernels/decoder_layers.cpp"],
+                         check=True, capture_output=True, text=True).stdout
+    src = src.replace("TORCH_LIBRARY_FRAGMENT(eagle, m)", "TORCH_LIBRARY(eagle_old, m)")
+    src = src.replace("TORCH_LIBRARY_IMPL(eagle, CPU, m)", "TORCH_LIBRARY_IMPL(eagle_old, CPU, m)")
+    folder = Path(tempfile.mkdtemp(prefix="eagle_old_layers_"))
+    for header in (ROOT / "eagle_infer/kernels").glob("*.h"):  # today's headers, for what it includes
+        (folder / header.name).write_bytes(header.read_bytes())
+    (folder / "decoder_layers.cpp").write_text(src)
+    build("eagle_old_layers", folder / "decoder_layers.cpp")
+
+
+def step_arguments(model, T: int, kv: int) -> tuple:
+    """The arguments model.forward hands the op for T new rows of one sequence at kv length kv."""
+    saved = {}
+    real = torch.ops.eagle.decoder_layers
+
+    def keep(*args):
+        saved["args"] = args
+        return real(*args)
+
+    torch.ops.eagle.decoder_layers = keep
+    try:
+        pos = torch.arange(kv - T, kv)[None]
+        with torch.no_grad():
+            model(torch.full((1, T), 5), pos, pos, torch.ones(1, T, kv, dtype=torch.bool))
+    finally:
+        torch.ops.eagle.decoder_layers = real
+    return saved["args"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", required=True, help="git revision of decoder_layers.cpp to compare with")
+    ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    ap.add_argument("--quantization", default="none", choices=["none", "int8"])
+    ap.add_argument("--kv", type=int, default=200)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=100)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    from eagle_infer.kernels import decoder_layers
+    from eagle_infer.loader import load_model
+
+    model = load_model(None, dtype=args.dtype, quantization=args.quantization)
+    if model.fused_layers is None:
+        raise SystemExit("the target's layers are not on the fused op here (Linears off our kernels?)")
+    build_baseline(args.baseline)
+    tensors, kinds = [], []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            kind, weight, scale, _ = decoder_layers._kernel_of(m)
+            tensors += [weight, scale]
+            kinds.append(kind)
+    cfg = model.config
+    dot = int(bool(getattr(model.layers[0].self_attn.qkv_proj, "dot", False)))
+    dims = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, dot]
+    old_id = torch.ops.eagle_old.register_stack(tensors, kinds, dims, cfg.rms_norm_eps)
+    model.setup_cache(1, max(2 * args.kv, 256))
+    results = []
+    for T in args.rows:
+        new_args = step_arguments(model, T, args.kv)
+        old_args = (old_id, *new_args[1:])
+        identical = torch.equal(torch.ops.eagle.decoder_layers(*new_args),
+                                torch.ops.eagle_old.decoder_layers(*old_args))
+        ms = {"baseline": [], "now": []}
+        for _ in range(args.rounds):
+            for name, op, a in (("baseline", torch.ops.eagle_old.decoder_layers, old_args),
+                                ("now", torch.ops.eagle.decoder_layers, new_args)):
+                t = time.perf_counter()
+                for _ in range(args.calls):
+                    op(*a)
+                ms[name].append((time.perf_counter() - t) / args.calls * 1e3)
+        row = {"rows": T, "kv": args.kv, "identical": identical,
+               **{f"{k}_ms": round(statistics.median(v), 3) for k, v in ms.items()}}
+        row["speedup"] = round(row["baseline_ms"] / row["now_ms"], 3)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        out = {"baseline": args.baseline, "dtype": args.dtype, "quantization": args.quantization,
+               "threads": torch.get_num_threads(), "results": results}
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        print("wrote", args.json)
+
+
+if __name__ == "__main__":
+    main()
