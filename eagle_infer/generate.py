@@ -301,7 +301,8 @@ class CompiledDecode:
     def _step(self, tokens: torch.Tensor, cur: torch.Tensor,
               kv_ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_ref [kv_len]: only its length is read (a traced symbol), so the mask is built in the
-        graph: built eagerly before it, its ~15 small ops took ~0.25 ms of a 6 ms int8 step (Zen 4)."""
+        graph: built eagerly before it (~15 small ops), an int8 plain step took 5.77 ms against
+        5.68 (Zen 4, in-process A/B)."""
         mask = causal_mask(cur, 1, kv_ref.shape[-1])  # [Bp, 1, kv_len]
         logits, _ = self.model(tokens[:, None], cur[:, None], cur[:, None], mask)
         return logits[:, 0], logits[:, 0].argmax(-1)

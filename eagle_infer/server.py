@@ -888,6 +888,8 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     for flag in ("cuda_graph_max_bs", "torch_compile_max_bs"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.speculative_disable_by_batch_size is not None and args.speculative_disable_by_batch_size < 0:
+        raise UserError("--speculative-disable-by-batch-size must be >= 0")
     algo, head_path = resolve_draft(args)
     device = args.device or default_device()
     # Validate the flags before the slow loading.

@@ -543,6 +543,8 @@ def test_compile_flags_reach_the_decoder(default_model_dir):
         assert capped.max_bs == 2 and capped.target.cache.kv.shape[2] == 3
     with pytest.raises(UserError, match="--torch-compile-max-bs must be >= 1"):
         decoder("NONE", "--enable-torch-compile", "--torch-compile-max-bs", "0")
+    with pytest.raises(UserError, match="--speculative-disable-by-batch-size must be >= 0"):
+        decoder("EAGLE3", "--speculative-disable-by-batch-size", "-1")
 
 
 @pytest.fixture
