@@ -41,17 +41,22 @@ namespace {
 
 enum Kind : int64_t { kAvx2 = 0, kBf16 = 1, kInt8 = 2 };  // the Linear kernel of a weight
 
+// The tensors are kept (the stack owns them while registered); a step reads the raw pointers taken
+// at registration, not each tensor's data_ptr (~1,000 checked calls a step).
 struct Linear {
   int64_t kind;
   at::Tensor weight, scale;  // packed weight; int8: its panel scales
   int64_t out, in;           // N, K
   eagle::LinearPanels panels;  // the kernel's range function
   int64_t width;               // its panels' columns
+  const void* w;               // weight's data
+  const float* s;              // int8: scale's data, else nullptr
 };
 
 struct Layer {
-  at::Tensor in_norm, post_norm;  // [H]
+  at::Tensor in_norm, post_norm;  // [H], the model's dtype
   Linear qkv, o, gate_up, down;
+  const void *in_norm_data, *post_norm_data;
 };
 
 struct Stack {
@@ -90,7 +95,10 @@ int64_t register_stack(const std::vector<at::Tensor>& tensors, const std::vector
   const int64_t ins[4] = {H, s.heads * s.head_dim, H, s.intermediate};
   for (size_t l = 0; l < tensors.size() / 10; l++) {
     const at::Tensor* t = tensors.data() + 10 * l;
-    Layer layer{t[0], t[1], {}, {}, {}, {}};
+    TORCH_CHECK(t[0].scalar_type() == tensors[0].scalar_type() && t[1].scalar_type() == tensors[0].scalar_type() &&
+                    t[0].is_contiguous() && t[1].is_contiguous() && t[0].numel() == H && t[1].numel() == H,
+                "register_stack: layer ", l, ": norms of ", H, " values in layer 0's dtype");
+    Layer layer{t[0], t[1], {}, {}, {}, {}, t[0].data_ptr(), t[1].data_ptr()};
     Linear* lin[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
     for (int j = 0; j < 4; j++) {
       const int64_t kind = kinds[4 * l + j];
@@ -109,7 +117,8 @@ int64_t register_stack(const std::vector<at::Tensor>& tensors, const std::vector
                   "register_stack: int8 scales, fp32, one a packed column");
       const int64_t address = kind == kAvx2 ? kernel_address("eagle::avx2_linear_panels")
                                             : kernel_address("eagle::bf16_linear_panels", kind == kInt8);
-      *lin[j] = Linear{kind, w, t[3 + 2 * j], outs[j], ins[j], reinterpret_cast<eagle::LinearPanels>(address), width};
+      *lin[j] = Linear{kind, w, t[3 + 2 * j], outs[j], ins[j], reinterpret_cast<eagle::LinearPanels>(address), width,
+                       w.data_ptr(), kind == kInt8 ? t[3 + 2 * j].data_ptr<float>() : nullptr};
     }
     s.layers.push_back(std::move(layer));
   }
@@ -213,9 +222,6 @@ at::Tensor layers_impl(const Stack& s, const at::Tensor& x_in, const at::Tensor&
   scalar_t *h = h_t.data_ptr<scalar_t>(), *g = g_t.data_ptr<scalar_t>(), *xn = xn_t.data_ptr<scalar_t>();
   scalar_t *qkv = qkv_t.data_ptr<scalar_t>(), *q = q_t.data_ptr<scalar_t>(), *merged = merged_t.data_ptr<scalar_t>();
   scalar_t *gu = gu_t.data_ptr<scalar_t>(), *act = act_t.data_ptr<scalar_t>(), *outp = out.data_ptr<scalar_t>();
-  std::vector<const scalar_t*> in_norms(L), post_norms(L);
-  for (int64_t l = 0; l < L; l++)
-    in_norms[l] = s.layers[l].in_norm.data_ptr<scalar_t>(), post_norms[l] = s.layers[l].post_norm.data_ptr<scalar_t>();
   std::vector<int64_t> tap_of(L, -1);  // layer -> its tap's index in out, or -1
   for (size_t i = 0; i < taps.size(); i++)
     if (taps[i] >= 0 && taps[i] < L) tap_of[taps[i]] = 1 + static_cast<int64_t>(i);
@@ -234,8 +240,8 @@ at::Tensor layers_impl(const Stack& s, const at::Tensor& x_in, const at::Tensor&
     auto linear = [&](const Linear& W, const scalar_t* x, scalar_t* y) {
       int64_t p0, p1;
       eagle::thread_share((W.out + W.width - 1) / W.width, t, n, p0, p1);
-      const eagle::LinearCall call{linear_input(W, s.dot, x, BT * W.in, wide.data()), BT, W.in, W.weight.data_ptr(),
-                                   W.kind == kInt8 ? W.scale.data_ptr<float>() : nullptr, y, W.out, s.dot};
+      const eagle::LinearCall call{linear_input(W, s.dot, x, BT * W.in, wide.data()), BT, W.in, W.w, W.s, y, W.out,
+                                   s.dot};
       W.panels(call, p0, p1);
     };
     for (int64_t l = 0; l < L; l++) {
@@ -244,7 +250,7 @@ at::Tensor layers_impl(const Stack& s, const at::Tensor& x_in, const at::Tensor&
       if (l > 0) add_into(h + r0 * H, g + r0 * H, (r1 - r0) * H);
       if (tap_of[l] >= 0 && r1 > r0)
         std::memcpy(outp + (tap_of[l] * BT + r0) * H, h + r0 * H, (r1 - r0) * H * sizeof(scalar_t));
-      rms_norm(h + r0 * H, in_norms[l], xn + r0 * H, r1 - r0, H, eps);
+      rms_norm(h + r0 * H, static_cast<const scalar_t*>(ly.in_norm_data), xn + r0 * H, r1 - r0, H, eps);
 #pragma omp barrier
       linear(ly.qkv, xn, qkv);  // [BT, (nh + 2 nkv) D]
 #pragma omp barrier
@@ -274,7 +280,7 @@ at::Tensor layers_impl(const Stack& s, const at::Tensor& x_in, const at::Tensor&
 #pragma omp barrier
       // g = h + o (addition commutes exactly); the MLP: norm, gate and up, silu(gate) * up, down
       add_into(g + r0 * H, h + r0 * H, (r1 - r0) * H);
-      rms_norm(g + r0 * H, post_norms[l], xn + r0 * H, r1 - r0, H, eps);
+      rms_norm(g + r0 * H, static_cast<const scalar_t*>(ly.post_norm_data), xn + r0 * H, r1 - r0, H, eps);
 #pragma omp barrier
       linear(ly.gate_up, xn, gu);  // [BT, 2I]
 #pragma omp barrier
