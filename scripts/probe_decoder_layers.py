@@ -78,18 +78,8 @@ def main() -> None:
     if model.fused_layers is None:
         raise SystemExit("the target's layers are not on the fused op here (Linears off our kernels?)")
     build_baseline(args.baseline)
-    tensors, kinds = [], []
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-        for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            kind, weight, scale, _ = decoder_layers._kernel_of(m)
-            tensors += [weight, scale]
-            kinds.append(kind)
-    cfg = model.config
-    dot = int(bool(getattr(model.layers[0].self_attn.qkv_proj, "dot", False)))
-    dims = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, dot]
-    old_id = torch.ops.eagle_old.register_stack(tensors, kinds, dims, cfg.rms_norm_eps)
+    tensors, kinds, dims, eps, _ = decoder_layers.stack_arguments(model)  # what attach registered
+    old_id = torch.ops.eagle_old.register_stack(tensors, kinds, dims, eps)
     model.setup_cache(1, max(2 * args.kv, 256))
     results = []
     for T in args.rows:

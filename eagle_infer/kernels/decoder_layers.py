@@ -92,6 +92,21 @@ def attach(model: nn.Module) -> Stack | None:
     if (choice == "0" or not avx2_attention.enabled() or cfg.head_dim != avx2_attention.HEAD_DIM
             or cfg.hidden_size % 8 or cfg.intermediate_size % 8):  # the C++ loops run 8 values at a time
         return None
+    args = stack_arguments(model)
+    if args is None:
+        return None
+    load()
+    *register, max_rows = args
+    stack = Stack(torch.ops.eagle.register_stack(*register), max_rows)
+    model.fused_layers = stack
+    return stack
+
+
+def stack_arguments(model: nn.Module) -> tuple[list[Tensor], list[int], list[int], float, int] | None:
+    """register_stack's arguments for the model's layers (tensors, kinds, dims, eps) and the rows
+    up to which all its Linears run our kernels, or None where a layer has a Linear off our
+    kernels or with a bias, or the Linears multiply differently (vdpbf16ps and FMAs)."""
+    cfg = model.config
     tensors, kinds, dots, max_rows = [], [], set(), []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -107,11 +122,8 @@ def attach(model: nn.Module) -> Stack | None:
             dots.add(bool(getattr(m, "dot", False)))
     if len(dots) > 1:
         return None
-    load()
     dims = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, int(dots.pop())]
-    stack = Stack(torch.ops.eagle.register_stack(tensors, kinds, dims, cfg.rms_norm_eps), min(max_rows))
-    model.fused_layers = stack
-    return stack
+    return tensors, kinds, dims, cfg.rms_norm_eps, min(max_rows)
 
 
 def applies(model: nn.Module, B: int, T: int) -> bool:
