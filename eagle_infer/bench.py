@@ -48,7 +48,7 @@ from eagle_infer import cpu_linears
 from eagle_infer.errors import UserError, cli_errors
 from eagle_infer.kernels import avx2_attention
 from eagle_infer.sampling import SamplingParams
-from eagle_infer.speculative import SpecStats
+from eagle_infer.speculative import SpecStats, disable_by_batch_size_for
 from eagle_infer.tree import TreeConfig
 
 # One decoding call: a batch of prompts' token ids -> the new token ids of each. The callback,
@@ -763,11 +763,8 @@ def main(argv: list[str] | None = None) -> dict:
     device = args.device or default_device()
     main_tree = TreeConfig.from_flags(args.num_steps, args.eagle_topk, args.num_draft_tokens,
                                       torch.device(device).type)
-    if args.speculative_disable_by_batch_size is None:  # the server's default on this device
-        from eagle_infer.speculative import default_disable_by_batch_size
-
-        args.speculative_disable_by_batch_size = default_disable_by_batch_size(torch.device(device).type,
-                                                                               args.quantization)
+    args.speculative_disable_by_batch_size = disable_by_batch_size_for(  # as the server resolves it
+        args.speculative_disable_by_batch_size, torch.device(device).type, args.quantization)
     torch_dtype = resolve_dtype(args.dtype, device)
     args.dtype = dtype_name(torch_dtype)  # report what ran
     folder = resolve_model_path(args.model_path)

@@ -799,11 +799,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_disable_by_batch_size(args: argparse.Namespace, device_type: str) -> int | None:
     """--speculative-disable-by-batch-size, else the device's default
-    (speculative.default_disable_by_batch_size)."""
-    from eagle_infer.speculative import default_disable_by_batch_size
+    (speculative.disable_by_batch_size_for)."""
+    from eagle_infer.speculative import disable_by_batch_size_for
 
-    given = args.speculative_disable_by_batch_size
-    return given if given is not None else default_disable_by_batch_size(device_type, args.quantization)
+    return disable_by_batch_size_for(args.speculative_disable_by_batch_size, device_type, args.quantization)
 
 
 def resolve_tree(args: argparse.Namespace, device_type: str) -> TreeConfig:
