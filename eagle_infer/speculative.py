@@ -61,6 +61,7 @@ class Sequence_:
     accepted: list[int] = field(default_factory=list)  # accepted drafts per round
     tag: object = None  # caller's handle (the server's request)
     cached: int = 0  # tokens in the caches (L of its row), known on the host: no read to size a step
+    pending: int = 0  # plain rounds whose pair the draft head has not caught up on yet
     # logprobs (the server's `logprobs`): None = not asked; k = per emitted token, its log-prob
     # under the raw target distribution and the k most likely alternatives. The decoders hand
     # emit() the target logits they already computed (set_logits); no extra forward.
@@ -267,13 +268,25 @@ class SpecDecoder:
         self.root = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.root_g = torch.zeros(max_batch, h, dtype=head.weight_like.dtype, device=dev)
         self.root_logp = torch.zeros(max_batch, v_draft, dtype=torch.float32, device=dev)
-        self.rows = RowTable(max_batch, [target, head], [self.L, self.root, self.root_g, self.root_logp])
+        # Rounds without drafts leave the head's catch-up for later: each row's pairs (the
+        # target's next token, the draft feature of the token before it) wait here, at most
+        # max_pending (what check() reserves past a sequence's end for a round's tree), and the
+        # head runs once over all of them (_catch_up_pending).
+        self.max_pending = tree.num_draft_tokens + tree.eagle_topk * tree.num_steps
+        self.pending_tokens = torch.zeros(max_batch, self.max_pending, dtype=torch.long, device=dev)
+        self.pending_feats = torch.zeros(max_batch, self.max_pending, h, dtype=head.weight_like.dtype,
+                                         device=dev)
+        self.pending_n = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        per_row = [self.L, self.root, self.root_g, self.root_logp, self.pending_tokens, self.pending_feats,
+                   self.pending_n]
+        self.rows = RowTable(max_batch, [target, head], per_row)
         self.seqs = self.rows.seqs
         self.cancel = self.rows.cancel
         self.stats = SpecStats()
         self.draft_fn = self._draft_step  # one draft forward; inside the tree's growth
         self.draft_tree_fn = self._draft_tree
         self.greedy_round_fn = self._verify_commit_greedy  # greedy rounds
+        self.plain_round_fn = self._plain_round_greedy  # greedy rounds without drafts
         self.verify_fn = self._verify  # sampled rounds: verify, then the catch-up
         self.catch_up_fn = self._catch_up
 
@@ -338,6 +351,16 @@ class SpecDecoder:
         g_last, logp = self._catch_up(next_tokens, feats, pos, catch_mask, acc.n_accepted + 1)
         return logits, acc.path, acc.n_accepted, acc.bonus, path_tokens, g_last, logp
 
+    def _plain_round_greedy(self, tokens: Tensor, L: Tensor, kv_ref: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """A greedy round without drafts: the target's step on each root tokens [B, 1] at slot L,
+        one graph when compiled. Returns its logits [B, 1, V], the next token [B] (accept_greedy's
+        bonus for a tree of the root alone) and the root's draft feature [B, h] for the head's
+        deferred catch-up."""
+        one = torch.ones(1, 1, dtype=torch.bool, device=L.device)
+        mask = build_attn_mask(L, one, kv_ref.shape[-1])  # [B, 1, kv_len]
+        logits, hidden = self._verify(tokens, L[:, None], L[:, None], mask)
+        return logits, logits[:, 0].argmax(-1), self.head.project(hidden)[:, 0]
+
     def _catch_up(self, next_tokens: Tensor, feats: Tensor, pos: Tensor, mask: Tensor, count: Tensor,
                   row0: int = 0) -> tuple[Tensor, Tensor]:
         """Draft catch-up over pairs (feature_i, token_i+1) [B, T] at positions pos (= their
@@ -368,11 +391,11 @@ class SpecDecoder:
         inductor = compile_settings(self.target, self.head)
         options = step_options(self.target, inductor, mode)
         # Argument mask_arg of each step carries the kv length (a mask, or a kv_ref whose length it is).
-        self.draft_tree_fn, self.greedy_round_fn, self.verify_fn, self.catch_up_fn = (
+        self.draft_tree_fn, self.greedy_round_fn, self.verify_fn, self.catch_up_fn, self.plain_round_fn = (
             BucketedStep(f, compile_step(f, mode, inductor, options), max_bs, clone=graphs, mask_arg=arg,
                          max_kv=self.max_seq_len)
             for f, arg in ((self._draft_tree, 4), (self._verify_commit_greedy, 5), (self._verify, 3),
-                           (self._catch_up, 3)))
+                           (self._catch_up, 3), (self._plain_round_greedy, 2)))
         return self
 
     def kv_len(self, needed: int) -> int:
@@ -421,6 +444,7 @@ class SpecDecoder:
         zero = torch.zeros(k, dtype=torch.long, device=dev)
         self._draft_extend(row0, nxt, self.head.project(hidden), zero, lens, self.kv_len(P))
         self.L[row0:row0 + k], self.root[row0:row0 + k] = lens, torch.tensor(firsts, device=dev)
+        self.pending_n[row0:row0 + k] = 0
         for s in seqs:
             s.cached = len(s.prompt)
         self.rows.admit_many(seqs, firsts)
@@ -443,25 +467,24 @@ class SpecDecoder:
         B = len(self.seqs)
         if B == 0:
             return []
+        plain = self.disable_by_batch_size is not None and B > self.disable_by_batch_size
+        self.last_round_plain = plain
+        if plain:
+            return self._plain_round(B)
+        if any(s.pending for s in self.seqs):
+            self._catch_up_pending(B)
         cfg, dev = self.tree, self.device
         L = self.L[:B]
         L_max = max(s.cached for s in self.seqs)  # = L.max(), from the host: no read
-        plain = self.disable_by_batch_size is not None and B > self.disable_by_batch_size
-        self.last_round_plain = plain
-        N = 1 if plain else cfg.num_draft_tokens  # tree nodes
+        N = cfg.num_draft_tokens  # tree nodes
         depth = min(cfg.num_steps, N - 1)  # the deepest node; catch-up pairs: its path + the bonus
         T = depth + 1
         t0 = time.perf_counter()
-        if plain:  # the root alone: the round accepts no draft and emits the target's next token
-            zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
-            tree = DraftTree(self.root[:B, None], zero, zero,
-                             torch.ones(B, 1, 1, dtype=torch.bool, device=dev))
-        else:
-            with record_function("spec.draft_tree"):
-                kv_ref = torch.empty(B, self.kv_len(L_max + cfg.num_steps * cfg.eagle_topk), dtype=torch.bool,
-                                     device=dev)
-                tree = DraftTree(*self.draft_tree_fn(self.root[:B], self.root_logp[:B], self.root_g[:B], L,
-                                                     kv_ref))
+        with record_function("spec.draft_tree"):
+            kv_ref = torch.empty(B, self.kv_len(L_max + cfg.num_steps * cfg.eagle_topk), dtype=torch.bool,
+                                 device=dev)
+            tree = DraftTree(*self.draft_tree_fn(self.root[:B], self.root_logp[:B], self.root_g[:B], L,
+                                                 kv_ref))
         t1 = time.perf_counter()
         kv = self.kv_len(L_max + max(N, T))  # verify's and catch-up's
         params = [s.params for s in self.seqs]
@@ -495,22 +518,75 @@ class SpecDecoder:
         for b, (seq, row) in enumerate(zip(self.seqs, rows)):
             k = row[-1]
             seq.cached += k + 1
-            if not plain:
-                seq.accepted.append(k)
-                self.stats.record(k)
+            seq.accepted.append(k)
+            self.stats.record(k)
             seq.set_logits(logits[b, path[b, :k + 1]])  # logprobs: verify logits in front of each token
             results.append((seq, seq.emit(row[:k] + [row[-2]])))  # drafted tokens, then the bonus
         self.rows.drop_finished()
         t5 = time.perf_counter()
-        if plain:  # its time is a plain step's, not a round's
-            self.stats.plain_rounds += 1
-            return results
         self.stats.rounds += 1
         self.stats.draft_s += (t1 - t0) + (t4 - t3)
         self.stats.verify_s += t2 - t1
         self.stats.other_s += (t3 - t2) + (t5 - t4)
         self.stats.draft_calls += cfg.num_steps - greedy  # a greedy round's catch-up is in verify_s
         return results
+
+    def _plain_round(self, B: int) -> list[tuple[Sequence_, list[int]]]:
+        """A round without drafts (more than disable_by_batch_size sequences running): the target's
+        step on each root and its next token, as plain decoding. The head does not run: the pair
+        it will need waits in the row's pending buffer for one catch-up over all of them, when
+        the buffer fills or speculation resumes (_catch_up_pending); a catch-up a round (a head
+        forward and its draft logits for every row) cost an int8 batch-4 round ~20% (README).
+        Not counted in tau: its sequences record no round."""
+        dev, L = self.device, self.L[:B]
+        L_max = max(s.cached for s in self.seqs)
+        kv_ref = torch.empty(B, self.kv_len(L_max + 1), dtype=torch.bool, device=dev)
+        params = [s.params for s in self.seqs]
+        with record_function("spec.plain_round"):
+            if all(p.greedy for p in params):
+                logits, bonus, feat = self.plain_round_fn(self.root[:B, None], L, kv_ref)
+            else:  # the root alone as a tree: the bonus drawn from the target as in any round
+                zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
+                one = torch.ones(B, 1, 1, dtype=torch.bool, device=dev)
+                tree = DraftTree(self.root[:B, None], zero, zero, one)
+                logits, hidden = self.verify_fn(tree.tokens, L[:, None], L[:, None],
+                                                build_attn_mask(L, tree.mask, kv_ref.shape[-1]))
+                bonus = accept_sampling(tree, logits, params, [s.generator for s in self.seqs], 0).bonus
+                feat = self.head.project(hidden)[:, 0]
+            n, rows = self.pending_n[:B], torch.arange(B, device=dev)
+            self.pending_tokens[rows, n], self.pending_feats[rows, n] = bonus, feat
+            self.pending_n[:B] = n + 1
+            self.L[:B] = L + 1
+            self.root[:B] = bonus
+        results = []
+        for b, (seq, token) in enumerate(zip(self.seqs, bonus.tolist())):  # the round's one host read
+            seq.cached += 1
+            seq.pending += 1
+            seq.set_logits(logits[b, :1])
+            results.append((seq, seq.emit([token])))
+        self.stats.plain_rounds += 1
+        self.rows.drop_finished()
+        if self.seqs and max(s.pending for s in self.seqs) == self.max_pending:
+            self._catch_up_pending(len(self.seqs))
+        return results
+
+    def _catch_up_pending(self, B: int) -> None:
+        """The head's deferred catch-up (eagerly): one forward over each row's pending pairs, at
+        positions L - n .. L - 1, writing its cache there and the next root's feature and draft
+        log-probs; rows without pairs keep theirs. Equal to a catch-up a round: the same pairs
+        at the same positions, causally masked."""
+        T = max(s.pending for s in self.seqs)
+        L_max = max(s.cached for s in self.seqs)
+        n = self.pending_n[:B]
+        pos, mask = self._catch_up_inputs(self.L[:B] - n, T, self.kv_len(L_max + T))
+        g_last, logp = self._catch_up(self.pending_tokens[:B, :T], self.pending_feats[:B, :T], pos, mask,
+                                      n.clamp(min=1))
+        some = (n > 0)[:, None]
+        self.root_g[:B] = torch.where(some, g_last, self.root_g[:B])
+        self.root_logp[:B] = torch.where(some, logp, self.root_logp[:B])
+        self.pending_n[:B] = 0
+        for s in self.seqs:
+            s.pending = 0
 
 
 def generate_speculative(

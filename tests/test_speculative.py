@@ -243,6 +243,50 @@ def test_large_batches_run_plain_rounds_and_stay_identical():
         SpecDecoder(target, head, TreeConfig(3, 2, 6), disable_by_batch_size=-1)
 
 
+def test_plain_rounds_defer_the_heads_catch_up():
+    """Rounds without drafts leave the head's catch-up for one forward over the pending pairs
+    (when max_pending pile up, and before speculation resumes): its cache, root feature and
+    draft log-probs then equal those of a head that saw the whole sequence at once (a join's
+    prefill over prompt + output), so drafting resumes as if it had kept up every round."""
+    target = tiny_target(layers=2)
+    head = random_head(target, "eagle3", draft_vocab=50)
+    prompts = prompts_for(target.config.vocab_size, lens=(5, 11))
+    plain = [generate(target, [p], 40)[0] for p in prompts]  # before the decoder: generate resets the caches
+    from eagle_infer.speculative import Sequence_
+
+    dec = SpecDecoder(target, head, TreeConfig(3, 2, 6), max_batch=2, max_seq_len=128,
+                      disable_by_batch_size=0)
+    assert dec.max_pending == 12
+    seqs = [Sequence_(p, SamplingParams(), 40, set()) for p in prompts]
+    dec.add_many(seqs)
+    flushed = []
+    for _ in range(29):  # 28 tokens after the first: two full buffers, then 5 pairs pending
+        dec.step()
+        flushed.append(int(dec.pending_n[0]))
+    assert dec.stats.plain_rounds == 29 and dec.stats.rounds == 0
+    assert flushed.count(0) == 2 and [s.pending for s in seqs] == [5, 5] == dec.pending_n.tolist()
+    dec._catch_up_pending(2)
+    assert dec.pending_n.tolist() == [0, 0] and [s.pending for s in seqs] == [0, 0]
+    assert [s.output for s in seqs] == [o[:30] for o in plain]
+    for b, seq in enumerate(seqs):
+        twin_target = tiny_target(layers=2)  # the same weights, their own caches
+        twin = random_head(twin_target, "eagle3", draft_vocab=50)
+        ref = SpecDecoder(twin_target, twin, TreeConfig(3, 2, 6), max_batch=1, max_seq_len=128)
+        ref.add(Sequence_(seq.prompt + seq.output[:-1], SamplingParams(), 5, set()))
+        L = int(dec.L[b])
+        assert L == int(ref.L[0]) and int(dec.root[b]) == int(ref.root[0]) == seq.output[-1]
+        torch.testing.assert_close(dec.root_g[b], ref.root_g[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(dec.root_logp[b], ref.root_logp[0], atol=1e-4, rtol=1e-4)
+        kv, kv_ref = head.layer.self_attn.cache.kv, twin.layer.self_attn.cache.kv
+        torch.testing.assert_close(kv[:, :, b, :, :L], kv_ref[:, :, 0, :, :L], atol=1e-4, rtol=1e-4)
+    # speculation resumes from the caught-up head: rounds draft again, still plain decoding's output
+    dec.disable_by_batch_size = None
+    while dec.seqs:
+        dec.step()
+    assert dec.stats.rounds > 0
+    assert [s.output for s in seqs] == plain
+
+
 @pytest.mark.parametrize("settings,disable", [
     (dict(temperature=1.0), None), (dict(temperature=0.8, top_k=5), None),
     (dict(temperature=1.2, top_p=0.7), None), (dict(temperature=1.0), 0),
