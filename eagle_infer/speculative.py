@@ -571,16 +571,18 @@ class SpecDecoder:
         return results
 
     def _catch_up_pending(self, B: int) -> None:
-        """The head's deferred catch-up (eagerly): one forward over each row's pending pairs, at
-        positions L - n .. L - 1, writing its cache there and the next root's feature and draft
-        log-probs; rows without pairs keep theirs. Equal to a catch-up a round: the same pairs
-        at the same positions, causally masked."""
-        T = max(s.pending for s in self.seqs)
+        """The head's deferred catch-up: one forward over each row's pending pairs, at positions
+        L - n .. L - 1, writing its cache there and the next root's feature and draft log-probs;
+        rows without pairs keep theirs. Equal to a catch-up a round: the same pairs at the same
+        positions, causally masked. Always max_pending pairs a row (the rest padding, written
+        past L where the next round's writes land first), so compiled it is one graph a batch
+        bucket."""
+        T = self.max_pending
         L_max = max(s.cached for s in self.seqs)
         n = self.pending_n[:B]
         pos, mask = self._catch_up_inputs(self.L[:B] - n, T, self.kv_len(L_max + T))
-        g_last, logp = self._catch_up(self.pending_tokens[:B, :T], self.pending_feats[:B, :T], pos, mask,
-                                      n.clamp(min=1))
+        g_last, logp = self.catch_up_fn(self.pending_tokens[:B], self.pending_feats[:B], pos, mask,
+                                        n.clamp(min=1))
         some = (n > 0)[:, None]
         self.root_g[:B] = torch.where(some, g_last, self.root_g[:B])
         self.root_logp[:B] = torch.where(some, logp, self.root_logp[:B])
