@@ -831,16 +831,19 @@ def warm_up(dec: Any) -> list[int]:
     that reach it. Runs a 4-token prompt for two tokens at each bucket up to the decoder's
     max_bs, greedy and then sampled (a speculative decoder runs a greedy round's verify to
     catch-up as one graph, a sampled round's verify and catch-up as two), then resets the
-    statistics. Returns the batch sizes run."""
+    statistics; at a batch that runs rounds without drafts, long enough for the head's deferred
+    catch-up (max_pending + 2 tokens), whose graph is its own. Returns the batch sizes run."""
     from eagle_infer.generate import batch_bucket
     from eagle_infer.sampling import SamplingParams
     from eagle_infer.speculative import Sequence_, SpecStats
 
     buckets = [b for b in range(1, dec.max_bs + 1) if batch_bucket(b) == b]
     sizes = sorted({min(b, dec.max_batch) for b in buckets})  # a size per bucket the server reaches
+    disable = getattr(dec, "disable_by_batch_size", None)
     for n in sizes:
+        tokens = dec.max_pending + 2 if disable is not None and n > disable else 2
         for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=0)):
-            dec.add_many([Sequence_([1, 2, 3, 4], params, 2, set()) for _ in range(n)])
+            dec.add_many([Sequence_([1, 2, 3, 4], params, tokens, set()) for _ in range(n)])
             while dec.seqs:
                 dec.step()
     dec.stats = SpecStats()

@@ -4,6 +4,7 @@ State per active sequence (row r of both caches; rows 0..B-1 are the active ones
     L[r]        committed tokens, in the target cache and (paired with features) the draft's
     root[r]     the next token, already sampled from the target, not yet in either cache
     root_g[r]   the draft's feature after the root;  root_logp[r]: its log-probs [V']
+    pending_*[r] pairs of rounds without drafts the draft has not caught up on yet (pending_n[r])
 
 A round (`SpecDecoder.step`), for all active rows at once:
     draft_tree  -> tree of num_draft_tokens nodes (root first)           num_steps-1 draft calls
@@ -12,6 +13,8 @@ A round (`SpecDecoder.step`), for all active rows at once:
     commit      -> keep the path's target KV; draft catch-up on the path  1 draft call
 Compiled, a greedy round is two graphs (the draft phase; verify to catch-up), a sampled one
 three (the draft phase; verify; catch-up), the sampled acceptance running eagerly between.
+A round without drafts (more than disable_by_batch_size sequences running) is the target's step
+on each root alone, one graph; the draft catches up on such rounds' tokens later, in one call.
 A sequence that finishes leaves the batch: the last row moves into its place.
 """
 
@@ -240,8 +243,9 @@ class SpecDecoder:
                  max_seq_len: int | None = None, static_kv: bool = False,
                  disable_by_batch_size: int | None = None):
         """disable_by_batch_size (vLLM's name): while more sequences than this are running, rounds
-        verify only each sequence's root (no drafts): a plain decode step that also keeps the
-        draft head's cache up to date, so speculation resumes when the batch shrinks. On a 2-core
+        verify only each sequence's root (no drafts): a plain decode step whose tokens the draft
+        head catches up on later, in one forward over up to max_pending of them, so speculation
+        resumes when the batch shrinks. On a 2-core
         CPU a batch's trees make the verify compute-bound (README: batch 4 EAGLE-3 0.87x plain
         in bf16, 0.57x with int8). None: always speculate."""
         if head.config.hidden_size != target.config.hidden_size:
@@ -471,8 +475,8 @@ class SpecDecoder:
         self.last_round_plain = plain
         if plain:
             return self._plain_round(B)
-        if any(s.pending for s in self.seqs):
-            self._catch_up_pending(B)
+        if any(s.pending for s in self.seqs):  # the batch shrank: once a phase of rounds without drafts
+            self._catch_up_pending(B, self._catch_up)
         cfg, dev = self.tree, self.device
         L = self.L[:B]
         L_max = max(s.cached for s in self.seqs)  # = L.max(), from the host: no read
@@ -567,22 +571,23 @@ class SpecDecoder:
         self.stats.plain_rounds += 1
         self.rows.drop_finished()
         if self.seqs and max(s.pending for s in self.seqs) == self.max_pending:
-            self._catch_up_pending(len(self.seqs))
+            self._catch_up_pending(len(self.seqs), self.catch_up_fn)
         return results
 
-    def _catch_up_pending(self, B: int) -> None:
-        """The head's deferred catch-up: one forward over each row's pending pairs, at positions
-        L - n .. L - 1, writing its cache there and the next root's feature and draft log-probs;
-        rows without pairs keep theirs. Equal to a catch-up a round: the same pairs at the same
-        positions, causally masked. Always max_pending pairs a row (the rest padding, written
-        past L where the next round's writes land first), so compiled it is one graph a batch
-        bucket."""
+    def _catch_up_pending(self, B: int, catch_up: Callable[..., tuple[Tensor, Tensor]]) -> None:
+        """The head's deferred catch-up through `catch_up` (_catch_up or its compiled step): one
+        forward over each row's pending pairs, at positions L - n .. L - 1, writing its cache
+        there and the next root's feature and draft log-probs; rows without pairs keep theirs.
+        Equal to a catch-up a round: the same pairs at the same positions, causally masked.
+        Always max_pending pairs a row (the rest padding, written past L where the next round's
+        writes land first): compiled, one graph for each batch bucket that runs rounds without
+        drafts (server.warm_up compiles them); where speculation resumes it runs eagerly, once a
+        phase, so batch sizes that speculate compile nothing for it."""
         T = self.max_pending
         L_max = max(s.cached for s in self.seqs)
         n = self.pending_n[:B]
         pos, mask = self._catch_up_inputs(self.L[:B] - n, T, self.kv_len(L_max + T))
-        g_last, logp = self.catch_up_fn(self.pending_tokens[:B], self.pending_feats[:B], pos, mask,
-                                        n.clamp(min=1))
+        g_last, logp = catch_up(self.pending_tokens[:B], self.pending_feats[:B], pos, mask, n.clamp(min=1))
         some = (n > 0)[:, None]
         self.root_g[:B] = torch.where(some, g_last, self.root_g[:B])
         self.root_logp[:B] = torch.where(some, logp, self.root_logp[:B])

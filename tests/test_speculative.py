@@ -265,7 +265,7 @@ def test_plain_rounds_defer_the_heads_catch_up():
         flushed.append(int(dec.pending_n[0]))
     assert dec.stats.plain_rounds == 29 and dec.stats.rounds == 0
     assert flushed.count(0) == 2 and [s.pending for s in seqs] == [5, 5] == dec.pending_n.tolist()
-    dec._catch_up_pending(2)
+    dec._catch_up_pending(2, dec._catch_up)
     assert dec.pending_n.tolist() == [0, 0] and [s.pending for s in seqs] == [0, 0]
     assert [s.output for s in seqs] == [o[:30] for o in plain]
     for b, seq in enumerate(seqs):
