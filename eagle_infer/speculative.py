@@ -228,9 +228,10 @@ def disable_by_batch_size_for(given: int | None, device_type: str, quantization:
     `given` (--speculative-disable-by-batch-size, the server's and the bench's), else the default
     here. Measured on a 2-core AMD EPYC Zen 4 (8 MT-bench
     prompts x 128 tokens, EAGLE-3 2/4/4, README): bf16 1.19x plain at batch 2, 0.87x at batch 4
-    (plain rounds there: 1.00x); int8 weights 0.82x at batch 2, 0.57x at batch 4 (plain rounds:
-    0.92x), so a CPU speculates up to batch 2 (fp32: unmeasured, as bf16), an int8 target only
-    alone. On a GPU never: verifying a batch's trees costs about what a plain step does there."""
+    (rounds without drafts there: 0.97x); int8 weights 0.82x at batch 2, 0.57x at batch 4 (rounds
+    without drafts: 0.90-0.94x), so a CPU speculates up to batch 2 (fp32: unmeasured, as bf16),
+    an int8 target only alone. On a GPU never: verifying a batch's trees costs about what a plain
+    step does there."""
     if given is not None:
         return given
     if device_type != "cpu":
