@@ -17,7 +17,9 @@
 # SEGMENT_REPLAY=OFFSET:LIMIT appends the prompts of conversations already trained on (replay),
 # after the new ones, so that a capture cut short by its time limit has the new ones first.
 # SEGMENT_FILE=PATH (.jsonl or .jsonl.xz) appends prompts written elsewhere, e.g. the target's own
-# (scripts/magpie_prompts.py, data/magpie/): alone, they are the whole segment.
+# (scripts/magpie_prompts.py, data/magpie/): alone, they are the whole segment. SEGMENT_MIX=PATH
+# (with SEGMENT_MIX_SKIP=N: from its record N on) spreads such a file's prompts evenly among the
+# replayed ones instead (segment_prompts.py --mix), so a capture cut short holds both kinds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -51,7 +53,8 @@ pins=$("$PY" -m pip freeze 2>/dev/null | grep -i -E '^(annotated[-_]types|dill|f
 [ -z "${SEGMENT_OFFSET:-}" ] || "$PY" scripts/segment_prompts.py --offset "$SEGMENT_OFFSET" \
   --max-turns "${SEGMENT_TURNS:-1}" --out .blob2/segment.jsonl.xz
 [ -z "${SEGMENT_REPLAY:-}" ] || { "$PY" scripts/segment_prompts.py --offset "${SEGMENT_REPLAY%%:*}" \
-  --limit "${SEGMENT_REPLAY#*:}" --max-turns "${SEGMENT_TURNS:-1}" --out /tmp/replay.jsonl.xz &&
+  --limit "${SEGMENT_REPLAY#*:}" --max-turns "${SEGMENT_TURNS:-1}" --out /tmp/replay.jsonl.xz \
+  ${SEGMENT_MIX:+--mix "$SEGMENT_MIX" --mix-skip "${SEGMENT_MIX_SKIP:-0}"} &&
   cat /tmp/replay.jsonl.xz >>.blob2/segment.jsonl.xz; }  # xz streams concatenate
 case ${SEGMENT_FILE:-} in
   "") ;;

@@ -13,6 +13,15 @@ index as "id", so the segment's range stays on record.
     .venv/bin/python scripts/segment_prompts.py --offset 0 --max-turns 3 --min-turns 2 --out later.jsonl.xz
     .venv/bin/python scripts/segment_prompts.py --offset 0 --min-length 640 --max-length 1024 \
         --out long.jsonl.xz
+
+`--mix FILE` spreads another prompt file's records (the target's own prompts,
+scripts/magpie_prompts.py; from its record `--mix-skip` on) evenly among these (`interleave`), so
+that a capture cut short by its time limit holds both kinds in proportion: replayed ShareGPT
+prompts beside new ones, against what segment 15 measured (new prompts alone: tau on their kind
+up, on ShareGPT's held-out split down).
+
+    .venv/bin/python scripts/segment_prompts.py --offset 11171 --limit 4500 \
+        --mix data/magpie/smollm2-135m-seed0.jsonl.xz --mix-skip 4096 --out mixed.jsonl.xz
 """
 from __future__ import annotations
 
@@ -30,6 +39,20 @@ from eagle_train.capture import Skip, plan_conversation  # noqa: E402
 from eagle_train.data import load_conversations, render_prompt, split_heldout  # noqa: E402
 
 
+def interleave(first: list, second: list) -> list:
+    """Both lists in one, each spread evenly over it in its own order: item i of a list of n
+    sits at (i + 1/2) / n of the way (ties: `first`'s item first)."""
+    keyed = [((i + 0.5) / len(xs), j, i) for j, xs in enumerate((first, second)) for i in range(len(xs))]
+    return [(first, second)[j][i] for _, j, i in sorted(keyed)]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a .jsonl or .jsonl.xz file (blank lines skipped)."""
+    raw = path.read_bytes()
+    text = (lzma.decompress(raw) if path.suffix == ".xz" else raw).decode()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", default="sharegpt", help="data.source: a builtin name or a JSON/JSONL path")
@@ -44,6 +67,9 @@ def main() -> None:
     ap.add_argument("--min-turns", type=int, default=1,
                     help="leave out conversations with fewer answers (first turns captured before)")
     ap.add_argument("--out", type=Path, required=True, help=".jsonl or .jsonl.xz")
+    ap.add_argument("--mix", type=Path, default=None,
+                    help="a .jsonl(.xz) of other prompts to spread evenly among these (interleave)")
+    ap.add_argument("--mix-skip", type=int, default=0, help="records of --mix to leave out first")
     a = ap.parse_args()
 
     convs = load_conversations(a.source)
@@ -71,13 +97,18 @@ def main() -> None:
         for i in job.slots:
             msgs[i] = {"role": "assistant", "content": "."}
         kept.append({"id": k, "messages": msgs})
+    mixed = read_jsonl(a.mix)[a.mix_skip:] if a.mix else []
+    if mixed:
+        kept = interleave(kept, mixed)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept).encode()
     a.out.write_bytes(lzma.compress(text) if a.out.suffix == ".xz" else text)
     print(f"training conversations {a.offset}-{stop - 1}: {len(kept)} prompts written to {a.out} "
           f"({a.out.stat().st_size / 1e6:.1f} MB); {too_long} prompts >= {a.max_length} tokens, "
           f"{too_short} < {a.min_length}, and "
-          f"{skipped} without a user turn left out; {few} with fewer than {a.min_turns} answers")
+          f"{skipped} without a user turn left out; {few} with fewer than {a.min_turns} answers"
+          + (f"; {len(mixed)} of them from {a.mix} (from its record {a.mix_skip} on), spread among the rest"
+             if mixed else ""))
 
 
 if __name__ == "__main__":

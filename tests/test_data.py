@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -290,3 +291,28 @@ def test_split_heldout_deterministic_and_disjoint():
     assert len(split_heldout(convs, 0.25, seed=0)[1]) == 25
     with pytest.raises(UserError, match="heldout"):
         split_heldout(convs, 100, seed=0)
+
+
+def test_segment_prompts_interleave_spreads_each_source_evenly(tmp_path):
+    """scripts/segment_prompts.py --mix: another file's prompts spread evenly among a segment's,
+    each kind in its own order, so a capture cut short holds both in proportion; the file is read
+    plain or xz'd."""
+    import importlib.util
+    import lzma
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "segment_prompts.py"
+    spec = importlib.util.spec_from_file_location("segment_prompts", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.interleave(["a1", "a2", "a3", "a4"], ["b1", "b2"]) == ["a1", "b1", "a2", "a3", "b2", "a4"]
+    assert mod.interleave([], ["b1"]) == ["b1"] and mod.interleave(["a1"], []) == ["a1"]
+    mixed = mod.interleave(list(range(300)), [-i for i in range(1, 101)])
+    for cut in (40, 120, 400):  # any prefix holds both in their 3:1 proportion, give or take one
+        head = mixed[:cut]
+        assert abs(sum(x >= 0 for x in head) - 0.75 * cut) <= 1
+    assert [x for x in mixed if x >= 0] == list(range(300))
+    records = [{"id": i, "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(3)]
+    text = "".join(json.dumps(r) + "\n" for r in records) + "\n"
+    (tmp_path / "p.jsonl").write_text(text)
+    (tmp_path / "p.jsonl.xz").write_bytes(lzma.compress(text.encode()))
+    assert mod.read_jsonl(tmp_path / "p.jsonl") == mod.read_jsonl(tmp_path / "p.jsonl.xz") == records
