@@ -48,7 +48,10 @@
 # published, every lr lowered tau) added capture.temperature=0.7 to those CAPTURE_ARGS with
 # TOTAL=585 CAPTURE_S=180 PROBE=20 RUNS="a3:eagle3:2e-4:32:6 c3:eagle3:4e-4:64:6
 # t3:eagle3:2e-4:32:6::train.online_tf32=true", then TOTAL=230 CAPTURE_S=1
-# RUNS="l3:eagle3:5e-5:32:6:200 m3:eagle3:1e-4:32:6:200".
+# RUNS="l3:eagle3:5e-5:32:6:200 m3:eagle3:1e-4:32:6:200". Segment 15 (the target's own prompts,
+# device_blobs.sh SEGMENT_FILE=data/magpie/smollm2-135m-seed0.jsonl.xz; README: not published, their
+# kind's tau up, ShareGPT's down) ran segment 13's CAPTURE_ARGS/TRAIN_ARGS with TOTAL=585 CAPTURE_S=180
+# PROBE=20 RUNS="a3:eagle3:2e-4:32:6 b3:eagle3:1e-4:32:6 l3:eagle3:5e-5:32:6".
 # CAPTURE_ARGS and TRAIN_ARGS add overrides to the capture and to every training. At most three
 # EAGLE-3 heads fit what a call returns (64 MiB).
 set -uo pipefail
