@@ -19,9 +19,9 @@ relative to plain decoding's TPOT (`plain_step_ms`), so the prefill weighs on ne
 Methods: `plain` (eagle_infer.generate), `hf` (transformers `generate`) and `hf_assisted`
 (transformers prompt-lookup decoding, `prompt_lookup_num_tokens=10`), then speculative decoding
 with a draft head (tree settings with SGLang's names; those not given take the device's
-default tree, as the server's do: 2/4/4 on a CPU, 5/4/16 on a GPU) and its acceptance statistics: tau
-(accepted drafts + the bonus token per round), acceptance per draft position, and the time per
-round spent drafting, verifying and on the rest.
+default tree, as the server's do: 2/4/4 on a CPU (1/4/3 with int8 weights), 5/4/16 on a GPU)
+and its acceptance statistics: tau (accepted drafts + the bonus token per round), acceptance per
+draft position, and the time per round spent drafting, verifying and on the rest.
 
 `floor_tokens_per_s` is the memory-bound limit of batch-1 decoding: measured memory bandwidth
 (reading a large tensor; the one-way rate of a copy, reported beside it, was the measure until
@@ -717,7 +717,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--draft", default=None, help="draft head folder (default: the reference EAGLE-3 head)")
     sp.add_argument("--no-spec", action="store_true", help="plain and transformers only")
     tree_help = ("draft tree (SGLang's names); each one not given takes the device's default, the "
-                 "server's: 5/4/16 on a GPU, 2/4/4 on a CPU, where every verified node costs time")
+                 "server's: 5/4/16 on a GPU, 2/4/4 on a CPU (1/4/3 with int8 weights), where every "
+                 "verified node costs time")
     sp.add_argument("--num-steps", type=int, default=None, help=tree_help)
     sp.add_argument("--eagle-topk", type=int, default=None, help=tree_help)
     sp.add_argument("--num-draft-tokens", type=int, default=None, help=tree_help)
@@ -762,7 +763,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     device = args.device or default_device()
     main_tree = TreeConfig.from_flags(args.num_steps, args.eagle_topk, args.num_draft_tokens,
-                                      torch.device(device).type)
+                                      torch.device(device).type, args.quantization)
     args.speculative_disable_by_batch_size = disable_by_batch_size_for(  # as the server resolves it
         args.speculative_disable_by_batch_size, torch.device(device).type, args.quantization)
     torch_dtype = resolve_dtype(args.dtype, device)

@@ -748,7 +748,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "default: EAGLE3 with the reference head when it is present, else NONE")
     ap.add_argument("--speculative-draft-model-path", default=None,
                     help=f"draft head folder (default: {DEFAULT_HEAD})")
-    tree_help = "default: 5/4/16 (steps/topk/draft tokens) on a GPU, 2/4/4 on a CPU"
+    tree_help = "default: 5/4/16 (steps/topk/draft tokens) on a GPU, 2/4/4 on a CPU (1/4/3 with int8 weights)"
     ap.add_argument("--speculative-num-steps", type=int, default=None, help=tree_help)
     ap.add_argument("--speculative-eagle-topk", type=int, default=None, help=tree_help)
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=None, help=tree_help)
@@ -806,9 +806,10 @@ def resolve_disable_by_batch_size(args: argparse.Namespace, device_type: str) ->
 
 
 def resolve_tree(args: argparse.Namespace, device_type: str) -> TreeConfig:
-    """The tree flags given, the device's default (TreeConfig.default_for) for the others."""
+    """The tree flags given, the device's default (TreeConfig.default_for: by --quantization too)
+    for the others."""
     return TreeConfig.from_flags(args.speculative_num_steps, args.speculative_eagle_topk,
-                                 args.speculative_num_draft_tokens, device_type)
+                                 args.speculative_num_draft_tokens, device_type, args.quantization)
 
 
 def compile_settings(args: argparse.Namespace, device_type: str) -> tuple[str | None, int | None] | None:

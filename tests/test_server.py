@@ -490,6 +490,8 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
     assert server.resolve_disable_by_batch_size(args, "cuda") is None
     int8 = server.build_parser().parse_args(["--quantization", "int8"])
     assert server.resolve_disable_by_batch_size(int8, "cpu") == 1
+    assert server.resolve_tree(int8, "cpu") == server.TreeConfig(1, 4, 3)  # int8: one draft step
+    assert server.resolve_tree(int8, "cuda") == server.TreeConfig(5, 4, 16)
     given = server.build_parser().parse_args(["--speculative-disable-by-batch-size", "8"])
     assert server.resolve_disable_by_batch_size(given, "cpu") == 8
     assert server.resolve_disable_by_batch_size(given, "cuda") == 8
