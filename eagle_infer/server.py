@@ -755,9 +755,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculative-token-map", default=None, help="FR-Spec token map (EAGLE-2 heads)")
     ap.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                     help="while more than N requests are running, rounds draft nothing: a plain "
-                         "decode step that keeps the head's cache up to date, so speculation resumes "
-                         "when the batch shrinks (vLLM's name). Default: 2 on a CPU, 1 with int8 weights "
-                         "(where a batch's trees make the verify compute-bound: README), never on a GPU")
+                         "decode step whose tokens the head catches up on later in one pass, so "
+                         "speculation resumes when the batch shrinks (vLLM's name). Default: 2 on a CPU, "
+                         "1 with int8 weights (where a batch's trees make the verify compute-bound: "
+                         "README), never on a GPU")
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                     help="auto = bf16 where the hardware runs it fast (CUDA, AVX512-BF16 / AMX CPUs), "
                     "else fp32; greedy output is token-identical to plain decoding in fp32")

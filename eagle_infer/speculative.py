@@ -43,7 +43,7 @@ from eagle_infer.generate import (
     prefill,
 )
 from eagle_infer.heads import DraftHead
-from eagle_infer.model import Transformer, build_attn_mask
+from eagle_infer.model import Transformer, build_attn_mask, causal_mask
 from eagle_infer.sampling import SamplingParams, next_token
 from eagle_infer.tree import Acceptance, DraftTree, TreeConfig, accept_greedy, accept_sampling, draft_tree
 
@@ -246,9 +246,9 @@ class SpecDecoder:
         """disable_by_batch_size (vLLM's name): while more sequences than this are running, rounds
         verify only each sequence's root (no drafts): a plain decode step whose tokens the draft
         head catches up on later, in one forward over up to max_pending of them, so speculation
-        resumes when the batch shrinks. On a 2-core
-        CPU a batch's trees make the verify compute-bound (README: batch 4 EAGLE-3 0.87x plain
-        in bf16, 0.57x with int8). None: always speculate."""
+        resumes when the batch shrinks. On a 2-core CPU a batch's trees make the verify
+        compute-bound (README: batch 4 EAGLE-3 0.87x plain in bf16, 0.57x with int8). None:
+        always speculate."""
         if head.config.hidden_size != target.config.hidden_size:
             raise UserError("draft head and target disagree on hidden size")
         if disable_by_batch_size is not None and disable_by_batch_size < 0:
@@ -334,9 +334,7 @@ class SpecDecoder:
     def _catch_up_inputs(self, start: Tensor, T: int, kv_len: int) -> tuple[Tensor, Tensor]:
         """Positions [B, T] (= slots) and causal attention mask [B, T, kv_len] of T catch-up pairs
         from slot start [B] on."""
-        pos = start[:, None] + torch.arange(T, device=start.device)[None]
-        tril = torch.ones(T, T, dtype=torch.bool, device=start.device).tril()
-        return pos, build_attn_mask(start, tril, kv_len)
+        return start[:, None] + torch.arange(T, device=start.device)[None], causal_mask(start, T, kv_len)
 
     def _verify_commit_greedy(self, tokens: Tensor, parent: Tensor, depth: Tensor, tree_mask: Tensor,
                               L: Tensor, kv_ref: Tensor) -> tuple[Tensor, ...]:
@@ -350,7 +348,7 @@ class SpecDecoder:
         mask = build_attn_mask(L, tree_mask, kv_ref.shape[-1])  # [B, N, kv_len]
         slots = L[:, None] + torch.arange(N, device=L.device)[None]
         logits, hidden = self._verify(tokens, L[:, None] + depth, slots, mask)
-        acc = accept_greedy(tree, logits, min(self.tree.num_steps, N - 1))  # a root alone: depth 0
+        acc = accept_greedy(tree, logits, min(self.tree.num_steps, N - 1))  # N nodes: depth <= N - 1
         next_tokens, feats, path_tokens = self._commit(tokens, acc, hidden, L)
         pos, catch_mask = self._catch_up_inputs(L, next_tokens.shape[1], mask.shape[-1])
         g_last, logp = self._catch_up(next_tokens, feats, pos, catch_mask, acc.n_accepted + 1)
@@ -361,8 +359,7 @@ class SpecDecoder:
         one graph when compiled. Returns its logits [B, 1, V], the next token [B] (accept_greedy's
         bonus for a tree of the root alone) and the root's draft feature [B, h] for the head's
         deferred catch-up."""
-        one = torch.ones(1, 1, dtype=torch.bool, device=L.device)
-        mask = build_attn_mask(L, one, kv_ref.shape[-1])  # [B, 1, kv_len]
+        mask = causal_mask(L, 1, kv_ref.shape[-1])  # [B, 1, kv_len]
         logits, hidden = self._verify(tokens, L[:, None], L[:, None], mask)
         return logits, logits[:, 0].argmax(-1), self.head.project(hidden)[:, 0]
 
@@ -544,18 +541,17 @@ class SpecDecoder:
         forward and its draft logits for every row) cost an int8 batch-4 round ~20% (README).
         Not counted in tau: its sequences record no round."""
         dev, L = self.device, self.L[:B]
-        L_max = max(s.cached for s in self.seqs)
-        kv_ref = torch.empty(B, self.kv_len(L_max + 1), dtype=torch.bool, device=dev)
+        kv = self.kv_len(max(s.cached for s in self.seqs) + 1)
         params = [s.params for s in self.seqs]
         with record_function("spec.plain_round"):
             if all(p.greedy for p in params):
+                kv_ref = torch.empty(B, kv, dtype=torch.bool, device=dev)
                 logits, bonus, feat = self.plain_round_fn(self.root[:B, None], L, kv_ref)
             else:  # the root alone as a tree: the bonus drawn from the target as in any round
                 zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
                 one = torch.ones(B, 1, 1, dtype=torch.bool, device=dev)
                 tree = DraftTree(self.root[:B, None], zero, zero, one)
-                logits, hidden = self.verify_fn(tree.tokens, L[:, None], L[:, None],
-                                                build_attn_mask(L, tree.mask, kv_ref.shape[-1]))
+                logits, hidden = self.verify_fn(tree.tokens, L[:, None], L[:, None], causal_mask(L, 1, kv))
                 bonus = accept_sampling(tree, logits, params, [s.generator for s in self.seqs], 0).bonus
                 feat = self.head.project(hidden)[:, 0]
             n, rows = self.pending_n[:B], torch.arange(B, device=dev)

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle_infer.default_model import resolve_model_path  # noqa: E402
 from eagle_infer.loader import load_tokenizer  # noqa: E402
 from eagle_train.capture import Skip, plan_conversation  # noqa: E402
-from eagle_train.data import load_conversations, render_prompt, split_heldout  # noqa: E402
+from eagle_train.data import _open_text, load_conversations, render_prompt, split_heldout  # noqa: E402
 
 
 def interleave(first: list, second: list) -> list:
@@ -47,10 +47,10 @@ def interleave(first: list, second: list) -> list:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The records of a .jsonl or .jsonl.xz file (blank lines skipped)."""
-    raw = path.read_bytes()
-    text = (lzma.decompress(raw) if path.suffix == ".xz" else raw).decode()
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    """The records of a .jsonl or .jsonl.xz file (blank lines skipped), as they are: the capture
+    reads their ids and sources too (load_conversations would keep only the turns)."""
+    with _open_text(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def main() -> None:
