@@ -40,6 +40,12 @@ SIGTERM or SIGINT (a deadline's `timeout`, a scheduler's preemption, Ctrl-C) sto
 the optimizer step under way finishes, a checkpoint and the head so far are saved (the summary
 says ``finished: false`` and which signal), then the process dies of that signal; a second
 signal acts at once.
+
+Time budget: ``train.max_seconds=S`` ends the run once its optimizer steps have taken S seconds
+(or at max_steps / epochs, whichever comes first), with the cosine decay spread over that budget
+so the lr reaches 0 where it ends; the head is then finished (``ended_by: max_seconds``). A
+lent GPU's run (scripts/gpu_grow.sh) gets the time left instead of a step count guessed from a
+probe; the seconds spent are checkpointed, so a resumed run keeps the budget.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -268,15 +275,24 @@ def loss_settings(cfg: DictConfig) -> dict:
             "feature_weight": float(sel(cfg, "draft.feature_loss_weight", 1.0))}
 
 
-def cosine_with_warmup(opt: torch.optim.Optimizer, warmup: int, total: int):
+def cosine_with_warmup(opt: torch.optim.Optimizer, warmup: int, total: int,
+                       time_progress: Callable[[], float] | None = None):
     """Linear warm-up to the base lr over `warmup` steps, then cosine decay to 0 at `total`
-    (the same curve as transformers.get_cosine_schedule_with_warmup)."""
+    (the same curve as transformers.get_cosine_schedule_with_warmup). With `time_progress` (the
+    fraction of a time budget spent, train.max_seconds) the same curve runs over whichever is
+    further along, steps or time: warm-up over the same share of the budget, and 0 where the
+    budget ends the run."""
 
     def factor(step: int) -> float:
-        if step < warmup:
-            return step / max(1, warmup)
-        progress = (step - warmup) / max(1, total - warmup)
-        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+        if time_progress is None:
+            if step < warmup:
+                return step / max(1, warmup)
+            progress = (step - warmup) / max(1, total - warmup)
+            return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+        p, w = max(step / max(1, total), time_progress()), warmup / max(1, total)
+        if p < w:
+            return p / w
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * min(1.0, (p - w) / max(1e-9, 1 - w)))))
 
     return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
@@ -531,7 +547,7 @@ def fingerprint(cfg: DictConfig, manifest: dict) -> dict:
         # Options left unset are left out, so heads trained before they existed stay complete.
         "train": {k: v for k, v in (sel(cfg, "train", {}) or {}).items()
                   if k not in ("wandb", "log_every", "save_every", "num_workers", "keep_checkpoints")
-                  and not (k in ("init_from", "extra_captures", "online_tf32") and not v)},
+                  and not (k in ("init_from", "extra_captures", "online_tf32", "max_seconds") and not v)},
         "seed": int(sel(cfg, "seed", 0)),
     }
 
@@ -685,7 +701,13 @@ class TrainRecipe:
         epochs = float(sel(cfg, "train.epochs", 1))
         self.total_steps = int(max_steps) if max_steps else max(1, int(epochs * per_epoch) // self.grad_accum)
         self.warmup = int(round(float(sel(cfg, "train.warmup_ratio", 0.0)) * self.total_steps))
-        sched = cosine_with_warmup(opt, self.warmup, self.total_steps)
+        # train.max_seconds: a time budget for the optimizer steps (a lent GPU's deadline), so a
+        # run needs no step count guessed from a probe; the schedule decays over it (above).
+        self.max_seconds = float(sel(cfg, "train.max_seconds", 0) or 0)
+        self.seconds_before, self.run_seconds, self.time_frac = 0.0, 0.0, 0.0
+        self.ended_by: str | None = None
+        sched = cosine_with_warmup(opt, self.warmup, self.total_steps,
+                                   (lambda: self.time_frac) if self.max_seconds else None)
 
         ds_plugin = getattr(acc.state, "deepspeed_plugin", None)
         if ds_plugin is not None:  # DeepSpeed needs the micro-batch size: we bring our own loader
@@ -728,6 +750,11 @@ class TrainRecipe:
             self.step, self.micro = int(state["step"]), int(state["micro"])
             self.tokens_total = int(state.get("tokens", 0))
             self.wandb_id = state.get("wandb_id")
+            self.seconds_before = float(state.get("train_seconds", 0.0))
+            if self.max_seconds:
+                self.time_frac = self.seconds_before / self.max_seconds
+                if self.time_frac >= 1.0:  # the budget ended the run at this checkpoint
+                    self.total_steps, self.ended_by = self.step, "max_seconds"
             if self.is_main:
                 log(f"train: resuming from {path} (step {self.step}/{self.total_steps})")
         if not ckpts:
@@ -790,7 +817,8 @@ class TrainRecipe:
         if self.is_main:
             state = {"step": self.step, "micro": self.micro, "tokens": tokens,
                      "total_steps": self.total_steps, "fingerprint": self.fingerprint,
-                     "wandb_id": self.wandb_id, "time": time.time()}
+                     "wandb_id": self.wandb_id, "time": time.time(),
+                     "train_seconds": self.seconds_before + self.run_seconds}
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
             fsync_tree(tmp)
             if final.exists():  # (a rerun of a finished step) out of the way atomically, then gone
@@ -833,7 +861,7 @@ class TrainRecipe:
         win_loss = torch.zeros(2, device=self.device)  # summed loss, micro-batches
         win_tokens = 0
         t_start = t_win = time.perf_counter()
-        self.tokens_run = 0
+        self.tokens_run, self.run_seconds = 0, 0.0
         last: dict = {}
         model.train()
         with StopOnSignal() as stop:
@@ -865,8 +893,15 @@ class TrainRecipe:
                     kill_point("train_step")
                     bar.update(1)
                     # every process must stop at the same step (the checkpoint is a collective)
-                    stopping = self._agreed_signal(stop.signum)
-                    end = self.step >= stop_step or stopping is not None
+                    # and decay the lr alike: the signal and the clock are agreed on
+                    stopping, self.run_seconds = self._agreed(stop.signum, time.perf_counter() - t_start)
+                    out_of_time = False
+                    if self.max_seconds:
+                        self.time_frac = (self.seconds_before + self.run_seconds) / self.max_seconds
+                        out_of_time = self.time_frac >= 1.0 and self.step < self.total_steps
+                        if out_of_time:  # the budget is spent: this step is the schedule's last
+                            self.total_steps, self.ended_by = self.step, "max_seconds"
+                    end = self.step >= stop_step or stopping is not None or out_of_time
                     if self.step % self.log_every == 0 or end or self.step == self.total_steps:
                         last = self._log(window, win_loss, win_tokens, time.perf_counter() - t_win, bar)
                         window.zero_()
@@ -898,13 +933,14 @@ class TrainRecipe:
         acc.wait_for_everyone()
         return summary
 
-    def _agreed_signal(self, signum: int | None) -> int | None:
-        """The signal to stop on if any process received one (one small collective a step when
-        there are several processes; none alone)."""
+    def _agreed(self, signum: int | None, seconds: float) -> tuple[int | None, float]:
+        """The signal to stop on if any process received one, and the slowest process's seconds
+        (one small collective a step when there are several processes; none alone)."""
         if self.acc.num_processes == 1:
-            return signum
-        t = torch.tensor([signum or 0], device=self.device)
-        return int(self.acc.gather(t).max().item()) or None
+            return signum, seconds
+        t = torch.tensor([[float(signum or 0), seconds]], device=self.device, dtype=torch.float64)
+        m = self.acc.gather(t).max(dim=0).values
+        return int(m[0].item()) or None, float(m[1].item())
 
     def _tokens_run_all(self) -> int:
         """Tokens trained on since this run (re)started, summed over processes."""
@@ -968,6 +1004,9 @@ class TrainRecipe:
             "final_acc_per_step": last.get("acc"), "final_feature_loss": (last.get("feature") or [None])[0],
             "head_dir": str(self.head_dir), "fingerprint": self.fingerprint,
         }
+        if self.max_seconds:
+            summary["max_seconds"] = self.max_seconds
+            summary["ended_by"] = self.ended_by or "steps"
         if self.stopped_by is not None:
             summary["stopped_by"] = signal.Signals(self.stopped_by).name
         if finished or self.stopped_by is not None:

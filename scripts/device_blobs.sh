@@ -20,6 +20,9 @@
 # (scripts/magpie_prompts.py, data/magpie/): alone, they are the whole segment. SEGMENT_MIX=PATH
 # (with SEGMENT_MIX_SKIP=N: from its record N on) spreads such a file's prompts evenly among the
 # replayed ones instead (segment_prompts.py --mix), so a capture cut short holds both kinds.
+# SEGMENT_INIT=HEAD_DIR carries another starting head (e.g. an unpublished segment's, ~20 MB, in
+# two halves beside GGUF parts 0 and 2); device_prep.sh reassembles it as /root/init, for a run's
+# override: RUNS="x3:eagle3:1e-4:32:6::train.init_from=/root/init" (segment 16).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -61,4 +64,10 @@ case ${SEGMENT_FILE:-} in
   *.xz) cat "$SEGMENT_FILE" >>.blob2/segment.jsonl.xz ;;
   *) xz -c "$SEGMENT_FILE" >>.blob2/segment.jsonl.xz ;;
 esac
+if [ -n "${SEGMENT_INIT:-}" ]; then
+  W=$SEGMENT_INIT/model.safetensors
+  split -n 2 -d -a 1 "$W" /tmp/init. && mv /tmp/init.0 .blob0/ && mv /tmp/init.1 .blob2/
+  mkdir -p .blob3/init && cp "$SEGMENT_INIT/config.json" .blob3/init/
+  sha256sum "$W" | cut -d' ' -f1 >.blob3/init/model.sha256
+fi
 du -sh .blob0 .blob1 .blob2 .blob3 .whl

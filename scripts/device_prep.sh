@@ -18,6 +18,11 @@ cat /root/blob/gpart.0 /root/blob/gpart.1 /root/blob/gpart.2 .blob3/gpart.3 | py
 echo "$(cat .blob3/gguf.sha256)  $G" | sha256sum -c || exit 3
 python3 -c "from eagle_infer.default_model import ensure_default_model as e; print(e())" 2>&1 | tail -1
 cp .blob3/hf_small/* /tmp/eagle/SmolLM2-135M-Instruct/ && echo "prepared in $SECONDS s"
+if [ -f .blob3/init/config.json ]; then  # device_blobs.sh SEGMENT_INIT: another starting head
+  mkdir -p /root/init && cp .blob3/init/config.json /root/init/
+  cat /root/blob/init.0 /root/blob/init.1 >/root/init/model.safetensors
+  echo "$(cat .blob3/init/model.sha256)  /root/init/model.safetensors" | sha256sum -c || exit 3
+fi
 case ${MODE:-check} in
   check) PROMPTS=.blob3/question.jsonl STEPS="${STEPS:-graphs eager batch4}" bash scripts/cuda_check.sh ;;
   grow) [ ! -f .blob3/heldout/heldout/manifest.json ] || export HELDOUT=${HELDOUT:-$PWD/.blob3/heldout}

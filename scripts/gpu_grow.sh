@@ -5,9 +5,9 @@
 # greedily (on-policy, what greedy serving sees) with nothing but token ids stored
 # (capture.store_states=false); each head then trains with the target computing its states
 # online, continuing from the committed head (train.init_from). Several trainings run side by
-# side (each is launch-bound on a 135M target; the GPU has room): a short probe of each measures
-# seconds per step under that load, and each real run gets the steps that fit the time left
-# (train.max_steps, capped at its epochs; the cosine schedule spans what runs). Heads,
+# side (each is launch-bound on a 135M target; the GPU has room), each for the time left
+# (train.max_seconds, at most its epochs; the cosine schedule spans that time, so no step count is
+# guessed; PROBE>0 adds short probes that report seconds a step and setup first). Heads,
 # summaries, logs and configs end in $OUT/heads.tar.* (15 MB parts: the device tool returns
 # files of 16 MiB at most); evaluate them afterwards on the held-out split (grow_heads.sh's eval).
 #
@@ -51,7 +51,13 @@
 # RUNS="l3:eagle3:5e-5:32:6:200 m3:eagle3:1e-4:32:6:200". Segment 15 (the target's own prompts,
 # device_blobs.sh SEGMENT_FILE=data/magpie/smollm2-135m-seed0.jsonl.xz; README: not published, their
 # kind's tau up, ShareGPT's down) ran segment 13's CAPTURE_ARGS/TRAIN_ARGS with TOTAL=585 CAPTURE_S=180
-# PROBE=20 RUNS="a3:eagle3:2e-4:32:6 b3:eagle3:1e-4:32:6 l3:eagle3:5e-5:32:6".
+# PROBE=20 RUNS="a3:eagle3:2e-4:32:6 b3:eagle3:1e-4:32:6 l3:eagle3:5e-5:32:6". Segment 16 (published:
+# segment 13's ShareGPT prompts with the unreached Magpie prompts, device_blobs.sh SEGMENT_REPLAY=11171:4500
+# SEGMENT_MIX=... SEGMENT_MIX_SKIP=4096 SEGMENT_INIT=<segment 15's a3 head>) ran the same CAPTURE_ARGS/
+# TRAIN_ARGS with TOTAL=585 CAPTURE_S=180 PROBE=20 RUNS="a3:eagle3:2e-4:32:6 l3:eagle3:5e-5:32:6
+# x3:eagle3:1e-4:32:6::train.init_from=/root/init", then, on the same machine, `cp -r
+# /tmp/gpu_grow/x3 /root/initx3` and TOTAL=330 CAPTURE_S=60 RUNS="y3:eagle3:1e-4:32:6:420:
+# train.init_from=/root/initx3 z3:eagle3:5e-5:32:6:420:train.init_from=/root/initx3" (y3 published).
 # CAPTURE_ARGS and TRAIN_ARGS add overrides to the capture and to every training. At most three
 # EAGLE-3 heads fit what a call returns (64 MiB).
 set -uo pipefail
@@ -64,7 +70,8 @@ DEVICE=${DEVICE:-cuda}
 BUDGET=${BUDGET:-520}          # seconds for everything, packing included
 CAPTURE_S=${CAPTURE_S:-200}    # the capture's own limit
 CBATCH=${CBATCH:-256}          # answers generated a batch
-PROBE=${PROBE:-40}             # optimizer steps of each probe (4 log windows)
+PROBE=${PROBE:-0}              # optimizer steps of each probe (0: none; 40 = 4 log windows)
+SETUP_S=${SETUP_S:-35}         # a training run's start (target, head, data) before its first step
 # name:kind:lr:batch:epochs[:steps[:overrides]] (header). Segment 13 measured 32 conversations a
 # step at lr 2e-4 best for EAGLE-3 (2.2x the tokens a second of 8 a step: most of a step of 8 does
 # not grow with the batch; README).
@@ -111,55 +118,56 @@ say "capture: exit $rc; $(grep -a -E '^capture|gen .*tok/s' "$W/capture.log" | t
 # train.online_tf32=true: segment 14's A/B (two runs side by side, same data, lr and batch) trained
 # 1.27x the tokens a second at equal held-out tau (2.125 against 2.126); TRAIN_ARGS may turn it off.
 train() {  # name kind lr batch epochs steps head_dir [overrides]; stopped in time for the packing below
-  # (timeout's SIGTERM: the trainer saves the head of the step it reached and exits)
-  local limit=$((BUDGET - (SECONDS - T0) - 25 - EVAL_S)) extra=${8:-}
+  # (timeout's SIGTERM: the trainer saves the head of the step it reached and exits). A run given
+  # no steps trains for the time left, less its setup (train.max_seconds: the lr decays over it
+  # and the head is finished when it is spent), at most its epochs.
+  local limit=$((BUDGET - (SECONDS - T0) - 25 - EVAL_S)) extra=${8:-} steps=${6:-null} budget=()
   [ "$limit" -gt 0 ] || limit=1  # timeout 0 would mean no limit
+  [ -n "$6" ] || budget=(train.max_seconds=$((limit - SETUP_S - 10)))
   timeout "$limit" "${EAGLE[@]}" train.wandb.mode=disabled stage=train \
     draft="$2" capture_dir="$C" train.init_from="heads/$T-$2" train.lr="$3" train.batch_size="$4" \
-    train.epochs="$5" train.max_steps="$6" train.save_every=0 head_dir="$7" hydra.run.dir="$7.hydra" \
-    train.online_tf32=true ${TRAIN_ARGS:-} ${extra//,/ }
+    train.epochs="$5" train.max_steps="$steps" "${budget[@]}" train.save_every=0 head_dir="$7" \
+    hydra.run.dir="$7.hydra" train.online_tf32=true ${TRAIN_ARGS:-} ${extra//,/ }
 }
-# The probes run side by side, as the real runs will.
-pids=()
-for r in $RUNS; do
-  IFS=: read -r name kind lr batch epochs fixed extra <<<"$r"
-  [ -z "$fixed" ] || continue
-  (s=$SECONDS; train "$name" "$kind" "$lr" "$batch" "$epochs" "$PROBE" "$W/probe-$name" "$extra" >"$W/probe-$name.log" 2>&1
-   echo "$((SECONDS - s))" >"$W/probe-$name.wall") &
-  pids+=($!)
-done
-[ ${#pids[@]} -eq 0 ] || wait "${pids[@]}"
-left=$((BUDGET - (SECONDS - T0) - 30 - EVAL_S))
-say "probes done; $left s left for training"
-pids=()
-for r in $RUNS; do
-  IFS=: read -r name kind lr batch epochs fixed extra <<<"$r"
-  # Steps that fit: (time left - this run's setup - 15 s) / seconds a step, at most its epochs.
-  [ -n "$fixed" ] && steps=$fixed || steps=$("$PY" - "$W/probe-$name" "$(cat "$W/probe-$name.wall" 2>/dev/null || echo 0)" "$left" \
-          "$epochs" "$PROBE" "$batch" 2>>"$LOG" <<'EOF' || echo 0
-import json, math, sys
-d, wall, left, epochs = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
-probe, batch = int(sys.argv[5]), int(sys.argv[6])
+# Probes (PROBE > 0 steps each, side by side as the real runs will be) measure a run's setup and
+# seconds a step; a longer setup than SETUP_S replaces it. Before train.max_seconds they planned
+# each run's steps, and on the H200 planned too few: real steps took 0.6x the probes' seconds
+# (segments 15 and 16 left 100-160 s of a 585 s call unused).
+if [ "$PROBE" -gt 0 ]; then
+  pids=()
+  for r in $RUNS; do
+    IFS=: read -r name kind lr batch epochs fixed extra <<<"$r"
+    [ -z "$fixed" ] || continue
+    (s=$SECONDS; train "$name" "$kind" "$lr" "$batch" "$epochs" "$PROBE" "$W/probe-$name" "$extra" >"$W/probe-$name.log" 2>&1
+     echo "$((SECONDS - s))" >"$W/probe-$name.wall") &
+    pids+=($!)
+  done
+  [ ${#pids[@]} -eq 0 ] || wait "${pids[@]}"
+  for r in $RUNS; do
+    name=${r%%:*}
+    [ -f "$W/probe-$name.wall" ] || continue
+    read -r per_step setup < <("$PY" - "$W/probe-$name" "$(cat "$W/probe-$name.wall")" 2>>"$LOG" <<'EOF' || echo "? 0"
+import json, sys
+d, wall = sys.argv[1], float(sys.argv[2])
 s = json.load(open(f"{d}/train_summary.json"))
-# Seconds a step from the log windows after the first: the first holds CUDA's warm-up
-# (cuBLAS handles, allocator growth), ~3x a steady step on the H100.
+# Seconds a step from the log windows after the first: the first holds CUDA's warm-up.
 recs = [json.loads(line) for line in open(f"{d}/train_log.jsonl")]
 steady = [(r["seconds"], r["step"] - p["step"]) for p, r in zip(recs, recs[1:]) if "seconds" in r]
-per_step = (sum(t for t, _ in steady) / sum(n for _, n in steady) if steady
-            else s["train_seconds_this_run"] / probe)
-setup = wall - s["train_seconds_this_run"]
-cap = int(epochs * math.ceil(s["samples"] / batch))
-# 10% over the probe's rate: side by side, real runs measured 0.97-1.07x their probes at 32 a step
-# and ~1.4x at 64 (segment 14: that run hit the deadline at 291 of 336 steps and left no head;
-# the trainer now stops on timeout's SIGTERM with the head of the step it reached, unfinished,
-# and its cosine schedule cut short, so fitting the steps still matters).
-print(max(0, min(cap, int((left - setup - 15) / (1.1 * per_step)))), f"{per_step:.3f}", f"{setup:.0f}", cap)
+per_step = sum(t for t, _ in steady) / sum(n for _, n in steady) if steady else s["train_seconds_this_run"] / s["step"]
+print(f"{per_step:.3f}", f"{wall - s['train_seconds_this_run']:.0f}")
 EOF
 )
-  read -r steps per_step setup cap <<<"$steps"
-  say "train $name ($kind, lr $lr, batch $batch${extra:+, $extra}): ${steps:-0} steps (probe: ${per_step:-?} s a step, setup ${setup:-?} s; $epochs epochs = ${cap:-?} steps)"
-  [ "${steps:-0}" -gt 0 ] || { tail -5 "$W/probe-$name.log" >>"$LOG"; continue; }
-  (train "$name" "$kind" "$lr" "$batch" "$epochs" "$steps" "$W/$name" "$extra" >"$W/$name.log" 2>&1; echo "exit $?" >>"$W/$name.log") &
+    say "probe $name: ${per_step:-?} s a step, setup ${setup:-?} s"
+    [ "${setup:-0}" -le $((SETUP_S - 5)) ] || SETUP_S=$((setup + 5))
+  done
+fi
+pids=()
+for r in $RUNS; do
+  IFS=: read -r name kind lr batch epochs fixed extra <<<"$r"
+  left=$((BUDGET - (SECONDS - T0) - 25 - EVAL_S - SETUP_S - 10))
+  [ -n "$fixed" ] || [ "$left" -gt 0 ] || { say "train $name: no time left"; continue; }
+  say "train $name ($kind, lr $lr, batch $batch${extra:+, $extra}): ${fixed:-$left s of steps (train.max_seconds), $epochs epochs at most}${fixed:+ steps}"
+  (train "$name" "$kind" "$lr" "$batch" "$epochs" "$fixed" "$W/$name" "$extra" >"$W/$name.log" 2>&1; echo "exit $?" >>"$W/$name.log") &
   pids+=($!)
 done
 wait "${pids[@]}"

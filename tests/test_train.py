@@ -8,6 +8,7 @@ synthetic capture of its own sampled continuations, written through eagle_train.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -674,6 +675,65 @@ def test_missing_draft_vocab_names_tokenmap_stage(env, tmp_path):
     cfg = make_cfg(env, tmp_path, **{"draft.draft_vocab_size": 64})
     with pytest.raises(UserError, match="stage=tokenmap"):
         _train(cfg)
+
+
+def test_cosine_decays_over_the_time_budget_when_time_runs_ahead_of_steps():
+    from eagle_train.train import cosine_with_warmup
+
+    frac = [0.0]
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    factor = cosine_with_warmup(opt, warmup=2, total=100, time_progress=lambda: frac[0]).lr_lambdas[0]
+    assert factor(1) == 0.5  # warm-up counts steps
+    assert factor(51) == pytest.approx(0.5 * (1 + math.cos(math.pi * 49 / 98)))  # steps ahead of time
+    frac[0] = 0.01  # time ahead of steps in the warm-up: so is the ramp
+    assert factor(0) == pytest.approx(0.5)
+    frac[0] = 0.75  # and in the decay
+    assert factor(10) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.73 / 0.98)))
+    frac[0] = 1.5
+    assert factor(10) == 0.0
+
+
+class _Clock:
+    """`time` for eagle_train.train, with a perf_counter that moves one second a call."""
+
+    def __init__(self):
+        import time
+
+        self.t, self.time, self.sleep = 0.0, time.time, time.sleep
+
+    def perf_counter(self) -> float:
+        self.t += 1.0
+        return self.t
+
+
+def test_time_budget_ends_the_run_with_the_lr_decayed_and_resumes_within_it(env, tmp_path, monkeypatch):
+    """train.max_seconds: the run ends where its budget does (not at max_steps), finished, with the
+    lr decayed over the seconds spent; killed and resumed, it counts the seconds spent before."""
+    import eagle_train.train as tr
+
+    over = {"train.max_steps": 500, "train.max_seconds": 40, "train.save_every": 1}
+    monkeypatch.setattr(tr, "time", _Clock())  # 3 s a step: the step's clock read and the log's two
+    summary, _ = _train(make_cfg(env, tmp_path / "a", **over))
+    assert summary["finished"] and summary["ended_by"] == "max_seconds"
+    assert 10 <= summary["step"] <= 15 and summary["total_steps"] == summary["step"]
+    log = [json.loads(x) for x in (tmp_path / "a" / "head" / "train_log.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in log]
+    # warm-up is 10% of max_steps (50 steps, past the end): counted in steps the lr would still be
+    # rising; over 10% of the budget it peaks early, then decays to near 0 by the budget's end
+    assert lrs[-1] < 0.1 * max(lrs) and lrs.index(max(lrs)) < len(lrs) - 3
+    from eagle_train.train import is_complete
+
+    assert is_complete(make_cfg(env, tmp_path / "a", **over))
+    # Killed after 5 steps, then resumed: the budget counts the seconds before the kill.
+    monkeypatch.setattr(tr, "time", _Clock())
+    part, _ = _train(make_cfg(env, tmp_path / "b", **over), stop_after=5)
+    assert not part["finished"]
+    state = json.loads((tmp_path / "b" / "head" / "checkpoints" / "step_5" / tr.STATE_FILE).read_text())
+    assert state["train_seconds"] >= 13
+    monkeypatch.setattr(tr, "time", _Clock())
+    resumed, _ = _train(make_cfg(env, tmp_path / "b", **over))
+    assert resumed["finished"] and resumed["ended_by"] == "max_seconds"
+    assert resumed["step"] <= summary["step"] + 1
 
 
 # ---------------------------------------------------------------------------------------------
