@@ -32,6 +32,20 @@ def tokens_seen_before(head: Path) -> int:
     return read(head / "train_summary.json")["fingerprint"]["capture_tokens"]
 
 
+def lineage_tokens(kind: str, segments: list[int]) -> int:
+    """New tokens of unpublished segments the run's head descends from (it started from one of
+    their heads, not from the committed head): their captures count as data this head has seen."""
+    records = read(RESULTS) if RESULTS.exists() else []
+    total = 0
+    for seg in segments:
+        rec = next((r for r in records
+                    if r["kind"] == kind and r["segment"] == seg and not r.get("run")), None)
+        if rec is None:
+            sys.exit(f"--lineage-segment {seg}: {RESULTS} has no {kind} record of segment {seg}")
+        total += rec["capture"]["tokens"] - rec.get("replayed_tokens_est", 0)
+    return total
+
+
 def segment_record(kind: str, args: argparse.Namespace) -> dict:
     grown = Path(args.segment_dir) / kind
     summary = read(grown / "train_summary.json")
@@ -43,6 +57,7 @@ def segment_record(kind: str, args: argparse.Namespace) -> dict:
     init = Path(tr.get("init_from") or "")
     head = init if (init / "eval.json").is_file() else Path(f"heads/{TARGET}-{kind}")
     after = read(Path(args.segment_dir) / f"eval-{kind}" / "eval.json")
+    lineage = lineage_tokens(kind, args.lineage_segment)
     return {
         "kind": kind, "segment": args.segment, "conversations": [args.offset, args.offset + args.limit],
         "capture": {"data": args.data, **totals}, "epochs": summary.get("epochs_done", tr.get("epochs")),
@@ -52,8 +67,9 @@ def segment_record(kind: str, args: argparse.Namespace) -> dict:
         "train_seconds_last_run": summary["train_seconds_this_run"],
         # Replayed conversations (prompts and answer prefixes a published segment already held)
         # are not new data: the data-scaling curve counts what is.
-        "tokens_seen": tokens_seen_before(head) + totals["tokens"] - args.replayed_tokens,
+        "tokens_seen": tokens_seen_before(head) + lineage + totals["tokens"] - args.replayed_tokens,
         **({"replayed_tokens_est": args.replayed_tokens} if args.replayed_tokens else {}),
+        **({"lineage_segments": args.lineage_segment, "lineage_tokens": lineage} if lineage else {}),
         **({"note": args.note} if args.note else {}),
         "heldout_tau_before": read(head / "eval.json")["acceptance_length"],
         "heldout_tau_after": after["acceptance_length"],
@@ -75,6 +91,9 @@ def main() -> None:
     ap.add_argument("--replayed-tokens", type=int, default=0,
                     help="captured tokens an earlier segment already held (replayed prompts and answer "
                     "prefixes), left out of tokens_seen")
+    ap.add_argument("--lineage-segment", type=int, action="append", default=[],
+                    help="an unpublished segment whose head this run continued from (repeatable): "
+                    "its new tokens count in tokens_seen")
     ap.add_argument("--note", default="", help="what the conversations range leaves unsaid")
     ap.add_argument("--publish", action="store_true")
     args = ap.parse_args()

@@ -146,6 +146,9 @@ def main() -> None:
             | {"data": g["capture"]["data"], "capture_tokens": g["capture"]["tokens"],
                # new to the heads: a segment that replays conversations counts only what is new
                "new_tokens": g["capture"]["tokens"] - g.get("replayed_tokens_est", 0),
+               # tokens of unpublished segments the head continued from: the line starts at the
+               # committed head it was measured against
+               "lineage_tokens": g.get("lineage_tokens", 0),
                "label": f"{g['segment']}{g.get('run', '')}"})
     fits = {k: power_fit([p["train_set"]["tokens"] for p in v], [p["tau"] for p in v])
             for k, v in curves.items()}
@@ -166,7 +169,7 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    x_end = 8e6
+    x_end = 1.2e7
     for kind, marker in (("eagle3", "o"), ("eagle2", "s")):
         pts = curves[kind]
         if not pts:
@@ -182,7 +185,7 @@ def main() -> None:
             ax.scatter([shipped[kind]["capture_tokens"]], [shipped[kind]["tau"]], marker="*", s=140,
                        color=line.get_color(), zorder=3, label=f"{kind} shipped (reference recipe)")
         for i, g in enumerate(grown.get(kind, [])):  # each segment: from its starting head to its result
-            x0 = g["tokens_seen"] - g["new_tokens"]
+            x0 = g["tokens_seen"] - g["new_tokens"] - g["lineage_tokens"]
             ax.plot([x0, g["tokens_seen"]], [g["heldout_tau_before"], g["heldout_tau_after"]], lw=0.8,
                     ls="-" if g["published"] else ":", color=line.get_color())
             ax.scatter([g["tokens_seen"]], [g["heldout_tau_after"]], marker="P", s=60, zorder=3,
