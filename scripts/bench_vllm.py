@@ -125,17 +125,23 @@ def spec_entry(r: dict) -> dict:
     """The fields of our bench's speculative report that the sitting's JSON keeps: tokens/s,
     tau, TTFT / TPOT, and the run's own plain decoding with a round's cost against its TPOT."""
     spec = next(m for name, m in r["methods"].items() if name != "plain")
-    keep = ("acceptance_length", "accept_rate_per_position", "plain_tokens_per_s", "plain_step_ms",
+    keep = ("tree", "acceptance_length", "accept_rate_per_position", "plain_tokens_per_s", "plain_step_ms",
             "verify_vs_plain_step", "draft_step_vs_plain_step", "round_vs_plain_step")
     return {"tokens_per_s": r["tokens_per_s"], "ttft_ms": spec.get("ttft_ms"), "tpot_ms": spec.get("tpot_ms"),
             "speedup_vs_ours_plain": r["speedup_vs_plain"], **{k: r.get(k) for k in keep}}
 
 
-def run_ours(args: argparse.Namespace, head: Path | None, tree: tuple[int, int, int] | None = None,
+def run_ours(args: argparse.Namespace, head: Path | None, tree: tuple[int, int, int] | str | None = None,
              quantization: str = "none") -> dict:
     """Our bench on the same prompts and settings (plain; chain drafting with the same k, or
-    the draft tree `tree` = (num_steps, eagle_topk, num_draft_tokens)); quantization "int8":
-    our target with int8 weights (vLLM's runs stay unquantized)."""
+    the draft tree `tree` = (num_steps, eagle_topk, num_draft_tokens), or "default": the tree a
+    CPU server runs with that quantization); quantization "int8": our target with int8 weights
+    (vLLM's runs stay unquantized)."""
+    if tree == "default":
+        from eagle_infer.tree import TreeConfig
+
+        t = TreeConfig.default_for("cpu", quantization)
+        tree = (t.num_steps, t.eagle_topk, t.num_draft_tokens)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ours.json"
         cmd = [sys.executable, "-m", "eagle_infer.bench", "--num-prompts", str(args.num_prompts),
@@ -168,14 +174,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--enforce-eager", action="store_true", help="skip vLLM's compilation (faster start)")
     ap.add_argument("--no-plain", action="store_true", help="skip vLLM's plain decoding")
     ap.add_argument("--ours", action="store_true", help="also run our bench on the same prompts")
-    ap.add_argument("--ours-tree", type=int, nargs=3, default=None, metavar=("STEPS", "TOPK", "N"),
-                    help="with --ours: also our tree drafting with each head (e.g. 3 4 4, the CPU default)")
+    ap.add_argument("--ours-tree", nargs="+", default=None, metavar="STEPS TOPK N | default",
+                    help="with --ours: also our tree drafting with each head (e.g. 2 4 4); 'default': "
+                    "each run's CPU default (bf16 2/4/4, int8 1/4/3: TreeConfig.default_for)")
     ap.add_argument("--ours-int8", action="store_true",
                     help="with --ours: also our plain and tree (--ours-tree) decoding with int8 weights")
     ap.add_argument("--llamacpp", action="store_true",
                     help="also llama.cpp's plain decoding of the target's Q4_1 GGUF (bench_llamacpp.py)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.ours_tree and args.ours_tree != ["default"] and not (
+            len(args.ours_tree) == 3 and all(v.isdigit() for v in args.ours_tree)):
+        ap.error(f"--ours-tree takes three numbers (STEPS TOPK N) or 'default', "
+                 f"not {' '.join(args.ours_tree)}")
 
     from eagle_infer.bench import load_prompts
     from eagle_infer.default_model import resolve_model_path
@@ -231,8 +242,10 @@ def main(argv: list[str] | None = None) -> None:
         ours_plain = run_ours(args, None)
         result["ours"] = {"plain": ours_plain["methods"]["plain"]}
         trees = [(f"chain k{k}", None)]
-        if args.ours_tree:
-            trees.append((f"tree {'/'.join(map(str, args.ours_tree))}", tuple(args.ours_tree)))
+        if args.ours_tree == ["default"]:
+            trees.append(("default tree", "default"))
+        elif args.ours_tree:
+            trees.append((f"tree {'/'.join(args.ours_tree)}", tuple(int(v) for v in args.ours_tree)))
         for h in heads:
             for label, tree in trees:
                 result["ours"][f"{h.name} {label}"] = spec_entry(run_ours(args, h, tree))
