@@ -11,6 +11,7 @@ heads/<target>-<kind>/grow_segments.json, the provenance of the head that segmen
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import sys
 from pathlib import Path
@@ -56,6 +57,10 @@ def segment_record(kind: str, args: argparse.Namespace) -> dict:
     # machine had falls back to the committed head.
     init = Path(tr.get("init_from") or "")
     head = init if (init / "eval.json").is_file() else Path(f"heads/{TARGET}-{kind}")
+    weights = grown / "model.safetensors", head / "model.safetensors"
+    if all(w.is_file() for w in weights) and filecmp.cmp(*weights, shallow=False):
+        sys.exit(f"{head} already holds {grown}'s weights: its eval.json is the 'before' of this "
+                 f"record, so record (and --publish) before copying the grown head there")
     after = read(Path(args.segment_dir) / f"eval-{kind}" / "eval.json")
     lineage = lineage_tokens(kind, args.lineage_segment)
     return {
