@@ -423,7 +423,8 @@ def cpu_name() -> str:
 def run_bench(cfg: DictConfig) -> dict | None:
     """A short end-of-pipeline benchmark of the trained head: plain vs speculative greedy decoding
     (eagle_infer.bench) on the first ``stage.bench.num_prompts`` MT-bench prompts with a small
-    tree (2/4/4 by default: the CPU's, TreeConfig.default_for). Writes ``<workdir>/bench.json``; 0 prompts = off."""
+    tree (2/4/4 by default: the CPU's, TreeConfig.default_for). Writes ``<workdir>/bench.json``;
+    0 prompts = off."""
     import torch
 
     from eagle_infer.bench import bench_plain_and_spec, compile_default, load_prompts
