@@ -134,14 +134,9 @@ def spec_entry(r: dict) -> dict:
 def run_ours(args: argparse.Namespace, head: Path | None, tree: tuple[int, int, int] | str | None = None,
              quantization: str = "none") -> dict:
     """Our bench on the same prompts and settings (plain; chain drafting with the same k, or
-    the draft tree `tree` = (num_steps, eagle_topk, num_draft_tokens), or "default": the tree a
-    CPU server runs with that quantization); quantization "int8": our target with int8 weights
-    (vLLM's runs stay unquantized)."""
-    if tree == "default":
-        from eagle_infer.tree import TreeConfig
-
-        t = TreeConfig.default_for("cpu", quantization)
-        tree = (t.num_steps, t.eagle_topk, t.num_draft_tokens)
+    the draft tree `tree` = (num_steps, eagle_topk, num_draft_tokens), or "default": no tree
+    flags, so the bench takes the tree a server runs with that quantization); quantization
+    "int8": our target with int8 weights (vLLM's runs stay unquantized)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ours.json"
         cmd = [sys.executable, "-m", "eagle_infer.bench", "--num-prompts", str(args.num_prompts),
@@ -150,10 +145,11 @@ def run_ours(args: argparse.Namespace, head: Path | None, tree: tuple[int, int, 
         if head is None:
             cmd.append("--no-spec")
         else:
-            k = args.num_speculative_tokens
-            steps, topk, n = tree or (k, 1, k + 1)
-            cmd += ["--draft", str(head), "--num-steps", str(steps), "--eagle-topk", str(topk),
-                    "--num-draft-tokens", str(n)]
+            cmd += ["--draft", str(head)]
+            if tree != "default":
+                k = args.num_speculative_tokens
+                steps, topk, n = tree or (k, 1, k + 1)
+                cmd += ["--num-steps", str(steps), "--eagle-topk", str(topk), "--num-draft-tokens", str(n)]
         if args.stop_at_eos:
             cmd.append("--stop-at-eos")
         subprocess.run(cmd, check=True, cwd=ROOT)

@@ -117,11 +117,13 @@ say "capture: exit $rc; $(grep -a -E '^capture|gen .*tok/s' "$W/capture.log" | t
 
 # train.online_tf32=true: segment 14's A/B (two runs side by side, same data, lr and batch) trained
 # 1.27x the tokens a second at equal held-out tau (2.125 against 2.126); TRAIN_ARGS may turn it off.
+train_limit() { echo $((BUDGET - (SECONDS - T0) - 25 - EVAL_S)); }  # a training's seconds, packing kept back
 train() {  # name kind lr batch epochs steps head_dir [overrides]; stopped in time for the packing below
   # (timeout's SIGTERM: the trainer saves the head of the step it reached and exits). A run given
   # no steps trains for the time left, less its setup (train.max_seconds: the lr decays over it
   # and the head is finished when it is spent), at most its epochs.
-  local limit=$((BUDGET - (SECONDS - T0) - 25 - EVAL_S)) extra=${8:-} steps=${6:-null} budget=()
+  local limit extra=${8:-} steps=${6:-null} budget=()
+  limit=$(train_limit)
   [ "$limit" -gt 0 ] || limit=1  # timeout 0 would mean no limit
   [ -n "$6" ] || budget=(train.max_seconds=$((limit - SETUP_S - 10)))
   timeout "$limit" "${EAGLE[@]}" train.wandb.mode=disabled stage=train \
@@ -164,7 +166,7 @@ fi
 pids=()
 for r in $RUNS; do
   IFS=: read -r name kind lr batch epochs fixed extra <<<"$r"
-  left=$((BUDGET - (SECONDS - T0) - 25 - EVAL_S - SETUP_S - 10))
+  left=$(($(train_limit) - SETUP_S - 10))  # the train.max_seconds train() will give it
   [ -n "$fixed" ] || [ "$left" -gt 0 ] || { say "train $name: no time left"; continue; }
   say "train $name ($kind, lr $lr, batch $batch${extra:+, $extra}): ${fixed:-$left s of steps (train.max_seconds), $epochs epochs at most}${fixed:+ steps}"
   (train "$name" "$kind" "$lr" "$batch" "$epochs" "$fixed" "$W/$name" "$extra" >"$W/$name.log" 2>&1; echo "exit $?" >>"$W/$name.log") &
