@@ -330,7 +330,8 @@ class SpecRun:
             rel = {"plain_step_ms": round(plain_step_ms, 3),
                    "verify_vs_plain_step": round(verify_ms / plain_step_ms, 3),
                    # draft forwards timed in draft_ms: num_steps - 1 tree steps (+ a sampled round's
-                   # catch-up); none at num_steps 1 (the one draft step runs inside the verify call)
+                   # catch-up); none at num_steps 1 (the one draft step runs inside the verify call).
+                   # With draft ahead only rounds that drafted at their start count (a sequence's first)
                    "draft_step_vs_plain_step": (round(1e3 * st.draft_s / st.draft_calls / plain_step_ms, 3)
                                                 if st.draft_calls else None),
                    "round_vs_plain_step": round(1e3 * (st.draft_s + st.verify_s + st.other_s) / rounds
@@ -356,11 +357,11 @@ class SpecRun:
 def bench_spec(model, head, prompts: Sequence[list[int]], max_new_tokens: int, tree: TreeConfig,
                ignore_eos: bool = True, params: SamplingParams | None = None, compile_steps: bool = False,
                name: str = "speculative", batch_size: int = 1,
-               disable_by_batch_size: int | None = None) -> SpecRun:
+               disable_by_batch_size: int | None = None, draft_ahead: bool = True) -> SpecRun:
     """Speculative decoding (eagle_infer.speculative), batch_size prompts a call, one decoder
     reused across calls (plain rounds while more than disable_by_batch_size sequences run)."""
     run, total, dec = spec_decode_fn(model, head, prompts, max_new_tokens, tree, ignore_eos, params,
-                                     compile_steps, batch_size, disable_by_batch_size)
+                                     compile_steps, batch_size, disable_by_batch_size, draft_ahead)
     warmup_s = warm_up(run, prompts, batch_size)
     total.__init__()  # the warm-up's rounds are not counted
     res = time_decoding(name, run, prompts, warmup=False, batch_size=batch_size)
@@ -370,8 +371,8 @@ def bench_spec(model, head, prompts: Sequence[list[int]], max_new_tokens: int, t
 
 def spec_decode_fn(model, head, prompts: Sequence[list[int]], max_new_tokens: int, tree: TreeConfig,
                    ignore_eos: bool = True, params: SamplingParams | None = None, compile_steps: bool = False,
-                   batch_size: int = 1,
-                   disable_by_batch_size: int | None = None) -> tuple[DecodeFn, SpecStats, object]:
+                   batch_size: int = 1, disable_by_batch_size: int | None = None,
+                   draft_ahead: bool = True) -> tuple[DecodeFn, SpecStats, object]:
     """A DecodeFn of speculative decoding through one decoder sized for the prompts, the stats it
     adds every call to, and the decoder."""
     from eagle_infer.generate import compile_mode_for
@@ -381,7 +382,7 @@ def spec_decode_fn(model, head, prompts: Sequence[list[int]], max_new_tokens: in
     longest = max(len(p) for p in prompts) + max_new_tokens + 2 * tree.num_draft_tokens + 64
     dec = SpecDecoder(model, head, tree, max_batch=batch_size,
                       max_seq_len=min(longest, model.config.max_position_embeddings),
-                      disable_by_batch_size=disable_by_batch_size)
+                      disable_by_batch_size=disable_by_batch_size, draft_ahead=draft_ahead)
     if compile_steps:
         dec.compile(compile_mode_for(model.embed_tokens.weight.device))
     total = SpecStats()
@@ -728,6 +729,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="torch.compile the decode step (plain) and the draft and verify steps "
                          "(speculative); compile time goes to warmup_s. "
                          "Default: on where it measured faster (see compile_default)")
+    sp.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=True,
+                    help="a greedy round drafts the next round's tree at its end, in the same call "
+                         "(the default, as the server runs); --no-draft-ahead drafts at each round's "
+                         "start, in a call of its own, timed apart (draft_ms)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="after the timed runs, profile one prompt (plain and speculative) with "
                          "torch.profiler: op tables and Chrome traces into DIR")
@@ -809,7 +814,8 @@ def main(argv: list[str] | None = None) -> dict:
             label = f"spec s{t.num_steps}k{t.eagle_topk}n{t.num_draft_tokens}"
             spec_runs.append(bench_spec(model, head, prompts, args.max_new_tokens, t, ignore_eos, params,
                                         compile_steps, name=label, batch_size=B,
-                                        disable_by_batch_size=args.speculative_disable_by_batch_size))
+                                        disable_by_batch_size=args.speculative_disable_by_batch_size,
+                                        draft_ahead=args.draft_ahead))
         results.append(spec_runs[0].result)
         for path in args.token_map_sweep or []:
             from eagle_train.tokenmap import load_token_map
@@ -818,7 +824,8 @@ def main(argv: list[str] | None = None) -> dict:
             head.set_token_map(ids)
             run = bench_spec(model, head, prompts, args.max_new_tokens, main_tree, ignore_eos, params,
                              compile_steps, name=f"map {Path(path).name}", batch_size=B,
-                             disable_by_batch_size=args.speculative_disable_by_batch_size)
+                             disable_by_batch_size=args.speculative_disable_by_batch_size,
+                             draft_ahead=args.draft_ahead)
             size = len(ids) if ids is not None else model.config.vocab_size
             fr_rows.append({"token_map": path, "size": size,
                             "lm_head_us": round(1e6 * time_draft_lm_head(head), 1), **run.to_json()})
@@ -857,6 +864,7 @@ def main(argv: list[str] | None = None) -> dict:
         "bf16_multiply": cpu_linears.bf16_multiply(model),
         "cpu_attention": "avx2" if avx2_attention.enabled() else "sdpa",
         "compiled": compile_steps,
+        "draft_ahead": args.draft_ahead,
         "warmup_s": {r.name: round(r.warmup_s, 3) for r in results},
         "methods": {r.name: r.to_json() for r in results},
     }
@@ -909,13 +917,17 @@ def main(argv: list[str] | None = None) -> dict:
                     else f" and each draft step {r['draft_step_vs_plain_step']}x")
             vs_step = (f"; verify = {r['verify_vs_plain_step']}x{each} a plain step "
                        f"(plain TPOT {r['plain_step_ms']} ms)")
+        # greedy rounds draft the next tree inside the verify's call: draft_ms is the rounds after a join
+        ahead = (" (with the catch-up and the next round's draft phase)"
+                 if args.draft_ahead and args.temperature == 0 else "")
         plain_rounds = ""
         if r["plain_rounds"]:
             plain_rounds = (f"; {r['plain_rounds']} plain rounds (more than "
                             f"{args.speculative_disable_by_batch_size} sequences running)")
         print(f"speculative: tau {r['acceptance_length']:.2f} over {r['rounds']} rounds{plain_rounds}, "
               f"{r['speedup_vs_plain']}x plain, {vs_hf}greedy identical: {r['greedy_identical']}, per round "
-              f"draft {r['draft_ms']} ms / verify {r['verify_ms']} ms / other {r['other_ms']} ms{vs_step}")
+              f"draft {r['draft_ms']} ms / verify {r['verify_ms']} ms{ahead} / other {r['other_ms']} ms"
+              f"{vs_step}")
         print(f"warm-up (compilation included, not in tokens/s): {report['warmup_s']} s")
         print("accept rate per position:", r["accept_rate_per_position"])
         agree = r["greedy_agreement_spec_vs_plain"]

@@ -832,7 +832,8 @@ def warm_up(dec: Any) -> list[int]:
     (tens of seconds a graph on a 2-core CPU), which would otherwise stall the first requests
     that reach it. Runs a 4-token prompt for two tokens at each bucket up to the decoder's
     max_bs, greedy and then sampled (a speculative decoder runs a greedy round's verify to
-    catch-up as one graph, a sampled round's verify and catch-up as two), then resets the
+    catch-up, and the next round's draft phase, as one graph, a sampled round's verify and
+    catch-up as two), then resets the
     statistics; at a batch that runs rounds without drafts, long enough for the head's deferred
     catch-up (max_pending + 2 tokens), whose graph is its own. Returns the batch sizes run."""
     from eagle_infer.generate import batch_bucket

@@ -11,8 +11,12 @@ A round (`SpecDecoder.step`), for all active rows at once:
     verify      -> one target forward over the tree, logits + features   1 target call
     accept      -> accepted path + bonus token (greedy or lossless rejection sampling)
     commit      -> keep the path's target KV; draft catch-up on the path  1 draft call
-Compiled, a greedy round is two graphs (the draft phase; verify to catch-up), a sampled one
-three (the draft phase; verify; catch-up), the sampled acceptance running eagerly between.
+A greedy round drafts the next round's tree at its end (draft ahead): the next root, its
+feature and log-probs are known there, so the head runs on weights the catch-up has just read
+and a round is one graph when compiled. A round whose rows lack a tree drafted ahead (a
+sequence just joined, or rounds without drafts or sampled ones came before) drafts first, in a
+graph of its own; a sampled round is three (the draft phase; verify; catch-up), the sampled
+acceptance running eagerly between.
 A round without drafts (more than disable_by_batch_size sequences running) is the target's step
 on each root alone, one graph; the draft catches up on such rounds' tokens later, in one call.
 A sequence that finishes leaves the batch: the last row moves into its place.
@@ -65,6 +69,7 @@ class Sequence_:
     tag: object = None  # caller's handle (the server's request)
     cached: int = 0  # tokens in the caches (L of its row), known on the host: no read to size a step
     pending: int = 0  # plain rounds whose pair the draft head has not caught up on yet
+    ahead: bool = False  # its row holds the next round's tree, drafted at the end of the last one
     # logprobs (the server's `logprobs`): None = not asked; k = per emitted token, its log-prob
     # under the raw target distribution and the k most likely alternatives. The decoders hand
     # emit() the target logits they already computed (set_logits); no extra forward.
@@ -108,7 +113,7 @@ class SpecStats:
     # a list of rounds, so a long-running server's stats stay a few integers.
     accepted_hist: list[int] = field(default_factory=list)
     draft_s: float = 0.0
-    verify_s: float = 0.0  # greedy rounds: verify, acceptance, commit and catch-up (one graph)
+    verify_s: float = 0.0  # greedy rounds: verify, acceptance, commit, catch-up, draft ahead (one graph)
     other_s: float = 0.0
     draft_calls: int = 0  # draft forwards timed in draft_s (a greedy round's catch-up is in verify_s)
     # rounds run without drafts (the batch over SpecDecoder's disable_by_batch_size): not in
@@ -242,8 +247,10 @@ def disable_by_batch_size_for(given: int | None, device_type: str, quantization:
 class SpecDecoder:
     def __init__(self, target: Transformer, head: DraftHead, tree: TreeConfig, max_batch: int = 1,
                  max_seq_len: int | None = None, static_kv: bool = False,
-                 disable_by_batch_size: int | None = None):
-        """disable_by_batch_size (vLLM's name): while more sequences than this are running, rounds
+                 disable_by_batch_size: int | None = None, draft_ahead: bool = True):
+        """draft_ahead: a greedy round drafts the next round's tree at its end (module docstring);
+        False drafts at the start of each round, in a call of its own.
+        disable_by_batch_size (vLLM's name): while more sequences than this are running, rounds
         verify only each sequence's root (no drafts): a plain decode step whose tokens the draft
         head catches up on later, in one forward over up to max_pending of them, so speculation
         resumes when the batch shrinks. On a 2-core CPU a batch's trees make the verify
@@ -282,15 +289,23 @@ class SpecDecoder:
         self.pending_feats = torch.zeros(max_batch, self.max_pending, h, dtype=head.weight_like.dtype,
                                          device=dev)
         self.pending_n = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        # The next round's tree, drafted ahead by a greedy round (Sequence_.ahead says whose is ready).
+        self.draft_ahead = draft_ahead
+        N = tree.num_draft_tokens
+        self.ahead_tree = DraftTree(torch.zeros(max_batch, N, dtype=torch.long, device=dev),
+                                    torch.zeros(max_batch, N, dtype=torch.long, device=dev),
+                                    torch.zeros(max_batch, N, dtype=torch.long, device=dev),
+                                    torch.zeros(max_batch, N, N, dtype=torch.bool, device=dev))
         per_row = [self.L, self.root, self.root_g, self.root_logp, self.pending_tokens, self.pending_feats,
-                   self.pending_n]
+                   self.pending_n, *vars(self.ahead_tree).values()]
         self.rows = RowTable(max_batch, [target, head], per_row)
         self.seqs = self.rows.seqs
         self.cancel = self.rows.cancel
         self.stats = SpecStats()
         self.draft_fn = self._draft_step  # one draft forward; inside the tree's growth
         self.draft_tree_fn = self._draft_tree
-        self.greedy_round_fn = self._verify_commit_greedy  # greedy rounds
+        self._greedy_round = self._greedy_round_ahead if draft_ahead else self._verify_commit_greedy
+        self.greedy_round_fn = self._greedy_round
         self.plain_round_fn = self._plain_round_greedy  # greedy rounds without drafts
         self.verify_fn = self._verify  # sampled rounds: verify, then the catch-up
         self.catch_up_fn = self._catch_up
@@ -354,6 +369,17 @@ class SpecDecoder:
         g_last, logp = self._catch_up(next_tokens, feats, pos, catch_mask, acc.n_accepted + 1)
         return logits, acc.path, acc.n_accepted, acc.bonus, path_tokens, g_last, logp
 
+    def _greedy_round_ahead(self, tokens: Tensor, parent: Tensor, depth: Tensor, tree_mask: Tensor,
+                            L: Tensor, kv_ref: Tensor) -> tuple[Tensor, ...]:
+        """_verify_commit_greedy, then the next round's draft phase from its root (the bonus) at
+        L + n + 1, in the same graph when compiled: the head's weights are still in the caches
+        from the catch-up (a draft phase of its own ran ~0.4 ms slower after a round than at
+        once again), and a round is one call. kv_ref covers the next tree's draft slots too.
+        Returns _verify_commit_greedy's tensors, then the next tree's (_draft_tree)."""
+        out = self._verify_commit_greedy(tokens, parent, depth, tree_mask, L, kv_ref)
+        _, _, n, bonus, _, g_last, logp = out
+        return *out, *self._draft_tree(bonus, logp, g_last, L + n + 1, kv_ref)
+
     def _plain_round_greedy(self, tokens: Tensor, L: Tensor, kv_ref: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """A greedy round without drafts: the target's step on each root tokens [B, 1] at slot L,
         one graph when compiled. Returns its logits [B, 1, V], the next token [B] (accept_greedy's
@@ -375,7 +401,8 @@ class SpecDecoder:
 
     def compile(self, mode: str | None = None, max_bs: int | None = None) -> SpecDecoder:
         """torch.compile the draft phase (its num_steps - 1 draft forwards and the tree's
-        construction: _draft_tree), a greedy round's rest (_verify_commit_greedy), and a sampled
+        construction: _draft_tree), a greedy round's rest (_verify_commit_greedy, or
+        _greedy_round_ahead with the next round's draft phase), and a sampled
         round's verify and catch-up steps, each lazily, with full graphs: the batch in
         buckets of 1, 2, 4, 8, then multiples of 8 (BucketedStep; a bucket over max_bs, default
         the bucket of max_batch, runs eagerly). On CPU Inductor traces the kv length as a symbol
@@ -396,7 +423,7 @@ class SpecDecoder:
         self.draft_tree_fn, self.greedy_round_fn, self.verify_fn, self.catch_up_fn, self.plain_round_fn = (
             BucketedStep(f, compile_step(f, mode, inductor, options), max_bs, clone=graphs, mask_arg=arg,
                          max_kv=self.max_seq_len)
-            for f, arg in ((self._draft_tree, 4), (self._verify_commit_greedy, 5), (self._verify, 3),
+            for f, arg in ((self._draft_tree, 4), (self._greedy_round, 5), (self._verify, 3),
                            (self._catch_up, 3), (self._plain_round_greedy, 2)))
         return self
 
@@ -481,21 +508,30 @@ class SpecDecoder:
         N = cfg.num_draft_tokens  # tree nodes
         depth = min(cfg.num_steps, N - 1)  # the deepest node; catch-up pairs: its path + the bonus
         T = depth + 1
-        t0 = time.perf_counter()
-        with record_function("spec.draft_tree"):
-            kv_ref = torch.empty(B, self.kv_len(L_max + cfg.num_steps * cfg.eagle_topk), dtype=torch.bool,
-                                 device=dev)
-            tree = DraftTree(*self.draft_tree_fn(self.root[:B], self.root_logp[:B], self.root_g[:B], L,
-                                                 kv_ref))
-        t1 = time.perf_counter()
-        kv = self.kv_len(L_max + max(N, T))  # verify's and catch-up's
+        drafted = cfg.num_steps * cfg.eagle_topk  # draft cache slots a draft phase writes past L
         params = [s.params for s in self.seqs]
         greedy = all(p.greedy for p in params)
+        ahead = greedy and self.draft_ahead
+        t0 = time.perf_counter()
+        if ahead and all(s.ahead for s in self.seqs):
+            tree = DraftTree(*(t[:B] for t in vars(self.ahead_tree).values()))
+            drafts = 0
+        else:
+            with record_function("spec.draft_tree"):
+                kv_ref = torch.empty(B, self.kv_len(L_max + drafted), dtype=torch.bool, device=dev)
+                tree = DraftTree(*self.draft_tree_fn(self.root[:B], self.root_logp[:B], self.root_g[:B], L,
+                                                     kv_ref))
+            drafts = cfg.num_steps - 1
+        t1 = time.perf_counter()
+        # verify's and catch-up's kv, and the next round's draft phase's (from L + n + 1 <= L + T)
+        kv = self.kv_len(L_max + max(N, T + drafted if ahead else T))
         if greedy:
             with record_function("spec.verify_commit_greedy"):
                 kv_ref = torch.empty(B, kv, dtype=torch.bool, device=dev)
-                logits, path, n, bonus, path_tokens, g_last, logp = self.greedy_round_fn(
+                logits, path, n, bonus, path_tokens, g_last, logp, *next_tree = self.greedy_round_fn(
                     tree.tokens, tree.parent, tree.depth, tree.mask, L, kv_ref)
+                for dst, src in zip(vars(self.ahead_tree).values(), next_tree):
+                    dst[:B] = src
             t2 = t3 = t4 = time.perf_counter()
         else:
             mask = build_attn_mask(L, tree.mask, kv)
@@ -520,6 +556,7 @@ class SpecDecoder:
         for b, (seq, row) in enumerate(zip(self.seqs, rows)):
             k = row[-1]
             seq.cached += k + 1
+            seq.ahead = ahead
             seq.accepted.append(k)
             self.stats.record(k)
             seq.set_logits(logits[b, path[b, :k + 1]])  # logprobs: verify logits in front of each token
@@ -530,7 +567,7 @@ class SpecDecoder:
         self.stats.draft_s += (t1 - t0) + (t4 - t3)
         self.stats.verify_s += t2 - t1
         self.stats.other_s += (t3 - t2) + (t5 - t4)
-        self.stats.draft_calls += cfg.num_steps - greedy  # a greedy round's catch-up is in verify_s
+        self.stats.draft_calls += drafts + (not greedy)  # a greedy round's catch-up, draft ahead: verify_s
         return results
 
     def _plain_round(self, B: int) -> list[tuple[Sequence_, list[int]]]:
@@ -563,6 +600,7 @@ class SpecDecoder:
         for b, (seq, token) in enumerate(zip(self.seqs, bonus.tolist())):  # the round's one host read
             seq.cached += 1
             seq.pending += 1
+            seq.ahead = False
             seq.set_logits(logits[b, :1])
             results.append((seq, seq.emit([token])))
         self.stats.plain_rounds += 1

@@ -22,7 +22,12 @@ EAGLE_FUSED_LAYERS=0 for that load).
     python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16 avx512_bf16:pylayers --tree 2 4 4
 
 `--also-trees` times more trees after `--tree` in every round, on the same model (one backend
-suffices to compare trees).
+suffices to compare trees). `--also-separate` times each tree once more drafting at every
+round's start in a call of its own (SpecDecoder's draft_ahead=False) rather than at the end of
+the round before. Within a backend's round the methods (plain, each tree) take turns prompt by
+prompt, in alternating order (bench.time_interleaved), so the VM's drift weighs on all alike.
+
+    python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16 --tree 2 4 4 --also-separate
 """
 
 from __future__ import annotations
@@ -37,7 +42,14 @@ import torch
 
 import eagle_infer.generate
 import eagle_infer.speculative
-from eagle_infer.bench import bench_plain, bench_spec, load_prompts, machine_info
+from eagle_infer.bench import (
+    load_prompts,
+    machine_info,
+    plain_decode_fn,
+    spec_decode_fn,
+    time_interleaved,
+    warm_up,
+)
 from eagle_infer.default_model import default_head_path
 from eagle_infer.heads import load_head_for
 from eagle_infer.kernels import avx2_attention, bf16_linear, decoder_layers
@@ -57,7 +69,8 @@ def with_fresh_code(cls: type, names: list[str]) -> type:
 
 ORIGINAL = (eagle_infer.generate.CompiledDecode, eagle_infer.speculative.SpecDecoder,
             eagle_infer.generate.step_options)
-STEPS = ["_draft_tree", "_verify_commit_greedy", "_verify", "_catch_up"]  # what SpecDecoder.compile compiles
+STEPS = ["_draft_tree", "_verify_commit_greedy", "_greedy_round_ahead", "_verify", "_catch_up",
+         "_plain_round_greedy"]  # what SpecDecoder.compile compiles
 
 
 def python_wrapper(*args) -> dict | None:
@@ -97,6 +110,9 @@ def main() -> None:
     ap.add_argument("--tree", type=int, nargs=3, default=[3, 4, 4], metavar=("STEPS", "TOPK", "TOKENS"))
     ap.add_argument("--also-trees", type=int, nargs="*", default=[], metavar="STEPS TOPK TOKENS",
                     help="more trees (three numbers each) timed after --tree in every round")
+    ap.add_argument("--also-separate", action="store_true",
+                    help="also time every tree with its draft phase at each round's start "
+                         "(draft_ahead=False), named 'S/K/N separate'")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--json")
@@ -107,7 +123,10 @@ def main() -> None:
     tree = TreeConfig(*args.tree)
     if len(args.also_trees) % 3:
         ap.error("--also-trees takes three numbers a tree")
-    also = {"/".join(map(str, t)): TreeConfig(*t) for t in zip(*[iter(args.also_trees)] * 3)}
+    also = {"/".join(map(str, t)): (TreeConfig(*t), True) for t in zip(*[iter(args.also_trees)] * 3)}
+    if args.also_separate:
+        also.update({f"{name} separate": (t, False)
+                     for name, (t, _) in [("/".join(map(str, args.tree)), (tree, True)), *also.items()]})
     runs = {}
     for b in args.backends:  # load, compile and warm every backend first
         backend, *off = b.split(":")
@@ -125,15 +144,17 @@ def main() -> None:
             use_wrapper(wrapper)
             head = load_head_for(default_head_path("eagle3"), model)
         # the longest prompt at full length: the cache (and its graphs) at the rounds' size
-        longest = [max(prompts, key=len)]
-        plain = bench_plain(model, longest, args.max_new_tokens, compile_steps=True)
-        spec = bench_spec(model, head, longest, args.max_new_tokens, tree, compile_steps=True)
-        for t in also.values():
-            bench_spec(model, head, longest, args.max_new_tokens, t, compile_steps=True)
+        # one decode function per method, each warmed up (compiled) on the shortest and the longest
+        # prompt; a round times them prompt by prompt in alternating order (time_interleaved)
+        fns = {"plain": plain_decode_fn(model, args.max_new_tokens, compile_steps=True)}
+        stats = {}
+        for name, (t, ahead) in [("spec", (tree, True)), *also.items()]:
+            fns[name], stats[name], _ = spec_decode_fn(model, head, prompts, args.max_new_tokens, t,
+                                                       compile_steps=True, draft_ahead=ahead)
+        warmup_s = {name: round(warm_up(fn, prompts), 2) for name, fn in fns.items()}
         runs[b] = {"also": {name: {"spec": [], "tau": None} for name in also},
-                   "model": model, "head": head, "attention": attention, "wrapper": wrapper, "dot": dot,
-                   "quantization": quantization,
-                   "warmup_s": {"plain": plain.warmup_s, "spec": spec.result.warmup_s},
+                   "fns": fns, "stats": stats, "model": model, "attention": attention, "wrapper": wrapper,
+                   "dot": dot, "quantization": quantization, "warmup_s": warmup_s,
                    "plain": [], "spec": [], "tau": None}
         print(f"{b}: warm-up {runs[b]['warmup_s']}", flush=True)
     want: dict[str, list] = {}  # each run's tokens, for its next rounds
@@ -141,27 +162,27 @@ def main() -> None:
         for b, run in runs.items():
             avx2_attention.enable(run["attention"])
             use_wrapper(run["wrapper"])
-            p = bench_plain(run["model"], prompts, args.max_new_tokens, compile_steps=True)
-            s = bench_spec(run["model"], run["head"], prompts, args.max_new_tokens, tree, compile_steps=True)
+            for st in run["stats"].values():
+                st.__init__()
+            res = time_interleaved(run["fns"], prompts)
+            p, s = res["plain"], res["spec"]
             run["plain"].append(p.tokens_per_s)
-            run["spec"].append(s.result.tokens_per_s)
-            run["tau"] = round(s.stats.acceptance_length(), 3)
+            run["spec"].append(s.tokens_per_s)
+            run["tau"] = round(run["stats"]["spec"].acceptance_length(), 3)
             # fp32: every backend's tokens, plain and speculative, are the first plain run's; bf16
             # rounds differently per kernel and per row count, so each run keeps its own tokens
             if args.dtype == "fp32":
                 want.setdefault("plain", p.outputs)
-                assert p.outputs == want["plain"] and s.result.outputs == want["plain"], b
+                assert p.outputs == want["plain"] and s.outputs == want["plain"], b
             else:
                 assert want.setdefault(b, p.outputs) == p.outputs, b
-                assert want.setdefault(b + " spec", s.result.outputs) == s.result.outputs, b
-            line = (f"round {r} {b}: plain {p.tokens_per_s:.1f} tok/s, spec {s.result.tokens_per_s:.1f} "
+                assert want.setdefault(b + " spec", s.outputs) == s.outputs, b
+            line = (f"round {r} {b}: plain {p.tokens_per_s:.1f} tok/s, spec {s.tokens_per_s:.1f} "
                     f"(tau {run['tau']})")
-            for name, t in also.items():
-                st = bench_spec(run["model"], run["head"], prompts, args.max_new_tokens, t,
-                                compile_steps=True)
-                run["also"][name]["spec"].append(st.result.tokens_per_s)
-                run["also"][name]["tau"] = round(st.stats.acceptance_length(), 3)
-                line += f", {name} {st.result.tokens_per_s:.1f} (tau {run['also'][name]['tau']})"
+            for name in also:
+                run["also"][name]["spec"].append(res[name].tokens_per_s)
+                run["also"][name]["tau"] = round(run["stats"][name].acceptance_length(), 3)
+                line += f", {name} {res[name].tokens_per_s:.1f} (tau {run['also'][name]['tau']})"
             print(line, flush=True)
     out = {"machine": machine_info(args.dtype, "cpu"), "prompts": args.num_prompts,
            "max_new_tokens": args.max_new_tokens, "tree": args.tree, "rounds": args.rounds, "backends": {}}

@@ -215,6 +215,49 @@ def test_tree_config_refuses_impossible_sizes():
         TreeConfig(num_steps=0)
 
 
+@pytest.mark.parametrize("tree", [TreeConfig(3, 2, 6), TreeConfig(1, 4, 3)], ids=["s3k2n6", "s1k4n3"])
+def test_draft_ahead_equals_drafting_at_each_rounds_start(tree):
+    """A greedy round drafts the next round's tree in its own call (draft ahead): the same trees as
+    a draft phase at each round's start, so the same tokens and acceptance, with sequences joining
+    between rounds, finishing (their rows move) and a sampled one making rounds draft at their
+    start again. Only rounds after a join or a sampled round run a draft phase of their own."""
+    target = tiny_target(layers=1, silent=True)
+    head = oracle_head(target, noise=0.5)  # accepts some drafts: a stale or misplaced tree would show
+    prompts = prompts_for(target.config.vocab_size)
+    lengths = [3, 30, 9, 21]
+    from eagle_infer.speculative import Sequence_
+
+    runs = {}
+    for ahead in (True, False):
+        dec = SpecDecoder(target, head, tree, max_batch=4, max_seq_len=256, draft_ahead=ahead)
+        phases = []
+
+        def counted(*a, dec=dec, phases=phases, draft_phase=dec.draft_tree_fn):
+            phases.append(len(dec.seqs))
+            return draft_phase(*a)
+        dec.draft_tree_fn = counted
+        sampled = SamplingParams(temperature=1.0, seed=7)
+        seqs = [Sequence_(p, SamplingParams(), n, set()) for p, n in zip(prompts, lengths)]
+        seqs.append(Sequence_(prompts[0], sampled, 4, set()))
+        dec.add_many(seqs[:2])
+        rounds = 0
+        while dec.seqs:
+            if rounds == 2:
+                dec.add_many(seqs[2:4])  # join between rounds
+            if rounds == 12:
+                dec.add(seqs[4])  # a sampled sequence: rounds draft at their start while it runs
+            dec.step()
+            rounds += 1
+        runs[ahead] = [s.output for s in seqs], dec.stats.accepted_hist, rounds, phases
+    (out, hist, rounds, phases), (out_sep, hist_sep, rounds_sep, phases_sep) = runs[True], runs[False]
+    plain = [generate(target, [p], n)[0] for p, n in zip(prompts, lengths)]
+    assert out[:4] == out_sep[:4] == plain
+    assert out[4] == out_sep[4] and len(out[4]) == 4  # the sampled sequence draws the same (seeded)
+    assert hist == hist_sep and rounds == rounds_sep
+    assert len(phases_sep) == rounds
+    assert 3 <= len(phases) < rounds / 2  # first round, after the join, during and after the sampled one
+
+
 def test_large_batches_run_plain_rounds_and_stay_identical():
     """Over disable_by_batch_size running sequences a round verifies only each root (no drafts):
     the output is still plain decoding's, the head's cache keeps up (speculation resumes as the
