@@ -11,12 +11,13 @@ A round (`SpecDecoder.step`), for all active rows at once:
     verify      -> one target forward over the tree, logits + features   1 target call
     accept      -> accepted path + bonus token (greedy or lossless rejection sampling)
     commit      -> keep the path's target KV; draft catch-up on the path  1 draft call
-A greedy round drafts the next round's tree at its end (draft ahead): the next root, its
-feature and log-probs are known there, so the head runs on weights the catch-up has just read
-and a round is one graph when compiled. A round whose rows lack a tree drafted ahead (a
-sequence just joined, or rounds without drafts or sampled ones came before) drafts first, in a
-graph of its own; a sampled round is three (the draft phase; verify; catch-up), the sampled
-acceptance running eagerly between.
+A round drafts the next round's tree at its end (draft ahead): the next root, its feature and
+log-probs are known there, so the head runs on weights the catch-up has just read. Compiled, a
+greedy round is one graph (verify to the next draft phase), a sampled one two (the verify; the
+walk, commit, catch-up and next draft phase), the target's sampling distributions and each
+row's uniforms (its own generator) made eagerly between. A round whose rows lack a tree drafted
+ahead (a sequence just joined, or rounds without drafts came before) drafts first, in a graph
+of its own.
 A round without drafts (more than disable_by_batch_size sequences running) is the target's step
 on each root alone, one graph; the draft catches up on such rounds' tokens later, in one call.
 A sequence that finishes leaves the batch: the last row moves into its place.
@@ -47,9 +48,20 @@ from eagle_infer.generate import (
     prefill,
 )
 from eagle_infer.heads import DraftHead
+from eagle_infer.kernels.tree_accept import kernel_available
 from eagle_infer.model import Transformer, build_attn_mask, causal_mask
 from eagle_infer.sampling import SamplingParams, next_token
-from eagle_infer.tree import Acceptance, DraftTree, TreeConfig, accept_greedy, accept_sampling, draft_tree
+from eagle_infer.tree import (
+    Acceptance,
+    DraftTree,
+    TreeConfig,
+    accept_greedy,
+    accept_sampling,
+    draft_tree,
+    sampling_probs,
+    sampling_uniforms,
+    walk_sampling,
+)
 
 
 @dataclass
@@ -113,9 +125,9 @@ class SpecStats:
     # a list of rounds, so a long-running server's stats stay a few integers.
     accepted_hist: list[int] = field(default_factory=list)
     draft_s: float = 0.0
-    verify_s: float = 0.0  # greedy rounds: verify, acceptance, commit, catch-up, draft ahead (one graph)
+    verify_s: float = 0.0  # verify and the graphs after it: acceptance, commit, catch-up, draft ahead
     other_s: float = 0.0
-    draft_calls: int = 0  # draft forwards timed in draft_s (a greedy round's catch-up is in verify_s)
+    draft_calls: int = 0  # draft forwards timed in draft_s (a round's catch-up is in verify_s)
     # rounds run without drafts (the batch over SpecDecoder's disable_by_batch_size): not in
     # accepted_hist, so tau stays the head's
     plain_rounds: int = 0
@@ -307,8 +319,10 @@ class SpecDecoder:
         self._greedy_round = self._greedy_round_ahead if draft_ahead else self._verify_commit_greedy
         self.greedy_round_fn = self._greedy_round
         self.plain_round_fn = self._plain_round_greedy  # greedy rounds without drafts
-        self.verify_fn = self._verify  # sampled rounds: verify, then the catch-up
-        self.catch_up_fn = self._catch_up
+        self.verify_fn = self._verify  # sampled rounds: verify, then the rest (sampled_tail_fn)
+        self._sampled_tail = self._sampled_tail_ahead if draft_ahead else self._sampled_tail_only
+        self.sampled_tail_fn = self._sampled_tail
+        self.catch_up_fn = self._catch_up  # the catch-up after rounds without drafts
 
     # -- the fixed-shape steps (what torch.compile / CUDA graphs capture) ---------------------
 
@@ -380,6 +394,27 @@ class SpecDecoder:
         _, _, n, bonus, _, g_last, logp = out
         return *out, *self._draft_tree(bonus, logp, g_last, L + n + 1, kv_ref)
 
+    def _sampled_tail_only(self, tokens: Tensor, parent: Tensor, depth: Tensor, tree_mask: Tensor, L: Tensor,
+                           kv_ref: Tensor, probs: Tensor, u: Tensor, *hidden: Tensor) -> tuple[Tensor, ...]:
+        """A sampled round after its verify: the rejection-sampling walk over the target's
+        distributions probs [B, N, V] with the uniforms u (tree.sampling_uniforms), commit and
+        the draft's catch-up, one graph when compiled. hidden: the verify's states (target_layers).
+        Returns (path [B, D+1], n [B], bonus [B], path tokens [B, D+1], the next root's draft
+        feature [B, h] and log-probs [B, V'])."""
+        tree = DraftTree(tokens, parent, depth, tree_mask)
+        acc = walk_sampling(tree, probs, u, min(self.tree.num_steps, tokens.shape[1] - 1))
+        next_tokens, feats, path_tokens = self._commit(tokens, acc, hidden, L)
+        pos, catch_mask = self._catch_up_inputs(L, next_tokens.shape[1], kv_ref.shape[-1])
+        g_last, logp = self._catch_up(next_tokens, feats, pos, catch_mask, acc.n_accepted + 1)
+        return acc.path, acc.n_accepted, acc.bonus, path_tokens, g_last, logp
+
+    def _sampled_tail_ahead(self, tokens: Tensor, parent: Tensor, depth: Tensor, tree_mask: Tensor, L: Tensor,
+                            kv_ref: Tensor, probs: Tensor, u: Tensor, *hidden: Tensor) -> tuple[Tensor, ...]:
+        """_sampled_tail_only, then the next round's draft phase (as _greedy_round_ahead)."""
+        out = self._sampled_tail_only(tokens, parent, depth, tree_mask, L, kv_ref, probs, u, *hidden)
+        _, n, bonus, _, g_last, logp = out
+        return *out, *self._draft_tree(bonus, logp, g_last, L + n + 1, kv_ref)
+
     def _plain_round_greedy(self, tokens: Tensor, L: Tensor, kv_ref: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """A greedy round without drafts: the target's step on each root tokens [B, 1] at slot L,
         one graph when compiled. Returns its logits [B, 1, V], the next token [B] (accept_greedy's
@@ -402,8 +437,9 @@ class SpecDecoder:
     def compile(self, mode: str | None = None, max_bs: int | None = None) -> SpecDecoder:
         """torch.compile the draft phase (its num_steps - 1 draft forwards and the tree's
         construction: _draft_tree), a greedy round's rest (_verify_commit_greedy, or
-        _greedy_round_ahead with the next round's draft phase), and a sampled
-        round's verify and catch-up steps, each lazily, with full graphs: the batch in
+        _greedy_round_ahead with the next round's draft phase), a sampled round's verify and its
+        rest (_sampled_tail_only or _sampled_tail_ahead), and the catch-up after rounds without
+        drafts, each lazily, with full graphs: the batch in
         buckets of 1, 2, 4, 8, then multiples of 8 (BucketedStep; a bucket over max_bs, default
         the bucket of max_batch, runs eagerly). On CPU Inductor traces the kv length as a symbol
         (one graph per batch bucket); on CUDA, mode="reduce-overhead" (compile_mode_for) compiles
@@ -420,11 +456,12 @@ class SpecDecoder:
         inductor = compile_settings(self.target, self.head)
         options = step_options(self.target, inductor, mode)
         # Argument mask_arg of each step carries the kv length (a mask, or a kv_ref whose length it is).
-        self.draft_tree_fn, self.greedy_round_fn, self.verify_fn, self.catch_up_fn, self.plain_round_fn = (
+        (self.draft_tree_fn, self.greedy_round_fn, self.verify_fn, self.sampled_tail_fn, self.catch_up_fn,
+         self.plain_round_fn) = (
             BucketedStep(f, compile_step(f, mode, inductor, options), max_bs, clone=graphs, mask_arg=arg,
                          max_kv=self.max_seq_len)
             for f, arg in ((self._draft_tree, 4), (self._greedy_round, 5), (self._verify, 3),
-                           (self._catch_up, 3), (self._plain_round_greedy, 2)))
+                           (self._sampled_tail, 5), (self._catch_up, 3), (self._plain_round_greedy, 2)))
         return self
 
     def kv_len(self, needed: int) -> int:
@@ -511,7 +548,7 @@ class SpecDecoder:
         drafted = cfg.num_steps * cfg.eagle_topk  # draft cache slots a draft phase writes past L
         params = [s.params for s in self.seqs]
         greedy = all(p.greedy for p in params)
-        ahead = greedy and self.draft_ahead
+        ahead = self.draft_ahead
         t0 = time.perf_counter()
         if ahead and all(s.ahead for s in self.seqs):
             tree = DraftTree(*(t[:B] for t in vars(self.ahead_tree).values()))
@@ -530,8 +567,6 @@ class SpecDecoder:
                 kv_ref = torch.empty(B, kv, dtype=torch.bool, device=dev)
                 logits, path, n, bonus, path_tokens, g_last, logp, *next_tree = self.greedy_round_fn(
                     tree.tokens, tree.parent, tree.depth, tree.mask, L, kv_ref)
-                for dst, src in zip(vars(self.ahead_tree).values(), next_tree):
-                    dst[:B] = src
             t2 = t3 = t4 = time.perf_counter()
         else:
             mask = build_attn_mask(L, tree.mask, kv)
@@ -539,14 +574,19 @@ class SpecDecoder:
                 pos, slots = L[:, None] + tree.depth, L[:, None] + torch.arange(N, device=dev)[None]
                 logits, hidden = self.verify_fn(tree.tokens, pos, slots, mask)
             t2 = time.perf_counter()
-            with record_function("spec.accept_commit"):
-                acc = accept_sampling(tree, logits, params, [s.generator for s in self.seqs], depth)
-                path, n, bonus = acc.path, acc.n_accepted, acc.bonus
-                next_tokens, feats, path_tokens = self._commit(tree.tokens, acc, hidden, L)
+            with record_function("spec.sampling_inputs"):  # eager: per-request settings, generators
+                probs = sampling_probs(logits, params)
+                # compiled, the walk is traced as torch ops (its graph), so draw for those
+                u = sampling_uniforms([s.generator for s in self.seqs], depth, N, probs,
+                                      fused=kernel_available(probs) and not self.compiled)
             t3 = time.perf_counter()
-            with record_function("spec.catch_up"):
-                g_last, logp = self.catch_up_fn(next_tokens, feats, *self._catch_up_inputs(L, T, kv), n + 1)
+            with record_function("spec.accept_commit_catch_up"):
+                kv_ref = torch.empty(B, kv, dtype=torch.bool, device=dev)
+                path, n, bonus, path_tokens, g_last, logp, *next_tree = self.sampled_tail_fn(
+                    tree.tokens, tree.parent, tree.depth, tree.mask, L, kv_ref, probs, u, *hidden)
             t4 = time.perf_counter()
+        for dst, src in zip(vars(self.ahead_tree).values(), next_tree):
+            dst[:B] = src
         self.root_g[:B], self.root_logp[:B] = g_last, logp
         self.L[:B] = L + n + 1
         self.root[:B] = bonus
@@ -564,10 +604,10 @@ class SpecDecoder:
         self.rows.drop_finished()
         t5 = time.perf_counter()
         self.stats.rounds += 1
-        self.stats.draft_s += (t1 - t0) + (t4 - t3)
-        self.stats.verify_s += t2 - t1
+        self.stats.draft_s += t1 - t0
+        self.stats.verify_s += (t2 - t1) + (t4 - t3)
         self.stats.other_s += (t3 - t2) + (t5 - t4)
-        self.stats.draft_calls += drafts + (not greedy)  # a greedy round's catch-up, draft ahead: verify_s
+        self.stats.draft_calls += drafts
         return results
 
     def _plain_round(self, B: int) -> list[tuple[Sequence_, list[int]]]:

@@ -214,31 +214,60 @@ def accept_greedy(tree: DraftTree, target_logits: Tensor, max_depth: int) -> Acc
 
 def accept_sampling(tree: DraftTree, target_logits: Tensor, params: Sequence[SamplingParams],
                     generators: Sequence[torch.Generator | None], max_depth: int) -> Acceptance:
-    """Lossless multi-draft rejection sampling (SpecInfer / EAGLE) with deterministic drafts.
+    """Lossless multi-draft rejection sampling (SpecInfer / EAGLE) with deterministic drafts:
+    the target's distributions (sampling_probs), each row's uniforms from its own generator
+    (sampling_uniforms), then the walk (walk_sampling), which a compiled round runs in its graph.
 
     At a node with target distribution p, try its children in order: accept child x with
     probability p(x); on rejection set p(x) = 0 and renormalise (the residual relu(p - q) for a
     one-hot q). If every child is rejected, the bonus token is drawn from what is left. Each
     emitted token is therefore distributed exactly as p, whatever the draft proposed.
-
-    On-device, all rows at once, no host reads: the chain of tries at a node is one vector test
-    (child r is accepted iff u_r * (1 - P_<r) < p(x_r), P_<r the mass of the children tried
-    before it: the renormalised test without dividing), walked once per depth. Greedy rows
-    (one-hot p) accept exactly what accept_greedy does.
     """
-    B, N = tree.tokens.shape
-    dev, V = tree.tokens.device, target_logits.shape[-1]
-    probs = torch.empty(B, N, V, dtype=torch.float32, device=dev)
-    by_setting: dict[tuple, list[int]] = {}  # one logits_to_probs per distinct setting
+    probs = sampling_probs(target_logits, params)
+    u = sampling_uniforms(generators, max_depth, tree.tokens.shape[1], probs)
+    return walk_sampling(tree, probs, u, max_depth)
+
+
+def sampling_probs(target_logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """Target logits [B, N, V] -> each row's sampling distribution [B, N, V] (fp32), one
+    logits_to_probs per distinct setting."""
+    B, N, V = target_logits.shape
+    probs = torch.empty(B, N, V, dtype=torch.float32, device=target_logits.device)
+    by_setting: dict[tuple, list[int]] = {}
     for b, p in enumerate(params):
         by_setting.setdefault((p.temperature, p.top_p, p.top_k), []).append(b)
     for (temp, top_p, top_k), rows in by_setting.items():
-        idx = torch.tensor(rows, device=dev)
+        if len(rows) == B:
+            return logits_to_probs(target_logits, temp, top_p, top_k)
+        idx = torch.tensor(rows, device=target_logits.device)
         probs[idx] = logits_to_probs(target_logits[idx], temp, top_p, top_k)
-    if kernel_available(probs):  # CUDA: walk + bonus draw in one Triton launch (eagle_infer/kernels)
-        # u[b, d, r]: child r's try at depth d, u[b, d, N - 1]: the bonus if the walk stops at d.
-        # N - 1 children per node bounds any tree (draft_tree's have <= eagle_topk).
-        u = torch.stack([torch.rand(max_depth + 1, N, generator=g, device=dev) for g in generators])
+    return probs
+
+
+def sampling_uniforms(generators: Sequence[torch.Generator | None], max_depth: int, N: int,
+                      probs: Tensor, fused: bool | None = None) -> Tensor:
+    """The walk's uniforms, each row's from its own generator (as if sampled alone): [B,
+    (max_depth + 1) * N + 1] for the torch walk (one per depth and child rank, then the bonus), [B,
+    max_depth + 1, N] for the CUDA kernel (u[b, d, N - 1]: the bonus if the walk stops at d; N - 1
+    children per node bound any tree). fused: whether the walk will run the kernel (default:
+    kernel_available; a compiled graph traces the torch walk instead). walk_sampling reads the
+    layout."""
+    dev = probs.device
+    if kernel_available(probs) if fused is None else fused:
+        return torch.stack([torch.rand(max_depth + 1, N, generator=g, device=dev) for g in generators])
+    return torch.stack([torch.rand((max_depth + 1) * N + 1, generator=g, device=dev) for g in generators])
+
+
+def walk_sampling(tree: DraftTree, probs: Tensor, u: Tensor, max_depth: int) -> Acceptance:
+    """accept_sampling's walk over the tree given the target's distributions probs [B, N, V] and
+    the uniforms u (sampling_uniforms: the kernel's layout runs the kernel, the other the torch
+    walk). On-device, all rows at once, no host reads: the chain of
+    tries at a node is one vector test (child r is accepted iff u_r * (1 - P_<r) < p(x_r), P_<r
+    the mass of the children tried before it: the renormalised test without dividing), walked
+    once per depth. Greedy rows (one-hot p) accept exactly what accept_greedy does."""
+    B, N = tree.tokens.shape
+    dev, V = tree.tokens.device, probs.shape[-1]
+    if u.dim() == 3:  # CUDA: walk + bonus draw in one Triton launch (eagle_infer/kernels)
         return Acceptance(*fused_accept_sampling(tree.tokens, tree.parent, probs, u))
     # children[b, j, r]: node j's r-th child in node order, else N (a dummy node).
     nodes = torch.arange(N, device=dev)
@@ -247,8 +276,6 @@ def accept_sampling(tree: DraftTree, target_logits: Tensor, params: Sequence[Sam
     children = torch.full((B, N + 1, N), N, dtype=torch.long, device=dev)
     children[:, :N].scatter_(2, torch.where(is_child, rank, N - 1), torch.where(is_child, nodes, N))
     tokens = torch.cat([tree.tokens, torch.full((B, 1), V, dtype=torch.long, device=dev)], 1)  # dummy: V
-    # One uniform per (depth, child rank) and one for the bonus, from each row's own generator.
-    u = torch.stack([torch.rand((max_depth + 1) * N + 1, generator=g, device=dev) for g in generators])
     node = torch.zeros(B, dtype=torch.long, device=dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     rows = torch.arange(B, device=dev)

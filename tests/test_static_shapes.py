@@ -61,9 +61,10 @@ def test_compiled_steps_fullgraph_cpu_exact():
 
 
 def test_compiled_sampled_rounds_match_eager():
-    """Sampled rounds run the compiled verify and catch-up with the acceptance eagerly between
-    (greedy rounds run verify..catch-up as one graph): seeded, a compiled decoder draws the same
-    tokens as an eager one, a batch mixing a greedy and a sampled row included."""
+    """Sampled rounds run the compiled verify, then the walk, commit, catch-up and next draft
+    phase as a second graph, the sampling distributions and uniforms made eagerly between (greedy
+    rounds run as one graph): seeded, a compiled decoder draws the same tokens as an eager one, a
+    batch mixing a greedy and a sampled row included."""
     target, head = tiny_pair()
     prompts = prompts_for(target.config.vocab_size, lens=(5, 9))
     params = [SamplingParams(temperature=0.8, seed=1), SamplingParams()]
@@ -209,8 +210,8 @@ def test_server_decoders_replay_cuda_graphs_at_batch_buckets_exact():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_replay_exact():
-    """Speculative decoding with the draft phase and the rest of a greedy round (verify to
-    catch-up) replayed from CUDA graphs: the same
+    """Speculative decoding with the draft phase and greedy rounds (verify to the next round's
+    draft phase) replayed from CUDA graphs: the same
     tokens as eager plain decoding, and the second call launches graphs, not kernels one by one
     (the first records them: cudagraph trees run a new shape once eagerly, then record)."""
     from torch._dynamo.utils import counters
@@ -231,7 +232,8 @@ def test_cuda_graph_replay_exact():
         lambda: runs.append(generate_speculative(target, head, prompts, 24, tree=tree, decoder=dec)))
     (out, stats), = runs
     assert out == ref
-    assert launches >= 2 * stats.rounds, (launches, stats.rounds)  # 2 graphs a greedy round
+    # a graph a greedy round (the next round's draft phase in it), two in the first round
+    assert launches >= stats.rounds + 1, (launches, stats.rounds)
 
 
 @pytest.mark.cuda
