@@ -913,7 +913,8 @@ def main(argv: list[str] | None = None) -> dict:
         vs_hf = "" if r["speedup_vs_hf"] is None else f"{r['speedup_vs_hf']}x transformers, "
         vs_step = ""
         if "plain_step_ms" in r:
-            each = ("" if r["draft_step_vs_plain_step"] is None
+            # with draft ahead, draft steps apart are only a sequence's first round's (after its prefill)
+            each = ("" if r["draft_step_vs_plain_step"] is None or args.draft_ahead
                     else f" and each draft step {r['draft_step_vs_plain_step']}x")
             vs_step = (f"; verify = {r['verify_vs_plain_step']}x{each} a plain step "
                        f"(plain TPOT {r['plain_step_ms']} ms)")
