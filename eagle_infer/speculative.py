@@ -260,7 +260,7 @@ class SpecDecoder:
     def __init__(self, target: Transformer, head: DraftHead, tree: TreeConfig, max_batch: int = 1,
                  max_seq_len: int | None = None, static_kv: bool = False,
                  disable_by_batch_size: int | None = None, draft_ahead: bool = True):
-        """draft_ahead: a greedy round drafts the next round's tree at its end (module docstring);
+        """draft_ahead: a round drafts the next round's tree at its end (module docstring);
         False drafts at the start of each round, in a call of its own.
         disable_by_batch_size (vLLM's name): while more sequences than this are running, rounds
         verify only each sequence's root (no drafts): a plain decode step whose tokens the draft
@@ -301,7 +301,7 @@ class SpecDecoder:
         self.pending_feats = torch.zeros(max_batch, self.max_pending, h, dtype=head.weight_like.dtype,
                                          device=dev)
         self.pending_n = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        # The next round's tree, drafted ahead by a greedy round (Sequence_.ahead says whose is ready).
+        # The next round's tree, drafted by the round before (Sequence_.ahead says whose is ready).
         self.draft_ahead = draft_ahead
         N = tree.num_draft_tokens
         self.ahead_tree = DraftTree(torch.zeros(max_batch, N, dtype=torch.long, device=dev),
