@@ -19,7 +19,8 @@ relative to plain decoding's TPOT (`plain_step_ms`), so the prefill weighs on ne
 Methods: `plain` (eagle_infer.generate), `hf` (transformers `generate`) and `hf_assisted`
 (transformers prompt-lookup decoding, `prompt_lookup_num_tokens=10`), then speculative decoding
 with a draft head (tree settings with SGLang's names; those not given take the device's
-default tree, as the server's do: 2/4/4 on a CPU (1/4/3 with int8 weights), 5/4/16 on a GPU)
+default tree, as the server's do: on a CPU 2/4/6 in bf16, 2/4/4 in fp32, 1/4/3 with int8 weights;
+5/4/16 on a GPU)
 and its acceptance statistics: tau (accepted drafts + the bonus token per round), acceptance per
 draft position, and the time per round spent drafting, verifying and on the rest.
 
@@ -718,7 +719,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--draft", default=None, help="draft head folder (default: the reference EAGLE-3 head)")
     sp.add_argument("--no-spec", action="store_true", help="plain and transformers only")
     tree_help = ("draft tree (SGLang's names); each one not given takes the device's default, the "
-                 "server's: 5/4/16 on a GPU, 2/4/4 on a CPU (1/4/3 with int8 weights), where every "
+                 "server's: 5/4/16 on a GPU; on a CPU 2/4/6 in bf16, 2/4/4 in fp32, 1/4/3 with int8 "
+                 "weights, where every "
                  "verified node costs time")
     sp.add_argument("--num-steps", type=int, default=None, help=tree_help)
     sp.add_argument("--eagle-topk", type=int, default=None, help=tree_help)
@@ -767,12 +769,12 @@ def main(argv: list[str] | None = None) -> dict:
             raise UserError(f"--threads must be > 0, got {args.threads}")
         torch.set_num_threads(args.threads)
     device = args.device or default_device()
-    main_tree = TreeConfig.from_flags(args.num_steps, args.eagle_topk, args.num_draft_tokens,
-                                      torch.device(device).type, args.quantization)
     args.speculative_disable_by_batch_size = disable_by_batch_size_for(  # as the server resolves it
         args.speculative_disable_by_batch_size, torch.device(device).type, args.quantization)
     torch_dtype = resolve_dtype(args.dtype, device)
     args.dtype = dtype_name(torch_dtype)  # report what ran
+    main_tree = TreeConfig.from_flags(args.num_steps, args.eagle_topk, args.num_draft_tokens,
+                                      torch.device(device).type, args.quantization, args.dtype)
     folder = resolve_model_path(args.model_path)
     tok = load_tokenizer(folder)
     prompts = load_prompts(args.prompts, args.num_prompts, tok, args.per_category)

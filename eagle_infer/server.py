@@ -748,7 +748,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "default: EAGLE3 with the reference head when it is present, else NONE")
     ap.add_argument("--speculative-draft-model-path", default=None,
                     help=f"draft head folder (default: {DEFAULT_HEAD})")
-    tree_help = "default: 5/4/16 (steps/topk/draft tokens) on a GPU, 2/4/4 on a CPU (1/4/3 with int8 weights)"
+    tree_help = ("default: 5/4/16 (steps/topk/draft tokens) on a GPU; on a CPU 2/4/6 in bf16, 2/4/4 in fp32, "
+                 "1/4/3 with int8 weights")
     ap.add_argument("--speculative-num-steps", type=int, default=None, help=tree_help)
     ap.add_argument("--speculative-eagle-topk", type=int, default=None, help=tree_help)
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=None, help=tree_help)
@@ -806,11 +807,11 @@ def resolve_disable_by_batch_size(args: argparse.Namespace, device_type: str) ->
     return disable_by_batch_size_for(args.speculative_disable_by_batch_size, device_type, args.quantization)
 
 
-def resolve_tree(args: argparse.Namespace, device_type: str) -> TreeConfig:
-    """The tree flags given, the device's default (TreeConfig.default_for: by --quantization too)
-    for the others."""
+def resolve_tree(args: argparse.Namespace, device_type: str, dtype: str = "fp32") -> TreeConfig:
+    """The tree flags given, the device's default (TreeConfig.default_for: by --quantization and
+    the dtype that runs too) for the others."""
     return TreeConfig.from_flags(args.speculative_num_steps, args.speculative_eagle_topk,
-                                 args.speculative_num_draft_tokens, device_type, args.quantization)
+                                 args.speculative_num_draft_tokens, device_type, args.quantization, dtype)
 
 
 def compile_settings(args: argparse.Namespace, device_type: str) -> tuple[str | None, int | None] | None:
@@ -898,8 +899,8 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     algo, head_path = resolve_draft(args)
     device = args.device or default_device()
     # Validate the flags before the slow loading.
-    tree = None if algo == "NONE" else resolve_tree(args, torch.device(device).type)
     dtype = dtype_name(resolve_dtype(args.dtype, device))
+    tree = None if algo == "NONE" else resolve_tree(args, torch.device(device).type, dtype)
     folder = resolve_model_path(args.model_path)
     log.info("loading %s (%s, %s, %d CPU threads)", folder, dtype, device, torch.get_num_threads())
     target = load_model(folder, dtype, device, quantization=args.quantization)

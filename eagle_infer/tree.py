@@ -57,28 +57,32 @@ class TreeConfig:
         return cls(num_steps=num_steps, eagle_topk=1, num_draft_tokens=num_steps + 1)
 
     @classmethod
-    def default_for(cls, device_type: str, quantization: str = "none") -> TreeConfig:
+    def default_for(cls, device_type: str, quantization: str = "none", dtype: str = "fp32") -> TreeConfig:
         """The tree a server uses when no tree flag is given. On a GPU verifying 16 nodes costs
         about what verifying one does: 5/4/16. On a CPU verify cost grows with every node, so a
         small tree wins (README: bf16 sweep on a 2-core CPU, 3/4/4 1.13x plain, 5/4/16 0.99x), and
         of 4 nodes a third draft step rarely places one (τ 1.773 at 2/4/4, 1.791 at 3/4/4) but
-        costs 0.08-0.12 plain steps: 2/4/4 (AMD EPYC Zen 4, interleaved: int8 153.1 against 143.3
-        tokens/s, bf16 96.9 / 95.2 on vdpbf16ps and 103.0 / 101.2 on FMAs). With int8 weights a
-        step is short and the draft forward is not (~1.1 ms of an ~8 ms round): one draft step,
-        the root's top 3, 1/4/3 (Zen 4, 10 MT-bench prompts, scripts/ab_cpu_linears.py --also-trees:
-        186 against 171 tokens/s, ahead in 3 of 3 rounds, 1.12x plain against 1.03x at τ 1.50
-        against 1.67; three runs interleaved by prompt agreed, 1.10-1.13x against 1.00-1.05x; in
-        bf16 the two were level there, 1.23x against 1.21x)."""
+        costs 0.08-0.12 plain steps: 2/4/4 in fp32 (AMD EPYC, AVX2). In bf16 on our kernel, with
+        the draft phase inside the round (draft ahead) and the segment-16 head, two more nodes
+        paid: 2/4/6 ahead of 2/4/4 in 6 of 6 interleaved rounds on a Zen 4 (+0.8 to +6.2%, τ 1.80
+        / 1.89 against 1.69 / 1.76; 2/4/8 behind). With int8 weights a step is short and the draft
+        forward is not (~1.1 ms of an ~8 ms round): one draft step, the root's top 3, 1/4/3 (Zen 4,
+        10 MT-bench prompts, scripts/ab_cpu_linears.py --also-trees: 186 against 171 tokens/s,
+        ahead in 3 of 3 rounds, 1.12x plain against 1.03x at τ 1.50 against 1.67; three runs
+        interleaved by prompt agreed, 1.10-1.13x against 1.00-1.05x; with draft ahead still
+        ahead of 2/4/4)."""
         if device_type != "cpu":
             return cls()
-        return cls(1, 4, 3) if quantization == "int8" else cls(2, 4, 4)
+        if quantization == "int8":
+            return cls(1, 4, 3)
+        return cls(2, 4, 6) if dtype == "bf16" else cls(2, 4, 4)
 
     @classmethod
     def from_flags(cls, num_steps: int | None, eagle_topk: int | None, num_draft_tokens: int | None,
-                   device_type: str, quantization: str = "none") -> TreeConfig:
+                   device_type: str, quantization: str = "none", dtype: str = "fp32") -> TreeConfig:
         """The tree flags given (None = not given), the device's default (default_for) for the
-        others: what the server and the bench run."""
-        base = cls.default_for(device_type, quantization)
+        others: what the server, the bench and the pipeline's bench run."""
+        base = cls.default_for(device_type, quantization, dtype)
         given = (num_steps, eagle_topk, num_draft_tokens)
         return cls(*(g if g is not None else d
                      for g, d in zip(given, (base.num_steps, base.eagle_topk, base.num_draft_tokens))))

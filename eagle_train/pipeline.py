@@ -423,7 +423,8 @@ def cpu_name() -> str:
 def run_bench(cfg: DictConfig) -> dict | None:
     """A short end-of-pipeline benchmark of the trained head: plain vs speculative greedy decoding
     (eagle_infer.bench) on the first ``stage.bench.num_prompts`` MT-bench prompts with a small
-    tree (2/4/4 by default: the CPU's, TreeConfig.default_for). Writes ``<workdir>/bench.json``;
+    tree (the device's default for the dtype that runs, TreeConfig.default_for, where the config
+    leaves it null: on a CPU 2/4/6 in bf16, 2/4/4 in fp32). Writes ``<workdir>/bench.json``;
     0 prompts = off."""
     import torch
 
@@ -457,7 +458,9 @@ def run_bench(cfg: DictConfig) -> dict | None:
     prompts = load_prompts(None, n, tok)
     model = load_model(model_path, dtype, device)
     head = load_head_for(head_dir, model)
-    tree = TreeConfig(int(b.num_steps), int(b.eagle_topk), int(b.num_draft_tokens))
+    given = [None if b.get(k) is None else int(b.get(k))
+             for k in ("num_steps", "eagle_topk", "num_draft_tokens")]
+    tree = TreeConfig.from_flags(*given, torch.device(device).type, "none", dtype)
     new = int(b.max_new_tokens)
     compiled = compile_default(device) if str(b.get("compile", "auto")) == "auto" else bool(b.compile)
     t0 = time.perf_counter()

@@ -482,7 +482,10 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
     assert args.dtype == "auto"
     # No tree flag: the device's tree; a flag given overrides only its own field.
     assert server.resolve_tree(args, "cuda") == server.TreeConfig(5, 4, 16)
-    assert server.resolve_tree(args, "cpu") == server.TreeConfig(2, 4, 4)
+    assert server.resolve_tree(args, "cpu") == server.TreeConfig(2, 4, 4)  # fp32
+    assert server.resolve_tree(args, "cpu", "bf16") == server.TreeConfig(2, 4, 6)
+    int8 = server.build_parser().parse_args(["--quantization", "int8"])
+    assert server.resolve_tree(int8, "cpu", "bf16") == server.TreeConfig(1, 4, 3)
     one = server.build_parser().parse_args(["--speculative-num-draft-tokens", "8"])
     assert server.resolve_tree(one, "cpu") == server.TreeConfig(2, 4, 8)
     # Rounds without drafts above 2 running requests on a CPU (1 with int8 weights), never on a GPU
