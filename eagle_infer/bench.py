@@ -732,7 +732,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(speculative); compile time goes to warmup_s. "
                          "Default: on where it measured faster (see compile_default)")
     sp.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=True,
-                    help="a greedy round drafts the next round's tree at its end, in the same call "
+                    help="a round drafts the next round's tree at its end, in the same graph "
                          "(the default, as the server runs); --no-draft-ahead drafts at each round's "
                          "start, in a call of its own, timed apart (draft_ms)")
     ap.add_argument("--profile", default=None, metavar="DIR",
@@ -920,9 +920,8 @@ def main(argv: list[str] | None = None) -> dict:
                     else f" and each draft step {r['draft_step_vs_plain_step']}x")
             vs_step = (f"; verify = {r['verify_vs_plain_step']}x{each} a plain step "
                        f"(plain TPOT {r['plain_step_ms']} ms)")
-        # greedy rounds draft the next tree inside the verify's call: draft_ms is the rounds after a join
-        ahead = (" (with the catch-up and the next round's draft phase)"
-                 if args.draft_ahead and args.temperature == 0 else "")
+        # rounds draft the next tree in the graph after the verify: draft_ms is the rounds after a join
+        ahead = " (with acceptance, catch-up and the next round's draft phase)" if args.draft_ahead else ""
         plain_rounds = ""
         if r["plain_rounds"]:
             plain_rounds = (f"; {r['plain_rounds']} plain rounds (more than "
