@@ -952,7 +952,7 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     # Draft positions a round can accept: the tree's depth, at most its node count.
-    depth = min(tree.num_steps, tree.num_draft_tokens - 1) if tree else 0
+    depth = tree.max_depth if tree else 0
     metrics = Metrics(depth, model_name=name)
     engine = Engine(decoder, load_tokenizer(folder), metrics, tree is not None)
     return engine, tokenizer, eos, ServerConfig(names, args.api_key, usable, target.config.vocab_size)

@@ -377,7 +377,7 @@ class SpecDecoder:
         mask = build_attn_mask(L, tree_mask, kv_ref.shape[-1])  # [B, N, kv_len]
         slots = L[:, None] + torch.arange(N, device=L.device)[None]
         logits, hidden = self._verify(tokens, L[:, None] + depth, slots, mask)
-        acc = accept_greedy(tree, logits, min(self.tree.num_steps, N - 1))  # N nodes: depth <= N - 1
+        acc = accept_greedy(tree, logits, self.tree.max_depth)
         next_tokens, feats, path_tokens = self._commit(tokens, acc, hidden, L)
         pos, catch_mask = self._catch_up_inputs(L, next_tokens.shape[1], mask.shape[-1])
         g_last, logp = self._catch_up(next_tokens, feats, pos, catch_mask, acc.n_accepted + 1)
@@ -402,7 +402,7 @@ class SpecDecoder:
         Returns (path [B, D+1], n [B], bonus [B], path tokens [B, D+1], the next root's draft
         feature [B, h] and log-probs [B, V'])."""
         tree = DraftTree(tokens, parent, depth, tree_mask)
-        acc = walk_sampling(tree, probs, u, min(self.tree.num_steps, tokens.shape[1] - 1))
+        acc = walk_sampling(tree, probs, u, self.tree.max_depth)
         next_tokens, feats, path_tokens = self._commit(tokens, acc, hidden, L)
         pos, catch_mask = self._catch_up_inputs(L, next_tokens.shape[1], kv_ref.shape[-1])
         g_last, logp = self._catch_up(next_tokens, feats, pos, catch_mask, acc.n_accepted + 1)
@@ -543,7 +543,7 @@ class SpecDecoder:
         L = self.L[:B]
         L_max = max(s.cached for s in self.seqs)  # = L.max(), from the host: no read
         N = cfg.num_draft_tokens  # tree nodes
-        depth = min(cfg.num_steps, N - 1)  # the deepest node; catch-up pairs: its path + the bonus
+        depth = cfg.max_depth  # the deepest node; catch-up pairs: its path + the bonus
         T = depth + 1
         drafted = cfg.num_steps * cfg.eagle_topk  # draft cache slots a draft phase writes past L
         params = [s.params for s in self.seqs]

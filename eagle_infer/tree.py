@@ -48,6 +48,12 @@ class TreeConfig:
             )
 
     @property
+    def max_depth(self) -> int:
+        """The deepest node a tree can hold: num_steps, or fewer where num_draft_tokens is smaller;
+        an accepted path is at most this long (catch-up pairs: the path + the bonus)."""
+        return min(self.num_steps, self.num_draft_tokens - 1)
+
+    @property
     def max_candidates(self) -> int:
         k = self.eagle_topk
         return k + (self.num_steps - 1) * k * k
@@ -235,14 +241,13 @@ def accept_sampling(tree: DraftTree, target_logits: Tensor, params: Sequence[Sam
 def sampling_probs(target_logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     """Target logits [B, N, V] -> each row's sampling distribution [B, N, V] (fp32), one
     logits_to_probs per distinct setting."""
-    B, N, V = target_logits.shape
-    probs = torch.empty(B, N, V, dtype=torch.float32, device=target_logits.device)
     by_setting: dict[tuple, list[int]] = {}
     for b, p in enumerate(params):
         by_setting.setdefault((p.temperature, p.top_p, p.top_k), []).append(b)
+    if len(by_setting) == 1:  # every row alike (the usual case): no gather, no scatter
+        return logits_to_probs(target_logits, *next(iter(by_setting)))
+    probs = torch.empty(target_logits.shape, dtype=torch.float32, device=target_logits.device)
     for (temp, top_p, top_k), rows in by_setting.items():
-        if len(rows) == B:
-            return logits_to_probs(target_logits, temp, top_p, top_k)
         idx = torch.tensor(rows, device=target_logits.device)
         probs[idx] = logits_to_probs(target_logits[idx], temp, top_p, top_k)
     return probs
