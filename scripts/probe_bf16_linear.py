@@ -50,6 +50,8 @@ def load_baseline(source: str) -> None:
         text = text.replace(f"{macro}(eagle,", f"{macro}(eagle_baseline,")
     copy = Path(tempfile.mkdtemp(prefix="bf16_baseline_")) / "bf16_linear_baseline.cpp"
     copy.write_text(text)
+    for header in bf16_linear.SOURCE.parent.glob("*.h"):  # the headers it includes, as they are now
+        (copy.parent / header.name).write_bytes(header.read_bytes())
     build("eagle_bf16_linear_baseline", copy, bf16_linear.FLAGS)
 
 
