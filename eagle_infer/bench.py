@@ -19,8 +19,8 @@ relative to plain decoding's TPOT (`plain_step_ms`), so the prefill weighs on ne
 Methods: `plain` (eagle_infer.generate), `hf` (transformers `generate`) and `hf_assisted`
 (transformers prompt-lookup decoding, `prompt_lookup_num_tokens=10`), then speculative decoding
 with a draft head (tree settings with SGLang's names; those not given take the device's
-default tree, as the server's do: on a CPU 2/4/6 in bf16, 2/4/4 in fp32, 1/4/3 with int8 weights;
-5/4/16 on a GPU)
+default tree, as the server's do: on a CPU 2/4/6 in bf16, 2/4/4 in fp32, 1/4/3 with int8 weights,
+each with an n-gram branch of 4; 5/4/16 on a GPU)
 and its acceptance statistics: tau (accepted drafts + the bonus token per round), acceptance per
 draft position, and the time per round spent drafting, verifying and on the rest.
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import os
 import platform
 import sys
@@ -90,7 +91,7 @@ def _first_turn(record, where: str) -> str:
 
 def load_prompts(path: str | os.PathLike | None, n: int, tokenizer,
                  per_category: int | None = None) -> list[list[int]]:
-    """Token ids of the first n prompts of a .jsonl / .json file, chat template applied.
+    """Token ids of the first n prompts of a .jsonl / .json file (or .jsonl.xz), chat template applied.
 
     None = MT-bench. Each record is a string or an object with `turns` (MT-bench: its first
     turn), `conversations` / `messages` (first user message), or `prompt` / `text`.
@@ -104,8 +105,8 @@ def load_prompts(path: str | os.PathLike | None, n: int, tokenizer,
     path = Path(path) if path is not None else default_prompts_path()
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
-    text = path.read_text()
-    if path.suffix == ".jsonl":
+    text = lzma.open(path, "rt", encoding="utf-8").read() if path.suffix == ".xz" else path.read_text()
+    if path.name.endswith((".jsonl", ".jsonl.xz")):
         records = []
         for i, line in enumerate(text.splitlines()):
             if not line.strip():
@@ -339,11 +340,11 @@ class SpecRun:
                                                 / plain_step_ms, 3)}
         return {
             "tree": {"num_steps": self.tree.num_steps, "eagle_topk": self.tree.eagle_topk,
-                     "num_draft_tokens": self.tree.num_draft_tokens},
+                     "num_draft_tokens": self.tree.num_draft_tokens, "ngram_branch": self.tree.ngram_branch},
             "tokens_per_s": round(self.result.tokens_per_s, 3),
             "acceptance_length": round(st.acceptance_length(), 3),
             "accept_rate_per_position": [round(r, 4)
-                                         for r in st.accept_rate_per_position(self.tree.num_steps)],
+                                         for r in st.accept_rate_per_position(self.tree.max_depth)],
             "rounds": st.rounds,
             "plain_rounds": st.plain_rounds,  # rounds without drafts (--speculative-disable-by-batch-size)
             "draft_ms": round(draft_ms, 3),
@@ -370,17 +371,24 @@ def bench_spec(model, head, prompts: Sequence[list[int]], max_new_tokens: int, t
     return SpecRun(res, total, tree, dec)
 
 
+def spec_seq_len(prompts: Sequence[list[int]], max_new_tokens: int, tree: TreeConfig) -> int:
+    """The cache length a decoder needs for these prompts and this tree (spec_decode_fn)."""
+    return max(len(p) for p in prompts) + max_new_tokens + 2 * tree.num_draft_tokens + 64
+
+
 def spec_decode_fn(model, head, prompts: Sequence[list[int]], max_new_tokens: int, tree: TreeConfig,
                    ignore_eos: bool = True, params: SamplingParams | None = None, compile_steps: bool = False,
                    batch_size: int = 1, disable_by_batch_size: int | None = None,
-                   draft_ahead: bool = True) -> tuple[DecodeFn, SpecStats, object]:
-    """A DecodeFn of speculative decoding through one decoder sized for the prompts, the stats it
-    adds every call to, and the decoder."""
+                   draft_ahead: bool = True,
+                   max_seq_len: int | None = None) -> tuple[DecodeFn, SpecStats, object]:
+    """A DecodeFn of speculative decoding through one decoder sized for the prompts (or
+    max_seq_len: decoders of one model share its caches, sized by the last one built, so
+    decoders timed side by side take one size), the stats it adds every call to, and the decoder."""
     from eagle_infer.generate import compile_mode_for
     from eagle_infer.speculative import SpecDecoder, generate_speculative
 
     eos = [] if ignore_eos else None
-    longest = max(len(p) for p in prompts) + max_new_tokens + 2 * tree.num_draft_tokens + 64
+    longest = max_seq_len or spec_seq_len(prompts, max_new_tokens, tree)
     dec = SpecDecoder(model, head, tree, max_batch=batch_size,
                       max_seq_len=min(longest, model.config.max_position_embeddings),
                       disable_by_batch_size=disable_by_batch_size, draft_ahead=draft_ahead)
@@ -444,9 +452,9 @@ def count_aten_ops(model, head, prompt: list[int], tree: TreeConfig, rounds: int
     out = {"plain_step": (plain_ops(9) - plain_ops(5)) / 4}
     if head is None:
         return out
-    room = (rounds + 4) * (tree.num_steps + 1) + 2 * tree.num_draft_tokens
+    room = (rounds + 4) * (tree.max_depth + 1) + 2 * tree.num_draft_tokens
     dec = SpecDecoder(model, head, tree, max_batch=1, max_seq_len=len(prompt) + room)
-    dec.add(Sequence_(list(prompt), SamplingParams(), (rounds + 3) * (tree.num_steps + 1), set()))
+    dec.add(Sequence_(list(prompt), SamplingParams(), (rounds + 3) * (tree.max_depth + 1), set()))
     dec.step()  # first round: lazy set-up
 
     def phase(obj, name: str, label: str) -> None:
@@ -725,6 +733,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--num-steps", type=int, default=None, help=tree_help)
     sp.add_argument("--eagle-topk", type=int, default=None, help=tree_help)
     sp.add_argument("--num-draft-tokens", type=int, default=None, help=tree_help)
+    sp.add_argument("--ngram-branch", type=int, default=None, metavar="K",
+                    help="K more tree nodes a round: a chain off the root proposed by prompt lookup "
+                         "(what followed the latest earlier occurrence of the sequence's last tokens); "
+                         "0 = none; default: the device's, the server's: 4 on a CPU, 0 on a GPU")
     sp.add_argument("--token-map", default=None, help="FR-Spec token map for an EAGLE-2 head")
     sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     sp.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -774,7 +786,8 @@ def main(argv: list[str] | None = None) -> dict:
     torch_dtype = resolve_dtype(args.dtype, device)
     args.dtype = dtype_name(torch_dtype)  # report what ran
     main_tree = TreeConfig.from_flags(args.num_steps, args.eagle_topk, args.num_draft_tokens,
-                                      torch.device(device).type, args.quantization, args.dtype)
+                                      torch.device(device).type, args.quantization, args.dtype,
+                                      args.ngram_branch)
     folder = resolve_model_path(args.model_path)
     tok = load_tokenizer(folder)
     prompts = load_prompts(args.prompts, args.num_prompts, tok, args.per_category)
@@ -813,7 +826,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                         args.sweep_draft_tokens) if t != main_tree]
                                if args.sweep else [])
         for t in trees:
-            label = f"spec s{t.num_steps}k{t.eagle_topk}n{t.num_draft_tokens}"
+            label = f"spec s{t.num_steps}k{t.eagle_topk}n{t.num_draft_tokens}" + (
+                f"g{t.ngram_branch}" if t.ngram_branch else "")
             spec_runs.append(bench_spec(model, head, prompts, args.max_new_tokens, t, ignore_eos, params,
                                         compile_steps, name=label, batch_size=B,
                                         disable_by_batch_size=args.speculative_disable_by_batch_size,

@@ -753,6 +753,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculative-num-steps", type=int, default=None, help=tree_help)
     ap.add_argument("--speculative-eagle-topk", type=int, default=None, help=tree_help)
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=None, help=tree_help)
+    ap.add_argument("--speculative-ngram-branch", type=int, default=None, metavar="K",
+                    help="prompt lookup in the draft tree: up to K tokens that followed the latest "
+                         "earlier occurrence of the request's last tokens compete with the head's for "
+                         "the tree's places (0 = off); default: 4 on a CPU, 0 on a GPU (unmeasured there)")
     ap.add_argument("--speculative-token-map", default=None, help="FR-Spec token map (EAGLE-2 heads)")
     ap.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                     help="while more than N requests are running, rounds draft nothing: a plain "
@@ -811,7 +815,8 @@ def resolve_tree(args: argparse.Namespace, device_type: str, dtype: str = "fp32"
     """The tree flags given, the device's default (TreeConfig.default_for: by --quantization and
     the dtype that runs too) for the others."""
     return TreeConfig.from_flags(args.speculative_num_steps, args.speculative_eagle_topk,
-                                 args.speculative_num_draft_tokens, device_type, args.quantization, dtype)
+                                 args.speculative_num_draft_tokens, device_type, args.quantization, dtype,
+                                 args.speculative_ngram_branch)
 
 
 def compile_settings(args: argparse.Namespace, device_type: str) -> tuple[str | None, int | None] | None:
@@ -925,7 +930,7 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
         plain_above = resolve_disable_by_batch_size(args, torch.device(device).type)
         decoder = SpecDecoder(target, head, tree, args.max_running_requests, ctx,
                               disable_by_batch_size=plain_above)
-        usable = ctx - tree.num_draft_tokens - tree.eagle_topk * tree.num_steps
+        usable = ctx - tree.slots_past_end
         if usable < 2:
             raise UserError(f"--context-length {ctx} leaves no room next to the draft tree")
         log.info("speculative decoding: %s head %s, %s%s", kind, head_path, tree,

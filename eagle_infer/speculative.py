@@ -296,7 +296,7 @@ class SpecDecoder:
         # target's next token, the draft feature of the token before it) wait here, at most
         # max_pending (what check() reserves past a sequence's end for a round's tree), and the
         # head runs once over all of them (_catch_up_pending).
-        self.max_pending = tree.num_draft_tokens + tree.eagle_topk * tree.num_steps
+        self.max_pending = tree.slots_past_end
         self.pending_tokens = torch.zeros(max_batch, self.max_pending, dtype=torch.long, device=dev)
         self.pending_feats = torch.zeros(max_batch, self.max_pending, h, dtype=head.weight_like.dtype,
                                          device=dev)
@@ -308,8 +308,12 @@ class SpecDecoder:
                                     torch.zeros(max_batch, N, dtype=torch.long, device=dev),
                                     torch.zeros(max_batch, N, dtype=torch.long, device=dev),
                                     torch.zeros(max_batch, N, N, dtype=torch.bool, device=dev))
+        # Each row's tokens in slot order (prompt, output, the root at L), which the n-gram branch
+        # looks up in. The steps that draft take its first kv_len columns in place of a kv_ref
+        # (its length is the kv length, the one traced symbol) and return them written.
+        self.history = torch.zeros(max_batch, self.max_seq_len, dtype=torch.long, device=dev)
         per_row = [self.L, self.root, self.root_g, self.root_logp, self.pending_tokens, self.pending_feats,
-                   self.pending_n, *vars(self.ahead_tree).values()]
+                   self.pending_n, self.history, *vars(self.ahead_tree).values()]
         self.rows = RowTable(max_batch, [target, head], per_row)
         self.seqs = self.rows.seqs
         self.cancel = self.rows.cancel
@@ -327,13 +331,14 @@ class SpecDecoder:
     # -- the fixed-shape steps (what torch.compile / CUDA graphs capture) ---------------------
 
     def _draft_tree(self, root: Tensor, root_logp: Tensor, root_g: Tensor, L: Tensor,
-                    kv_ref: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                    history: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The round's whole draft phase: draft_tree's num_steps - 1 draft forwards and the
-        tree's construction, one graph when compiled (eagerly on a GPU the construction's ~400
-        small ops cost more than the forwards). kv_ref [B, kv_len]: only its length is read, so
-        the kv length is a traced symbol like a mask's. Returns the DraftTree's tensors."""
-        t = draft_tree(self.tree, self.draft_fn, root, root_logp, root_g, L, kv_ref.shape[-1],
-                       self.head.draft_to_target)
+        tree's construction (the n-gram branch looked up in history), one graph when compiled
+        (eagerly on a GPU the construction's ~400 small ops cost more than the forwards).
+        history [B, kv_len]: the rows' tokens (self.history's first kv_len columns); its length
+        is the kv length, a traced symbol like a mask's. Returns the DraftTree's tensors."""
+        t = draft_tree(self.tree, self.draft_fn, root, root_logp, root_g, L, history.shape[-1],
+                       self.head.draft_to_target, history)
         return t.tokens, t.parent, t.depth, t.mask
 
     def _draft_step(self, tokens: Tensor, feat: Tensor, pos: Tensor, mask: Tensor,
@@ -347,10 +352,12 @@ class SpecDecoder:
         return logits, hidden
 
     def _commit(self, tree_tokens: Tensor, acc: Acceptance, hidden: Sequence[Tensor],
-                L: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                L: Tensor, history: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Keep the accepted path's target KV (moved to slots L..L+n) and build the draft's
         catch-up pairs along it: tokens [B, D+1] (the path shifted left, then the bonus; past n
-        the bonus again, never read), features [B, D+1, h]; and the path's tokens [B, D+1]."""
+        the bonus again, never read), features [B, D+1, h]; the path's tokens [B, D+1]; and, with
+        an n-gram branch, history [B, kv_len] with the path and the bonus (the next root) written
+        at L..L+n+1 (a new tensor: a compiled round returns it, the caller keeps it)."""
         self.target.keep_slots(L[:, None] + acc.path, L)
         path_tokens = torch.gather(tree_tokens, 1, acc.path)  # [B, D+1], root first
         steps = torch.arange(acc.path.shape[1], device=L.device)[None]
@@ -358,7 +365,10 @@ class SpecDecoder:
         next_tokens = torch.where(steps < acc.n_accepted[:, None], shifted, acc.bonus[:, None])
         feats = self.head.project([torch.gather(h, 1, acc.path[:, :, None].expand(-1, -1, h.shape[-1]))
                                    for h in hidden])
-        return next_tokens, feats, path_tokens
+        if self.tree.ngram_branch:  # past n the path repeats its leaf: the bonus overwrites L + n + 1
+            history = history.scatter(1, L[:, None] + steps, path_tokens)
+            history = history.scatter(1, (L + acc.n_accepted + 1)[:, None], acc.bonus[:, None])
+        return next_tokens, feats, path_tokens, history
 
     def _catch_up_inputs(self, start: Tensor, T: int, kv_len: int) -> tuple[Tensor, Tensor]:
         """Positions [B, T] (= slots) and causal attention mask [B, T, kv_len] of T catch-up pairs
@@ -366,54 +376,55 @@ class SpecDecoder:
         return start[:, None] + torch.arange(T, device=start.device)[None], causal_mask(start, T, kv_len)
 
     def _verify_commit_greedy(self, tokens: Tensor, parent: Tensor, depth: Tensor, tree_mask: Tensor,
-                              L: Tensor, kv_ref: Tensor) -> tuple[Tensor, ...]:
+                              L: Tensor, history: Tensor) -> tuple[Tensor, ...]:
         """A greedy round after its draft phase: verify, acceptance, commit and the draft's
         catch-up, one graph when compiled (on a GPU the eager glue between verify and catch-up
-        was ~40 small launches a round). kv_ref [B, kv_len]: only its length is read, the verify's
-        and the catch-up's (so the verify's mask is built in the graph, as the plain step's).
-        Returns (logits [B, N, V], path [B, D+1], n [B], bonus [B], path tokens [B, D+1], the next
-        root's draft feature [B, h] and log-probs [B, V'])."""
+        was ~40 small launches a round). history [B, kv_len] (as _draft_tree's): its length is the
+        verify's and the catch-up's kv length (so the verify's mask is built in the graph, as the
+        plain step's). Returns (logits [B, N, V], path [B, D+1], n [B], bonus [B], path tokens
+        [B, D+1], the next root's draft feature [B, h] and log-probs [B, V'], history (_commit))."""
         tree, N = DraftTree(tokens, parent, depth, tree_mask), tokens.shape[1]
-        mask = build_attn_mask(L, tree_mask, kv_ref.shape[-1])  # [B, N, kv_len]
+        mask = build_attn_mask(L, tree_mask, history.shape[-1])  # [B, N, kv_len]
         slots = L[:, None] + torch.arange(N, device=L.device)[None]
         logits, hidden = self._verify(tokens, L[:, None] + depth, slots, mask)
         acc = accept_greedy(tree, logits, self.tree.max_depth)
-        next_tokens, feats, path_tokens = self._commit(tokens, acc, hidden, L)
+        next_tokens, feats, path_tokens, history = self._commit(tokens, acc, hidden, L, history)
         pos, catch_mask = self._catch_up_inputs(L, next_tokens.shape[1], mask.shape[-1])
         g_last, logp = self._catch_up(next_tokens, feats, pos, catch_mask, acc.n_accepted + 1)
-        return logits, acc.path, acc.n_accepted, acc.bonus, path_tokens, g_last, logp
+        return logits, acc.path, acc.n_accepted, acc.bonus, path_tokens, g_last, logp, history
 
     def _greedy_round_ahead(self, tokens: Tensor, parent: Tensor, depth: Tensor, tree_mask: Tensor,
-                            L: Tensor, kv_ref: Tensor) -> tuple[Tensor, ...]:
+                            L: Tensor, history: Tensor) -> tuple[Tensor, ...]:
         """_verify_commit_greedy, then the next round's draft phase from its root (the bonus) at
         L + n + 1, in the same graph when compiled: the head's weights are still in the caches
         from the catch-up (a draft phase of its own ran ~0.4 ms slower after a round than at
-        once again), and a round is one call. kv_ref covers the next tree's draft slots too.
+        once again), and a round is one call. history's kv length covers the next tree's draft
+        slots too.
         Returns _verify_commit_greedy's tensors, then the next tree's (_draft_tree)."""
-        out = self._verify_commit_greedy(tokens, parent, depth, tree_mask, L, kv_ref)
-        _, _, n, bonus, _, g_last, logp = out
-        return *out, *self._draft_tree(bonus, logp, g_last, L + n + 1, kv_ref)
+        out = self._verify_commit_greedy(tokens, parent, depth, tree_mask, L, history)
+        _, _, n, bonus, _, g_last, logp, history = out
+        return *out, *self._draft_tree(bonus, logp, g_last, L + n + 1, history)
 
     def _sampled_tail_only(self, tokens: Tensor, parent: Tensor, depth: Tensor, tree_mask: Tensor, L: Tensor,
-                           kv_ref: Tensor, probs: Tensor, u: Tensor, *hidden: Tensor) -> tuple[Tensor, ...]:
+                           history: Tensor, probs: Tensor, u: Tensor, *hidden: Tensor) -> tuple[Tensor, ...]:
         """A sampled round after its verify: the rejection-sampling walk over the target's
         distributions probs [B, N, V] with the uniforms u (tree.sampling_uniforms), commit and
         the draft's catch-up, one graph when compiled. hidden: the verify's states (target_layers).
         Returns (path [B, D+1], n [B], bonus [B], path tokens [B, D+1], the next root's draft
-        feature [B, h] and log-probs [B, V'])."""
+        feature [B, h] and log-probs [B, V'], history [B, S] (_commit))."""
         tree = DraftTree(tokens, parent, depth, tree_mask)
         acc = walk_sampling(tree, probs, u, self.tree.max_depth)
-        next_tokens, feats, path_tokens = self._commit(tokens, acc, hidden, L)
-        pos, catch_mask = self._catch_up_inputs(L, next_tokens.shape[1], kv_ref.shape[-1])
+        next_tokens, feats, path_tokens, history = self._commit(tokens, acc, hidden, L, history)
+        pos, catch_mask = self._catch_up_inputs(L, next_tokens.shape[1], history.shape[-1])
         g_last, logp = self._catch_up(next_tokens, feats, pos, catch_mask, acc.n_accepted + 1)
-        return acc.path, acc.n_accepted, acc.bonus, path_tokens, g_last, logp
+        return acc.path, acc.n_accepted, acc.bonus, path_tokens, g_last, logp, history
 
     def _sampled_tail_ahead(self, tokens: Tensor, parent: Tensor, depth: Tensor, tree_mask: Tensor, L: Tensor,
-                            kv_ref: Tensor, probs: Tensor, u: Tensor, *hidden: Tensor) -> tuple[Tensor, ...]:
+                            history: Tensor, probs: Tensor, u: Tensor, *hidden: Tensor) -> tuple[Tensor, ...]:
         """_sampled_tail_only, then the next round's draft phase (as _greedy_round_ahead)."""
-        out = self._sampled_tail_only(tokens, parent, depth, tree_mask, L, kv_ref, probs, u, *hidden)
-        _, n, bonus, _, g_last, logp = out
-        return *out, *self._draft_tree(bonus, logp, g_last, L + n + 1, kv_ref)
+        out = self._sampled_tail_only(tokens, parent, depth, tree_mask, L, history, probs, u, *hidden)
+        _, n, bonus, _, g_last, logp, history = out
+        return *out, *self._draft_tree(bonus, logp, g_last, L + n + 1, history)
 
     def _plain_round_greedy(self, tokens: Tensor, L: Tensor, kv_ref: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """A greedy round without drafts: the target's step on each root tokens [B, 1] at slot L,
@@ -455,7 +466,8 @@ class SpecDecoder:
         graphs = mode == CUDA_GRAPHS
         inductor = compile_settings(self.target, self.head)
         options = step_options(self.target, inductor, mode)
-        # Argument mask_arg of each step carries the kv length (a mask, or a kv_ref whose length it is).
+        # Argument mask_arg of each step carries the kv length (a mask, a kv_ref or the history, whose
+        # length it is).
         (self.draft_tree_fn, self.greedy_round_fn, self.verify_fn, self.sampled_tail_fn, self.catch_up_fn,
          self.plain_round_fn) = (
             BucketedStep(f, compile_step(f, mode, inductor, options), max_bs, clone=graphs, mask_arg=arg,
@@ -479,7 +491,7 @@ class SpecDecoder:
 
     def check(self, seq: Sequence_) -> None:
         """A UserError unless the sequence fits (its prompt, max_new_tokens and one round's tree)."""
-        room = self.max_seq_len - self.tree.num_draft_tokens - self.tree.eagle_topk * self.tree.num_steps
+        room = self.max_seq_len - self.tree.slots_past_end
         check_admissible(self.target, seq, room, "speculative decoding")
 
     def add(self, seq: Sequence_) -> None:
@@ -510,6 +522,8 @@ class SpecDecoder:
         zero = torch.zeros(k, dtype=torch.long, device=dev)
         self._draft_extend(row0, nxt, self.head.project(hidden), zero, lens, self.kv_len(P))
         self.L[row0:row0 + k], self.root[row0:row0 + k] = lens, torch.tensor(firsts, device=dev)
+        for i, (s, first) in enumerate(zip(seqs, firsts)):
+            self.history[row0 + i, :len(s.prompt) + 1] = torch.tensor(s.prompt + [first], dtype=torch.long)
         self.pending_n[row0:row0 + k] = 0
         for s in seqs:
             s.cached = len(s.prompt)
@@ -555,18 +569,19 @@ class SpecDecoder:
             drafts = 0
         else:
             with record_function("spec.draft_tree"):
-                kv_ref = torch.empty(B, self.kv_len(L_max + drafted), dtype=torch.bool, device=dev)
+                history = self.history[:B, :self.kv_len(L_max + drafted)].contiguous()
                 tree = DraftTree(*self.draft_tree_fn(self.root[:B], self.root_logp[:B], self.root_g[:B], L,
-                                                     kv_ref))
+                                                     history))
             drafts = cfg.num_steps - 1
         t1 = time.perf_counter()
-        # verify's and catch-up's kv, and the next round's draft phase's (from L + n + 1 <= L + T)
-        kv = self.kv_len(L_max + max(N, T + drafted if ahead else T))
+        # verify's and catch-up's kv, the next round's draft phase's (from L + n + 1 <= L + T), and
+        # the history's next root at L + n + 1
+        kv = self.kv_len(L_max + max(N, T + drafted if ahead else T + 1))
+        history = self.history[:B, :kv].contiguous()
         if greedy:
             with record_function("spec.verify_commit_greedy"):
-                kv_ref = torch.empty(B, kv, dtype=torch.bool, device=dev)
-                logits, path, n, bonus, path_tokens, g_last, logp, *next_tree = self.greedy_round_fn(
-                    tree.tokens, tree.parent, tree.depth, tree.mask, L, kv_ref)
+                logits, path, n, bonus, path_tokens, g_last, logp, history, *next_tree = self.greedy_round_fn(
+                    tree.tokens, tree.parent, tree.depth, tree.mask, L, history)
             t2 = t3 = t4 = time.perf_counter()
         else:
             mask = build_attn_mask(L, tree.mask, kv)
@@ -581,13 +596,14 @@ class SpecDecoder:
                                       fused=kernel_available(probs) and not self.compiled)
             t3 = time.perf_counter()
             with record_function("spec.accept_commit_catch_up"):
-                kv_ref = torch.empty(B, kv, dtype=torch.bool, device=dev)
-                path, n, bonus, path_tokens, g_last, logp, *next_tree = self.sampled_tail_fn(
-                    tree.tokens, tree.parent, tree.depth, tree.mask, L, kv_ref, probs, u, *hidden)
+                path, n, bonus, path_tokens, g_last, logp, history, *next_tree = self.sampled_tail_fn(
+                    tree.tokens, tree.parent, tree.depth, tree.mask, L, history, probs, u, *hidden)
             t4 = time.perf_counter()
         for dst, src in zip(vars(self.ahead_tree).values(), next_tree):
             dst[:B] = src
         self.root_g[:B], self.root_logp[:B] = g_last, logp
+        if cfg.ngram_branch:
+            self.history[:B, :kv] = history
         self.L[:B] = L + n + 1
         self.root[:B] = bonus
         results = []
@@ -634,6 +650,8 @@ class SpecDecoder:
             n, rows = self.pending_n[:B], torch.arange(B, device=dev)
             self.pending_tokens[rows, n], self.pending_feats[rows, n] = bonus, feat
             self.pending_n[:B] = n + 1
+            if self.tree.ngram_branch:
+                self.history[rows, L + 1] = bonus
             self.L[:B] = L + 1
             self.root[:B] = bonus
         results = []

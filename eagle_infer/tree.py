@@ -4,12 +4,16 @@ Vocabulary (SGLang's names):
     num_steps         draft forwards per round = the tree's depth
     eagle_topk        children kept per expanded node, and frontier width (1 = chain drafting)
     num_draft_tokens  nodes the target verifies, the root included
+    ngram_branch      the longest prompt-lookup chain offered to the tree (0 = none): what
+                      followed the latest earlier occurrence of the sequence's last tokens
+                      (`ngram_lookup`), its nodes scored by how often such a match was right
 
 One round, for a batch of B sequences whose first L[b] tokens are committed and whose next
 token (the root, already sampled by the target) is not yet verified:
   1. `draft_tree` expands the frontier `num_steps` times from the draft's distribution after
      the root, scores every child by cumulative log-probability, and keeps the best
-     `num_draft_tokens - 1` candidates (parents always score >= children, so they form a tree).
+     `num_draft_tokens - 1` candidates (parents always score >= children, so they form a tree);
+     with `ngram_branch`, the lookup's chain competes for those places as a branch of the root.
   2. The target scores root + nodes in one forward with `DraftTree.mask` (a node sees the
      committed prefix and its ancestors) at positions L + depth.
   3. `accept_greedy` / `accept_sampling` walk from the root and return the accepted path and
@@ -35,11 +39,12 @@ class TreeConfig:
     num_steps: int = 5
     eagle_topk: int = 4
     num_draft_tokens: int = 16
+    ngram_branch: int = 0
 
     def __post_init__(self) -> None:
-        if self.num_steps < 1 or self.eagle_topk < 1 or self.num_draft_tokens < 2:
-            raise UserError(f"tree settings must be num_steps >= 1, eagle_topk >= 1, num_draft_tokens >= 2; "
-                            f"got {self}")
+        if self.num_steps < 1 or self.eagle_topk < 1 or self.num_draft_tokens < 2 or self.ngram_branch < 0:
+            raise UserError(f"tree settings must be num_steps >= 1, eagle_topk >= 1, num_draft_tokens >= 2, "
+                            f"ngram_branch >= 0; got {self}")
         if self.num_draft_tokens - 1 > self.max_candidates:
             raise UserError(
                 f"num_draft_tokens={self.num_draft_tokens} is more than the tree can hold: "
@@ -49,9 +54,21 @@ class TreeConfig:
 
     @property
     def max_depth(self) -> int:
-        """The deepest node a tree can hold: num_steps, or fewer where num_draft_tokens is smaller;
-        an accepted path is at most this long (catch-up pairs: the path + the bonus)."""
-        return min(self.num_steps, self.num_draft_tokens - 1)
+        """The deepest node a tree can hold: num_steps (or the n-gram branch's length where that
+        is longer), at most num_draft_tokens - 1; an accepted path is at most this long (catch-up
+        pairs: the path + the bonus)."""
+        return min(max(self.num_steps, self.ngram_branch), self.num_draft_tokens - 1)
+
+    @property
+    def slots_past_end(self) -> int:
+        """Cache slots a round writes past a sequence's committed tokens: the verify's nodes and
+        a draft phase's frontiers (the room a sequence keeps free at its end)."""
+        return self.num_draft_tokens + self.eagle_topk * self.num_steps
+
+    def label(self) -> str:
+        """num_steps/eagle_topk/num_draft_tokens, "+gK" with an n-gram branch of K."""
+        base = f"{self.num_steps}/{self.eagle_topk}/{self.num_draft_tokens}"
+        return base + (f"+g{self.ngram_branch}" if self.ngram_branch else "")
 
     @property
     def max_candidates(self) -> int:
@@ -76,22 +93,29 @@ class TreeConfig:
         10 MT-bench prompts, scripts/ab_cpu_linears.py --also-trees: 186 against 171 tokens/s,
         ahead in 3 of 3 rounds, 1.12x plain against 1.03x at τ 1.50 against 1.67; three runs
         interleaved by prompt agreed, 1.10-1.13x against 1.00-1.05x; with draft ahead still
-        ahead of 2/4/4)."""
+        ahead of 2/4/4).
+
+        On a CPU each tree also takes an n-gram branch of 4 (prompt lookup competing for the same
+        places: no more rows verified). Zen 4, 2 of each MT-bench category (16 prompts),
+        interleaved: bf16 2/4/6+g4 146.8 tokens/s against 2/4/6 128.9 (τ 2.135 against 1.836;
+        2/4/4+g4 137.1, 1/4/3+g4 130.9); int8 1/4/3+g4 232.8 against 1/4/3 208.9 (τ 1.742
+        against 1.529; 2/4/4+g4 225.3). A GPU keeps none until measured there."""
         if device_type != "cpu":
             return cls()
         if quantization == "int8":
-            return cls(1, 4, 3)
-        return cls(2, 4, 6) if dtype == "bf16" else cls(2, 4, 4)
+            return cls(1, 4, 3, ngram_branch=4)
+        return cls(2, 4, 6, ngram_branch=4) if dtype == "bf16" else cls(2, 4, 4, ngram_branch=4)
 
     @classmethod
     def from_flags(cls, num_steps: int | None, eagle_topk: int | None, num_draft_tokens: int | None,
-                   device_type: str, quantization: str = "none", dtype: str = "fp32") -> TreeConfig:
+                   device_type: str, quantization: str = "none", dtype: str = "fp32",
+                   ngram_branch: int | None = None) -> TreeConfig:
         """The tree flags given (None = not given), the device's default (default_for) for the
         others: what the server, the bench and the pipeline's bench run."""
         base = cls.default_for(device_type, quantization, dtype)
-        given = (num_steps, eagle_topk, num_draft_tokens)
-        return cls(*(g if g is not None else d
-                     for g, d in zip(given, (base.num_steps, base.eagle_topk, base.num_draft_tokens))))
+        given = (num_steps, eagle_topk, num_draft_tokens, ngram_branch)
+        return cls(*(g if g is not None else d for g, d in zip(
+            given, (base.num_steps, base.eagle_topk, base.num_draft_tokens, base.ngram_branch))))
 
 
 @dataclass
@@ -100,6 +124,51 @@ class DraftTree:
     parent: Tensor  # [B, N] parent node index (the root is its own parent)
     depth: Tensor  # [B, N] 0 for the root
     mask: Tensor  # [B, N, N] bool: node i sees node j iff j is i or one of its ancestors
+
+
+# The longest run of latest tokens ngram_lookup matches (it tries this many, then fewer).
+NGRAM_MAX = 4
+
+
+def ngram_lookup(history: Tensor, end: Tensor, length: int,
+                 max_ngram: int = NGRAM_MAX) -> tuple[Tensor, Tensor]:
+    """Prompt lookup (vLLM's ngram drafter, on-device): each row's `length` next tokens guessed
+    as what followed the latest earlier occurrence of its last n tokens, the longest n <= max_ngram
+    that occurs (down to 1). history [B, S]: each row's tokens (prompt and output) at 0..end[b],
+    the last one the root; what lies past end is never read. A match p tokens back continues
+    periodically past the known end (token i = the one p - i % p tokens back), so a loop of any
+    period is proposed whole. Returns the tokens [B, length] and the length n of each row's
+    match [B] (0: none, its root seen nowhere before; its tokens are then the root repeated)."""
+    B, S = history.shape
+    dev = history.device
+    start = torch.arange(S, device=dev)[None]  # [1, S] candidate window starts
+    # Padded so that every window slices S columns whatever S is (S is the traced kv length in a
+    # compiled round: a slice of S - n + 1 would add a guard S >= n); windows past end never count.
+    padded = torch.cat([history, history.new_zeros(B, max_ngram)], 1)
+    best = torch.full((B,), -1, dtype=torch.long, device=dev)
+    best_n = torch.zeros(B, dtype=torch.long, device=dev)
+    for n in range(max_ngram, 0, -1):
+        suffix = torch.gather(history, 1, (end[:, None] - n + 1 + torch.arange(n, device=dev)).clamp(min=0))
+        hit = start <= (end - n)[:, None]  # window j ends before the suffix's last token
+        for i in range(n):  # and matches: history[j + i] == suffix[i] for every i
+            hit &= padded[:, i:i + S] == suffix[:, i:i + 1]
+        latest = torch.where(hit, start, -1).amax(-1)
+        take = (best < 0) & (latest >= 0)
+        best, best_n = torch.where(take, latest, best), torch.where(take, n, best_n)
+    period = (end + 1 - best_n - best).clamp(min=1)  # the match's distance back (found rows)
+    steps = torch.arange(length, device=dev)[None]
+    idx = torch.where((best >= 0)[:, None], best[:, None] + best_n[:, None] + steps % period[:, None],
+                      end[:, None])
+    return torch.gather(history, 1, idx.clamp(max=S - 1)), best_n
+
+
+# How often a lookup's token was right, by the match's length n (rows 1-4) and the token's place
+# in the chain (columns), given the ones before it were: SmolLM2-135M-Instruct's greedy answers
+# (bf16, up to 256 tokens) to 64 prompts it wrote itself, not the bench's MT-bench ones
+# (13,667 answer tokens; `python scripts/calibrate_ngram.py`, results/ngram_hit_rate.json).
+# A chain's candidates score the sum of these logs, as the draft's the sum of its log-probs.
+NGRAM_HIT_RATE = ((0.21, 0.59, 0.74, 0.77), (0.56, 0.7, 0.76, 0.74), (0.7, 0.75, 0.73, 0.77),
+                  (0.88, 0.9, 0.92, 0.93))
 
 
 def ancestor_mask(parent: Tensor, max_depth: int) -> Tensor:
@@ -127,16 +196,19 @@ def draft_tree(
     prefix_len: Tensor,  # [B] committed tokens (= draft cache entries) per sequence
     kv_len: int,
     draft_to_target: Tensor | None,  # [V'] target ids of draft ids, None = identity
+    history: Tensor | None = None,  # [B, S] tokens so far, the root at prefix_len (ngram_branch)
 ) -> DraftTree:
     """Grow the EAGLE-2 tree: `num_steps - 1` draft forwards over a frontier of `eagle_topk`
     nodes; the frontier's nodes are written to the draft cache after the prefix, at
-    slot offsets (depth - 1) * topk + j."""
+    slot offsets (depth - 1) * topk + j. With cfg.ngram_branch, the lookup's chain from
+    `history` follows the draft's nodes."""
     B, K, dev = root.shape[0], cfg.eagle_topk, root.device
     to_target = (lambda ids: ids) if draft_to_target is None else (lambda ids: draft_to_target[ids])
     arK = torch.arange(K, device=dev)
 
     f_scores, f_ids = root_logp.float().topk(K, dim=-1)  # [B, K]
     f_tokens = to_target(f_ids)
+    f_tokens1 = f_tokens  # the depth-1 candidates' tokens
     scores, tokens = [f_scores], [f_tokens]
     parents = [torch.full((B, K), -1, device=dev, dtype=torch.long)]  # -1 = the root
     depths = [torch.ones(B, K, device=dev, dtype=torch.long)]
@@ -172,6 +244,10 @@ def draft_tree(
         anc = grown
         next_index += K * K
 
+    if cfg.ngram_branch:
+        if history is None:
+            raise ValueError("draft_tree: an ngram_branch needs the sequences' history")
+        ngram_candidates(cfg.ngram_branch, history, prefix_len, f_tokens1, scores, tokens, parents, depths)
     all_scores, all_tokens = torch.cat(scores, 1), torch.cat(tokens, 1)
     all_parents, all_depths = torch.cat(parents, 1), torch.cat(depths, 1)
     C, N = all_scores.shape[1], cfg.num_draft_tokens
@@ -184,7 +260,36 @@ def draft_tree(
     parent = torch.cat([zero, torch.gather(node_of, 1, torch.gather(all_parents, 1, chosen) + 1)], 1)
     depth = torch.cat([zero, torch.gather(all_depths, 1, chosen)], 1)
     tree_tokens = torch.cat([root[:, None], torch.gather(all_tokens, 1, chosen)], 1)
-    return DraftTree(tree_tokens, parent, depth, ancestor_mask(parent, cfg.num_steps))
+    return DraftTree(tree_tokens, parent, depth, ancestor_mask(parent, cfg.max_depth))
+
+
+def ngram_candidates(length: int, history: Tensor, prefix_len: Tensor, depth1_tokens: Tensor,
+                     scores: list[Tensor], tokens: list[Tensor], parents: list[Tensor],
+                     depths: list[Tensor]) -> None:
+    """Add the lookup's chain (ngram_lookup from the root at prefix_len) to draft_tree's candidate
+    lists as a branch of the root, scored by NGRAM_HIT_RATE. Where its first token is one of the
+    draft's depth-1 candidates (the first list's, scores[0]), the chain continues under that
+    one, whose score rises to the chain's if lower (so the parent still scores >= its child),
+    instead of a second node of the same token; rows without a match offer nothing (score -1e4,
+    never chosen over the draft's). Appends to the lists in place."""
+    B, dev = prefix_len.shape[0], prefix_len.device
+    chain, n = ngram_lookup(history, prefix_len, length)  # [B, length], [B]
+    rates = torch.tensor(NGRAM_HIT_RATE, device=dev).log()  # [4, 4]
+    place = torch.arange(length, device=dev).clamp(max=rates.shape[1] - 1)
+    ch_scores = rates[(n - 1).clamp(min=0)][:, place].cumsum(-1)  # [B, length]
+    ch_scores = torch.where((n > 0)[:, None], ch_scores, -1e4)
+    same = depth1_tokens == chain[:, :1]  # [B, K]: the draft's depth-1 node of the chain's first token
+    merged = same.any(-1)
+    scores[0] = torch.where(same, torch.maximum(scores[0], ch_scores[:, :1]), scores[0])
+    first = sum(s.shape[1] for s in scores)  # the chain's first candidate index
+    idx = torch.arange(length, device=dev)
+    parent = (first + idx - 1).expand(B, length).clone()
+    parent[:, 0] = -1
+    parent[:, 1:2] = torch.where(merged[:, None], same.float().argmax(-1, keepdim=True), parent[:, 1:2])
+    scores.append(torch.cat([torch.where(merged, -1e4, ch_scores[:, 0])[:, None], ch_scores[:, 1:]], 1))
+    tokens.append(chain)
+    parents.append(parent)
+    depths.append((idx + 1).expand(B, length))
 
 
 @dataclass
@@ -216,7 +321,8 @@ def accept_greedy(tree: DraftTree, target_logits: Tensor, max_depth: int) -> Acc
     ok = tree.tokens == torch.gather(pred, 1, tree.parent)
     ok[:, 0] = True
     on_good_path = ~(tree.mask & ~ok[:, None, :]).any(-1)  # every ancestor-or-self ok
-    # Siblings hold distinct tokens, so the good nodes form one chain: take its deepest.
+    # The draft's siblings hold distinct tokens, so its good nodes form one chain; an n-gram
+    # branch may repeat one of its tokens and form a second: the deepest good node wins.
     leaf = torch.where(on_good_path, tree.depth, -1).argmax(-1)
     n = torch.gather(tree.depth, 1, leaf[:, None])[:, 0]
     return Acceptance(_path_from_leaf(tree, leaf, max_depth), n, torch.gather(pred, 1, leaf[:, None])[:, 0])

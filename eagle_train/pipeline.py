@@ -424,8 +424,8 @@ def run_bench(cfg: DictConfig) -> dict | None:
     """A short end-of-pipeline benchmark of the trained head: plain vs speculative greedy decoding
     (eagle_infer.bench) on the first ``stage.bench.num_prompts`` MT-bench prompts with a small
     tree (the device's default for the dtype that runs, TreeConfig.default_for, where the config
-    leaves it null: on a CPU 2/4/6 in bf16, 2/4/4 in fp32). Writes ``<workdir>/bench.json``;
-    0 prompts = off."""
+    leaves it null: on a CPU 2/4/6 in bf16, 2/4/4 in fp32, with an n-gram branch of 4). Writes
+    ``<workdir>/bench.json``; 0 prompts = off."""
     import torch
 
     from eagle_infer.bench import bench_plain_and_spec, compile_default, load_prompts
@@ -460,7 +460,8 @@ def run_bench(cfg: DictConfig) -> dict | None:
     head = load_head_for(head_dir, model)
     given = [None if b.get(k) is None else int(b.get(k))
              for k in ("num_steps", "eagle_topk", "num_draft_tokens")]
-    tree = TreeConfig.from_flags(*given, torch.device(device).type, "none", dtype)
+    ngram = None if b.get("ngram_branch") is None else int(b.get("ngram_branch"))
+    tree = TreeConfig.from_flags(*given, torch.device(device).type, "none", dtype, ngram)
     new = int(b.max_new_tokens)
     compiled = compile_default(device) if str(b.get("compile", "auto")) == "auto" else bool(b.compile)
     t0 = time.perf_counter()
@@ -469,7 +470,9 @@ def run_bench(cfg: DictConfig) -> dict | None:
     tau = spec.stats.acceptance_length()
     report = {"head": str(head_dir), "init_from": OmegaConf.select(cfg, "train.init_from"),
               "prompts": f"MT-bench first turns 1..{len(prompts)}", "max_new_tokens": new,
-              "tree": [tree.num_steps, tree.eagle_topk, tree.num_draft_tokens], "dtype": dtype,
+              "tree": [tree.num_steps, tree.eagle_topk, tree.num_draft_tokens],
+              "ngram_branch": tree.ngram_branch,
+              "dtype": dtype,
               "device": device, "cpu": cpu_name(), "threads": torch.get_num_threads(), "compiled": compiled,
               "timing": "interleaved: each prompt plain and speculative, the order reversed every other one",
               "warmup_s": round(plain.warmup_s + spec.result.warmup_s, 1),
@@ -479,10 +482,9 @@ def run_bench(cfg: DictConfig) -> dict | None:
               "seconds": round(time.perf_counter() - t0, 1), "key": key}
     atomic_write_json(out, report)
     how = f", compiled steps ({report['warmup_s']} s of warm-up, not counted)" if compiled else ""
-    log(f"bench: {len(prompts)} MT-bench prompts x {new} tokens, tree {tree.num_steps}/{tree.eagle_topk}/"
-        f"{tree.num_draft_tokens}, {dtype} on {device} ({report['cpu']}, {report['threads']} threads{how}): "
-        f"plain {plain_tps:.1f} tok/s, speculative {spec_tps:.1f} tok/s = {report['speedup']}x, "
-        f"runtime tau {tau:.2f}; written to {out}")
+    log(f"bench: {len(prompts)} MT-bench prompts x {new} tokens, tree {tree.label()}, {dtype} on {device} "
+        f"({report['cpu']}, {report['threads']} threads{how}): plain {plain_tps:.1f} tok/s, "
+        f"speculative {spec_tps:.1f} tok/s = {report['speedup']}x, runtime tau {tau:.2f}; written to {out}")
     return report
 
 

@@ -22,9 +22,15 @@ EAGLE_FUSED_LAYERS=0 for that load).
     python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16 avx512_bf16:pylayers --tree 2 4 4
 
 `--also-trees` times more trees after `--tree` in every round, on the same model (one backend
-suffices to compare trees). `--also-separate` times each tree once more drafting at every
-round's start in a call of its own (SpecDecoder's draft_ahead=False) rather than at the end of
-the round before. Within a backend's round the methods (plain, each tree) take turns prompt by
+suffices to compare trees); `--also-ngram K ...` times them with n-gram branches of K
+(TreeConfig.ngram_branch), `--per-category N` on the first N prompts of each MT-bench category.
+
+    python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16 --tree 2 4 6 --also-ngram 4 6 \
+        --per-category 2
+
+`--also-separate` times each tree once more drafting at every round's start in a call of its
+own (SpecDecoder's draft_ahead=False) rather than at the end of the round before. Within a
+backend's round the methods (plain, each tree) take turns prompt by
 prompt, in alternating order (bench.time_interleaved), so the VM's drift weighs on all alike.
 
     python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16 --tree 2 4 4 --also-separate
@@ -47,6 +53,7 @@ from eagle_infer.bench import (
     machine_info,
     plain_decode_fn,
     spec_decode_fn,
+    spec_seq_len,
     time_interleaved,
     warm_up,
 )
@@ -110,6 +117,13 @@ def main() -> None:
     ap.add_argument("--tree", type=int, nargs=3, default=[3, 4, 4], metavar=("STEPS", "TOPK", "TOKENS"))
     ap.add_argument("--also-trees", type=int, nargs="*", default=[], metavar="STEPS TOPK TOKENS",
                     help="more trees (three numbers each) timed after --tree in every round")
+    ap.add_argument("--ngram-branch", type=int, default=0, metavar="K",
+                    help="--tree's n-gram branch (TreeConfig.ngram_branch)")
+    ap.add_argument("--also-ngram", type=int, nargs="*", default=[], metavar="K",
+                    help="also time --tree and each of --also-trees with each of these n-gram "
+                         "branches, named 'S/K/N+gK'")
+    ap.add_argument("--per-category", type=int, default=None, metavar="N",
+                    help="the first N MT-bench prompts of each category in place of --num-prompts")
     ap.add_argument("--also-separate", action="store_true",
                     help="also time every tree with its draft phase at each round's start "
                          "(draft_ahead=False), named 'S/K/N separate'")
@@ -119,14 +133,18 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tok = load_tokenizer(None)
-    prompts = load_prompts(None, args.num_prompts, tok)
-    tree = TreeConfig(*args.tree)
+    prompts = load_prompts(None, args.num_prompts, tok, args.per_category)
+    tree = TreeConfig(*args.tree, args.ngram_branch)
     if len(args.also_trees) % 3:
         ap.error("--also-trees takes three numbers a tree")
     also = {"/".join(map(str, t)): (TreeConfig(*t), True) for t in zip(*[iter(args.also_trees)] * 3)}
+    bases = [tree] + [t for t, _ in also.values()]
+    also.update({TreeConfig(t.num_steps, t.eagle_topk, t.num_draft_tokens, k).label():
+                 (TreeConfig(t.num_steps, t.eagle_topk, t.num_draft_tokens, k), True)
+                 for t in bases for k in args.also_ngram if k != t.ngram_branch})
     if args.also_separate:
         also.update({f"{name} separate": (t, False)
-                     for name, (t, _) in [("/".join(map(str, args.tree)), (tree, True)), *also.items()]})
+                     for name, (t, _) in [(tree.label(), (tree, True)), *also.items()]})
     runs = {}
     for b in args.backends:  # load, compile and warm every backend first
         backend, *off = b.split(":")
@@ -148,9 +166,12 @@ def main() -> None:
         # prompt; a round times them prompt by prompt in alternating order (time_interleaved)
         fns = {"plain": plain_decode_fn(model, args.max_new_tokens, compile_steps=True)}
         stats = {}
-        for name, (t, ahead) in [("spec", (tree, True)), *also.items()]:
+        trees = [("spec", (tree, True)), *also.items()]
+        seq_len = max(spec_seq_len(prompts, args.max_new_tokens, t) for _, (t, _) in trees)  # shared caches
+        for name, (t, ahead) in trees:
             fns[name], stats[name], _ = spec_decode_fn(model, head, prompts, args.max_new_tokens, t,
-                                                       compile_steps=True, draft_ahead=ahead)
+                                                       compile_steps=True, draft_ahead=ahead,
+                                                       max_seq_len=seq_len)
         warmup_s = {name: round(warm_up(fn, prompts), 2) for name, fn in fns.items()}
         runs[b] = {"also": {name: {"spec": [], "tau": None} for name in also},
                    "fns": fns, "stats": stats, "model": model, "attention": attention, "wrapper": wrapper,
@@ -184,8 +205,9 @@ def main() -> None:
                 run["also"][name]["tau"] = round(run["stats"][name].acceptance_length(), 3)
                 line += f", {name} {res[name].tokens_per_s:.1f} (tau {run['also'][name]['tau']})"
             print(line, flush=True)
-    out = {"machine": machine_info(args.dtype, "cpu"), "prompts": args.num_prompts,
-           "max_new_tokens": args.max_new_tokens, "tree": args.tree, "rounds": args.rounds, "backends": {}}
+    out = {"machine": machine_info(args.dtype, "cpu"), "prompts": len(prompts),
+           "per_category": args.per_category,
+           "max_new_tokens": args.max_new_tokens, "tree": tree.label(), "rounds": args.rounds, "backends": {}}
     for b, run in runs.items():
         plain, spec = statistics.median(run["plain"]), statistics.median(run["spec"])
         also_trees = {name: {"spec_tokens_per_s": round(statistics.median(a["spec"]), 2),

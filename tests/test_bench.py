@@ -53,13 +53,13 @@ def test_bench_speculative_report(tmp_path, default_model_fp32):
 def test_bench_batches_prompts(tmp_path, default_model_fp32):
     """--batch-size 2 over 3 prompts: calls of 2 and 1 prompts, speculative output equal to plain
     decoding of the same batches, transformers skipped; the tree flags not given take the CPU's
-    default tree (2/4/4, the server's), the one given overrides its part."""
+    default tree (2/4/4 with an n-gram branch of 4, the server's), the one given overrides its part."""
     save_random_head(default_model_fp32, tmp_path / "head")
     out = tmp_path / "bench.json"
     main(["--num-prompts", "3", "--batch-size", "2", "--max-new-tokens", "5", "--dtype", "fp32",
           "--draft", str(tmp_path / "head"), "--num-draft-tokens", "3", "--no-compile", "--json", str(out)])
     r = json.loads(out.read_text())
-    assert r["tree"] == {"num_steps": 2, "eagle_topk": 4, "num_draft_tokens": 3}
+    assert r["tree"] == {"num_steps": 2, "eagle_topk": 4, "num_draft_tokens": 3, "ngram_branch": 4}
     assert r["settings"]["batch_size"] == 2 and r["hf_tokens_per_s"] is None
     plain = r["methods"]["plain"]
     assert [b["tokens"] for b in plain["per_batch"]] == [10, 5] and plain["tokens"] == 15

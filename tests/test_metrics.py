@@ -55,7 +55,7 @@ def app(default_model_fp32, default_model_dir):
     tree = TreeConfig.default_for("cpu")
     head = load_head_for(REPO / "heads/SmolLM2-135M-Instruct-eagle3", default_model_fp32)
     decoder = SpecDecoder(default_model_fp32, head, tree, max_batch=4, max_seq_len=512)
-    depth = min(tree.num_steps, tree.num_draft_tokens - 1)
+    depth = tree.max_depth
     engine = Engine(decoder, load_tokenizer(default_model_dir), Metrics(depth, MODEL), speculative=True)
     tok = load_tokenizer(default_model_dir)
     eos = set(default_model_fp32.config.eos_token_ids) | {tok.eos_token_id}

@@ -482,18 +482,22 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
     assert args.dtype == "auto"
     # No tree flag: the device's tree; a flag given overrides only its own field.
     assert server.resolve_tree(args, "cuda") == server.TreeConfig(5, 4, 16)
-    assert server.resolve_tree(args, "cpu") == server.TreeConfig(2, 4, 4)  # fp32
-    assert server.resolve_tree(args, "cpu", "bf16") == server.TreeConfig(2, 4, 6)
+    assert server.resolve_tree(args, "cpu") == server.TreeConfig(2, 4, 4, ngram_branch=4)  # fp32
+    assert server.resolve_tree(args, "cpu", "bf16") == server.TreeConfig(2, 4, 6, ngram_branch=4)
     int8 = server.build_parser().parse_args(["--quantization", "int8"])
-    assert server.resolve_tree(int8, "cpu", "bf16") == server.TreeConfig(1, 4, 3)
+    assert server.resolve_tree(int8, "cpu", "bf16") == server.TreeConfig(1, 4, 3, ngram_branch=4)
     one = server.build_parser().parse_args(["--speculative-num-draft-tokens", "8"])
-    assert server.resolve_tree(one, "cpu") == server.TreeConfig(2, 4, 8)
+    assert server.resolve_tree(one, "cpu") == server.TreeConfig(2, 4, 8, ngram_branch=4)
+    off = server.build_parser().parse_args(["--speculative-ngram-branch", "0"])
+    assert server.resolve_tree(off, "cpu", "bf16") == server.TreeConfig(2, 4, 6)
+    gpu = server.build_parser().parse_args(["--speculative-ngram-branch", "6"])
+    assert server.resolve_tree(gpu, "cuda") == server.TreeConfig(5, 4, 16, ngram_branch=6)
     # Rounds without drafts above 2 running requests on a CPU (1 with int8 weights), never on a GPU
     assert server.resolve_disable_by_batch_size(args, "cpu") == 2
     assert server.resolve_disable_by_batch_size(args, "cuda") is None
     int8 = server.build_parser().parse_args(["--quantization", "int8"])
     assert server.resolve_disable_by_batch_size(int8, "cpu") == 1
-    assert server.resolve_tree(int8, "cpu") == server.TreeConfig(1, 4, 3)  # int8: one draft step
+    assert server.resolve_tree(int8, "cpu") == server.TreeConfig(1, 4, 3, ngram_branch=4)  # int8: one step
     assert server.resolve_tree(int8, "cuda") == server.TreeConfig(5, 4, 16)
     given = server.build_parser().parse_args(["--speculative-disable-by-batch-size", "8"])
     assert server.resolve_disable_by_batch_size(given, "cpu") == 8

@@ -20,12 +20,17 @@ from eagle_infer.heads import DraftHead, HeadConfig
 from eagle_infer.model import ModelConfig, Transformer
 from eagle_infer.sampling import SamplingParams, logits_to_probs
 from eagle_infer.speculative import SpecDecoder, SpecStats, generate_speculative
-from eagle_infer.tree import DraftTree, TreeConfig, accept_greedy, ancestor_mask, draft_tree
+from eagle_infer.tree import DraftTree, TreeConfig, accept_greedy, ancestor_mask, draft_tree, ngram_lookup
 
 torch.set_num_threads(1)  # tiny models: threads only add latency (and thrash on a busy machine)
 
 TREES = [TreeConfig(), TreeConfig.chain(4), TreeConfig(num_steps=3, eagle_topk=2, num_draft_tokens=6),
-         TreeConfig(num_steps=6, eagle_topk=8, num_draft_tokens=32)]
+         TreeConfig(num_steps=6, eagle_topk=8, num_draft_tokens=32), TreeConfig(2, 4, 6, ngram_branch=4)]
+
+
+def tree_id(t: TreeConfig) -> str:
+    return f"s{t.num_steps}k{t.eagle_topk}n{t.num_draft_tokens}" + (
+        f"g{t.ngram_branch}" if t.ngram_branch else "")
 
 
 def tiny_target(vocab: int = 96, layers: int = 2, seed: int = 0, silent: bool = False) -> Transformer:
@@ -73,7 +78,7 @@ def prompts_for(vocab: int, lens=(5, 11, 3, 17), seed: int = 3) -> list[list[int
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
 
 
-@pytest.mark.parametrize("tree", TREES, ids=lambda t: f"s{t.num_steps}k{t.eagle_topk}n{t.num_draft_tokens}")
+@pytest.mark.parametrize("tree", TREES, ids=tree_id)
 @pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
 def test_greedy_identical_random_head(kind, tree):
     target = tiny_target(layers=3)
@@ -84,10 +89,10 @@ def test_greedy_identical_random_head(kind, tree):
     assert spec == plain
     for p, ref in zip(prompts, plain):  # batch 1
         assert generate_speculative(target, head, [p], 40, tree=tree)[0][0] == ref
-    assert 1.0 <= stats.acceptance_length() <= tree.num_steps + 1
+    assert 1.0 <= stats.acceptance_length() <= tree.max_depth + 1
 
 
-@pytest.mark.parametrize("tree", TREES, ids=lambda t: f"s{t.num_steps}k{t.eagle_topk}n{t.num_draft_tokens}")
+@pytest.mark.parametrize("tree", TREES, ids=tree_id)
 def test_oracle_head_accepts_whole_paths(tree):
     target = tiny_target(layers=1, silent=True)
     head = oracle_head(target)
@@ -208,19 +213,97 @@ def test_accept_greedy_walks_the_matching_branch():
     assert acc.bonus.tolist() == [11]
 
 
+def test_ngram_lookup_proposes_what_followed_the_latest_match():
+    junk = [99] * 4  # past each row's end: never read
+    history = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 99] + junk,  # "5 6 7" seen 4 back: 8 5 6 7 8
+                            [1, 2, 9, 1, 2, 8, 1, 2] + junk,  # "1 2" latest 3 back: 8 1 2 8 1
+                            [1, 2, 3, 4, 0, 0, 0, 0] + junk])  # the root 4 seen nowhere before
+    chain, n = ngram_lookup(history, torch.tensor([6, 7, 3]), 5)
+    assert n.tolist() == [3, 2, 0]
+    assert chain.tolist() == [[8, 5, 6, 7, 8], [8, 1, 2, 8, 1], [4, 4, 4, 4, 4]]
+
+
+def draft_with_loop(root_logp: torch.Tensor, cfg: TreeConfig) -> DraftTree:
+    """draft_tree over the history 3 4 5 6 3 4 5 6 3 4 5 (a loop: the lookup's chain 6 3 4 5 from
+    a match of 4) with the root's log-probs given and a draft step that knows nothing."""
+    V, h = root_logp.shape[-1], 8
+
+    def step(tokens, feat, pos, mask, slots):
+        return torch.zeros(*tokens.shape, V), torch.zeros(*tokens.shape, h)
+    history = torch.tensor([[3, 4, 5, 6] * 2 + [3, 4, 5] + [0] * 8])
+    return draft_tree(cfg, step, torch.tensor([5]), root_logp, torch.zeros(1, h), torch.tensor([10]), 32,
+                      None, history)
+
+
+def tree_paths(tree: DraftTree) -> set[tuple[int, ...]]:
+    """Each node's tokens from the root's child down to it."""
+    par, tok = tree.parent[0].tolist(), tree.tokens[0].tolist()
+    paths = set()
+    for i in range(1, len(par)):
+        path, j = [], i
+        while j:
+            path.append(tok[j])
+            j = par[j]
+        paths.add(tuple(reversed(path)))
+    return paths
+
+
+def test_ngram_branch_competes_for_places_and_merges_with_the_draft():
+    """A loop's chain (0.87-0.9 a token) outscores a weak draft's nodes (log-prob -2) and takes
+    four of the five places as a path from the root; where the draft's depth-1 nodes hold its
+    first token, the chain continues under that node (no second child of the same token)."""
+    cfg = TreeConfig(2, 4, 6, ngram_branch=4)
+    weak = torch.full((1, 20), -10.0)
+    weak[0, 10:14] = -2.0  # the draft's four: tokens 10-13
+    tree = draft_with_loop(weak, cfg)
+    assert tree.tokens.shape == (1, 6)
+    assert {(6, 3, 4, 5)} <= tree_paths(tree) and len(tree_paths(tree)) == 5
+    assert sorted(tree.depth[0].tolist()) == [0, 1, 1, 2, 3, 4]
+    assert torch.equal(tree.mask, ancestor_mask(tree.parent, cfg.max_depth))
+    likes_6 = weak.clone()
+    likes_6[0, 6] = -0.5  # the draft's best depth-1 node is the chain's first token
+    tree = draft_with_loop(likes_6, cfg)
+    paths = tree_paths(tree)
+    assert (6, 3, 4, 5) in paths
+    assert sum(1 for p in paths if p == (6,)) == 1  # one node of 6 at depth 1, the chain under it
+    assert sum(1 for p in paths if len(p) == 1) == 2  # and one draft node: 10, 11 or 12
+    untouched = draft_with_loop(weak, TreeConfig(2, 4, 6))
+    assert not any(6 in p for p in tree_paths(untouched))
+
+
+def test_ngram_branch_is_lossless_and_accepts_loops():
+    """A target whose next token depends on the current one only falls into loops; a head that
+    knows nothing accepts ~nothing, the lookup's chain whole loops: the same tokens either way."""
+    target = tiny_target(layers=1, silent=True)
+    head = random_head(target, "eagle2")
+    prompts = prompts_for(target.config.vocab_size)
+    plain = generate(target, prompts, 60)
+    base, base_stats = generate_speculative(target, head, prompts, 60, tree=TreeConfig(2, 4, 6))
+    out, stats = generate_speculative(target, head, prompts, 60, tree=TreeConfig(2, 4, 6, ngram_branch=4))
+    assert base == out == plain
+    assert stats.acceptance_length() > base_stats.acceptance_length() + 1.0, (stats, base_stats)
+    assert stats.accepted_hist[4] > 0  # whole chains, deeper than the draft's two steps
+
+
 def test_tree_config_refuses_impossible_sizes():
     with pytest.raises(UserError, match="num_draft_tokens"):
         TreeConfig(num_steps=2, eagle_topk=1, num_draft_tokens=8)
     with pytest.raises(UserError):
         TreeConfig(num_steps=0)
+    with pytest.raises(UserError, match="ngram_branch >= 0"):
+        TreeConfig(2, 4, 6, ngram_branch=-1)
+    assert TreeConfig(2, 4, 6, ngram_branch=8).max_depth == 5  # at most num_draft_tokens - 1
 
 
-@pytest.mark.parametrize("tree", [TreeConfig(3, 2, 6), TreeConfig(1, 4, 3)], ids=["s3k2n6", "s1k4n3"])
+@pytest.mark.parametrize("tree", [TreeConfig(3, 2, 6), TreeConfig(1, 4, 3), TreeConfig(2, 3, 6, 4)],
+                         ids=tree_id)
 def test_draft_ahead_equals_drafting_at_each_rounds_start(tree):
     """A round drafts the next round's tree at its end (draft ahead): the same trees as a draft
     phase at each round's start, so the same tokens and acceptance, with sequences joining
     between rounds, finishing (their rows move), greedy and sampled rows together (a sampled
-    round's rest runs apart from its verify). Only rounds after a join draft at their start."""
+    round's rest runs apart from its verify). Only rounds after a join draft at their start.
+    With an n-gram branch the lookup reads the history the round before wrote in its graph
+    (ahead) or the decoder's own copy (at the start)."""
     target = tiny_target(layers=1, silent=True)
     head = oracle_head(target, noise=0.5)  # accepts some drafts: a stale or misplaced tree would show
     prompts = prompts_for(target.config.vocab_size)
@@ -330,14 +413,17 @@ def test_plain_rounds_defer_the_heads_catch_up():
     assert [s.output for s in seqs] == plain
 
 
-@pytest.mark.parametrize("settings,disable", [
-    (dict(temperature=1.0), None), (dict(temperature=0.8, top_k=5), None),
-    (dict(temperature=1.2, top_p=0.7), None), (dict(temperature=1.0), 0),
-], ids=["t1", "topk", "topp", "t1-plain"])
-def test_sampling_matches_target_distribution(settings, disable):
+@pytest.mark.parametrize("settings,disable,ngram", [
+    (dict(temperature=1.0), None, 0), (dict(temperature=0.8, top_k=5), None, 0),
+    (dict(temperature=1.2, top_p=0.7), None, 0), (dict(temperature=1.0), 0, 0),
+    (dict(temperature=1.0), None, 3),
+], ids=["t1", "topk", "topp", "t1-plain", "t1-ngram"])
+def test_sampling_matches_target_distribution(settings, disable, ngram):
     """The 2nd and 3rd tokens (the first produced by tree verification) follow the target's
     exact marginal distribution (chi-square, p > 0.01); also where every round is a plain round
-    (disable_by_batch_size 0: the root alone, its bonus drawn from the target)."""
+    (disable_by_batch_size 0: the root alone, its bonus drawn from the target), and with an
+    n-gram branch (the prompt's tokens recur in 12: its chain, a deterministic draft too, often
+    repeats a token of the draft's, a second child of the same token)."""
     V = 12
     target = tiny_target(vocab=V, layers=1, seed=5)
     head = oracle_head(target, noise=0.5)
@@ -346,7 +432,7 @@ def test_sampling_matches_target_distribution(settings, disable):
     params = [SamplingParams(seed=1000 + i, **settings) for i in range(n)]
     outs = []
     batch = 250
-    dec = SpecDecoder(target, head, TreeConfig(3, 3, 8), max_batch=batch, max_seq_len=64,
+    dec = SpecDecoder(target, head, TreeConfig(3, 3, 8, ngram), max_batch=batch, max_seq_len=64,
                       disable_by_batch_size=disable)
     for i in range(0, n, batch):
         outs += generate_speculative(target, head, [prompt] * batch, 3, params[i:i + batch],
