@@ -649,15 +649,23 @@ def time_draft_lm_head(head, repeats: int = 50) -> float:
     return (time.perf_counter() - t0) / repeats
 
 
-def sweep_trees(steps: Sequence[int], topks: Sequence[int], sizes: Sequence[int]) -> list[TreeConfig]:
-    """The grid of valid tree settings (chain drafting is eagle_topk = 1)."""
+def tree_tag(t: TreeConfig) -> str:
+    """s{num_steps}k{eagle_topk}n{num_draft_tokens}, then g{ngram_branch} where there is one: a
+    speculative method's name in the report ("spec " + this) and in the sweep's plot."""
+    tag = f"s{t.num_steps}k{t.eagle_topk}n{t.num_draft_tokens}"
+    return tag + (f"g{t.ngram_branch}" if t.ngram_branch else "")
+
+
+def sweep_trees(steps: Sequence[int], topks: Sequence[int], sizes: Sequence[int],
+                ngram_branch: int = 0) -> list[TreeConfig]:
+    """The grid of valid tree settings (chain drafting is eagle_topk = 1), each with ngram_branch."""
     out = []
     for s_ in steps:
         for k in topks:
             for n in sizes:
                 n_eff = min(n, s_ + 1) if k == 1 else n
                 try:
-                    t = TreeConfig(num_steps=s_, eagle_topk=k, num_draft_tokens=n_eff)
+                    t = TreeConfig(s_, k, n_eff, ngram_branch)
                 except UserError:
                     continue
                 if t not in out:
@@ -671,7 +679,7 @@ def plot_sweep(runs: Sequence[SpecRun], plain_tps: float, path: str | os.PathLik
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"s{r.tree.num_steps}k{r.tree.eagle_topk}n{r.tree.num_draft_tokens}" for r in runs]
+    labels = [tree_tag(r.tree) for r in runs]
     fig, ax = plt.subplots(1, 2, figsize=(max(8, len(runs) * 0.6), 4))
     ax[0].bar(labels, [r.result.tokens_per_s / plain_tps for r in runs])
     ax[0].axhline(1.0, color="gray", lw=1)
@@ -822,12 +830,11 @@ def main(argv: list[str] | None = None) -> dict:
             from eagle_train.tokenmap import load_token_map
 
             head.set_token_map(load_token_map(args.token_map, model.config.vocab_size))
-        trees = [main_tree] + ([t for t in sweep_trees(args.sweep_steps, args.sweep_topk,
-                                                        args.sweep_draft_tokens) if t != main_tree]
+        grid = sweep_trees(args.sweep_steps, args.sweep_topk, args.sweep_draft_tokens, main_tree.ngram_branch)
+        trees = [main_tree] + ([t for t in grid if t != main_tree]
                                if args.sweep else [])
         for t in trees:
-            label = f"spec s{t.num_steps}k{t.eagle_topk}n{t.num_draft_tokens}" + (
-                f"g{t.ngram_branch}" if t.ngram_branch else "")
+            label = f"spec {tree_tag(t)}"
             spec_runs.append(bench_spec(model, head, prompts, args.max_new_tokens, t, ignore_eos, params,
                                         compile_steps, name=label, batch_size=B,
                                         disable_by_batch_size=args.speculative_disable_by_batch_size,

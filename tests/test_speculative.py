@@ -14,6 +14,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from eagle_infer.bench import tree_tag
 from eagle_infer.errors import UserError
 from eagle_infer.generate import generate
 from eagle_infer.heads import DraftHead, HeadConfig
@@ -28,9 +29,7 @@ TREES = [TreeConfig(), TreeConfig.chain(4), TreeConfig(num_steps=3, eagle_topk=2
          TreeConfig(num_steps=6, eagle_topk=8, num_draft_tokens=32), TreeConfig(2, 4, 6, ngram_branch=4)]
 
 
-def tree_id(t: TreeConfig) -> str:
-    return f"s{t.num_steps}k{t.eagle_topk}n{t.num_draft_tokens}" + (
-        f"g{t.ngram_branch}" if t.ngram_branch else "")
+tree_id = tree_tag
 
 
 def tiny_target(vocab: int = 96, layers: int = 2, seed: int = 0, silent: bool = False) -> Transformer:
