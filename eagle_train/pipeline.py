@@ -526,7 +526,9 @@ def summarize(cfg: DictConfig, bench: dict | None) -> None:
     msg = f"result: head {cfg.head_dir}, {origin}; held-out chain tau " + (f"{tau:.3f}" if tau else "n/a")
     if bench is not None:
         msg += (f"; runtime tau {bench['acceptance_length']:.2f} and speedup {bench['speedup']}x vs plain "
-                f"(tree {'/'.join(map(str, bench['tree']))}, {bench['dtype']}, {bench['cpu']})")
+                f"(tree {'/'.join(map(str, bench['tree']))}"
+                + (f" with an n-gram branch of {bench['ngram_branch']}" if bench.get("ngram_branch") else "")
+                + f", {bench['dtype']}, {bench['cpu']})")
     log(msg)
 
 

@@ -133,9 +133,10 @@ def spec_entry(r: dict) -> dict:
 
 def run_ours(args: argparse.Namespace, head: Path | None, tree: tuple[int, int, int] | str | None = None,
              quantization: str = "none") -> dict:
-    """Our bench on the same prompts and settings (plain; chain drafting with the same k, or
-    the draft tree `tree` = (num_steps, eagle_topk, num_draft_tokens), or "default": no tree
-    flags, so the bench takes the tree a server runs with that quantization); quantization
+    """Our bench on the same prompts and settings (plain; chain drafting with the same k and no
+    n-gram branch, or the draft tree `tree` = (num_steps, eagle_topk, num_draft_tokens), or
+    "default": no tree flags, so the bench takes the tree a server runs with that quantization,
+    n-gram branch included); quantization
     "int8": our target with int8 weights (vLLM's runs stay unquantized)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ours.json"
@@ -150,6 +151,8 @@ def run_ours(args: argparse.Namespace, head: Path | None, tree: tuple[int, int, 
                 k = args.num_speculative_tokens
                 steps, topk, n = tree or (k, 1, k + 1)
                 cmd += ["--num-steps", str(steps), "--eagle-topk", str(topk), "--num-draft-tokens", str(n)]
+            if tree is None:  # chain drafting as vLLM's, without the CPU default's n-gram branch
+                cmd += ["--ngram-branch", "0"]
         if args.stop_at_eos:
             cmd.append("--stop-at-eos")
         subprocess.run(cmd, check=True, cwd=ROOT)
