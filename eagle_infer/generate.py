@@ -178,8 +178,8 @@ def compiled_kv_len(needed: int, max_seq_len: int, mode: str | None) -> int:
 
 
 def mark_kv_dynamic(mask: torch.Tensor, max_seq_len: int) -> None:
-    """Trace the mask's last dimension, the kv length, as a symbol in [2, max_seq_len - 1], so
-    one graph serves every length below the full cache. Measured in one process on the AMD EPYC
+    """Trace the mask's last dimension, the kv length, as a symbol (below max_seq_len), so one
+    graph serves every length below the full cache. Measured in one process on the AMD EPYC
     (AVX512-BF16, 2 threads, bf16, plain step, a capture job sharing the cores): the same logits
     as the static graphs at kv 128 / 256 / 512 / 1024, one compile of 16 s instead of four of
     43-65 s; on idle cores the bench's tokens/s are the same as with static graphs (README).
@@ -187,10 +187,11 @@ def mark_kv_dynamic(mask: torch.Tensor, max_seq_len: int) -> None:
     whole, contiguous tensor, which the graph's guards tell apart): it compiles once if reached."""
     if mask.shape[-1] >= max_seq_len:
         return
-    if mask.is_cuda:  # Inductor's CUDA kernels guard kv % 8 == 0, which a range would violate
-        torch._dynamo.maybe_mark_dynamic(mask, mask.dim() - 1)
-    else:
-        torch._dynamo.mark_dynamic(mask, mask.dim() - 1, min=2, max=max_seq_len - 1)
+    # maybe_mark_dynamic, not mark_dynamic's declared range: a graph compiled (and cached on disk)
+    # by a run with a shorter cache carries a guard kv <= its length; loaded by a run with a longer
+    # one, it broke a declared range with a ConstraintViolationError, where it now just misses.
+    # (CUDA: Inductor's kernels also guard kv % 8 == 0, which a range would violate.)
+    torch._dynamo.maybe_mark_dynamic(mask, mask.dim() - 1)
 
 
 def compiled_cache_rows(max_batch: int, max_bs: int) -> int:
