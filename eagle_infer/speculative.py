@@ -5,9 +5,11 @@ State per active sequence (row r of both caches; rows 0..B-1 are the active ones
     root[r]     the next token, already sampled from the target, not yet in either cache
     root_g[r]   the draft's feature after the root;  root_logp[r]: its log-probs [V']
     pending_*[r] pairs of rounds without drafts the draft has not caught up on yet (pending_n[r])
+    history[r]  its tokens in slot order, the root at L[r]: where the n-gram branch looks up
 
 A round (`SpecDecoder.step`), for all active rows at once:
-    draft_tree  -> tree of num_draft_tokens nodes (root first)           num_steps-1 draft calls
+    draft_tree  -> tree of num_draft_tokens nodes (root first; the draft's candidates and the
+                   n-gram branch's compete for them)                     num_steps-1 draft calls
     verify      -> one target forward over the tree, logits + features   1 target call
     accept      -> accepted path + bonus token (greedy or lossless rejection sampling)
     commit      -> keep the path's target KV; draft catch-up on the path  1 draft call
@@ -411,7 +413,7 @@ class SpecDecoder:
         distributions probs [B, N, V] with the uniforms u (tree.sampling_uniforms), commit and
         the draft's catch-up, one graph when compiled. hidden: the verify's states (target_layers).
         Returns (path [B, D+1], n [B], bonus [B], path tokens [B, D+1], the next root's draft
-        feature [B, h] and log-probs [B, V'], history [B, S] (_commit))."""
+        feature [B, h] and log-probs [B, V'], history (_commit))."""
         tree = DraftTree(tokens, parent, depth, tree_mask)
         acc = walk_sampling(tree, probs, u, self.tree.max_depth)
         next_tokens, feats, path_tokens, history = self._commit(tokens, acc, hidden, L, history)

@@ -294,7 +294,7 @@ def ngram_candidates(length: int, history: Tensor, prefix_len: Tensor, depth1_to
 
 @dataclass
 class Acceptance:
-    path: Tensor  # [B, num_steps + 1] accepted node indices from the root, padded with the last
+    path: Tensor  # [B, max_depth + 1] accepted node indices from the root, padded with the last
     n_accepted: Tensor  # [B] accepted draft tokens (the root not counted)
     bonus: Tensor  # [B] the target's next token after the accepted path
 
