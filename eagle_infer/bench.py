@@ -742,9 +742,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--eagle-topk", type=int, default=None, help=tree_help)
     sp.add_argument("--num-draft-tokens", type=int, default=None, help=tree_help)
     sp.add_argument("--ngram-branch", type=int, default=None, metavar="K",
-                    help="K more tree nodes a round: a chain off the root proposed by prompt lookup "
-                         "(what followed the latest earlier occurrence of the sequence's last tokens); "
-                         "0 = none; default: the device's, the server's: 4 on a CPU, 0 on a GPU")
+                    help="prompt lookup in the tree: up to K tokens that followed the latest earlier "
+                         "occurrence of the sequence's last tokens compete with the draft's for the "
+                         "tree's places (0 = none); default: the device's, the server's: 4 on a CPU, "
+                         "0 on a GPU")
     sp.add_argument("--token-map", default=None, help="FR-Spec token map for an EAGLE-2 head")
     sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     sp.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -830,9 +831,9 @@ def main(argv: list[str] | None = None) -> dict:
             from eagle_train.tokenmap import load_token_map
 
             head.set_token_map(load_token_map(args.token_map, model.config.vocab_size))
-        grid = sweep_trees(args.sweep_steps, args.sweep_topk, args.sweep_draft_tokens, main_tree.ngram_branch)
-        trees = [main_tree] + ([t for t in grid if t != main_tree]
-                               if args.sweep else [])
+        grid = sweep_trees(args.sweep_steps, args.sweep_topk, args.sweep_draft_tokens,
+                           main_tree.ngram_branch) if args.sweep else []
+        trees = [main_tree] + [t for t in grid if t != main_tree]
         for t in trees:
             label = f"spec {tree_tag(t)}"
             spec_runs.append(bench_spec(model, head, prompts, args.max_new_tokens, t, ignore_eos, params,

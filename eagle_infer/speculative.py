@@ -517,15 +517,16 @@ class SpecDecoder:
         lens = torch.tensor([len(s.prompt) for s in seqs], device=dev)
         P = int(lens.max())
         firsts, hidden = prefill_rows(self.target, seqs, row0, self.kv_len(P), self.layers)
-        # Draft pairs (feature_i, token_{i+1}): the prompt shifted left, then the first token.
+        # Draft pairs (feature_i, token_{i+1}): the prompt shifted left, then the first token; the
+        # history: the prompt, then the first token (the root).
         nxt = torch.zeros(k, P, dtype=torch.long, device=dev)
         for i, (s, first) in enumerate(zip(seqs, firsts)):
-            nxt[i, :len(s.prompt)] = torch.tensor(s.prompt[1:] + [first], dtype=torch.long)
+            ids = torch.tensor(s.prompt + [first], dtype=torch.long)
+            nxt[i, :len(s.prompt)] = ids[1:]
+            self.history[row0 + i, :len(ids)] = ids
         zero = torch.zeros(k, dtype=torch.long, device=dev)
         self._draft_extend(row0, nxt, self.head.project(hidden), zero, lens, self.kv_len(P))
         self.L[row0:row0 + k], self.root[row0:row0 + k] = lens, torch.tensor(firsts, device=dev)
-        for i, (s, first) in enumerate(zip(seqs, firsts)):
-            self.history[row0 + i, :len(s.prompt) + 1] = torch.tensor(s.prompt + [first], dtype=torch.long)
         self.pending_n[row0:row0 + k] = 0
         for s in seqs:
             s.cached = len(s.prompt)

@@ -208,7 +208,6 @@ def draft_tree(
 
     f_scores, f_ids = root_logp.float().topk(K, dim=-1)  # [B, K]
     f_tokens = to_target(f_ids)
-    f_tokens1 = f_tokens  # the depth-1 candidates' tokens
     scores, tokens = [f_scores], [f_tokens]
     parents = [torch.full((B, K), -1, device=dev, dtype=torch.long)]  # -1 = the root
     depths = [torch.ones(B, K, device=dev, dtype=torch.long)]
@@ -247,7 +246,7 @@ def draft_tree(
     if cfg.ngram_branch:
         if history is None:
             raise ValueError("draft_tree: an ngram_branch needs the sequences' history")
-        ngram_candidates(cfg.ngram_branch, history, prefix_len, f_tokens1, scores, tokens, parents, depths)
+        ngram_candidates(cfg.ngram_branch, history, prefix_len, scores, tokens, parents, depths)
     all_scores, all_tokens = torch.cat(scores, 1), torch.cat(tokens, 1)
     all_parents, all_depths = torch.cat(parents, 1), torch.cat(depths, 1)
     C, N = all_scores.shape[1], cfg.num_draft_tokens
@@ -263,12 +262,11 @@ def draft_tree(
     return DraftTree(tree_tokens, parent, depth, ancestor_mask(parent, cfg.max_depth))
 
 
-def ngram_candidates(length: int, history: Tensor, prefix_len: Tensor, depth1_tokens: Tensor,
-                     scores: list[Tensor], tokens: list[Tensor], parents: list[Tensor],
-                     depths: list[Tensor]) -> None:
+def ngram_candidates(length: int, history: Tensor, prefix_len: Tensor, scores: list[Tensor],
+                     tokens: list[Tensor], parents: list[Tensor], depths: list[Tensor]) -> None:
     """Add the lookup's chain (ngram_lookup from the root at prefix_len) to draft_tree's candidate
     lists as a branch of the root, scored by NGRAM_HIT_RATE. Where its first token is one of the
-    draft's depth-1 candidates (the first list's, scores[0]), the chain continues under that
+    draft's depth-1 candidates (the lists' first entries, tokens[0]), the chain continues under that
     one, whose score rises to the chain's if lower (so the parent still scores >= its child),
     instead of a second node of the same token; rows without a match offer nothing (score -1e4,
     never chosen over the draft's). Appends to the lists in place."""
@@ -278,7 +276,7 @@ def ngram_candidates(length: int, history: Tensor, prefix_len: Tensor, depth1_to
     place = torch.arange(length, device=dev).clamp(max=rates.shape[1] - 1)
     ch_scores = rates[(n - 1).clamp(min=0)][:, place].cumsum(-1)  # [B, length]
     ch_scores = torch.where((n > 0)[:, None], ch_scores, -1e4)
-    same = depth1_tokens == chain[:, :1]  # [B, K]: the draft's depth-1 node of the chain's first token
+    same = tokens[0] == chain[:, :1]  # [B, K]: the draft's depth-1 node of the chain's first token
     merged = same.any(-1)
     scores[0] = torch.where(same, torch.maximum(scores[0], ch_scores[:, :1]), scores[0])
     first = sum(s.shape[1] for s in scores)  # the chain's first candidate index

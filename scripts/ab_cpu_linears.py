@@ -42,6 +42,7 @@ import argparse
 import json
 import os
 import statistics
+from dataclasses import replace
 from unittest import mock
 
 import torch
@@ -137,11 +138,10 @@ def main() -> None:
     tree = TreeConfig(*args.tree, args.ngram_branch)
     if len(args.also_trees) % 3:
         ap.error("--also-trees takes three numbers a tree")
-    also = {"/".join(map(str, t)): (TreeConfig(*t), True) for t in zip(*[iter(args.also_trees)] * 3)}
-    bases = [tree] + [t for t, _ in also.values()]
-    also.update({TreeConfig(t.num_steps, t.eagle_topk, t.num_draft_tokens, k).label():
-                 (TreeConfig(t.num_steps, t.eagle_topk, t.num_draft_tokens, k), True)
-                 for t in bases for k in args.also_ngram if k != t.ngram_branch})
+    also_trees = [TreeConfig(*t) for t in zip(*[iter(args.also_trees)] * 3)]
+    with_ngram = [replace(t, ngram_branch=k) for t in [tree, *also_trees] for k in args.also_ngram
+                  if k != t.ngram_branch]
+    also = {t.label(): (t, True) for t in also_trees + with_ngram}
     if args.also_separate:
         also.update({f"{name} separate": (t, False)
                      for name, (t, _) in [(tree.label(), (tree, True)), *also.items()]})
