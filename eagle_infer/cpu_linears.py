@@ -4,9 +4,10 @@ GEMM template on frozen weights (compile_settings), eager calls (prefill, uncomp
 as "onednn" does; and "avx2": calls of up to AVX2_MAX_ROWS rows, eager and compiled, run our
 kernel (kernels/avx2_linear.cpp: the template's register block with the weight stream
 prefetched), larger ones torch's; "avx512_bf16": bf16 calls of up to BF16_MAX_ROWS rows, eager
-and compiled, run kernels/bf16_linear.cpp (fp32 FMAs on the bf16 weights). auto_backend picks
+and compiled, run kernels/bf16_linear.cpp (fp32 FMAs on the bf16 weights, vdpbf16ps or AMX
+tiles: bf16_linear.multiply_default). auto_backend picks
 "avx2" for fp32 on AVX2 CPUs (measured there), "inductor" for fp32 on AVX-512 ones,
-"avx512_bf16" for bf16 on AVX512-BF16 ones without AMX.
+"avx512_bf16" for bf16 on AVX512-BF16 ones (on AMX tiles where the CPU has them).
 
 oneDNN: fp32 at 2-512 rows, bf16 from one row where the CPU has native bf16 (AVX512-BF16 / AMX).
 
@@ -138,8 +139,9 @@ BF16_MAX_ROWS = 512
 
 
 class Bf16Linear(KernelLinear):
-    """bf16, kernels/bf16_linear, on fp32 FMAs or on vdpbf16ps (`dot`: bf16_linear.dot_default,
-    set when the weights are packed, the same for a target and its head)."""
+    """bf16, kernels/bf16_linear, on fp32 FMAs or on dot products (`dot`: bf16_linear.dot_default,
+    set when the weights are packed, the same for a target and its head): AMX tiles where
+    bf16_linear.set_amx put them (the default on AMX CPUs), else vdpbf16ps."""
 
     max_rows, op = BF16_MAX_ROWS, "bf16_linear"
     dot = False
@@ -187,21 +189,25 @@ def use_bf16_linears(model: nn.Module) -> int:
 
 def bf16_multiply(model: nn.Module) -> str | None:
     """What the model's "avx512_bf16" Linears (bf16, or int8 on that kernel) multiply on
-    ("vdpbf16ps" or "fma"), None without them."""
+    ("amx", "vdpbf16ps" or "fma"), None without them."""
+    from eagle_infer.kernels import bf16_linear
     from eagle_infer.quantize import Int8Linear
 
     kernels = [m for m in model.modules()
                if isinstance(m, Bf16Linear) or (isinstance(m, Int8Linear) and m.ours)]
-    return None if not kernels else "vdpbf16ps" if kernels[0].dot else "fma"
+    if not kernels:
+        return None
+    return ("amx" if bf16_linear.amx_on() else "vdpbf16ps") if kernels[0].dot else "fma"
 
 
 def bf16_default() -> bool:
-    """Whether "auto" picks "avx512_bf16" for bf16 Linears: an AVX512-BF16 CPU without AMX whose
-    kernel builds here (measured faster than oneDNN's prepacked bf16 Linears at 1-512 rows there).
-    AMX CPUs keep oneDNN, which multiplies on the tiles there (not measured against ours)."""
+    """Whether "auto" picks "avx512_bf16" for bf16 Linears: an AVX512-BF16 CPU whose kernel builds
+    here (measured faster than oneDNN's prepacked bf16 Linears at 1-512 rows there; on AMX CPUs
+    the kernel multiplies on the tiles too: 1.2-1.7x oneDNN's at 1-16 rows, level at 64, on a
+    2-core Xeon with AMX, results/probe_bf16_linear_amx_xeon.json)."""
     from eagle_infer.kernels import bf16_linear
 
-    if not bf16_linear.supported() or torch.cpu._is_amx_tile_supported():
+    if not bf16_linear.supported():
         return False
     try:
         bf16_linear.load()

@@ -20,11 +20,14 @@ were right), and its AVX-512 path, unmeasured here, works in 16-wide vectors.
 On a CPU with AVX512-BF16 where the target's Linears run our bf16 kernel (cpu_linears
 "avx512_bf16"), calls of up to its BF16_MAX_ROWS rows, eager and compiled, run the same kernel on
 the int8 weights instead (kernels/bf16_linear.cpp, int8_linear: each output's fp32 sum over k
-times its scale, rounded to bf16 once; vdpbf16ps or FMAs as the bf16 kernel's `dot`), and
+times its scale, rounded to bf16 once; AMX tiles, vdpbf16ps or FMAs as the bf16 kernel's
+multiply), and
 compiled steps keep our kernels' settings rather than Inductor's template (compile_settings).
 Measured on a 2-core AMD EPYC (Zen 4), default target, ms a step's Linears (probe_bf16_linear.py
 --kernels ours_dot int8_dot, results/probe_int8_linear_amd_zen4.json): 1 / 4 / 9 rows bf16
-9.98 / 9.59 / 10.09, int8 5.59 / 5.54 / 9.93.
+9.98 / 9.59 / 10.09, int8 5.59 / 5.54 / 9.93. On AMX tiles (2-core Xeon with AMX,
+results/probe_bf16_linear_amx_xeon.json): 1 / 7 / 16 rows int8 7.53 / 8.63 / 10.17, bf16 11.52 /
+12.93 / 14.46.
 
 Speculative decoding follows this quantized target, not the unquantized model: greedy output
 equals the quantized target's plain greedy output in the tests (tiny targets,

@@ -99,7 +99,13 @@ class TreeConfig:
         places: no more rows verified). Zen 4, 2 of each MT-bench category (16 prompts),
         interleaved: bf16 2/4/6+g4 146.8 tokens/s against 2/4/6 128.9 (τ 2.135 against 1.836;
         2/4/4+g4 137.1, 1/4/3+g4 130.9); int8 1/4/3+g4 232.8 against 1/4/3 208.9 (τ 1.742
-        against 1.529; 2/4/4+g4 225.3). A GPU keeps none until measured there."""
+        against 1.529; 2/4/4+g4 225.3). A GPU keeps none until measured there.
+
+        On a CPU with AMX (the bf16 kernel on the tiles: a 16-row verify's Linears cost ~1.3 a
+        one-row step's) bigger trees raise τ but the draft steps and attention still grow with
+        them: 2/4/6+g4 level with 2/4/8+g4, 2/4/10+g4 and 3/4/8+g4 and ahead of 4/4/12+g4 and
+        5/4/16+g4 in bf16; int8 2/4/4+g4 and 2/4/6+g4 1-8% ahead of 1/4/3+g4 within the VM's
+        drift (README "bf16 and int8 on AMX tiles"): the same defaults there."""
         if device_type != "cpu":
             return cls()
         if quantization == "int8":

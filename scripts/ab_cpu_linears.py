@@ -5,8 +5,9 @@ round times every backend back to back and the medians are reported. Suffixes ta
 thing the "avx2" backend turns on: ":sdpa" runs attention on torch's SDPA instead of
 kernels/avx2_attention, ":py" compiles steps with Inductor's Python wrapper instead of its C++
 one (cpu_linears.step_options); ":cpp" compiles them with the C++ wrapper where the default is
-the Python one (e.g. bf16 "onednn"); they combine ("avx2:sdpa:py"). For "avx512_bf16", ":fma"
-and ":dot" pick its multiply (kernels/bf16_linear.dot_default: fp32 FMAs or vdpbf16ps). ":int8"
+the Python one (e.g. bf16 "onednn"); they combine ("avx2:sdpa:py"). For "avx512_bf16", ":fma",
+":dot" and ":amx" pick its multiply (kernels/bf16_linear.multiply_default: fp32 FMAs, vdpbf16ps or
+AMX tiles). ":int8"
 loads the target with weight-only int8 Linears (`--quantization int8`; with "avx512_bf16" on our
 kernel, with the others on torch's and, compiled, Inductor's template). ":pylayers" keeps the
 target's layers in Python where they would run as one C++ call (kernels/decoder_layers:
@@ -119,7 +120,7 @@ def main() -> None:
     ap.add_argument("--also-trees", type=int, nargs="*", default=[], metavar="STEPS TOPK TOKENS",
                     help="more trees (three numbers each) timed after --tree in every round")
     ap.add_argument("--ngram-branch", type=int, default=0, metavar="K",
-                    help="--tree's n-gram branch (TreeConfig.ngram_branch)")
+                    help="the n-gram branch of --tree and --also-trees (TreeConfig.ngram_branch)")
     ap.add_argument("--also-ngram", type=int, nargs="*", default=[], metavar="K",
                     help="also time --tree and each of --also-trees with each of these n-gram "
                          "branches, named 'S/K/N+gK'")
@@ -138,7 +139,7 @@ def main() -> None:
     tree = TreeConfig(*args.tree, args.ngram_branch)
     if len(args.also_trees) % 3:
         ap.error("--also-trees takes three numbers a tree")
-    also_trees = [TreeConfig(*t) for t in zip(*[iter(args.also_trees)] * 3)]
+    also_trees = [TreeConfig(*t, args.ngram_branch) for t in zip(*[iter(args.also_trees)] * 3)]
     with_ngram = [replace(t, ngram_branch=k) for t in [tree, *also_trees] for k in args.also_ngram
                   if k != t.ngram_branch]
     also = {t.label(): (t, True) for t in also_trees + with_ngram}
@@ -148,13 +149,19 @@ def main() -> None:
     runs = {}
     for b in args.backends:  # load, compile and warm every backend first
         backend, *off = b.split(":")
-        dot = "dot" in off or ("fma" not in off and bf16_linear.dot_default())
+        # the kernel's multiply: fp32 FMAs, vdpbf16ps (":dot") or AMX tiles, else its default
+        multiply = (next((m for m in ("fma", "dot", "amx") if m in off), None)
+                    or bf16_linear.multiply_default())
+        multiply = "vdpbf16ps" if multiply == "dot" else multiply
+        dot = multiply != "fma"
         quantization = "int8" if "int8" in off else "none"
         # the multiply for the model and its head, and fused or Python layers, for this load only
-        load_env = {bf16_linear.DOT_ENV: "vdpbf16ps" if dot else "fma",
+        load_env = {bf16_linear.DOT_ENV: multiply,
                     decoder_layers.ENV: "0" if "pylayers" in off else "1"}
         with mock.patch.dict(os.environ, load_env):
             model = load_model(None, args.dtype, "cpu", cpu_linears=backend, quantization=quantization)
+            # AMX is a process-wide switch of the kernel's dot calls: set per run, like attention
+            amx = bf16_linear.supported() and bf16_linear.set_amx(multiply == "amx")
             # the attention kernel is a process-wide switch that compiled graphs guard on: set per run
             attention = avx2_attention.enabled() and "sdpa" not in off
             avx2_attention.enable(attention)
@@ -175,13 +182,15 @@ def main() -> None:
         warmup_s = {name: round(warm_up(fn, prompts), 2) for name, fn in fns.items()}
         runs[b] = {"also": {name: {"spec": [], "tau": None} for name in also},
                    "fns": fns, "stats": stats, "model": model, "attention": attention, "wrapper": wrapper,
-                   "dot": dot, "quantization": quantization, "warmup_s": warmup_s,
+                   "dot": dot, "amx": amx, "quantization": quantization, "warmup_s": warmup_s,
                    "plain": [], "spec": [], "tau": None}
         print(f"{b}: warm-up {runs[b]['warmup_s']}", flush=True)
     want: dict[str, list] = {}  # each run's tokens, for its next rounds
     for r in range(args.rounds):
         for b, run in runs.items():
             avx2_attention.enable(run["attention"])
+            if bf16_linear.supported():
+                bf16_linear.set_amx(run["amx"])
             use_wrapper(run["wrapper"])
             for st in run["stats"].values():
                 st.__init__()

@@ -1,8 +1,9 @@
 """The default target's Linear shapes at M rows in bf16 (a plain step is 1 row, a verify of the
 CPU default tree 4, of the GPU default tree 16, prefill chunks more): oneDNN's prepacked bf16
 Linear (cpu_linears="onednn"), torch's F.linear and our AVX-512 kernel (cpu_linears="avx512_bf16",
-eagle_infer/kernels/bf16_linear.cpp) on fp32 FMAs ("ours") and on vdpbf16ps ("ours_dot"), and
-the same kernel on the weights made int8 (`--quantization int8`: "int8", "int8_dot"), in one
+eagle_infer/kernels/bf16_linear.cpp) on fp32 FMAs ("ours"), on vdpbf16ps ("ours_dot") and on AMX
+tiles where the CPU has them ("ours_amx"), and
+the same kernel on the weights made int8 (`--quantization int8`: "int8", "int8_dot", "int8_amx"), in one
 process. Each shape runs over as many distinct
 weights as fill `--mb` MB, more than the last-level cache holds (260 MB reported on the 2-core
 Xeon this was written on), so the weights stream from memory as in a decode step; the read rate
@@ -39,6 +40,15 @@ def onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
+def on_amx(fn):
+    """fn() with the kernel's dot calls on AMX tiles."""
+    bf16_linear.set_amx(True)
+    try:
+        return fn()
+    finally:
+        bf16_linear.set_amx(False)
+
+
 def load_baseline(source: str) -> None:
     """Build and load `source` (a version of bf16_linear.cpp) as torch.ops.eagle_baseline."""
     from eagle_infer.kernels.avx2_linear import build
@@ -67,17 +77,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--baseline", metavar="SOURCE", help="another bf16_linear.cpp to time beside ours")
     ap.add_argument("--kernels", nargs="+",
-                    help="only these (ours ours_dot int8 int8_dot onednn torch baseline baseline_dot "
-                         "baseline_int8 baseline_int8_dot)")
+                    help="only these (ours ours_dot ours_amx int8 int8_dot int8_amx onednn torch baseline "
+                         "baseline_dot baseline_int8 baseline_int8_dot)")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     bf16_linear.load()
+    amx = bf16_linear.set_amx(True)
+    bf16_linear.set_amx(False)  # "ours_dot" / "int8_dot": vdpbf16ps; "ours_amx" / "int8_amx": AMX
     if args.baseline:
         load_baseline(args.baseline)
     out = {"threads": args.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
            "avx512_bf16": bf16_linear.supported(), "cpu_vendor": bf16_linear.cpu_vendor(),
-           "dot_default": bf16_linear.dot_default(), "baseline": args.baseline, "shapes": {}}
+           "dot_default": bf16_linear.dot_default(), "multiply_default": bf16_linear.multiply_default(),
+           "amx": amx, "baseline": args.baseline, "shapes": {}}
     for name, (n, k) in SHAPES.items():
         copies = max(2, int(args.mb * 1e6 // (n * k * 2)))
         weights = [(torch.randn(n, k) * 0.05).bfloat16() for _ in range(copies)]
@@ -95,6 +108,11 @@ def main() -> None:
                 "onednn": lambda x=x: [onednn(x, w) for w in onednn_w],  # noqa: B023
                 "torch": lambda x=x: [F.linear(x, w) for w in weights],  # noqa: B023
             }
+            if amx:  # the dot calls on AMX tiles, the switch flipped around them
+                calls["ours_amx"] = lambda x=x: on_amx(  # noqa: B023
+                    lambda: [bf16_linear.bf16_linear(x, w, n, True) for w in ours_w])  # noqa: B023
+                calls["int8_amx"] = lambda x=x: on_amx(  # noqa: B023
+                    lambda: [bf16_linear.int8_linear(x, w, s, n, True) for w, s in int8_w])  # noqa: B023
             if args.baseline:
                 baseline = torch.ops.eagle_baseline.bf16_linear
                 calls["baseline"] = lambda x=x: [baseline(x, w, n) for w in ours_w]  # noqa: B023

@@ -107,6 +107,21 @@ def attention_kernel_on():
     avx2_attention.enable(before)
 
 
+@pytest.fixture(params=["fma", "vdpbf16ps", "amx"])
+def bf16_multiply(request, monkeypatch):
+    """kernels/bf16_linear on each of its multiplies for one test: the model loads' choice
+    ($EAGLE_BF16_DOT) and the process-wide AMX switch; "amx" skips on a CPU without AMX tiles.
+    The process's setting is restored after it."""
+    from eagle_infer.kernels import bf16_linear
+
+    before = bf16_linear.amx_on()
+    if bf16_linear.set_amx(request.param == "amx") != (request.param == "amx"):
+        pytest.skip("CPU without AMX tiles (or Linux does not let this process use them)")
+    monkeypatch.setenv(bf16_linear.DOT_ENV, request.param)
+    yield request.param
+    bf16_linear.set_amx(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """Factory: tiny_model_dir(arch) -> folder of a tiny HF checkpoint (built once per arch)."""

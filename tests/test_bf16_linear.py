@@ -1,5 +1,5 @@
 """cpu_linears="avx512_bf16": our AVX-512 kernel for bf16 Linears (eagle_infer/kernels/bf16_linear),
-on fp32 FMAs and on vdpbf16ps (`dot`),
+on fp32 FMAs, on vdpbf16ps and on AMX tiles (`dot`; AMX where the CPU has it),
 computes F.linear to bf16 rounding (fp32 products and sums, one rounding at the end), a row's
 values do not depend on the rows beside it, compiled steps call it (not a silent F.linear), the
 loader picks it for bf16 on an AVX512-BF16 CPU, and greedy speculative decoding on it (with
@@ -31,9 +31,11 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x.double(), w.double())
 
 
-@pytest.mark.parametrize("dot", [False, True], ids=["fma", "vdpbf16ps"])
 @pytest.mark.parametrize("n,k", [(64, 64), (100, 576), (5, 7), (33, 100), (576, 1536)])
-def test_kernel_is_linear_and_rows_independent(n, k, dot):
+def test_kernel_is_linear_and_rows_independent(n, k, bf16_multiply):
+    """On AMX, in_features of a multiple of 32 run on the tiles (64, 576, 1536: the last block of
+    an M over 16 on tiles of its own), the others on vdpbf16ps."""
+    dot = bf16_multiply != "fma"
     w = torch.randn(n, k).bfloat16()
     wp = bf16_linear.pack(w)
     assert wp.shape == (-(-n // 32), -(-k // 2), 32, 2) and wp.dtype == torch.bfloat16
@@ -44,7 +46,7 @@ def test_kernel_is_linear_and_rows_independent(n, k, dot):
     torch.testing.assert_close(full.double(), reference(x, w).bfloat16().double(), rtol=8e-3, atol=1e-2)
     assert (full.double() != reference(x, w).bfloat16().double()).float().mean() < 0.01
     # tiles of 8 and every tail; 9-32 rows run k in chunks (100: a chunk and a part), 33+ do not
-    for rows in (1, 2, 3, 7, 8, 9, 16, 17, 19, 25, 32, 33):
+    for rows in (1, 2, 3, 7, 8, 9, 15, 16, 17, 19, 25, 32, 33):
         got = bf16_linear.bf16_linear(x[:rows], wp, n, dot)
         assert torch.equal(got, full[:rows]), rows  # bit for bit: a verify's rows = one-row steps'
     x3 = x[:6].view(2, 3, k)  # [B, T, H], as the lm_head sees it
@@ -54,11 +56,11 @@ def test_kernel_is_linear_and_rows_independent(n, k, dot):
     torch.testing.assert_close(bf16_linear.bf16_linear(xt, wp, n, dot).double(), want, rtol=8e-3, atol=1e-2)
 
 
-@pytest.mark.parametrize("dot", [False, True], ids=["fma", "vdpbf16ps"])
 @pytest.mark.parametrize("n,k", [(64, 64), (100, 576), (5, 7), (33, 100)])
-def test_int8_kernel_is_the_quantized_linear_and_rows_independent(n, k, dot):
+def test_int8_kernel_is_the_quantized_linear_and_rows_independent(n, k, bf16_multiply):
     """The int8 weights' kernel (quantize.Int8Linear on "avx512_bf16"): x @ (q * scale).T, each
     output's sum times its scale rounded once, a row's bits whatever rows come with it."""
+    dot = bf16_multiply != "fma"
     w = torch.randn(n, k) * torch.logspace(-2, 0, n)[:, None]  # rows of different scales
     q, scale = quantize_weight(w)
     wp, s = bf16_linear.pack_int8(q, scale)
@@ -70,16 +72,21 @@ def test_int8_kernel_is_the_quantized_linear_and_rows_independent(n, k, dot):
     want = (x.double() @ q.double().T * scale.double()).bfloat16().double()
     torch.testing.assert_close(full.double(), want, rtol=8e-3, atol=1e-4)
     assert (full.double() != want).float().mean() < 0.01
-    for rows in (1, 2, 3, 7, 8, 9, 17, 32, 33):  # whole k, chunks of k (9-32 on vdpbf16ps), whole
+    for rows in (1, 2, 3, 7, 8, 9, 16, 17, 32, 33):  # whole k, chunks of k (9-32 on vdpbf16ps), whole
         assert torch.equal(bf16_linear.int8_linear(x[:rows], wp, s, n, dot), full[:rows]), rows
 
 
 def test_dot_product_choice(monkeypatch):
+    monkeypatch.setattr(bf16_linear, "amx_supported", lambda: False)
     monkeypatch.setattr(bf16_linear, "cpu_vendor", lambda: "AuthenticAMD")
     monkeypatch.delenv(bf16_linear.DOT_ENV, raising=False)
-    assert bf16_linear.dot_default()  # measured faster there (Zen 4)
+    assert bf16_linear.dot_default() and bf16_linear.multiply_default() == "vdpbf16ps"  # Zen 4
     monkeypatch.setattr(bf16_linear, "cpu_vendor", lambda: "GenuineIntel")
-    assert not bf16_linear.dot_default()  # the FMAs measured faster there
+    assert not bf16_linear.dot_default()  # the FMAs measured faster there (no AMX)
+    monkeypatch.setattr(bf16_linear, "amx_supported", lambda: True)
+    assert bf16_linear.dot_default() and bf16_linear.multiply_default() == "amx"  # Xeon with AMX
+    monkeypatch.setenv(bf16_linear.DOT_ENV, "fma")
+    assert bf16_linear.multiply_default() == "fma"
     monkeypatch.setenv(bf16_linear.DOT_ENV, "vdpbf16ps")
     assert bf16_linear.dot_default()
     target = tiny_target(layers=1).to(torch.bfloat16)
@@ -87,8 +94,8 @@ def test_dot_product_choice(monkeypatch):
     assert all(m.dot for m in target.modules() if isinstance(m, cpu_linears.Bf16Linear))
     monkeypatch.setenv(bf16_linear.DOT_ENV, "fma")
     assert not bf16_linear.dot_default()
-    monkeypatch.setenv(bf16_linear.DOT_ENV, "amx")
-    with pytest.raises(UserError, match="EAGLE_BF16_DOT must be auto, vdpbf16ps or fma, got 'amx'"):
+    monkeypatch.setenv(bf16_linear.DOT_ENV, "tiles")
+    with pytest.raises(UserError, match="EAGLE_BF16_DOT must be auto, amx, vdpbf16ps or fma, got 'tiles'"):
         bf16_linear.dot_default()
 
 
@@ -141,13 +148,11 @@ def test_bf16_linears_eager_compiled_and_large_calls():
         assert (F.linear in targets) is not ours, (rows, targets)
 
 
-@pytest.mark.parametrize("dot", ["fma", "vdpbf16ps"])
-def test_bf16_speculative_greedy_identical_to_plain_on_the_kernels(attention_kernel_on, dot, monkeypatch):
+def test_bf16_speculative_greedy_identical_to_plain_on_the_kernels(attention_kernel_on, bf16_multiply):
     """Our Linears and attention give a row the same bits whatever rows come with it, so in bf16
     too a verify's logits are the one-row steps' and greedy speculative decoding equals plain
     greedy decoding token for token, eager and compiled (Inductor's C++ wrapper, rounding as
-    eager does). Logits close to those on torch's Linears. On FMAs and on vdpbf16ps alike."""
-    monkeypatch.setenv(bf16_linear.DOT_ENV, dot)
+    eager does). Logits close to those on torch's Linears. On FMAs, vdpbf16ps and AMX alike."""
     fp32_target, fp32_head = target_with_head_dim_64(layers=3)
     target, head = fp32_target.to(torch.bfloat16), fp32_head.to(torch.bfloat16)
     prompts = prompts_for(target.config.vocab_size)
@@ -188,8 +193,8 @@ def test_loader_picks_the_kernel_for_bf16_and_falls_back_when_it_does_not_build(
     def no_compiler():
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)  # AMX: oneDNN's tiles
-    assert load_model(path, "bf16", "cpu").cpu_linears == "onednn"
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)  # AMX: ours on the tiles
+    assert load_model(path, "bf16", "cpu").cpu_linears == "avx512_bf16"
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     monkeypatch.setattr(bf16_linear, "load", no_compiler)
     with pytest.warns(UserWarning, match="avx512_bf16 kernel did not build .*no C\\+\\+ compiler"):

@@ -116,14 +116,12 @@ def test_load_model_int8_and_a_head_for_it(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without AVX512-BF16")
-@pytest.mark.parametrize("dot", ["fma", "vdpbf16ps"])
 def test_int8_on_our_kernel_speculative_identical_to_plain_eager_and_compiled(
-        dot, monkeypatch, attention_kernel_on):
+        bf16_multiply, attention_kernel_on):
     """A bf16 target on "avx512_bf16" quantized: its Linears and its head's run our kernel on the
     int8 weights, compiled steps call it with our kernels' settings (not the frozen template),
     and greedy speculative decoding equals plain greedy decoding of the quantized target, eager
     and compiled, in bf16."""
-    monkeypatch.setenv(bf16_linear.DOT_ENV, dot)
     target, head = target_with_head_dim_64(layers=2)
     target, head = target.to(torch.bfloat16), head.to(torch.bfloat16)
     prompts = prompts_for(target.config.vocab_size)
@@ -135,7 +133,8 @@ def test_int8_on_our_kernel_speculative_identical_to_plain_eager_and_compiled(
     n = quantize_linears(target, "int8", target.cpu_linears)
     quantize_linears(head, "int8", target.cpu_linears)  # as load_head_for does
     int8s = [m for mod in (target, head) for m in mod.modules() if isinstance(m, Int8Linear)]
-    assert len(int8s) > n and all(m.ours and m.dot == (dot == "vdpbf16ps") for m in int8s)
+    assert len(int8s) > n and all(m.ours and m.dot == (bf16_multiply != "fma") for m in int8s)
+    assert cpu_linears.bf16_multiply(target) == bf16_multiply
     assert target.state_dict().keys() >= {"lm_head.weight_int8", "lm_head.scale"}
     assert not any("packed" in k for k in target.state_dict())  # not checkpoint tensors
     assert cpu_linears.compile_settings(target, head) is None
@@ -161,7 +160,7 @@ def test_load_model_int8_on_our_kernel(tiny_model_dir, tmp_path):
     path = tiny_model_dir("llama")
     target = load_model(path, "bf16", "cpu", cpu_linears="avx512_bf16", quantization="int8")
     assert target.cpu_linears == "avx512_bf16" and target.lm_head.ours
-    assert cpu_linears.bf16_multiply(target) == ("vdpbf16ps" if target.lm_head.dot else "fma")
+    assert cpu_linears.bf16_multiply(target) == bf16_linear.multiply_default()
     save_head(random_head(load_model(path, "fp32", "cpu"), "eagle3", draft_vocab=40), tmp_path / "e3",
               dtype=torch.float32)
     head = load_head_for(tmp_path / "e3", target)

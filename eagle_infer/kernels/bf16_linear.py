@@ -4,7 +4,7 @@ torch.ops.eagle.bf16_linear. Built once per machine like avx2_linear (avx2_linea
 
     wp = pack(linear.weight)                       # [ceil(N / 32), ceil(K / 2), 32, 2]
     y = torch.ops.eagle.bf16_linear(x, wp, N)      # ~ F.linear(x, linear.weight), bf16
-    y = torch.ops.eagle.bf16_linear(x, wp, N, True)  # the same on vdpbf16ps (dot_default)
+    y = torch.ops.eagle.bf16_linear(x, wp, N, True)  # on vdpbf16ps or AMX tiles (multiply_default)
 
 Weight-only int8 (quantize.Int8Linear): the same panels of int8 weights and their scales.
 
@@ -40,20 +40,49 @@ def cpu_vendor() -> str:
     return cpuinfo_field("vendor_id")
 
 
-def dot_default() -> bool:
-    """Whether the kernel multiplies on vdpbf16ps (True) or on fp32 FMAs (False): $EAGLE_BF16_DOT,
-    where "auto" = vdpbf16ps on AMD CPUs. Measured (scripts/probe_bf16_linear.py, 2 threads): on a
-    2-core AMD EPYC (Zen 4) vdpbf16ps level with the FMAs at 1-4 rows, 1.3-1.7x at 8-16 and 2x at
-    64-512; on a 2-core Intel Xeon (AVX512-BF16, no AMX) the FMAs ran twice vdpbf16ps's
-    multiply-adds a cycle (oneDNN's bf16 Linears, which use it, 1.6x slower at 16 rows). One choice
-    a process: a row's bits depend on it, and greedy speculative output equals plain output only
-    within one choice."""
+def multiply_default() -> str:
+    """What the kernel multiplies on: "amx" (AMX tiles, TDPBF16PS), "vdpbf16ps" or "fma" (fp32 FMAs
+    on the bf16 weights): $EAGLE_BF16_DOT, where "auto" = amx on AMX CPUs, vdpbf16ps on AMD ones,
+    else fma. Measured (scripts/probe_bf16_linear.py, 2 threads): on a 2-core AMD EPYC (Zen 4)
+    vdpbf16ps level with the FMAs at 1-4 rows, 1.3-1.7x at 8-16 and 2x at 64-512; on a 2-core
+    Intel Xeon (AVX512-BF16, no AMX) the FMAs ran twice vdpbf16ps's multiply-adds a cycle
+    (oneDNN's bf16 Linears, which use it, 1.6x slower at 16 rows). One choice a process: a row's
+    bits depend on it, and greedy speculative output equals plain output only within one choice."""
     from eagle_infer.errors import UserError
 
     choice = os.environ.get(DOT_ENV, "auto")
-    if choice not in ("auto", "vdpbf16ps", "fma"):
-        raise UserError(f"{DOT_ENV} must be auto, vdpbf16ps or fma, got {choice!r}")
-    return choice == "vdpbf16ps" or (choice == "auto" and cpu_vendor() == "AuthenticAMD")
+    if choice not in ("auto", "amx", "vdpbf16ps", "fma"):
+        raise UserError(f"{DOT_ENV} must be auto, amx, vdpbf16ps or fma, got {choice!r}")
+    if choice != "auto":
+        return choice
+    if amx_supported():
+        return "amx"
+    return "vdpbf16ps" if cpu_vendor() == "AuthenticAMD" else "fma"
+
+
+def dot_default() -> bool:
+    """Whether the kernel takes bf16 inputs and multiplies on dot products (AMX tiles or
+    vdpbf16ps: `dot`), not on fp32 FMAs; set_amx says which of the two."""
+    return multiply_default() != "fma"
+
+
+def amx_supported() -> bool:
+    """Whether this CPU has AMX tiles (AMX-BF16)."""
+    return torch.cpu._is_amx_tile_supported()
+
+
+def set_amx(on: bool) -> bool:
+    """From now on, in this process, `dot` calls whose in_features is a multiple of 32 multiply on
+    AMX tiles (on, where the CPU has them and Linux lets the process use them) or on vdpbf16ps;
+    returns whether they use AMX."""
+    load()
+    return torch.ops.eagle.bf16_linear_set_amx(on)
+
+
+def amx_on() -> bool:
+    """Whether `dot` calls run on AMX now (set_amx)."""
+    load()
+    return torch.ops.eagle.bf16_linear_amx_on()
 
 
 @functools.cache
@@ -62,6 +91,7 @@ def load() -> None:
     from eagle_infer.kernels.avx2_linear import build
 
     build("eagle_bf16_linear", SOURCE, FLAGS)
+    torch.ops.eagle.bf16_linear_set_amx(multiply_default() == "amx")
 
     @torch.library.register_fake("eagle::bf16_linear")
     def _(x: Tensor, packed_weight: Tensor, out_features: int, dot: bool = False) -> Tensor:
