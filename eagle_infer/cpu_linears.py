@@ -139,7 +139,7 @@ BF16_MAX_ROWS = 512
 
 
 class Bf16Linear(KernelLinear):
-    """bf16, kernels/bf16_linear, on fp32 FMAs or on dot products (`dot`: bf16_linear.dot_default,
+    """bf16, kernels/bf16_linear, on fp32 FMAs or on dot products (`dot`: bf16_linear.use_multiply_default,
     set when the weights are packed, the same for a target and its head): AMX tiles where
     bf16_linear.set_amx put them (the default on AMX CPUs), else vdpbf16ps."""
 
@@ -180,7 +180,7 @@ def use_bf16_linears(model: nn.Module) -> int:
     if not bf16_linear.supported():
         raise RuntimeError("cpu_linears=avx512_bf16: this CPU has no AVX512-BF16")
     n = _use_kernel_linears(model, bf16_linear, Bf16Linear, torch.bfloat16)
-    dot = bf16_linear.dot_default()
+    dot = bf16_linear.use_multiply_default()
     for m in model.modules():
         if isinstance(m, Bf16Linear):
             m.dot = dot

@@ -108,7 +108,7 @@ def quantize_linears(model: nn.Module, quantization: str, cpu_linears: str = "to
     """Replace every nn.Linear of `model` by an Int8Linear ("int8"); returns how many. A tied
     lm_head gets its own int8 copy and the embedding keeps its dtype (a step reads one row).
     cpu_linears: the target's backend (load_model's); "avx512_bf16" = our kernel on the int8
-    weights, on vdpbf16ps or FMAs as the bf16 kernel would (bf16_linear.dot_default)."""
+    weights, on AMX, vdpbf16ps or FMAs as the bf16 kernel would (bf16_linear.use_multiply_default)."""
     if quantization not in QUANTIZATIONS:
         raise UserError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if quantization == "none":
@@ -124,8 +124,7 @@ def quantize_linears(model: nn.Module, quantization: str, cpu_linears: str = "to
     if ours:
         from eagle_infer.kernels import bf16_linear
 
-        bf16_linear.load()
-        dot = bf16_linear.dot_default()
+        dot = bf16_linear.use_multiply_default()
     n = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

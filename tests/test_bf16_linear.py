@@ -90,8 +90,18 @@ def test_dot_product_choice(monkeypatch):
     monkeypatch.setenv(bf16_linear.DOT_ENV, "vdpbf16ps")
     assert bf16_linear.dot_default()
     target = tiny_target(layers=1).to(torch.bfloat16)
-    cpu_linears.use_bf16_linears(target)
-    assert all(m.dot for m in target.modules() if isinstance(m, cpu_linears.Bf16Linear))
+    before = bf16_linear.amx_on()
+    try:
+        cpu_linears.use_bf16_linears(target)  # a load sets the process's AMX switch to its choice
+        assert all(m.dot for m in target.modules() if isinstance(m, cpu_linears.Bf16Linear))
+        assert not bf16_linear.amx_on() and cpu_linears.bf16_multiply(target) == "vdpbf16ps"
+        if bf16_linear.set_amx(True):  # an AMX CPU: a load with amx puts the switch back on
+            bf16_linear.set_amx(False)
+            monkeypatch.setenv(bf16_linear.DOT_ENV, "amx")
+            cpu_linears.use_bf16_linears(target := tiny_target(layers=1).to(torch.bfloat16))
+            assert bf16_linear.amx_on() and cpu_linears.bf16_multiply(target) == "amx"
+    finally:
+        bf16_linear.set_amx(before)
     monkeypatch.setenv(bf16_linear.DOT_ENV, "fma")
     assert not bf16_linear.dot_default()
     monkeypatch.setenv(bf16_linear.DOT_ENV, "tiles")

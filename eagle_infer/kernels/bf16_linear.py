@@ -66,6 +66,14 @@ def dot_default() -> bool:
     return multiply_default() != "fma"
 
 
+def use_multiply_default() -> bool:
+    """The multiply of multiply_default() for the Linears packed now: sets the process's AMX switch
+    to it (set_amx) and returns their `dot` (dot_default). Called where a model's weights are
+    packed, so $EAGLE_BF16_DOT at a load is what its Linears run."""
+    set_amx(multiply_default() == "amx")
+    return dot_default()
+
+
 def amx_supported() -> bool:
     """Whether this CPU has AMX tiles (AMX-BF16)."""
     return torch.cpu._is_amx_tile_supported()
