@@ -158,7 +158,8 @@ def test_bf16_linears_eager_compiled_and_large_calls():
         assert (F.linear in targets) is not ours, (rows, targets)
 
 
-def test_bf16_speculative_greedy_identical_to_plain_on_the_kernels(attention_kernel_on, bf16_multiply):
+def test_bf16_speculative_greedy_identical_to_plain_on_the_kernels(attention_kernel_on, bf16_multiply,
+                                                                  request):
     """Our Linears and attention give a row the same bits whatever rows come with it, so in bf16
     too a verify's logits are the one-row steps' and greedy speculative decoding equals plain
     greedy decoding token for token, eager and compiled (Inductor's C++ wrapper, rounding as
@@ -179,6 +180,8 @@ def test_bf16_speculative_greedy_identical_to_plain_on_the_kernels(attention_ker
     for tree in (TreeConfig(), TreeConfig(3, 4, 4), TreeConfig.chain(3)):
         spec, _ = generate_speculative(target, head, prompts, 24, tree=tree)
         assert spec == plain, tree
+    if bf16_multiply != request.node.machine_multiply:
+        return  # compiled: the same graph on every multiply (the op's dot flag); checked on the default
     # compiled graphs round bf16 where eager's ops do (step_options: emulate_precision_casts)
     assert generate(target, prompts, 24, compile=True) == plain
     tree = TreeConfig(3, 4, 4)  # a CPU-sized tree (three draft steps), compiled

@@ -117,7 +117,7 @@ def test_load_model_int8_and_a_head_for_it(tiny_model_dir, tmp_path):
 
 @pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without AVX512-BF16")
 def test_int8_on_our_kernel_speculative_identical_to_plain_eager_and_compiled(
-        bf16_multiply, attention_kernel_on):
+        bf16_multiply, attention_kernel_on, request):
     """A bf16 target on "avx512_bf16" quantized: its Linears and its head's run our kernel on the
     int8 weights, compiled steps call it with our kernels' settings (not the frozen template),
     and greedy speculative decoding equals plain greedy decoding of the quantized target, eager
@@ -148,6 +148,8 @@ def test_int8_on_our_kernel_speculative_identical_to_plain_eager_and_compiled(
     for tree in (TreeConfig(3, 4, 4), TreeConfig.chain(3)):
         spec, _ = generate_speculative(target, head, prompts, 24, tree=tree)
         assert spec == plain, tree
+    if bf16_multiply != request.node.machine_multiply:
+        return  # compiled: the same graph on every multiply (the op's dot flag); checked on the default
     assert generate(target, prompts, 24, compile=True) == plain
     tree = TreeConfig(3, 4, 4)
     dec = SpecDecoder(target, head, tree, max_batch=4, max_seq_len=128).compile()
