@@ -24,8 +24,8 @@
 // 2-core Xeon with AMX, 2 threads, weights streamed from memory (scripts/probe_bf16_linear.py,
 // results/probe_bf16_linear_amx_xeon.json): the 49152 x 576 lm_head at 1 / 7 / 16 / 64 rows in
 // 2.48 / 2.60 / 3.01 / 5.40 ms against 2.92 / 3.44 / 6.53 / 23.5 on vdpbf16ps and oneDNN's (AMX
-// too, through a Python op) 4.25 / 4.30 / 4.55 / 5.03: a 16-node verify's Linears cost ~1.2 one-row
-// steps'. int8 weights 1.50 / 1.65 / 2.01 ms against 1.99 / 3.83 / 7.11.
+// too, through a Python op) 4.25 / 4.30 / 4.55 / 5.03; a step's Linears at 16 rows cost 1.26 a
+// one-row step's (vdpbf16ps: 2.3). int8 weights 1.50 / 1.65 / 2.01 ms against 1.99 / 3.83 / 7.11.
 //
 // int8 weights (int8_linear: weight-only int8, one fp32 scale a column): the same panels with a
 // byte a weight, half the bytes a step streams. Each k pair of 32 columns (64 bytes, one cache
@@ -319,7 +319,7 @@ void rows_of(const X* x, int64_t M, int64_t K, const W* w, at::BFloat16* y, int6
 // 64 bytes, 128 bytes apart in the panel (columns 0-15 at the panel's pair, 16-31 32 bf16 later);
 // A is 16 rows (or fewer) of 32 k of x, rows K apart. Per tile row the hardware runs one chain over
 // the k pairs in order, so a row's bits do not depend on the rows beside it, as in the loops above
-// (they are not the vdpbf16ps loop's bits: one choice a process). int8 weights: each 16 pairs of
+// (not always the vdpbf16ps loop's bits: one choice a process). int8 weights: each 16 pairs of
 // the panel are made bf16 (load_pair, exact) into a 2 KB buffer the tiles load from.
 // Tiles: 0, 1 the sums of a block of up to 16 rows (columns 0-15, 16-31), 2 its x, 3, 4 the
 // weights; 5, 6, 7 the same for the last block of an M over 16 that is not a multiple of 16.
