@@ -50,6 +50,7 @@ import torch
 
 import eagle_infer.generate
 import eagle_infer.speculative
+from eagle_infer import cpu_linears
 from eagle_infer.bench import (
     load_prompts,
     machine_info,
@@ -160,8 +161,9 @@ def main() -> None:
                     decoder_layers.ENV: "0" if "pylayers" in off else "1"}
         with mock.patch.dict(os.environ, load_env):
             model = load_model(None, args.dtype, "cpu", cpu_linears=backend, quantization=quantization)
-            # AMX is a process-wide switch of the kernel's dot calls: set per run, like attention
-            amx = bf16_linear.supported() and bf16_linear.set_amx(multiply == "amx")
+            # AMX is a process-wide switch of the kernel's dot calls, which this load set: per run,
+            # like attention
+            amx = cpu_linears.bf16_multiply(model) == "amx"
             # the attention kernel is a process-wide switch that compiled graphs guard on: set per run
             attention = avx2_attention.enabled() and "sdpa" not in off
             avx2_attention.enable(attention)

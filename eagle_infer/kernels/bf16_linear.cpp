@@ -321,8 +321,8 @@ void rows_of(const X* x, int64_t M, int64_t K, const W* w, at::BFloat16* y, int6
 // the k pairs in order, so a row's bits do not depend on the rows beside it, as in the loops above
 // (not always the vdpbf16ps loop's bits: one choice a process). int8 weights: each 16 pairs of
 // the panel are made bf16 (load_pair, exact) into a 2 KB buffer the tiles load from.
-// Tiles: 0, 1 the sums of a block of up to 16 rows (columns 0-15, 16-31), 2 its x, 3, 4 the
-// weights; 5, 6, 7 the same for the last block of an M over 16 that is not a multiple of 16.
+// Tiles: 0, 1 the sums of a block of 16 rows (columns 0-15, 16-31), 2 its x, 3, 4 the weights;
+// 5, 6, 7 the same for the M % 16 rows after the blocks of 16 (a decode step's and a verify's all).
 std::atomic<bool> g_amx{false};
 constexpr int64_t kTileK = 32;       // bf16 k of a tile row (64 bytes)
 constexpr int64_t kTileRows = 16;
@@ -334,13 +334,12 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-__attribute__((target("amx-tile"))) inline void configure_tiles(int64_t rows, int64_t last_rows) {
+// Every tile 64 bytes a row; rows: 16 for tiles 0-4, last_rows (1 where 0: unused) for 5-7.
+__attribute__((target("amx-tile"))) inline void configure_tiles(int64_t last_rows) {
   TileConfig cfg;
-  const int64_t shapes[8][2] = {{rows, 64}, {rows, 64}, {rows, 64}, {16, 64}, {16, 64},
-                                {last_rows, 64}, {last_rows, 64}, {last_rows, 64}};
   for (int t = 0; t < 8; t++) {
-    cfg.rows[t] = static_cast<uint8_t>(shapes[t][0] ? shapes[t][0] : 1);
-    cfg.colsb[t] = static_cast<uint16_t>(shapes[t][1]);
+    cfg.rows[t] = static_cast<uint8_t>(t < 5 ? kTileRows : last_rows ? last_rows : 1);
+    cfg.colsb[t] = 64;
   }
   _tile_loadconfig(&cfg);
 }
@@ -404,16 +403,12 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels(const eagle::Linear
   const auto* x = static_cast<const at::BFloat16*>(c.x);
   auto* y = static_cast<at::BFloat16*>(c.y);
   const int64_t full = c.M / kTileRows, last = c.M % kTileRows;
-  configure_tiles(full ? kTileRows : last, full ? last : 0);
+  configure_tiles(last);
   alignas(64) at::BFloat16 buf[std::is_same_v<W, int8_t> ? kTileRows * 2 * kPanel : 1];
   for (int64_t p = p0; p < p1; p++) {
     const int64_t cols = std::min(kPanel, c.N - p * kPanel);
     const float* s = c.scale ? c.scale + p * kPanel : nullptr;
     const W* wp = static_cast<const W*>(c.w) + p * c.K * kPanel;
-    if (!full) {
-      amx_block(x, last, c.K, wp, y + p * kPanel, c.N, cols, s, buf);
-      continue;
-    }
     for (int64_t b = 0; b < full; b++)
       amx_block(x + b * kTileRows * c.K, kTileRows, c.K, wp, y + b * kTileRows * c.N + p * kPanel, c.N,
                    cols, s, buf);
