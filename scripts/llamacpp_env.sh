@@ -9,11 +9,22 @@ set -euo pipefail
 VERSION=0.3.36
 source "$(dirname "${BASH_SOURCE[0]}")/peer_env.sh"
 
+# native: llama.cpp's kernels for this CPU (AVX-512 / AVX512-BF16 where it has them). Not its AMX
+# matmul, which -march=native compiles in on CPUs with AMX tiles: on the AMX Xeon VM we measured it
+# died with SIGILL (TILEZERO on an unconfigured tile: ggml loads a thread's tile config once, for
+# ever) at the first prompt of more than one token. Explicit -mno-amx-* outrank -march=native in GCC;
+# CMake takes CFLAGS / CXXFLAGS as its initial flags.
+NO_AMX=""
+SUFFIX=""
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+  NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  SUFFIX="-noamx"
+fi
+
 install_llamacpp() {  # $1: the environment's python
-  # native: llama.cpp's kernels for this CPU (AVX-512 / AVX512-BF16 where it has them)
-  CMAKE_ARGS="-DGGML_NATIVE=ON" "$1" -m pip install -qq --disable-pip-version-check \
+  CFLAGS="$NO_AMX" CXXFLAGS="$NO_AMX" CMAKE_ARGS="-DGGML_NATIVE=ON" "$1" -m pip install -qq --disable-pip-version-check --no-cache-dir \
     "llama-cpp-python==$VERSION"
 }
 
-peer_env "${LLAMACPP_ENV:-${EAGLE_CACHE:-$HOME/.cache/eagle}/llama-cpp-python-$VERSION}" \
+peer_env "${LLAMACPP_ENV:-${EAGLE_CACHE:-$HOME/.cache/eagle}/llama-cpp-python-$VERSION$SUFFIX}" \
   "llama-cpp-python $VERSION" "once; ~7-10 minutes on 2 cores" llama_cpp install_llamacpp
