@@ -22,7 +22,11 @@ with a draft head (tree settings with SGLang's names; those not given take the d
 default tree, as the server's do: on a CPU 2/4/6 in bf16, 2/4/4 in fp32, 1/4/3 with int8 weights,
 each with an n-gram branch of 4; 5/4/16 on a GPU)
 and its acceptance statistics: tau (accepted drafts + the bonus token per round), acceptance per
-draft position, and the time per round spent drafting, verifying and on the rest.
+draft position, and the time per round spent drafting, verifying and on the rest. At batch 1
+`plain` and the main tree are timed interleaved, prompt by prompt in alternating order, so that a
+machine drifting during the run (VMs here move by 10-50% within minutes) weighs on both alike
+(`--sequential`: all of one, then all of the other, as at batch > 1; other trees of `--sweep`
+and the transformers baselines run after them, one after the other).
 
 `floor_tokens_per_s` is the memory-bound limit of batch-1 decoding: measured memory bandwidth
 (reading a large tensor; the one-way rate of a copy, reported beside it, was the measure until
@@ -407,20 +411,24 @@ def spec_decode_fn(model, head, prompts: Sequence[list[int]], max_new_tokens: in
 
 @torch.no_grad()
 def bench_plain_and_spec(model, head, prompts: Sequence[list[int]], max_new_tokens: int, tree: TreeConfig,
-                         compile_steps: bool = False) -> tuple[BenchResult, SpecRun]:
-    """Plain and speculative greedy decoding at batch 1, each warmed up (compiled) first, then
+                         compile_steps: bool = False, ignore_eos: bool = True,
+                         params: SamplingParams | None = None, name: str = "speculative",
+                         disable_by_batch_size: int | None = None,
+                         draft_ahead: bool = True) -> tuple[BenchResult, SpecRun]:
+    """Plain greedy and speculative decoding at batch 1, each warmed up (compiled) first, then
     timed prompt by prompt in alternating order (time_interleaved): a ratio of the two that a
     drifting machine moves less than two runs one after the other."""
-    plain_fn = plain_decode_fn(model, max_new_tokens, compile_steps=compile_steps)
-    spec_fn, stats, dec = spec_decode_fn(model, head, prompts, max_new_tokens, tree,
-                                         compile_steps=compile_steps)
-    fns = {"plain": plain_fn, "speculative": spec_fn}
-    warmup = {name: warm_up(fn, prompts) for name, fn in fns.items()}
+    plain_fn = plain_decode_fn(model, max_new_tokens, ignore_eos, compile_steps)
+    spec_fn, stats, dec = spec_decode_fn(model, head, prompts, max_new_tokens, tree, ignore_eos, params,
+                                         compile_steps, disable_by_batch_size=disable_by_batch_size,
+                                         draft_ahead=draft_ahead)
+    fns = {"plain": plain_fn, name: spec_fn}
+    warmup = {key: warm_up(fn, prompts) for key, fn in fns.items()}
     stats.__init__()  # the warm-up's rounds are not counted
     res = time_interleaved(fns, prompts)
-    for name, r in res.items():
-        r.warmup_s = warmup[name]
-    return res["plain"], SpecRun(res["speculative"], stats, tree, dec)
+    for key, r in res.items():
+        r.warmup_s = warmup[key]
+    return res["plain"], SpecRun(res[name], stats, tree, dec)
 
 
 def count_aten_ops(model, head, prompt: list[int], tree: TreeConfig, rounds: int = 8) -> dict:
@@ -730,6 +738,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stop-at-eos", action="store_true",
                     help="stop each prompt at EOS (token counts then differ across methods)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    ap.add_argument("--sequential", action="store_true",
+                    help="time all prompts plain, then all speculative (default at batch 1: the two "
+                         "take turns prompt by prompt, so a drifting machine moves their ratio less)")
     ap.add_argument("--json", default=None, help="write the results here")
     sp = ap.add_argument_group("speculative decoding")
     sp.add_argument("--draft", default=None, help="draft head folder (default: the reference EAGLE-3 head)")
@@ -815,7 +826,24 @@ def main(argv: list[str] | None = None) -> dict:
         head = load_head_for(args.draft or default_head_path("eagle3"), model)
     compile_steps = compile_default(device) if args.compile is None else args.compile
     B = args.batch_size
-    results = [bench_plain(model, prompts, args.max_new_tokens, ignore_eos, compile_steps, B)]
+    params = SamplingParams(temperature=args.temperature, seed=0) if args.temperature > 0 else None
+    if head is not None and args.token_map:
+        from eagle_train.tokenmap import load_token_map
+
+        head.set_token_map(load_token_map(args.token_map, model.config.vocab_size))
+    spec_runs: list[SpecRun] = []
+    # At batch 1 plain and the main tree take turns prompt by prompt: the ratio of the two is the
+    # bench's headline, and these VMs drift by 10-50% within minutes (one method's prompts after
+    # the other's put that drift into it).
+    interleaved = head is not None and B == 1 and not args.sequential
+    if interleaved:
+        plain, main_run = bench_plain_and_spec(
+            model, head, prompts, args.max_new_tokens, main_tree, compile_steps, ignore_eos, params,
+            name=f"spec {tree_tag(main_tree)}",
+            disable_by_batch_size=args.speculative_disable_by_batch_size, draft_ahead=args.draft_ahead)
+        results, spec_runs = [plain], [main_run]
+    else:
+        results = [bench_plain(model, prompts, args.max_new_tokens, ignore_eos, compile_steps, B)]
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
 
@@ -823,17 +851,11 @@ def main(argv: list[str] | None = None) -> dict:
         results.append(bench_hf(hf, prompts, args.max_new_tokens, ignore_eos))
         results.append(bench_hf(hf, prompts, args.max_new_tokens, ignore_eos, name="hf_assisted",
                                 prompt_lookup_num_tokens=10))
-    spec_runs: list[SpecRun] = []
     fr_rows: list[dict] = []
-    params = SamplingParams(temperature=args.temperature, seed=0) if args.temperature > 0 else None
     if head is not None:
-        if args.token_map:
-            from eagle_train.tokenmap import load_token_map
-
-            head.set_token_map(load_token_map(args.token_map, model.config.vocab_size))
         grid = sweep_trees(args.sweep_steps, args.sweep_topk, args.sweep_draft_tokens,
                            main_tree.ngram_branch) if args.sweep else []
-        trees = [main_tree] + [t for t in grid if t != main_tree]
+        trees = ([] if interleaved else [main_tree]) + [t for t in grid if t != main_tree]
         for t in trees:
             label = f"spec {tree_tag(t)}"
             spec_runs.append(bench_spec(model, head, prompts, args.max_new_tokens, t, ignore_eos, params,
@@ -888,6 +910,7 @@ def main(argv: list[str] | None = None) -> dict:
         "bf16_multiply": cpu_linears.bf16_multiply(model),
         "cpu_attention": "avx2" if avx2_attention.enabled() else "sdpa",
         "compiled": compile_steps,
+        "timing": "interleaved" if interleaved else "sequential",
         "draft_ahead": args.draft_ahead,
         "warmup_s": {r.name: round(r.warmup_s, 3) for r in results},
         "methods": {r.name: r.to_json() for r in results},

@@ -32,7 +32,8 @@ def test_bench_speculative_report(tmp_path, default_model_fp32):
                 "draft_ms", "verify_ms", "other_ms", "warmup_s", "verify_vs_plain_step",
                 "draft_step_vs_plain_step", "plain_step_ms"):
         assert key in r, key
-    assert r["compiled"] is False and r["warmup_s"]["plain"] > 0
+    assert r["compiled"] is False and r["warmup_s"]["plain"] > 0 and r["warmup_s"]["spec s3k2n6g4"] > 0
+    assert r["timing"] == "interleaved"  # batch 1: plain and the main tree take turns
     # TTFT (prefill) and TPOT (decode steps) per method that reports tokens as they come; a
     # round is compared with plain decoding's TPOT, not with tokens/s, which carries the prefill
     for name in ("plain", "spec s3k2n6g4"):  # the CPU's n-gram branch of 4 where no flag says otherwise
@@ -62,6 +63,7 @@ def test_bench_batches_prompts(tmp_path, default_model_fp32):
     r = json.loads(out.read_text())
     assert r["tree"] == {"num_steps": 2, "eagle_topk": 4, "num_draft_tokens": 3, "ngram_branch": 4}
     assert r["settings"]["batch_size"] == 2 and r["hf_tokens_per_s"] is None
+    assert r["timing"] == "sequential"
     plain = r["methods"]["plain"]
     assert [b["tokens"] for b in plain["per_batch"]] == [10, 5] and plain["tokens"] == 15
     assert r["greedy_identical"] is True and r["rounds"] > 0
