@@ -19,14 +19,14 @@ relative to plain decoding's TPOT (`plain_step_ms`), so the prefill weighs on ne
 Methods: `plain` (eagle_infer.generate), `hf` (transformers `generate`) and `hf_assisted`
 (transformers prompt-lookup decoding, `prompt_lookup_num_tokens=10`), then speculative decoding
 with a draft head (tree settings with SGLang's names; those not given take the device's
-default tree, as the server's do: on a CPU 2/4/6 in bf16, 2/4/4 in fp32, 1/4/3 with int8 weights,
-each with an n-gram branch of 4; 5/4/16 on a GPU)
+default tree, as the server's do: on a CPU 2/4/6 in bf16, 2/4/4 in fp32, 1/4/3 with int8 weights
+(2/4/6 on AMX), each with an n-gram branch of 4; 5/4/16 on a GPU)
 and its acceptance statistics: tau (accepted drafts + the bonus token per round), acceptance per
-draft position, and the time per round spent drafting, verifying and on the rest. At batch 1
-`plain` and the main tree are timed interleaved, prompt by prompt in alternating order, so that a
-machine drifting during the run (VMs here move by 10-50% within minutes) weighs on both alike
-(`--sequential`: all of one, then all of the other, as at batch > 1; other trees of `--sweep`
-and the transformers baselines run after them, one after the other).
+draft position, and the time per round spent drafting, verifying and on the rest. `plain` and
+the main tree are timed interleaved, batch by batch in alternating order, so that a machine
+drifting during the run (VMs here move by 10-50% within minutes) weighs on both alike
+(`--sequential`: all of one, then all of the other; other trees of `--sweep` and the
+transformers baselines run after them, one after the other).
 
 `floor_tokens_per_s` is the memory-bound limit of batch-1 decoding: measured memory bandwidth
 (reading a large tensor; the one-way rate of a copy, reported beside it, was the measure until
@@ -255,18 +255,20 @@ def time_decoding(name: str, fn: DecodeFn, prompts: Sequence[list[int]], warmup:
     return res
 
 
-def time_interleaved(fns: dict[str, DecodeFn], prompts: Sequence[list[int]]) -> dict[str, BenchResult]:
-    """Each prompt decoded by every method in turn, the order reversed at every other prompt
-    (A B, B A, ...): a machine that speeds up or slows down during the run (VMs here moved by
-    10-50% within the hour) then weighs on every method alike, where timing one method's prompts
-    and then the other's put the drift into their ratio. Batch 1; no warm-up (the caller's)."""
+def time_interleaved(fns: dict[str, DecodeFn], prompts: Sequence[list[int]],
+                     batch_size: int = 1) -> dict[str, BenchResult]:
+    """Each batch of prompts decoded by every method in turn, the order reversed at every other
+    batch (A B, B A, ...): a machine that speeds up or slows down during the run (VMs here moved
+    by 10-50% within the hour) then weighs on every method alike, where timing one method's
+    prompts and then the other's put the drift into their ratio. No warm-up (the caller's)."""
     from tqdm.auto import tqdm
 
-    results = {name: BenchResult(name) for name in fns}
-    bar = tqdm(prompts, desc=" / ".join(fns), unit="prompt", leave=False, file=sys.stderr)
-    for i, prompt in enumerate(bar):
+    results = {name: BenchResult(name, batch_size=batch_size) for name in fns}
+    bar = tqdm(batches(prompts, batch_size), desc=" / ".join(fns), unit="batch", leave=False,
+               file=sys.stderr)
+    for i, batch in enumerate(bar):
         for name in (list(fns) if i % 2 == 0 else list(fns)[::-1]):
-            _time_call(results[name], fns[name], [prompt])
+            _time_call(results[name], fns[name], batch)
     return results
 
 
@@ -413,19 +415,18 @@ def spec_decode_fn(model, head, prompts: Sequence[list[int]], max_new_tokens: in
 def bench_plain_and_spec(model, head, prompts: Sequence[list[int]], max_new_tokens: int, tree: TreeConfig,
                          compile_steps: bool = False, ignore_eos: bool = True,
                          params: SamplingParams | None = None, name: str = "speculative",
-                         disable_by_batch_size: int | None = None,
+                         batch_size: int = 1, disable_by_batch_size: int | None = None,
                          draft_ahead: bool = True) -> tuple[BenchResult, SpecRun]:
-    """Plain greedy and speculative decoding at batch 1, each warmed up (compiled) first, then
-    timed prompt by prompt in alternating order (time_interleaved): a ratio of the two that a
-    drifting machine moves less than two runs one after the other."""
+    """Plain greedy and speculative decoding, batch_size prompts a call, each warmed up (compiled)
+    first, then timed batch by batch in alternating order (time_interleaved): a ratio of the two
+    that a drifting machine moves less than two runs one after the other."""
     plain_fn = plain_decode_fn(model, max_new_tokens, ignore_eos, compile_steps)
     spec_fn, stats, dec = spec_decode_fn(model, head, prompts, max_new_tokens, tree, ignore_eos, params,
-                                         compile_steps, disable_by_batch_size=disable_by_batch_size,
-                                         draft_ahead=draft_ahead)
+                                         compile_steps, batch_size, disable_by_batch_size, draft_ahead)
     fns = {"plain": plain_fn, name: spec_fn}
-    warmup = {key: warm_up(fn, prompts) for key, fn in fns.items()}
+    warmup = {key: warm_up(fn, prompts, batch_size) for key, fn in fns.items()}
     stats.__init__()  # the warm-up's rounds are not counted
-    res = time_interleaved(fns, prompts)
+    res = time_interleaved(fns, prompts, batch_size)
     for key, r in res.items():
         r.warmup_s = warmup[key]
     return res["plain"], SpecRun(res[name], stats, tree, dec)
@@ -739,15 +740,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="stop each prompt at EOS (token counts then differ across methods)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     ap.add_argument("--sequential", action="store_true",
-                    help="time all prompts plain, then all speculative (default at batch 1: the two "
-                         "take turns prompt by prompt, so a drifting machine moves their ratio less)")
+                    help="time all prompts plain, then all speculative (default: the two take turns "
+                         "batch by batch, so a drifting machine moves their ratio less)")
     ap.add_argument("--json", default=None, help="write the results here")
     sp = ap.add_argument_group("speculative decoding")
     sp.add_argument("--draft", default=None, help="draft head folder (default: the reference EAGLE-3 head)")
     sp.add_argument("--no-spec", action="store_true", help="plain and transformers only")
     tree_help = ("draft tree (SGLang's names); each one not given takes the device's default, the "
                  "server's: 5/4/16 on a GPU; on a CPU 2/4/6 in bf16, 2/4/4 in fp32, 1/4/3 with int8 "
-                 "weights, where every "
+                 "weights (2/4/6 on AMX), where every "
                  "verified node costs time")
     sp.add_argument("--num-steps", type=int, default=None, help=tree_help)
     sp.add_argument("--eagle-topk", type=int, default=None, help=tree_help)
@@ -832,14 +833,14 @@ def main(argv: list[str] | None = None) -> dict:
 
         head.set_token_map(load_token_map(args.token_map, model.config.vocab_size))
     spec_runs: list[SpecRun] = []
-    # At batch 1 plain and the main tree take turns prompt by prompt: the ratio of the two is the
-    # bench's headline, and these VMs drift by 10-50% within minutes (one method's prompts after
-    # the other's put that drift into it).
-    interleaved = head is not None and B == 1 and not args.sequential
+    # Plain and the main tree take turns batch by batch: the ratio of the two is the bench's
+    # headline, and these VMs drift by 10-50% within minutes (one method's prompts after the
+    # other's put that drift into it).
+    interleaved = head is not None and not args.sequential
     if interleaved:
         plain, main_run = bench_plain_and_spec(
             model, head, prompts, args.max_new_tokens, main_tree, compile_steps, ignore_eos, params,
-            name=f"spec {tree_tag(main_tree)}",
+            name=f"spec {tree_tag(main_tree)}", batch_size=B,
             disable_by_batch_size=args.speculative_disable_by_batch_size, draft_ahead=args.draft_ahead)
         results, spec_runs = [plain], [main_run]
     else:

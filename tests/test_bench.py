@@ -63,7 +63,7 @@ def test_bench_batches_prompts(tmp_path, default_model_fp32):
     r = json.loads(out.read_text())
     assert r["tree"] == {"num_steps": 2, "eagle_topk": 4, "num_draft_tokens": 3, "ngram_branch": 4}
     assert r["settings"]["batch_size"] == 2 and r["hf_tokens_per_s"] is None
-    assert r["timing"] == "sequential"
+    assert r["timing"] == "interleaved"  # batch by batch
     plain = r["methods"]["plain"]
     assert [b["tokens"] for b in plain["per_batch"]] == [10, 5] and plain["tokens"] == 15
     assert r["greedy_identical"] is True and r["rounds"] > 0
@@ -103,3 +103,24 @@ def test_time_interleaved_alternates_the_order():
     for name in ("a", "b"):
         r = res[name]
         assert r.outputs == [[10], [20], [30]] and len(r.seconds) == 3 and len(r.token_times) == 3
+
+
+def test_time_interleaved_takes_batches():
+    """batch_size 2 over 3 prompts: calls of [1, 2] and [3], the order reversed at the second,
+    outputs in prompt order."""
+    from eagle_infer.bench import time_interleaved
+
+    calls = []
+
+    def method(name):
+        def run(batch, on_token):
+            calls.append((name, [p[0] for p in batch]))
+            for i in range(len(batch)):
+                on_token(i, 7)
+            return [[p[0] * 10] for p in batch]
+        return run
+
+    res = time_interleaved({"a": method("a"), "b": method("b")}, [[1], [2], [3]], batch_size=2)
+    assert calls == [("a", [1, 2]), ("b", [1, 2]), ("b", [3]), ("a", [3])]
+    for name in ("a", "b"):
+        assert res[name].outputs == [[10], [20], [30]] and res[name].batch_size == 2

@@ -485,7 +485,11 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
     assert server.resolve_tree(args, "cpu") == server.TreeConfig(2, 4, 4, ngram_branch=4)  # fp32
     assert server.resolve_tree(args, "cpu", "bf16") == server.TreeConfig(2, 4, 6, ngram_branch=4)
     int8 = server.build_parser().parse_args(["--quantization", "int8"])
+    monkeypatch.setenv("EAGLE_BF16_DOT", "vdpbf16ps")  # int8's tree follows the multiply
     assert server.resolve_tree(int8, "cpu", "bf16") == server.TreeConfig(1, 4, 3, ngram_branch=4)
+    monkeypatch.setenv("EAGLE_BF16_DOT", "amx")  # a verify's rows cheap on the tiles: bf16's tree
+    assert server.resolve_tree(int8, "cpu", "bf16") == server.TreeConfig(2, 4, 6, ngram_branch=4)
+    monkeypatch.setenv("EAGLE_BF16_DOT", "fma")
     one = server.build_parser().parse_args(["--speculative-num-draft-tokens", "8"])
     assert server.resolve_tree(one, "cpu") == server.TreeConfig(2, 4, 8, ngram_branch=4)
     off = server.build_parser().parse_args(["--speculative-ngram-branch", "0"])
