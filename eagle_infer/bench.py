@@ -16,7 +16,8 @@ TTFT (time to the first token: the prefill) and TPOT (time per output token afte
 the decode steps alone), each a mean over sequences; a speculative round's cost is given
 relative to plain decoding's TPOT (`plain_step_ms`), so the prefill weighs on neither side.
 
-Methods: `plain` (eagle_infer.generate), `hf` (transformers `generate`) and `hf_assisted`
+Methods: `plain` (eagle_infer.generate; with `--temperature` it samples with the same settings
+as the speculative runs), `hf` (transformers `generate`, greedy) and `hf_assisted`
 (transformers prompt-lookup decoding, `prompt_lookup_num_tokens=10`), then speculative decoding
 with a draft head (tree settings with SGLang's names; those not given take the device's
 default tree, as the server's do: on a CPU 2/4/6 in bf16, 2/4/4 in fp32, 1/4/3 with int8 weights
@@ -274,21 +275,24 @@ def time_interleaved(fns: dict[str, DecodeFn], prompts: Sequence[list[int]],
 
 @torch.no_grad()
 def bench_plain(model, prompts: Sequence[list[int]], max_new_tokens: int,
-                ignore_eos: bool = True, compile_steps: bool = False, batch_size: int = 1) -> BenchResult:
-    """Our plain greedy decoding (eagle_infer.generate.generate), batch_size prompts a call."""
-    return time_decoding("plain", plain_decode_fn(model, max_new_tokens, ignore_eos, compile_steps),
+                ignore_eos: bool = True, compile_steps: bool = False, batch_size: int = 1,
+                params: SamplingParams | None = None) -> BenchResult:
+    """Our plain decoding (eagle_infer.generate.generate), greedy or sampled with params,
+    batch_size prompts a call."""
+    return time_decoding("plain", plain_decode_fn(model, max_new_tokens, ignore_eos, compile_steps, params),
                          prompts, batch_size=batch_size)
 
 
 def plain_decode_fn(model, max_new_tokens: int, ignore_eos: bool = True,
-                    compile_steps: bool = False) -> DecodeFn:
-    """A DecodeFn of our plain greedy decoding."""
+                    compile_steps: bool = False, params: SamplingParams | None = None) -> DecodeFn:
+    """A DecodeFn of our plain decoding, greedy or sampled with params (each call from the
+    same seed, as the speculative runs' requests)."""
     from eagle_infer.generate import generate
 
     eos = [] if ignore_eos else None
 
     def run(batch: list[list[int]], on_token) -> list[list[int]]:
-        return generate(model, batch, max_new_tokens, eos_token_ids=eos, on_token=on_token,
+        return generate(model, batch, max_new_tokens, params, eos_token_ids=eos, on_token=on_token,
                         compile=compile_steps)
 
     return run
@@ -417,10 +421,11 @@ def bench_plain_and_spec(model, head, prompts: Sequence[list[int]], max_new_toke
                          params: SamplingParams | None = None, name: str = "speculative",
                          batch_size: int = 1, disable_by_batch_size: int | None = None,
                          draft_ahead: bool = True) -> tuple[BenchResult, SpecRun]:
-    """Plain greedy and speculative decoding, batch_size prompts a call, each warmed up (compiled)
-    first, then timed batch by batch in alternating order (time_interleaved): a ratio of the two
-    that a drifting machine moves less than two runs one after the other."""
-    plain_fn = plain_decode_fn(model, max_new_tokens, ignore_eos, compile_steps)
+    """Plain and speculative decoding (greedy, or both sampled with params), batch_size prompts a
+    call, each warmed up (compiled) first, then timed batch by batch in alternating order
+    (time_interleaved): a ratio of the two that a drifting machine moves less than two runs one
+    after the other."""
+    plain_fn = plain_decode_fn(model, max_new_tokens, ignore_eos, compile_steps, params)
     spec_fn, stats, dec = spec_decode_fn(model, head, prompts, max_new_tokens, tree, ignore_eos, params,
                                          compile_steps, batch_size, disable_by_batch_size, draft_ahead)
     fns = {"plain": plain_fn, name: spec_fn}
@@ -760,6 +765,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "0 on a GPU")
     sp.add_argument("--token-map", default=None, help="FR-Spec token map for an EAGLE-2 head")
     sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    sp.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0")
+    sp.add_argument("--top-k", type=int, default=0, help="with --temperature > 0 (0 = off)")
     sp.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the decode step (plain) and the draft and verify steps "
                          "(speculative); compile time goes to warmup_s. "
@@ -827,7 +834,8 @@ def main(argv: list[str] | None = None) -> dict:
         head = load_head_for(args.draft or default_head_path("eagle3"), model)
     compile_steps = compile_default(device) if args.compile is None else args.compile
     B = args.batch_size
-    params = SamplingParams(temperature=args.temperature, seed=0) if args.temperature > 0 else None
+    params = (SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=0)
+              if args.temperature > 0 else None)
     if head is not None and args.token_map:
         from eagle_train.tokenmap import load_token_map
 
@@ -844,7 +852,7 @@ def main(argv: list[str] | None = None) -> dict:
             disable_by_batch_size=args.speculative_disable_by_batch_size, draft_ahead=args.draft_ahead)
         results, spec_runs = [plain], [main_run]
     else:
-        results = [bench_plain(model, prompts, args.max_new_tokens, ignore_eos, compile_steps, B)]
+        results = [bench_plain(model, prompts, args.max_new_tokens, ignore_eos, compile_steps, B, params)]
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
 
@@ -920,7 +928,7 @@ def main(argv: list[str] | None = None) -> dict:
     plain_ms = by_name["plain"].tpot_ms
     if args.count_ops:
         report["aten_ops_eager"] = count_aten_ops(model, head, prompts[0], main_tree)
-    if "hf" in by_name:
+    if "hf" in by_name and params is None:  # transformers decodes greedily
         report["greedy_agreement_plain_vs_hf"] = greedy_agreement(by_name["plain"], by_name["hf"],
                                                                   model.config.eos_token_ids)
     if spec_runs:
@@ -943,6 +951,8 @@ def main(argv: list[str] | None = None) -> dict:
             if plain_tps else None,
             "draft": str(args.draft or "reference eagle3"),
             "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
         })
         if args.sweep:
             report["sweep"] = [r.to_json(plain_ms)

@@ -124,3 +124,27 @@ def test_time_interleaved_takes_batches():
     assert calls == [("a", [1, 2]), ("b", [1, 2]), ("b", [3]), ("a", [3])]
     for name in ("a", "b"):
         assert res[name].outputs == [[10], [20], [30]] and res[name].batch_size == 2
+
+
+
+def test_bench_sampled_plain_samples_too(tmp_path, default_model_fp32):
+    """--temperature: plain decoding samples with the same settings (the fair baseline for a
+    sampled speculative run), seeded like the speculative runs' requests; the settings are
+    reported."""
+    from eagle_infer.bench import load_prompts, plain_decode_fn
+    from eagle_infer.generate import generate
+    from eagle_infer.loader import load_tokenizer
+    from eagle_infer.sampling import SamplingParams
+
+    save_random_head(default_model_fp32, tmp_path / "head")
+    main(["--num-prompts", "1", "--max-new-tokens", "8", "--dtype", "fp32", "--no-hf", "--no-compile",
+          "--draft", str(tmp_path / "head"), "--num-steps", "2", "--eagle-topk", "2",
+          "--num-draft-tokens", "3", "--temperature", "5.0", "--top-p", "0.9", "--top-k", "100", "--json", str(tmp_path / "s.json")])
+    r = json.loads((tmp_path / "s.json").read_text())
+    assert (r["temperature"], r["top_p"], r["top_k"]) == (5.0, 0.9, 100)
+    assert r["greedy_identical"] is None and r["methods"]["plain"]["tokens"] == 8
+    prompt = load_prompts(None, 1, load_tokenizer(None))[:1]
+    params = SamplingParams(5.0, 0.9, 100, seed=0)
+    sampled = plain_decode_fn(default_model_fp32, 8, params=params)(prompt, lambda i, t: False)
+    assert sampled == generate(default_model_fp32, prompt, 8, params, eos_token_ids=[])
+    assert sampled != plain_decode_fn(default_model_fp32, 8)(prompt, lambda i, t: False)
