@@ -139,7 +139,8 @@ def test_bench_sampled_plain_samples_too(tmp_path, default_model_fp32):
     save_random_head(default_model_fp32, tmp_path / "head")
     main(["--num-prompts", "1", "--max-new-tokens", "8", "--dtype", "fp32", "--no-hf", "--no-compile",
           "--draft", str(tmp_path / "head"), "--num-steps", "2", "--eagle-topk", "2",
-          "--num-draft-tokens", "3", "--temperature", "5.0", "--top-p", "0.9", "--top-k", "100", "--json", str(tmp_path / "s.json")])
+          "--num-draft-tokens", "3", "--temperature", "5.0", "--top-p", "0.9", "--top-k", "100",
+          "--json", str(tmp_path / "s.json")])
     r = json.loads((tmp_path / "s.json").read_text())
     assert (r["temperature"], r["top_p"], r["top_k"]) == (5.0, 0.9, 100)
     assert r["greedy_identical"] is None and r["methods"]["plain"]["tokens"] == 8
