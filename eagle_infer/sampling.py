@@ -54,13 +54,39 @@ def logits_to_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1).
-        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
+        keep = top_p_mask(probs.reshape(-1, probs.shape[-1]), top_p).reshape(probs.shape)
+        probs = probs.masked_fill(~keep, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+# A row's nucleus is among its most likely tokens, so top-p sorts only topk candidates, more of
+# them for the rows whose candidates hold less than top_p (then all: exact for every row). Sorting
+# the whole 49k vocabulary cost 2.4 ms a row on a 2-core CPU (17.5 ms a 7-node verify's rows, more
+# than a decode step of the 135M target); topk(64) of 7 rows 0.5 ms. The target's own answers:
+# at temperature 0.7 the 64 most likely tokens held top_p 0.95 in 97.5% of positions, the 1,024
+# in all; at 1.0, 71% and 99%.
+TOP_P_CANDIDATES = (64, 1024)
+
+
+def top_p_mask(probs: Tensor, top_p: float) -> Tensor:
+    """probs [R, V] -> bool [R, V]: each row's smallest most-likely prefix whose mass reaches
+    top_p (a token is dropped when the mass strictly before it already does; keeps >= 1)."""
+    R, V = probs.shape
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    rows = torch.arange(R, device=probs.device)
+    for k in (*[c for c in TOP_P_CANDIDATES if c < V], V):
+        p = probs if rows.numel() == R else probs[rows]
+        vals, idx = p.sort(dim=-1, descending=True) if k == V else p.topk(k, dim=-1)
+        cum = vals.cumsum(-1)
+        # the candidates hold the nucleus when their mass reaches top_p: every other token has
+        # at least that much before it
+        done = cum[:, -1] >= top_p if k < V else torch.ones_like(rows, dtype=torch.bool)
+        keep[rows[done]] = keep[rows[done]].scatter(-1, idx[done], (cum - vals)[done] < top_p)
+        rows = rows[~done]
+        if rows.numel() == 0:
+            break
+    return keep
 
 
 def sample(probs: Tensor,

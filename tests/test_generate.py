@@ -205,6 +205,26 @@ def test_top_p_keeps_smallest_prefix_reaching_p(top_p):
         torch.testing.assert_close(p[idx], (row_full[idx] / row_full[idx].sum()).float())
 
 
+def test_top_p_from_candidates_equals_a_full_sort():
+    """top_p_mask sorts only topk candidates (64, then 1,024, then every token) until a row's
+    candidates hold top_p: rows peaked (done at 64), broad (at 1,024) and flat (the full sort)
+    in one batch keep exactly what a sort of the whole row keeps."""
+    from eagle_infer.sampling import TOP_P_CANDIDATES, top_p_mask
+
+    g = torch.Generator().manual_seed(5)
+    V = 5000
+    scales = torch.tensor([12.0, 4.0, 1.5, 0.2])[:, None]  # peaked ... nearly flat
+    probs = torch.softmax(torch.randn(4, V, generator=g, dtype=torch.float64) * scales, -1).float()
+    top_p = 0.95
+    mass = [probs.topk(k, -1).values.sum(-1) for k in TOP_P_CANDIDATES]
+    assert mass[0][0] >= top_p and mass[0][1] < top_p <= mass[1][1] and mass[1][2] < top_p  # each level met
+    for tp in (0.01, 0.5, top_p, 0.999):
+        sorted_p, order = probs.sort(-1, descending=True)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= tp
+        expected = ~torch.zeros_like(drop).scatter(-1, order, drop)
+        assert torch.equal(top_p_mask(probs, tp), expected), tp
+
+
 def test_top_k_then_top_p():
     # top-p applies to the distribution left after top-k (the transformers order).
     logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
