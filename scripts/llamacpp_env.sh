@@ -22,7 +22,11 @@ if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
 fi
 
 install_llamacpp() {  # $1: the environment's python
-  CFLAGS="$NO_AMX" CXXFLAGS="$NO_AMX" CMAKE_ARGS="-DGGML_NATIVE=ON" "$1" -m pip install -qq --disable-pip-version-check --no-cache-dir \
+  local flags=(CMAKE_ARGS="-DGGML_NATIVE=ON")
+  if [ -n "$NO_AMX" ]; then
+    flags+=(CFLAGS="${CFLAGS:-} $NO_AMX" CXXFLAGS="${CXXFLAGS:-} $NO_AMX")
+  fi
+  env "${flags[@]}" "$1" -m pip install -qq --disable-pip-version-check --no-cache-dir \
     "llama-cpp-python==$VERSION"
 }
 
