@@ -114,7 +114,7 @@ class TreeConfig:
         if quantization == "int8":
             from eagle_infer.kernels.bf16_linear import multiply_default
 
-            on_tiles = multiply_default() == "amx"
+            on_tiles = dtype == "bf16" and multiply_default() == "amx"  # fp32 int8 is torch's kernel
             return cls(2, 4, 6, ngram_branch=4) if on_tiles else cls(1, 4, 3, ngram_branch=4)
         return cls(2, 4, 6, ngram_branch=4) if dtype == "bf16" else cls(2, 4, 4, ngram_branch=4)
 
