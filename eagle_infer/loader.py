@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from eagle_infer.default_model import resolve_model_path
 from eagle_infer.errors import UserError
-from eagle_infer.kernels import avx2_attention, decoder_layers
+from eagle_infer.kernels import avx2_attention, avx2_linear, decoder_layers
 from eagle_infer.model import ModelConfig, Transformer, convert_hf_state_dict
 from eagle_infer.quantize import quantize_linears
 
@@ -151,7 +151,12 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
             onednn.use_backend_linears(model, backend)
         model.cpu_linears = backend
         ours = (backend, torch_dtype) in (("avx2", torch.float32), ("avx512_bf16", torch.bfloat16))
-        if ours and attention == "auto":
+        # int8 Linears round their inputs to bf16, so a verify row's attention must equal a step's
+        # bit for bit, as the kernel's does and SDPA's (its blocking follows the query length) does
+        # not: fp32 int8 on an AVX-512 CPU's "inductor" Linears and SDPA diverged from its own
+        # plain greedy output at token 18 of 2 MT-bench prompts, and matched with the kernel.
+        int8_fp32 = quantization == "int8" and torch_dtype == torch.float32 and avx2_linear.supported()
+        if (ours or int8_fp32) and attention == "auto":
             try:
                 avx2_attention.enable()
             except Exception as e:  # the Linear kernel built, so this is unexpected: say so, go on

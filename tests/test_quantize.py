@@ -115,6 +115,25 @@ def test_load_model_int8_and_a_head_for_it(tiny_model_dir, tmp_path):
     assert spec == generate(target, prompts, 16)
 
 
+def test_fp32_int8_load_turns_the_attention_kernel_on(tiny_model_dir):
+    """int8 Linears round their inputs to bf16, which turns SDPA's query-length-dependent
+    blocking into diverging greedy output (the real target: verify and plain apart at token 18);
+    the attention kernel's rows are a step's rows, so an fp32 int8 load turns it on."""
+    from eagle_infer.kernels import avx2_attention, avx2_linear
+
+    if not avx2_linear.supported():
+        pytest.skip("CPU without AVX2")
+    before = avx2_attention.enabled()
+    try:
+        avx2_attention.enable(False)
+        load_model(tiny_model_dir("llama"), "fp32", "cpu", cpu_linears="torch")
+        assert not avx2_attention.enabled()  # fp32 on torch's Linears: SDPA, as before
+        load_model(tiny_model_dir("llama"), "fp32", "cpu", quantization="int8", cpu_linears="torch")
+        assert avx2_attention.enabled()
+    finally:
+        avx2_attention.enable(before)
+
+
 @pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without AVX512-BF16")
 def test_int8_on_our_kernel_speculative_identical_to_plain_eager_and_compiled(
         bf16_multiply, attention_kernel_on, request):
