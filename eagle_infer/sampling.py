@@ -75,19 +75,20 @@ def top_p_mask(probs: Tensor, top_p: float) -> Tensor:
     top_p (a token is dropped when the mass strictly before it already does; keeps >= 1)."""
     R, V = probs.shape
     keep = torch.zeros_like(probs, dtype=torch.bool)
-    rows = torch.arange(R, device=probs.device)
-    candidates = [c for c in TOP_P_CANDIDATES if c < V] if probs.device.type == "cpu" else []
-    for k in (*candidates, V):
-        p = probs if rows.numel() == R else probs[rows]
-        vals, idx = p.sort(dim=-1, descending=True) if k == V else p.topk(k, dim=-1)
+    rows = torch.arange(R, device=probs.device)  # the rows whose nucleus is not found yet
+    for k in [c for c in TOP_P_CANDIDATES if c < V] if probs.device.type == "cpu" else []:
+        vals, idx = (probs if rows.numel() == R else probs[rows]).topk(k, dim=-1)
         cum = vals.cumsum(-1)
         # the candidates hold the nucleus when their mass reaches top_p: every other token has
         # at least that much before it
-        done = cum[:, -1] >= top_p if k < V else torch.ones_like(rows, dtype=torch.bool)
+        done = cum[:, -1] >= top_p
         keep[rows[done]] = keep[rows[done]].scatter(-1, idx[done], (cum - vals)[done] < top_p)
         rows = rows[~done]
         if rows.numel() == 0:
-            break
+            return keep
+    # the rest sort whole (every row off a CPU: no boolean indexing, so no host read)
+    vals, idx = (probs if rows.numel() == R else probs[rows]).sort(dim=-1, descending=True)
+    keep[rows] = keep[rows].scatter(-1, idx, (vals.cumsum(-1) - vals) < top_p)
     return keep
 
 
