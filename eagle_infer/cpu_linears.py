@@ -376,6 +376,31 @@ def without_mkl_prepack() -> contextlib.AbstractContextManager:
     return mock.patch.object(torch._C, "has_mkl", False)
 
 
+def without_amx_int8_gemm() -> contextlib.AbstractContextManager:
+    """A context manager (re-enterable) under which Inductor's GEMM template multiplies bf16
+    activations by int8 weights (int8 Linears on torch's kernel) on its AVX-512 micro-kernel at
+    every row count, never on its AMX one.
+
+    Why: Inductor picks AMX tiles for such a GEMM from 5 rows up and AVX-512 FMAs below (torch
+    2.13, create_micro_gemm), and the two sum a row's products in different orders. A verify's
+    rows then differed from the one-row plain steps' in the last bits, which the next int8
+    Linear's bf16 rounding made larger: compiled fp32 int8 speculative output left plain greedy
+    output after 10-64 tokens on 5 of 5 MT-bench prompts (Xeon with AMX). Without the AMX
+    configs, every row count gives each row's bits (checked at 1-24 rows). On CPUs without AMX
+    this changes nothing: those configs never match there."""
+    from unittest import mock
+
+    import torch._inductor.select_algorithm  # noqa: F401  (cpp_micro_gemm imports it back)
+    from torch._inductor.codegen import cpp_micro_gemm
+    from torch._inductor.cpu_vec_isa import VecAMX
+
+    configs = cpp_micro_gemm.micro_gemm_configs
+    kept = {cls: [c for c in cs if not (c.vec_isa_cls is VecAMX and c.input_dtype == torch.bfloat16
+                                        and c.input2_dtype == torch.int8)]
+            for cls, cs in configs.items()}
+    return mock.patch.dict(configs, kept)
+
+
 @functools.cache
 def _uncached_template_from_string():
     """Inductor's own KernelTemplate._template_from_string (read before any patch replaces it)."""
@@ -442,7 +467,8 @@ class FrozenCompile:
                     seen.add(t.data_ptr())
                     h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
                     _hash_into(h, t)
-        return "frozen-gemm-" + h.hexdigest()
+        # "v2": graphs from before without_amx_int8_gemm (AMX int8 GEMMs) are not reused
+        return "frozen-gemm-v2-" + h.hexdigest()
 
 
 def compile_settings(*modules: nn.Module) -> FrozenCompile | None:
@@ -452,12 +478,16 @@ def compile_settings(*modules: nn.Module) -> FrozenCompile | None:
     None (defaults)."""
     from eagle_infer.quantize import Int8Linear
 
-    frozen = (getattr(modules[0], "cpu_linears", None) == "inductor"
-              or any(isinstance(m, Int8Linear) and not m.ours
-                     for mod in modules for m in mod.modules()))
-    if not frozen or not template_isa():
+    int8 = any(isinstance(m, Int8Linear) and not m.ours for mod in modules for m in mod.modules())
+    if not (int8 or getattr(modules[0], "cpu_linears", None) == "inductor") or not template_isa():
         return None
-    return FrozenCompile(FROZEN_GEMM, modules)
+    # An int8 Linear returns bf16 (torch's kernel rounds its fp32 sums), which an fp32 target casts
+    # back. Inductor drops that round trip where it fuses the cast into the GEMM's epilogue, and
+    # whether it fuses depends on the graph: the plain step's lm_head returned bf16 logits, the
+    # verify's fp32 ones, so argmax broke bf16 ties differently and compiled fp32 int8
+    # speculative output left plain greedy output after 10-64 tokens (5 MT-bench prompts; Xeon
+    # with AMX). emulate_precision_casts keeps every such rounding, as eager does.
+    return FrozenCompile(FROZEN_GEMM | {"emulate_precision_casts": True} if int8 else FROZEN_GEMM, modules)
 
 
 def step_options(target: nn.Module, settings: FrozenCompile | None, mode: str | None) -> dict | None:

@@ -24,6 +24,7 @@ from eagle_infer.cpu_linears import (
     cached_kernel_templates,
     compile_settings,
     step_options,
+    without_amx_int8_gemm,
     without_mkl_prepack,
 )
 from eagle_infer.errors import UserError, cli_errors
@@ -217,10 +218,10 @@ class WithInductorSettings:
 
             self.patches = (inductor_config.patch(self.settings.options),
                             torch.compiler.config.patch(cache_key_tag=self.settings.cache_tag),
-                            without_mkl_prepack(), cached_kernel_templates())
-        inductor, compiler, no_mkl, templates = self.patches
+                            without_mkl_prepack(), cached_kernel_templates(), without_amx_int8_gemm())
+        inductor, compiler, no_mkl, templates, no_amx = self.patches
         # freezing needs grad off (else the template has no constant weight and no kernel)
-        with torch.no_grad(), inductor, compiler, no_mkl, templates:
+        with torch.no_grad(), inductor, compiler, no_mkl, templates, no_amx:
             return self.fn(*args)
 
 

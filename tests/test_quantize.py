@@ -99,6 +99,30 @@ def test_compiled_int8_steps_equal_eager_with_each_targets_own_weights():
     assert outputs[0] != outputs[1]
 
 
+@pytest.mark.skipif(not cpu_linears.template_isa(), reason="CPU without Inductor's GEMM template kernels")
+def test_compiled_int8_linears_round_to_bf16_and_a_row_is_the_same_in_any_call():
+    """Compiled fp32 steps over int8 Linears (Inductor's template on frozen weights) keep each
+    Linear's bf16 output, as eager does, also where the cast back to fp32 fuses into the GEMM
+    (an lm_head before a softmax), and a row's bits do not depend on how many rows the call has
+    (AMX tiles from 5 rows up summed in another order). Either way a verify's logits were not a
+    plain step's, and the real target's compiled speculative output left its plain output."""
+    from eagle_infer.generate import compile_step
+
+    torch.manual_seed(0)
+    # the default target's sizes: with fewer products a row the orders met (AMX at 8 rows)
+    mlp = torch.nn.Sequential(Int8Linear(torch.nn.Linear(576, 1536, bias=False)), torch.nn.SiLU(),
+                              Int8Linear(torch.nn.Linear(1536, 256, bias=False))).eval()
+    settings = cpu_linears.compile_settings(mlp)
+    assert settings is not None and settings.options["emulate_precision_casts"]
+    step = compile_step(lambda x: (lambda y: (y, y.log_softmax(-1)))(mlp(x)), None, settings)
+    x = torch.randn(8, 576)  # [rows, in]: a verify's rows
+    with torch.no_grad():
+        y, _ = step(x)
+        rows = torch.cat([step(x[i:i + 1])[0] for i in range(8)])  # one-row plain steps
+    assert y.dtype == torch.float32 and torch.equal(y, y.bfloat16().float())
+    assert torch.equal(y, rows)
+
+
 def test_load_model_int8_and_a_head_for_it(tiny_model_dir, tmp_path):
     path = tiny_model_dir("llama")
     ref = load_model(path, "fp32", "cpu")
