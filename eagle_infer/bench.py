@@ -369,11 +369,14 @@ class SpecRun:
 def bench_spec(model, head, prompts: Sequence[list[int]], max_new_tokens: int, tree: TreeConfig,
                ignore_eos: bool = True, params: SamplingParams | None = None, compile_steps: bool = False,
                name: str = "speculative", batch_size: int = 1,
-               disable_by_batch_size: int | None = None, draft_ahead: bool = True) -> SpecRun:
+               disable_by_batch_size: int | None = None, draft_ahead: bool = True,
+               batch_tree: tuple[int, TreeConfig] | None = None) -> SpecRun:
     """Speculative decoding (eagle_infer.speculative), batch_size prompts a call, one decoder
-    reused across calls (plain rounds while more than disable_by_batch_size sequences run)."""
+    reused across calls (plain rounds while more than disable_by_batch_size sequences run; the
+    batch tree's rounds from its batch size on)."""
     run, total, dec = spec_decode_fn(model, head, prompts, max_new_tokens, tree, ignore_eos, params,
-                                     compile_steps, batch_size, disable_by_batch_size, draft_ahead)
+                                     compile_steps, batch_size, disable_by_batch_size, draft_ahead,
+                                     batch_tree=batch_tree)
     warmup_s = warm_up(run, prompts, batch_size)
     total.__init__()  # the warm-up's rounds are not counted
     res = time_decoding(name, run, prompts, warmup=False, batch_size=batch_size)
@@ -390,7 +393,8 @@ def spec_decode_fn(model, head, prompts: Sequence[list[int]], max_new_tokens: in
                    ignore_eos: bool = True, params: SamplingParams | None = None, compile_steps: bool = False,
                    batch_size: int = 1, disable_by_batch_size: int | None = None,
                    draft_ahead: bool = True,
-                   max_seq_len: int | None = None) -> tuple[DecodeFn, SpecStats, object]:
+                   max_seq_len: int | None = None,
+                   batch_tree: tuple[int, TreeConfig] | None = None) -> tuple[DecodeFn, SpecStats, object]:
     """A DecodeFn of speculative decoding through one decoder sized for the prompts (or
     max_seq_len: decoders of one model share its caches, sized by the last one built, so
     decoders timed side by side take one size), the stats it adds every call to, and the decoder."""
@@ -401,7 +405,8 @@ def spec_decode_fn(model, head, prompts: Sequence[list[int]], max_new_tokens: in
     longest = max_seq_len or spec_seq_len(prompts, max_new_tokens, tree)
     dec = SpecDecoder(model, head, tree, max_batch=batch_size,
                       max_seq_len=min(longest, model.config.max_position_embeddings),
-                      disable_by_batch_size=disable_by_batch_size, draft_ahead=draft_ahead)
+                      disable_by_batch_size=disable_by_batch_size, draft_ahead=draft_ahead,
+                      batch_tree=batch_tree)
     if compile_steps:
         dec.compile(compile_mode_for(model.embed_tokens.weight.device))
     total = SpecStats()
@@ -420,14 +425,16 @@ def bench_plain_and_spec(model, head, prompts: Sequence[list[int]], max_new_toke
                          compile_steps: bool = False, ignore_eos: bool = True,
                          params: SamplingParams | None = None, name: str = "speculative",
                          batch_size: int = 1, disable_by_batch_size: int | None = None,
-                         draft_ahead: bool = True) -> tuple[BenchResult, SpecRun]:
+                         draft_ahead: bool = True,
+                         batch_tree: tuple[int, TreeConfig] | None = None) -> tuple[BenchResult, SpecRun]:
     """Plain and speculative decoding (greedy, or both sampled with params), batch_size prompts a
     call, each warmed up (compiled) first, then timed batch by batch in alternating order
     (time_interleaved): a ratio of the two that a drifting machine moves less than two runs one
     after the other."""
     plain_fn = plain_decode_fn(model, max_new_tokens, ignore_eos, compile_steps, params)
     spec_fn, stats, dec = spec_decode_fn(model, head, prompts, max_new_tokens, tree, ignore_eos, params,
-                                         compile_steps, batch_size, disable_by_batch_size, draft_ahead)
+                                         compile_steps, batch_size, disable_by_batch_size, draft_ahead,
+                                         batch_tree=batch_tree)
     fns = {"plain": plain_fn, name: spec_fn}
     warmup = {key: warm_up(fn, prompts, batch_size) for key, fn in fns.items()}
     stats.__init__()  # the warm-up's rounds are not counted
@@ -734,6 +741,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="speculative runs: rounds without drafts while more than N sequences run "
                          "(the server's flag and default: 2 on a CPU, 1 with int8 weights, never on a "
                          "GPU; a number at least --batch-size always speculates)")
+    ap.add_argument("--speculative-batch-tree", default=None, metavar="MIN_BATCH:TREE",
+                    help="the main tree's runs: from MIN_BATCH running sequences on, rounds draft and "
+                         "verify TREE (STEPS/TOPK/DRAFT_TOKENS[+gK], e.g. 3:1/4/3+g4) instead "
+                         "(the server's flag)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                     help="auto = bf16 where the hardware runs it fast (AVX512-BF16/AMX, CUDA), else fp32")
     ap.add_argument("--quantization", default="none", choices=["none", "int8"],
@@ -816,6 +827,11 @@ def main(argv: list[str] | None = None) -> dict:
     main_tree = TreeConfig.from_flags(args.num_steps, args.eagle_topk, args.num_draft_tokens,
                                       torch.device(device).type, args.quantization, args.dtype,
                                       args.ngram_branch)
+    batch_tree = (TreeConfig.parse_batch_tree(args.speculative_batch_tree)
+                  if args.speculative_batch_tree else None)
+    main_name = f"spec {tree_tag(main_tree)}"
+    if batch_tree:
+        main_name += f" b{batch_tree[0]}+{tree_tag(batch_tree[1])}"
     folder = resolve_model_path(args.model_path)
     tok = load_tokenizer(folder)
     prompts = load_prompts(args.prompts, args.num_prompts, tok, args.per_category)
@@ -848,8 +864,9 @@ def main(argv: list[str] | None = None) -> dict:
     if interleaved:
         plain, main_run = bench_plain_and_spec(
             model, head, prompts, args.max_new_tokens, main_tree, compile_steps, ignore_eos, params,
-            name=f"spec {tree_tag(main_tree)}", batch_size=B,
-            disable_by_batch_size=args.speculative_disable_by_batch_size, draft_ahead=args.draft_ahead)
+            name=main_name, batch_size=B,
+            disable_by_batch_size=args.speculative_disable_by_batch_size, draft_ahead=args.draft_ahead,
+            batch_tree=batch_tree)
         results, spec_runs = [plain], [main_run]
     else:
         results = [bench_plain(model, prompts, args.max_new_tokens, ignore_eos, compile_steps, B, params)]
@@ -866,11 +883,13 @@ def main(argv: list[str] | None = None) -> dict:
                            main_tree.ngram_branch) if args.sweep else []
         trees = ([] if interleaved else [main_tree]) + [t for t in grid if t != main_tree]
         for t in trees:
-            label = f"spec {tree_tag(t)}"
+            main = t is main_tree
             spec_runs.append(bench_spec(model, head, prompts, args.max_new_tokens, t, ignore_eos, params,
-                                        compile_steps, name=label, batch_size=B,
+                                        compile_steps, name=main_name if main else f"spec {tree_tag(t)}",
+                                        batch_size=B,
                                         disable_by_batch_size=args.speculative_disable_by_batch_size,
-                                        draft_ahead=args.draft_ahead))
+                                        draft_ahead=args.draft_ahead,
+                                        batch_tree=batch_tree if main else None))
         results.append(spec_runs[0].result)
         for path in args.token_map_sweep or []:
             from eagle_train.tokenmap import load_token_map
@@ -909,6 +928,7 @@ def main(argv: list[str] | None = None) -> dict:
             "quantization": args.quantization,
             "batch_size": B,
             "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
+            "speculative_batch_tree": args.speculative_batch_tree,
             "greedy": True,
             "ignore_eos": ignore_eos,
             "warmup_calls": "the batch_size shortest and the batch_size longest prompts",

@@ -757,6 +757,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompt lookup in the draft tree: up to K tokens that followed the latest "
                          "earlier occurrence of the request's last tokens compete with the head's for "
                          "the tree's places (0 = off); default: 4 on a CPU, 0 on a GPU (unmeasured there)")
+    ap.add_argument("--speculative-batch-tree", default=None, metavar="MIN_BATCH:TREE",
+                    help="a tree that shrinks as the batch grows: from MIN_BATCH running requests on, "
+                         "rounds draft and verify TREE (STEPS/TOPK/DRAFT_TOKENS[+gK], e.g. 3:1/4/3+g4) "
+                         "instead of the main tree (on a CPU a batch's trees make the verify "
+                         "compute-bound: README). Default: none")
     ap.add_argument("--speculative-token-map", default=None, help="FR-Spec token map (EAGLE-2 heads)")
     ap.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                     help="while more than N requests are running, rounds draft nothing: a plain "
@@ -906,6 +911,8 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     # Validate the flags before the slow loading.
     dtype = dtype_name(resolve_dtype(args.dtype, device))
     tree = None if algo == "NONE" else resolve_tree(args, torch.device(device).type, dtype)
+    batch_tree = (TreeConfig.parse_batch_tree(args.speculative_batch_tree)
+                  if tree is not None and args.speculative_batch_tree else None)
     folder = resolve_model_path(args.model_path)
     log.info("loading %s (%s, %s, %d CPU threads)", folder, dtype, device, torch.get_num_threads())
     target = load_model(folder, dtype, device, quantization=args.quantization)
@@ -929,11 +936,12 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
             head.set_token_map(load_token_map(args.speculative_token_map, target.config.vocab_size))
         plain_above = resolve_disable_by_batch_size(args, torch.device(device).type)
         decoder = SpecDecoder(target, head, tree, args.max_running_requests, ctx,
-                              disable_by_batch_size=plain_above)
-        usable = ctx - tree.slots_past_end
+                              disable_by_batch_size=plain_above, batch_tree=batch_tree)
+        usable = ctx - decoder.max_pending  # the largest tree's slots past a request's end
         if usable < 2:
             raise UserError(f"--context-length {ctx} leaves no room next to the draft tree")
-        log.info("speculative decoding: %s head %s, %s%s", kind, head_path, tree,
+        log.info("speculative decoding: %s head %s, %s%s%s", kind, head_path, tree,
+                 "" if batch_tree is None else f", {batch_tree[1].label()} from {batch_tree[0]} requests",
                  "" if plain_above is None else f", rounds without drafts above {plain_above} requests")
     compiled = compile_settings(args, torch.device(device).type)
     if compiled is not None:

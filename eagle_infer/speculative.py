@@ -261,9 +261,15 @@ def disable_by_batch_size_for(given: int | None, device_type: str, quantization:
 class SpecDecoder:
     def __init__(self, target: Transformer, head: DraftHead, tree: TreeConfig, max_batch: int = 1,
                  max_seq_len: int | None = None, static_kv: bool = False,
-                 disable_by_batch_size: int | None = None, draft_ahead: bool = True):
+                 disable_by_batch_size: int | None = None, draft_ahead: bool = True,
+                 batch_tree: tuple[int, TreeConfig] | None = None):
         """draft_ahead: a round drafts the next round's tree at its end (module docstring);
         False drafts at the start of each round, in a call of its own.
+        batch_tree (min_batch, smaller tree): while at least min_batch sequences run, rounds
+        draft and verify that tree instead of `tree` (a tree that shrinks as the batch grows: on
+        a CPU a batch's trees make the verify compute-bound). A compiled decoder keeps a graph
+        for each tree and batch bucket; where the batch crosses min_batch the next round drafts
+        its tree anew.
         disable_by_batch_size (vLLM's name): while more sequences than this are running, rounds
         verify only each sequence's root (no drafts): a plain decode step whose tokens the draft
         head catches up on later, in one forward over up to max_pending of them, so speculation
@@ -275,6 +281,12 @@ class SpecDecoder:
         if disable_by_batch_size is not None and disable_by_batch_size < 0:
             raise UserError(f"disable_by_batch_size must be >= 0, got {disable_by_batch_size}")
         self.disable_by_batch_size = disable_by_batch_size
+        if batch_tree is not None and batch_tree[0] < 2:
+            raise UserError(f"a batch tree is for 2 or more sequences, got from {batch_tree[0]}")
+        self.batch_tree = batch_tree
+        trees = [tree] + ([batch_tree[1]] if batch_tree else [])
+        self.round_tree = tree  # the tree the compiled steps trace: tree_for(the round's batch)
+        self.keep_history = any(t.ngram_branch for t in trees)  # the n-gram branch's lookups
         self.last_round_plain = False  # the last step() drafted nothing (its sequences record no round)
         self.target, self.head, self.tree = target, head, tree
         self.max_seq_len = max_seq_len or min(target.config.max_position_embeddings, 4096)
@@ -298,14 +310,14 @@ class SpecDecoder:
         # target's next token, the draft feature of the token before it) wait here, at most
         # max_pending (what check() reserves past a sequence's end for a round's tree), and the
         # head runs once over all of them (_catch_up_pending).
-        self.max_pending = tree.slots_past_end
+        self.max_pending = max(t.slots_past_end for t in trees)
         self.pending_tokens = torch.zeros(max_batch, self.max_pending, dtype=torch.long, device=dev)
         self.pending_feats = torch.zeros(max_batch, self.max_pending, h, dtype=head.weight_like.dtype,
                                          device=dev)
         self.pending_n = torch.zeros(max_batch, dtype=torch.long, device=dev)
         # The next round's tree, drafted by the round before (Sequence_.ahead says whose is ready).
         self.draft_ahead = draft_ahead
-        N = tree.num_draft_tokens
+        N = max(t.num_draft_tokens for t in trees)
         self.ahead_tree = DraftTree(torch.zeros(max_batch, N, dtype=torch.long, device=dev),
                                     torch.zeros(max_batch, N, dtype=torch.long, device=dev),
                                     torch.zeros(max_batch, N, dtype=torch.long, device=dev),
@@ -339,7 +351,7 @@ class SpecDecoder:
         (eagerly on a GPU the construction's ~400 small ops cost more than the forwards).
         history [B, kv_len]: the rows' tokens (self.history's first kv_len columns); its length
         is the kv length, a traced symbol like a mask's. Returns the DraftTree's tensors."""
-        t = draft_tree(self.tree, self.draft_fn, root, root_logp, root_g, L, history.shape[-1],
+        t = draft_tree(self.round_tree, self.draft_fn, root, root_logp, root_g, L, history.shape[-1],
                        self.head.draft_to_target, history)
         return t.tokens, t.parent, t.depth, t.mask
 
@@ -367,7 +379,7 @@ class SpecDecoder:
         next_tokens = torch.where(steps < acc.n_accepted[:, None], shifted, acc.bonus[:, None])
         feats = self.head.project([torch.gather(h, 1, acc.path[:, :, None].expand(-1, -1, h.shape[-1]))
                                    for h in hidden])
-        if self.tree.ngram_branch:  # past n the path repeats its leaf: the bonus overwrites L + n + 1
+        if self.keep_history:  # past n the path repeats its leaf: the bonus overwrites L + n + 1
             history = history.scatter(1, L[:, None] + steps, path_tokens)
             history = history.scatter(1, (L + acc.n_accepted + 1)[:, None], acc.bonus[:, None])
         return next_tokens, feats, path_tokens, history
@@ -389,7 +401,7 @@ class SpecDecoder:
         mask = build_attn_mask(L, tree_mask, history.shape[-1])  # [B, N, kv_len]
         slots = L[:, None] + torch.arange(N, device=L.device)[None]
         logits, hidden = self._verify(tokens, L[:, None] + depth, slots, mask)
-        acc = accept_greedy(tree, logits, self.tree.max_depth)
+        acc = accept_greedy(tree, logits, self.round_tree.max_depth)
         next_tokens, feats, path_tokens, history = self._commit(tokens, acc, hidden, L, history)
         pos, catch_mask = self._catch_up_inputs(L, next_tokens.shape[1], mask.shape[-1])
         g_last, logp = self._catch_up(next_tokens, feats, pos, catch_mask, acc.n_accepted + 1)
@@ -415,7 +427,7 @@ class SpecDecoder:
         Returns (path [B, D+1], n [B], bonus [B], path tokens [B, D+1], the next root's draft
         feature [B, h] and log-probs [B, V'], history (_commit))."""
         tree = DraftTree(tokens, parent, depth, tree_mask)
-        acc = walk_sampling(tree, probs, u, self.tree.max_depth)
+        acc = walk_sampling(tree, probs, u, self.round_tree.max_depth)
         next_tokens, feats, path_tokens, history = self._commit(tokens, acc, hidden, L, history)
         pos, catch_mask = self._catch_up_inputs(L, next_tokens.shape[1], history.shape[-1])
         g_last, logp = self._catch_up(next_tokens, feats, pos, catch_mask, acc.n_accepted + 1)
@@ -493,7 +505,7 @@ class SpecDecoder:
 
     def check(self, seq: Sequence_) -> None:
         """A UserError unless the sequence fits (its prompt, max_new_tokens and one round's tree)."""
-        room = self.max_seq_len - self.tree.slots_past_end
+        room = self.max_seq_len - self.max_pending  # the largest tree's slots past the end
         check_admissible(self.target, seq, room, "speculative decoding")
 
     def add(self, seq: Sequence_) -> None:
@@ -556,7 +568,11 @@ class SpecDecoder:
             return self._plain_round(B)
         if any(s.pending for s in self.seqs):  # the batch shrank: once a phase of rounds without drafts
             self._catch_up_pending(B, self._catch_up)
-        cfg, dev = self.tree, self.device
+        cfg, dev = self.tree_for(B), self.device
+        if cfg is not self.round_tree:  # the trees drafted ahead are the other tree's
+            self.round_tree = cfg
+            for s in self.seqs:
+                s.ahead = False
         L = self.L[:B]
         L_max = max(s.cached for s in self.seqs)  # = L.max(), from the host: no read
         N = cfg.num_draft_tokens  # tree nodes
@@ -568,7 +584,7 @@ class SpecDecoder:
         ahead = self.draft_ahead
         t0 = time.perf_counter()
         if ahead and all(s.ahead for s in self.seqs):
-            tree = DraftTree(*(t[:B] for t in vars(self.ahead_tree).values()))
+            tree = DraftTree(*(t.contiguous() for t in self._ahead_rows(B, N)))
             drafts = 0
         else:
             with record_function("spec.draft_tree"):
@@ -602,10 +618,10 @@ class SpecDecoder:
                 path, n, bonus, path_tokens, g_last, logp, history, *next_tree = self.sampled_tail_fn(
                     tree.tokens, tree.parent, tree.depth, tree.mask, L, history, probs, u, *hidden)
             t4 = time.perf_counter()
-        for dst, src in zip(vars(self.ahead_tree).values(), next_tree):
-            dst[:B] = src
+        for dst, src in zip(self._ahead_rows(B, N), next_tree):
+            dst.copy_(src)
         self.root_g[:B], self.root_logp[:B] = g_last, logp
-        if cfg.ngram_branch:
+        if self.keep_history:
             self.history[:B, :kv] = history
         self.L[:B] = L + n + 1
         self.root[:B] = bonus
@@ -628,6 +644,18 @@ class SpecDecoder:
         self.stats.other_s += (t3 - t2) + (t5 - t4)
         self.stats.draft_calls += drafts
         return results
+
+    def tree_for(self, B: int) -> TreeConfig:
+        """The tree a round of B sequences drafts and verifies (batch_tree)."""
+        if self.batch_tree is not None and B >= self.batch_tree[0]:
+            return self.batch_tree[1]
+        return self.tree
+
+    def _ahead_rows(self, B: int, N: int) -> list[Tensor]:
+        """The ahead tree's buffers (sized for the largest tree) as B rows of N nodes: tokens,
+        parent, depth [B, N] and mask [B, N, N]."""
+        t = self.ahead_tree
+        return [t.tokens[:B, :N], t.parent[:B, :N], t.depth[:B, :N], t.mask[:B, :N, :N]]
 
     def _plain_round(self, B: int) -> list[tuple[Sequence_, list[int]]]:
         """A round without drafts (more than disable_by_batch_size sequences running): the target's
@@ -653,7 +681,7 @@ class SpecDecoder:
             n, rows = self.pending_n[:B], torch.arange(B, device=dev)
             self.pending_tokens[rows, n], self.pending_feats[rows, n] = bonus, feat
             self.pending_n[:B] = n + 1
-            if self.tree.ngram_branch:
+            if self.keep_history:
                 self.history[rows, L + 1] = bonus
             self.L[:B] = L + 1
             self.root[:B] = bonus

@@ -80,6 +80,29 @@ class TreeConfig:
         return cls(num_steps=num_steps, eagle_topk=1, num_draft_tokens=num_steps + 1)
 
     @classmethod
+    def from_label(cls, text: str) -> TreeConfig:
+        """The tree a label names (label()): "2/4/6", or "2/4/6+g4" with an n-gram branch of 4."""
+        base, _, ngram = text.strip().partition("+g")
+        parts = base.split("/")
+        try:
+            if len(parts) != 3:
+                raise ValueError
+            return cls(*map(int, parts), ngram_branch=int(ngram) if ngram else 0)
+        except ValueError:
+            raise UserError(f"a tree is STEPS/TOPK/DRAFT_TOKENS with an optional +gK (n-gram branch), "
+                            f"e.g. 1/4/3+g4; got {text!r}") from None
+
+    @classmethod
+    def parse_batch_tree(cls, text: str) -> tuple[int, TreeConfig]:
+        """--speculative-batch-tree MIN_BATCH:TREE, e.g. "3:1/4/3+g4": from MIN_BATCH running
+        sequences on, rounds draft and verify TREE (SpecDecoder's batch_tree)."""
+        at, sep, label = text.partition(":")
+        if not sep or not at.strip().isdigit() or int(at) < 2:
+            raise UserError(f"a batch tree is MIN_BATCH:TREE with MIN_BATCH >= 2, e.g. 3:1/4/3+g4; "
+                            f"got {text!r}")
+        return int(at), cls.from_label(label)
+
+    @classmethod
     def default_for(cls, device_type: str, quantization: str = "none", dtype: str = "fp32") -> TreeConfig:
         """The tree a server uses when no tree flag is given. On a GPU verifying 16 nodes costs
         about what verifying one does: 5/4/16. On a CPU verify cost grows with every node, so a

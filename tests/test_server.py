@@ -555,6 +555,11 @@ def test_compile_flags_reach_the_decoder(default_model_dir):
         assert dec.compiled and dec.max_bs == 4 and dec.target.cache.kv.shape[2] == 4
         capped = decoder(algo, "--enable-torch-compile", "--torch-compile-max-bs", "2")
         assert capped.max_bs == 2 and capped.target.cache.kv.shape[2] == 3
+    shrinking = decoder("EAGLE3", "--disable-torch-compile", "--speculative-batch-tree", "2:1/4/3+g4")
+    assert shrinking.batch_tree == (2, server.TreeConfig(1, 4, 3, ngram_branch=4))
+    assert shrinking.tree_for(1) is shrinking.tree and shrinking.max_pending == shrinking.tree.slots_past_end
+    with pytest.raises(UserError, match="a batch tree is MIN_BATCH:TREE"):
+        decoder("EAGLE3", "--disable-torch-compile", "--speculative-batch-tree", "1/4/3")
     with pytest.raises(UserError, match="--torch-compile-max-bs must be >= 1"):
         decoder("NONE", "--enable-torch-compile", "--torch-compile-max-bs", "0")
     with pytest.raises(UserError, match="--speculative-disable-by-batch-size must be >= 0"):

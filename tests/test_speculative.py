@@ -368,6 +368,42 @@ def test_large_batches_run_plain_rounds_and_stay_identical():
         SpecDecoder(target, head, TreeConfig(3, 2, 6), disable_by_batch_size=-1)
 
 
+@pytest.mark.parametrize("greedy", [True, False])
+def test_batch_tree_shrinks_the_tree_as_the_batch_grows_and_stays_identical(greedy):
+    """With batch_tree (3, a smaller tree) rounds of 3 or more sequences draft and verify the
+    smaller tree and the rest the decoder's own; where the batch crosses 3 the next round drafts
+    its tree anew (the ones drafted ahead are the other tree's). Greedy output is still plain
+    decoding's, sampled rounds run both trees too, and the n-gram branch (the large tree's only)
+    keeps its history through the small tree's rounds."""
+    target = tiny_target(layers=2)
+    head = random_head(target, "eagle3", draft_vocab=50)
+    prompts = prompts_for(target.config.vocab_size)
+    lengths = [3, 30, 9, 21]  # finishing apart: batches 4, 3, 2, 1
+    plain = [generate(target, [p], n)[0] for p, n in zip(prompts, lengths)]
+    from eagle_infer.speculative import Sequence_
+
+    big, small = TreeConfig(3, 2, 6, ngram_branch=2), TreeConfig(1, 2, 3)
+    dec = SpecDecoder(target, head, big, max_batch=4, max_seq_len=256, batch_tree=(3, small))
+    assert dec.max_pending == big.slots_past_end and dec.ahead_tree.tokens.shape == (4, 6)
+    params = SamplingParams() if greedy else SamplingParams(temperature=1.0, seed=5)
+    seqs = [Sequence_(p, params, n, set()) for p, n in zip(prompts, lengths)]
+    dec.add_many(seqs)
+    trees = []
+    while dec.seqs:
+        batch = len(dec.seqs)
+        dec.step()
+        trees.append((batch, dec.round_tree))
+        for b, seq in enumerate(dec.seqs):  # each row's tokens so far, the root last
+            assert dec.history[b, :len(seq.prompt) + len(seq.output)].tolist() == seq.prompt + seq.output
+    assert all(t is (small if b >= 3 else big) for b, t in trees), trees
+    assert {b for b, _ in trees} == {1, 2, 3, 4}
+    if greedy:
+        assert [s.output for s in seqs] == plain
+    assert [len(s.output) for s in seqs] == lengths
+    with pytest.raises(UserError, match="batch tree"):
+        SpecDecoder(target, head, big, batch_tree=(1, small))
+
+
 def test_plain_rounds_defer_the_heads_catch_up():
     """Rounds without drafts leave the head's catch-up for one forward over the pending pairs
     (when max_pending pile up, and before speculation resumes): its cache, root feature and
