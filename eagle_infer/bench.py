@@ -410,8 +410,16 @@ def spec_decode_fn(model, head, prompts: Sequence[list[int]], max_new_tokens: in
     if compile_steps:
         dec.compile(compile_mode_for(model.embed_tokens.weight.device))
     total = SpecStats()
+    # A batch shrinks as its prompts finish, into buckets and trees the warm-up call may not
+    # reach: compiled, the first call first compiles every bucket's graphs as the server does.
+    cold = [compile_steps and batch_size > 1]
 
     def run(batch: list[list[int]], on_token=None) -> list[list[int]]:
+        if cold[0]:
+            from eagle_infer.server import warm_up as warm_buckets
+
+            warm_buckets(dec)
+            cold[0] = False
         out, st = generate_speculative(model, head, batch, max_new_tokens, params, tree=tree,
                                        eos_token_ids=eos, decoder=dec, on_token=on_token)
         total.merge(st)
@@ -739,12 +747,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                     help="speculative runs: rounds without drafts while more than N sequences run "
-                         "(the server's flag and default: 2 on a CPU, 1 with int8 weights, never on a "
-                         "GPU; a number at least --batch-size always speculates)")
+                         "(the server's flag and default: 2 on a CPU, 1 with int8 weights, 4 with a "
+                         "batch tree, never on a GPU; a number at least --batch-size always speculates)")
     ap.add_argument("--speculative-batch-tree", default=None, metavar="MIN_BATCH:TREE",
                     help="the main tree's runs: from MIN_BATCH running sequences on, rounds draft and "
-                         "verify TREE (STEPS/TOPK/DRAFT_TOKENS[+gK], e.g. 3:1/4/3+g4) instead "
-                         "(the server's flag)")
+                         "verify TREE (STEPS/TOPK/DRAFT_TOKENS[+gK], e.g. 3:1/4/3+g4) instead, or none "
+                         "(the server's flag and default: 3:1/4/3+g4 in bf16 on CPUs with AMX, else none)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                     help="auto = bf16 where the hardware runs it fast (AVX512-BF16/AMX, CUDA), else fp32")
     ap.add_argument("--quantization", default="none", choices=["none", "int8"],
@@ -820,17 +828,19 @@ def main(argv: list[str] | None = None) -> dict:
             raise UserError(f"--threads must be > 0, got {args.threads}")
         torch.set_num_threads(args.threads)
     device = args.device or default_device()
-    args.speculative_disable_by_batch_size = disable_by_batch_size_for(  # as the server resolves it
-        args.speculative_disable_by_batch_size, torch.device(device).type, args.quantization)
     torch_dtype = resolve_dtype(args.dtype, device)
     args.dtype = dtype_name(torch_dtype)  # report what ran
+    # as the server resolves them
+    batch_tree = TreeConfig.batch_tree_for(args.speculative_batch_tree, torch.device(device).type,
+                                           args.quantization, args.dtype)
+    args.speculative_batch_tree = f"{batch_tree[0]}:{batch_tree[1].label()}" if batch_tree else None
+    args.speculative_disable_by_batch_size = disable_by_batch_size_for(
+        args.speculative_disable_by_batch_size, torch.device(device).type, args.quantization, batch_tree)
     main_tree = TreeConfig.from_flags(args.num_steps, args.eagle_topk, args.num_draft_tokens,
                                       torch.device(device).type, args.quantization, args.dtype,
                                       args.ngram_branch)
-    batch_tree = (TreeConfig.parse_batch_tree(args.speculative_batch_tree)
-                  if args.speculative_batch_tree else None)
     main_name = f"spec {tree_tag(main_tree)}"
-    if batch_tree:
+    if batch_tree and args.batch_size >= batch_tree[0]:  # the batches that reach it
         main_name += f" b{batch_tree[0]}+{tree_tag(batch_tree[1])}"
     folder = resolve_model_path(args.model_path)
     tok = load_tokenizer(folder)

@@ -761,14 +761,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a tree that shrinks as the batch grows: from MIN_BATCH running requests on, "
                          "rounds draft and verify TREE (STEPS/TOPK/DRAFT_TOKENS[+gK], e.g. 3:1/4/3+g4) "
                          "instead of the main tree (on a CPU a batch's trees make the verify "
-                         "compute-bound: README). Default: none")
+                         "compute-bound: README), or none. Default: 3:1/4/3+g4 in bf16 on CPUs with "
+                         "AMX (with rounds without drafts above 4 requests), else none")
     ap.add_argument("--speculative-token-map", default=None, help="FR-Spec token map (EAGLE-2 heads)")
     ap.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                     help="while more than N requests are running, rounds draft nothing: a plain "
                          "decode step whose tokens the head catches up on later in one pass, so "
                          "speculation resumes when the batch shrinks (vLLM's name). Default: 2 on a CPU, "
                          "1 with int8 weights (where a batch's trees make the verify compute-bound: "
-                         "README), never on a GPU")
+                         "README), 4 with a batch tree, never on a GPU")
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                     help="auto = bf16 where the hardware runs it fast (CUDA, AVX512-BF16 / AMX CPUs), "
                     "else fp32; greedy output is token-identical to plain decoding in fp32")
@@ -808,12 +809,20 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def resolve_disable_by_batch_size(args: argparse.Namespace, device_type: str) -> int | None:
+def resolve_disable_by_batch_size(args: argparse.Namespace, device_type: str,
+                                  batch_tree: tuple[int, TreeConfig] | None = None) -> int | None:
     """--speculative-disable-by-batch-size, else the device's default
-    (speculative.disable_by_batch_size_for)."""
+    (speculative.disable_by_batch_size_for, which a batch tree raises)."""
     from eagle_infer.speculative import disable_by_batch_size_for
 
-    return disable_by_batch_size_for(args.speculative_disable_by_batch_size, device_type, args.quantization)
+    return disable_by_batch_size_for(args.speculative_disable_by_batch_size, device_type, args.quantization,
+                                     batch_tree)
+
+
+def resolve_batch_tree(args: argparse.Namespace, device_type: str,
+                       dtype: str = "fp32") -> tuple[int, TreeConfig] | None:
+    """--speculative-batch-tree, else the device's default (TreeConfig.batch_tree_for)."""
+    return TreeConfig.batch_tree_for(args.speculative_batch_tree, device_type, args.quantization, dtype)
 
 
 def resolve_tree(args: argparse.Namespace, device_type: str, dtype: str = "fp32") -> TreeConfig:
@@ -846,13 +855,19 @@ def warm_up(dec: Any) -> list[int]:
     catch-up, and the next round's draft phase, as one graph, a sampled round's verify and
     catch-up as two), then resets the
     statistics; at a batch that runs rounds without drafts, long enough for the head's deferred
-    catch-up (max_pending + 2 tokens), whose graph is its own. Returns the batch sizes run."""
+    catch-up (max_pending + 2 tokens), whose graph is its own. With a batch tree, also the
+    batches on either side of its first batch (a bucket may hold both trees). Returns the batch
+    sizes run."""
     from eagle_infer.generate import batch_bucket
     from eagle_infer.sampling import SamplingParams
     from eagle_infer.speculative import Sequence_, SpecStats
 
     buckets = [b for b in range(1, dec.max_bs + 1) if batch_bucket(b) == b]
-    sizes = sorted({min(b, dec.max_batch) for b in buckets})  # a size per bucket the server reaches
+    sizes = {min(b, dec.max_batch) for b in buckets}  # a size per bucket the server reaches
+    batch_tree = getattr(dec, "batch_tree", None)
+    if batch_tree:
+        sizes |= {n for n in (batch_tree[0] - 1, batch_tree[0]) if n <= min(dec.max_bs, dec.max_batch)}
+    sizes = sorted(sizes)
     disable = getattr(dec, "disable_by_batch_size", None)
     for n in sizes:
         tokens = dec.max_pending + 2 if disable is not None and n > disable else 2
@@ -911,8 +926,7 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     # Validate the flags before the slow loading.
     dtype = dtype_name(resolve_dtype(args.dtype, device))
     tree = None if algo == "NONE" else resolve_tree(args, torch.device(device).type, dtype)
-    batch_tree = (TreeConfig.parse_batch_tree(args.speculative_batch_tree)
-                  if tree is not None and args.speculative_batch_tree else None)
+    batch_tree = None if tree is None else resolve_batch_tree(args, torch.device(device).type, dtype)
     folder = resolve_model_path(args.model_path)
     log.info("loading %s (%s, %s, %d CPU threads)", folder, dtype, device, torch.get_num_threads())
     target = load_model(folder, dtype, device, quantization=args.quantization)
@@ -934,7 +948,7 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
             from eagle_train.tokenmap import load_token_map
 
             head.set_token_map(load_token_map(args.speculative_token_map, target.config.vocab_size))
-        plain_above = resolve_disable_by_batch_size(args, torch.device(device).type)
+        plain_above = resolve_disable_by_batch_size(args, torch.device(device).type, batch_tree)
         decoder = SpecDecoder(target, head, tree, args.max_running_requests, ctx,
                               disable_by_batch_size=plain_above, batch_tree=batch_tree)
         usable = ctx - decoder.max_pending  # the largest tree's slots past a request's end

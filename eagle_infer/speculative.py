@@ -242,7 +242,8 @@ def prefill_rows(target: Transformer, seqs: Sequence[Sequence_], row0: int, kv_l
     return [next_token(logits[i], s.params, s.generator) for i, s in enumerate(seqs)], hidden
 
 
-def disable_by_batch_size_for(given: int | None, device_type: str, quantization: str = "none") -> int | None:
+def disable_by_batch_size_for(given: int | None, device_type: str, quantization: str = "none",
+                              batch_tree: tuple[int, TreeConfig] | None = None) -> int | None:
     """Above how many running sequences rounds draft nothing (SpecDecoder's disable_by_batch_size):
     `given` (--speculative-disable-by-batch-size, the server's and the bench's), else the default
     here. Measured on a 2-core AMD EPYC Zen 4 (8 MT-bench
@@ -250,11 +251,14 @@ def disable_by_batch_size_for(given: int | None, device_type: str, quantization:
     (rounds without drafts there: 0.97x); int8 weights 0.82x at batch 2, 0.57x at batch 4 (rounds
     without drafts: 0.90-0.94x), so a CPU speculates up to batch 2 (fp32: unmeasured, as bf16),
     an int8 target only alone. On a GPU never: verifying a batch's trees costs about what a plain
-    step does there."""
+    step does there. With a batch tree (TreeConfig.batch_tree_for) a CPU speculates up to 4
+    sequences (or its first batch), the most measured (AMX Xeon, batch 4: 1.13x plain)."""
     if given is not None:
         return given
     if device_type != "cpu":
         return None
+    if batch_tree is not None:
+        return max(4, batch_tree[0])
     return 1 if quantization == "int8" else 2
 
 

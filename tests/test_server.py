@@ -507,6 +507,22 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
     given = server.build_parser().parse_args(["--speculative-disable-by-batch-size", "8"])
     assert server.resolve_disable_by_batch_size(given, "cpu") == 8
     assert server.resolve_disable_by_batch_size(given, "cuda") == 8
+    # A tree that shrinks as the batch grows: by default in bf16 where the kernel multiplies on AMX
+    # tiles, speculating then up to 4 requests; "none" turns it off, a flag gives another
+    small = (3, server.TreeConfig(1, 4, 3, ngram_branch=4))
+    for multiply, want in (("amx", small), ("fma", None), ("vdpbf16ps", None)):
+        monkeypatch.setenv("EAGLE_BF16_DOT", multiply)
+        assert server.resolve_batch_tree(args, "cpu", "bf16") == want
+        assert server.resolve_batch_tree(args, "cpu", "fp32") is None
+        assert server.resolve_batch_tree(int8, "cpu", "bf16") is None
+        assert server.resolve_batch_tree(args, "cuda", "bf16") is None
+    assert server.resolve_disable_by_batch_size(args, "cpu", small) == 4
+    assert server.resolve_disable_by_batch_size(given, "cpu", small) == 8
+    off = server.build_parser().parse_args(["--speculative-batch-tree", "none"])
+    assert server.resolve_batch_tree(off, "cpu", "bf16") is None
+    other = server.build_parser().parse_args(["--speculative-batch-tree", "5:1/2/2"])
+    assert server.resolve_batch_tree(other, "cuda", "fp32") == (5, server.TreeConfig(1, 2, 2))
+    assert server.resolve_disable_by_batch_size(args, "cpu", (5, server.TreeConfig(1, 2, 2))) == 5
     with pytest.raises(UserError, match="num_steps >= 1"):
         server.resolve_tree(server.build_parser().parse_args(["--speculative-num-steps", "0"]), "cpu")
     with caplog.at_level("WARNING"):
