@@ -106,19 +106,23 @@ class TreeConfig:
     def batch_tree_for(cls, given: str | None, device_type: str, quantization: str = "none",
                        dtype: str = "fp32") -> tuple[int, TreeConfig] | None:
         """--speculative-batch-tree: MIN_BATCH:TREE, "none", or where not given (None) the
-        device's default (SpecDecoder's batch_tree). On a CPU whose bf16 Linears multiply on
-        AMX tiles, 1/4/3+g4 from 3 sequences: at batch 4 the default 2/4/6+g4 verifies 28 rows
-        (two row blocks on the tiles), 1/4/3+g4 16 (README, batch 4 on AMX; 8 MT-bench prompts,
-        interleaved: 1.13x plain against 0.90x for rounds without drafts above 2 sequences;
-        eager 1.02x against 0.96x). Elsewhere none (Zen 4, bf16 on FMAs: batch 4 lost with
-        every tree measured) and with int8 weights (unmeasured)."""
+        device's default (SpecDecoder's batch_tree). On a CPU whose bf16 kernel multiplies on AMX
+        tiles (bf16 activations, int8 weights too), 1/4/3+g4 from 3 sequences, from 2 with int8
+        weights: at batch 4 the default 2/4/6+g4 verifies 28 rows (two row blocks on the tiles),
+        1/4/3+g4 16. README "A tree that shrinks as the batch grows" (8 MT-bench prompts,
+        interleaved, against rounds without drafts, the default before): bf16 batch 4 1.15x plain
+        against 0.90x (eager 1.02x against 0.96x), batch 2 level with 2/4/6+g4; int8 batch 4
+        0.99x against 0.74x, batch 2 1.08x against 0.94x. Elsewhere none (Zen 4, bf16 on FMAs:
+        batch 4 lost with every tree measured)."""
         if given is not None:
             return None if given.strip().lower() == "none" else cls.parse_batch_tree(given)
-        if device_type != "cpu" or quantization != "none" or dtype != "bf16":
+        if device_type != "cpu" or dtype != "bf16":
             return None
         from eagle_infer.kernels.bf16_linear import multiply_default
 
-        return (3, cls(1, 4, 3, ngram_branch=4)) if multiply_default() == "amx" else None
+        if multiply_default() != "amx":
+            return None
+        return (2 if quantization == "int8" else 3), cls(1, 4, 3, ngram_branch=4)
 
     @classmethod
     def default_for(cls, device_type: str, quantization: str = "none", dtype: str = "fp32") -> TreeConfig:

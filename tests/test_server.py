@@ -510,11 +510,12 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
     # A tree that shrinks as the batch grows: by default in bf16 where the kernel multiplies on AMX
     # tiles, speculating then up to 4 requests; "none" turns it off, a flag gives another
     small = (3, server.TreeConfig(1, 4, 3, ngram_branch=4))
-    for multiply, want in (("amx", small), ("fma", None), ("vdpbf16ps", None)):
+    for multiply, on_tiles in (("amx", True), ("fma", False), ("vdpbf16ps", False)):
         monkeypatch.setenv("EAGLE_BF16_DOT", multiply)
-        assert server.resolve_batch_tree(args, "cpu", "bf16") == want
+        assert server.resolve_batch_tree(args, "cpu", "bf16") == (small if on_tiles else None)
+        assert server.resolve_batch_tree(int8, "cpu", "bf16") == ((2, small[1]) if on_tiles else None)
         assert server.resolve_batch_tree(args, "cpu", "fp32") is None
-        assert server.resolve_batch_tree(int8, "cpu", "bf16") is None
+        assert server.resolve_batch_tree(int8, "cpu", "fp32") is None  # torch's int8 kernel
         assert server.resolve_batch_tree(args, "cuda", "bf16") is None
     assert server.resolve_disable_by_batch_size(args, "cpu", small) == 4
     assert server.resolve_disable_by_batch_size(given, "cpu", small) == 8
