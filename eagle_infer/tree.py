@@ -112,8 +112,8 @@ class TreeConfig:
         1/4/3+g4 16. README "A tree that shrinks as the batch grows" (8 MT-bench prompts,
         interleaved, against rounds without drafts, the default before): bf16 batch 4 1.15x plain
         against 0.90x (eager 1.02x against 0.96x), batch 2 level with 2/4/6+g4; int8 batch 4
-        0.99x against 0.74x, batch 2 1.08x against 0.94x. Elsewhere none (Zen 4, bf16 on FMAs:
-        batch 4 lost with every tree measured)."""
+        0.99x against 0.74x, batch 2 1.08x against 0.94x. Elsewhere none: unmeasured with a
+        small tree (a Zen 4 ran batch 4 at 0.87x plain with 2/4/4, level without drafts)."""
         if given is not None:
             return None if given.strip().lower() == "none" else cls.parse_batch_tree(given)
         if device_type != "cpu" or dtype != "bf16":
