@@ -800,6 +800,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with torch.compile: largest batch bucket (1, 2, 4, 8, 16, ...) compiled; "
                     "larger batches run eagerly (default: 1 on a CPU, where each bucket adds its "
                     "compile to the start-up and batches decode more tokens/s without speculation; "
+                    "4 there with a batch tree, which a compiled batch needs to pay: README; "
                     "else the bucket of --max-running-requests)")
     ap.add_argument("--max-running-requests", type=int, default=8)
     ap.add_argument("--host", default="127.0.0.1")
@@ -834,17 +835,24 @@ def resolve_tree(args: argparse.Namespace, device_type: str, dtype: str = "fp32"
                                  args.speculative_ngram_branch)
 
 
-def compile_settings(args: argparse.Namespace, device_type: str) -> tuple[str | None, int | None] | None:
+def compile_settings(args: argparse.Namespace, device_type: str,
+                     batch_tree: tuple[int, TreeConfig] | None = None
+                     ) -> tuple[str | None, int | None] | None:
     """(torch.compile mode, largest batch bucket compiled; None = the bucket of
     --max-running-requests), or None for eager steps: CUDA graphs ("reduce-overhead") on CUDA
-    unless --disable-cuda-graph; Inductor on a CPU unless --disable-torch-compile (up to batch 1
-    unless --torch-compile-max-bs says otherwise), elsewhere where --enable-torch-compile asks."""
+    unless --disable-cuda-graph; Inductor on a CPU unless --disable-torch-compile (up to batch 1,
+    up to 4 with a batch tree, unless --torch-compile-max-bs says otherwise), elsewhere where
+    --enable-torch-compile asks. With the batch tree a compiled batch of 4 paid where an eager
+    one did not: AMX Xeon, 16 MT-bench requests x 128 tokens at concurrency 4 (README), 245.2
+    tokens/s against 211.2 plain, eager 210.8 against 223.2."""
     if device_type == "cuda" and args.use_cuda_graph:
         return CUDA_GRAPHS, args.cuda_graph_max_bs
     on_cpu = device_type == "cpu"
     if args.enable_torch_compile or (args.enable_torch_compile is None and on_cpu):
         max_bs = args.torch_compile_max_bs
-        return None, (1 if on_cpu and max_bs is None else max_bs)
+        if on_cpu and max_bs is None:
+            max_bs = 4 if batch_tree is not None else 1
+        return None, max_bs
     return None
 
 
@@ -958,7 +966,7 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
         log.info("speculative decoding: %s head %s, %s%s%s", kind, head_path, tree,
                  "" if batch_tree is None else f", {batch_tree[1].label()} from {batch_tree[0]} requests",
                  "" if plain_above is None else f", rounds without drafts above {plain_above} requests")
-    compiled = compile_settings(args, torch.device(device).type)
+    compiled = compile_settings(args, torch.device(device).type, batch_tree)
     if compiled is not None:
         mode, max_bs = compiled
         decoder.compile(mode, max_bs)
