@@ -412,14 +412,15 @@ def spec_decode_fn(model, head, prompts: Sequence[list[int]], max_new_tokens: in
     total = SpecStats()
     # A batch shrinks as its prompts finish, into buckets and trees the warm-up call may not
     # reach: compiled, the first call first compiles every bucket's graphs as the server does.
-    cold = [compile_steps and batch_size > 1]
+    cold = compile_steps and batch_size > 1
 
     def run(batch: list[list[int]], on_token=None) -> list[list[int]]:
-        if cold[0]:
+        nonlocal cold
+        if cold:
             from eagle_infer.server import warm_up as warm_buckets
 
             warm_buckets(dec)
-            cold[0] = False
+            cold = False
         out, st = generate_speculative(model, head, batch, max_new_tokens, params, tree=tree,
                                        eos_token_ids=eos, decoder=dec, on_token=on_token)
         total.merge(st)

@@ -143,12 +143,18 @@ def test_eos_and_max_tokens_stop_each_sequence():
     assert all(len(s) <= 25 for s in spec)
 
 
-def test_finished_sequence_leaves_without_disturbing_others():
+def staggered_jobs():
+    """A 2-layer target, an EAGLE-3 head, four prompts with output lengths that finish apart (a
+    batch of 4 running down through 3, 2 and 1), and plain greedy decoding's output of each."""
     target = tiny_target(layers=2)
     head = random_head(target, "eagle3", draft_vocab=50)
     prompts = prompts_for(target.config.vocab_size)
     lengths = [3, 30, 9, 21]
-    plain = [generate(target, [p], n)[0] for p, n in zip(prompts, lengths)]
+    return target, head, prompts, lengths, [generate(target, [p], n)[0] for p, n in zip(prompts, lengths)]
+
+
+def test_finished_sequence_leaves_without_disturbing_others():
+    target, head, prompts, lengths, plain = staggered_jobs()
     from eagle_infer.speculative import Sequence_
 
     dec = SpecDecoder(target, head, TreeConfig(3, 2, 6), max_batch=4, max_seq_len=256)
@@ -344,11 +350,7 @@ def test_large_batches_run_plain_rounds_and_stay_identical():
     """Over disable_by_batch_size running sequences a round verifies only each root (no drafts):
     the output is still plain decoding's, the head's cache keeps up (speculation resumes as the
     batch shrinks), and plain rounds stay out of the acceptance statistics."""
-    target = tiny_target(layers=2)
-    head = random_head(target, "eagle3", draft_vocab=50)
-    prompts = prompts_for(target.config.vocab_size)
-    lengths = [3, 30, 9, 21]
-    plain = [generate(target, [p], n)[0] for p, n in zip(prompts, lengths)]
+    target, head, prompts, lengths, plain = staggered_jobs()
     from eagle_infer.speculative import Sequence_
 
     dec = SpecDecoder(target, head, TreeConfig(3, 2, 6), max_batch=4, max_seq_len=256,
@@ -375,11 +377,7 @@ def test_batch_tree_shrinks_the_tree_as_the_batch_grows_and_stays_identical(gree
     its tree anew (the ones drafted ahead are the other tree's). Greedy output is still plain
     decoding's, sampled rounds run both trees too, and the n-gram branch (the large tree's only)
     keeps its history through the small tree's rounds."""
-    target = tiny_target(layers=2)
-    head = random_head(target, "eagle3", draft_vocab=50)
-    prompts = prompts_for(target.config.vocab_size)
-    lengths = [3, 30, 9, 21]  # finishing apart: batches 4, 3, 2, 1
-    plain = [generate(target, [p], n)[0] for p, n in zip(prompts, lengths)]
+    target, head, prompts, lengths, plain = staggered_jobs()
     from eagle_infer.speculative import Sequence_
 
     big, small = TreeConfig(3, 2, 6, ngram_branch=2), TreeConfig(1, 2, 3)
