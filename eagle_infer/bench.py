@@ -417,7 +417,7 @@ def spec_decode_fn(model, head, prompts: Sequence[list[int]], max_new_tokens: in
     def run(batch: list[list[int]], on_token=None) -> list[list[int]]:
         nonlocal cold
         if cold:
-            from eagle_infer.server import warm_up as warm_buckets
+            from eagle_infer.engine import warm_up as warm_buckets
 
             warm_buckets(dec)
             cold = False

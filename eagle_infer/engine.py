@@ -8,6 +8,9 @@ share a forward per group of similar lengths) and leaves by moving the last row 
 State per active row:
     L[r]     tokens in the cache (the prompt and all outputs but the newest)
     last[r]  the newest output token, not yet in the cache (the next step's input)
+
+`warm_up` compiles either decoder's graphs for every batch bucket before it serves (the server's
+start-up, the bench's untimed warm-up at batch > 1).
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ from eagle_infer.generate import (
     pick_tokens,
 )
 from eagle_infer.model import Transformer, causal_mask
+from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import (
     RowTable,
     Sequence_,
+    SpecDecoder,
     SpecStats,
     check_admissible,
     prefill_rows,
@@ -126,3 +131,31 @@ class PlainDecoder:
         self.stats.rounds += 1
         self.rows.drop_finished()
         return results
+
+
+def warm_up(dec: PlainDecoder | SpecDecoder) -> list[int]:
+    """Compile every batch bucket's graphs before serving: a bucket's first step compiles them
+    (tens of seconds a graph on a 2-core CPU), which would otherwise stall the first requests
+    that reach it. Runs a 4-token prompt for two tokens at each bucket up to the decoder's
+    max_bs, greedy and then sampled (a speculative decoder runs a greedy round's verify to
+    catch-up, and the next round's draft phase, as one graph, a sampled round's verify and
+    catch-up as two), then resets the
+    statistics; at a batch that runs rounds without drafts, long enough for the head's deferred
+    catch-up (max_pending + 2 tokens), whose graph is its own. With a batch tree, also the
+    batches on either side of its first batch (a bucket may hold both trees). Returns the batch
+    sizes run."""
+    buckets = [b for b in range(1, dec.max_bs + 1) if batch_bucket(b) == b]
+    sizes = {min(b, dec.max_batch) for b in buckets}  # a size per bucket the server reaches
+    batch_tree = getattr(dec, "batch_tree", None)  # SpecDecoder only
+    if batch_tree:
+        sizes |= {n for n in (batch_tree[0] - 1, batch_tree[0]) if n <= min(dec.max_bs, dec.max_batch)}
+    sizes = sorted(sizes)
+    disable = getattr(dec, "disable_by_batch_size", None)
+    for n in sizes:
+        tokens = dec.max_pending + 2 if disable is not None and n > disable else 2
+        for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=0)):
+            dec.add_many([Sequence_([1, 2, 3, 4], params, tokens, set()) for _ in range(n)])
+            while dec.seqs:
+                dec.step()
+    dec.stats = SpecStats()
+    return sizes

@@ -856,38 +856,6 @@ def compile_settings(args: argparse.Namespace, device_type: str,
     return None
 
 
-def warm_up(dec: Any) -> list[int]:
-    """Compile every batch bucket's graphs before serving: a bucket's first step compiles them
-    (tens of seconds a graph on a 2-core CPU), which would otherwise stall the first requests
-    that reach it. Runs a 4-token prompt for two tokens at each bucket up to the decoder's
-    max_bs, greedy and then sampled (a speculative decoder runs a greedy round's verify to
-    catch-up, and the next round's draft phase, as one graph, a sampled round's verify and
-    catch-up as two), then resets the
-    statistics; at a batch that runs rounds without drafts, long enough for the head's deferred
-    catch-up (max_pending + 2 tokens), whose graph is its own. With a batch tree, also the
-    batches on either side of its first batch (a bucket may hold both trees). Returns the batch
-    sizes run."""
-    from eagle_infer.generate import batch_bucket
-    from eagle_infer.sampling import SamplingParams
-    from eagle_infer.speculative import Sequence_, SpecStats
-
-    buckets = [b for b in range(1, dec.max_bs + 1) if batch_bucket(b) == b]
-    sizes = {min(b, dec.max_batch) for b in buckets}  # a size per bucket the server reaches
-    batch_tree = getattr(dec, "batch_tree", None)
-    if batch_tree:
-        sizes |= {n for n in (batch_tree[0] - 1, batch_tree[0]) if n <= min(dec.max_bs, dec.max_batch)}
-    sizes = sorted(sizes)
-    disable = getattr(dec, "disable_by_batch_size", None)
-    for n in sizes:
-        tokens = dec.max_pending + 2 if disable is not None and n > disable else 2
-        for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=0)):
-            dec.add_many([Sequence_([1, 2, 3, 4], params, tokens, set()) for _ in range(n)])
-            while dec.seqs:
-                dec.step()
-    dec.stats = SpecStats()
-    return sizes
-
-
 def resolve_draft(args: argparse.Namespace) -> tuple[str, Path | None]:
     """(algorithm, head folder): fall back to NONE only when nothing speculative was asked for
     explicitly and the reference head is missing."""
@@ -918,7 +886,7 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     import torch
 
     from eagle_infer.default_model import DEFAULT_MODEL_NAME, resolve_model_path
-    from eagle_infer.engine import PlainDecoder
+    from eagle_infer.engine import PlainDecoder, warm_up
     from eagle_infer.heads import load_head_for
     from eagle_infer.loader import default_device, dtype_name, load_model, load_tokenizer, resolve_dtype
     from eagle_infer.speculative import SpecDecoder

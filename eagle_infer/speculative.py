@@ -710,7 +710,7 @@ class SpecDecoder:
         Equal to a catch-up a round: the same pairs at the same positions, causally masked.
         Always max_pending pairs a row (the rest padding, written past L where the next round's
         writes land first): compiled, one graph for each batch bucket that runs rounds without
-        drafts (server.warm_up compiles them); where speculation resumes it runs eagerly, once a
+        drafts (engine.warm_up compiles them); where speculation resumes it runs eagerly, once a
         phase, so batch sizes that speculate compile nothing for it."""
         T = self.max_pending
         L_max = max(s.cached for s in self.seqs)

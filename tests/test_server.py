@@ -695,5 +695,5 @@ def test_the_model_loads_in_a_thread_that_exits(monkeypatch, capsys):
     assert "error: no such model: /nowhere" in capsys.readouterr().err
     ((loader, warm),) = seen
     assert loader is not threading.main_thread() and not loader.is_alive()
-    assert warm  # compiled steps warm up there too, before serving (server.warm_up)
+    assert warm  # compiled steps warm up there too, before serving (engine.warm_up)
     assert server.in_own_thread(lambda a, b: a + b, 2, 3) == 5

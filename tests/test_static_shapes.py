@@ -134,7 +134,7 @@ def check_replayed(dec, jobs: list[tuple[list[int], int]], ref: list[list[int]])
 
 
 def check_decoders_at_batch_buckets(device: str, mode: str | None) -> None:
-    """The server's decoders, compiled and warmed up as the server starts them (server.warm_up
+    """The server's decoders, compiled and warmed up as the server starts them (engine.warm_up
     runs each batch bucket up to max_bs once, greedy and sampled): afterwards requests of any
     batch size, prompt length and sampling compile nothing new, and the warm-up's rounds are not
     in the statistics. Batches of 3 run padded to the bucket of 4 (the padding rows write only
@@ -144,7 +144,7 @@ def check_decoders_at_batch_buckets(device: str, mode: str | None) -> None:
     warm_up runs long enough to reach)."""
     from torch._dynamo.utils import counters
 
-    from eagle_infer.server import warm_up
+    from eagle_infer.engine import warm_up
 
     target, head = tiny_pair(device)
     prompts = prompts_for(target.config.vocab_size, lens=(5, 90, 3, 40))
