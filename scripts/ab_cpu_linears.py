@@ -7,7 +7,8 @@ kernels/avx2_attention, ":py" compiles steps with Inductor's Python wrapper inst
 one (cpu_linears.step_options); ":cpp" compiles them with the C++ wrapper where the default is
 the Python one (e.g. bf16 "onednn"); they combine ("avx2:sdpa:py"). For "avx512_bf16", ":fma",
 ":dot" and ":amx" pick its multiply (kernels/bf16_linear.multiply_default: fp32 FMAs, vdpbf16ps or
-AMX tiles). ":int8"
+AMX tiles); ":attnloops" runs bf16 attention on kernels/avx2_attention's AVX2 loops where it
+would run on AMX tiles (avx2_attention.set_amx). ":int8"
 loads the target with weight-only int8 Linears (`--quantization int8`; with "avx512_bf16" on our
 kernel, with the others on torch's and, compiled, Inductor's template). ":pylayers" keeps the
 target's layers in Python where they would run as one C++ call (kernels/decoder_layers:
@@ -21,10 +22,13 @@ EAGLE_FUSED_LAYERS=0 for that load).
     python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16 --also-trees 3 4 8 2 4 6
     python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16 avx512_bf16:int8 onednn:int8
     python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16 avx512_bf16:pylayers --tree 2 4 4
+    python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16 avx512_bf16:attnloops \
+        --prompts data/long_prompts.jsonl
 
 `--also-trees` times more trees after `--tree` in every round, on the same model (one backend
 suffices to compare trees); `--also-ngram K ...` times them with n-gram branches of K
-(TreeConfig.ngram_branch), `--per-category N` on the first N prompts of each MT-bench category.
+(TreeConfig.ngram_branch), `--per-category N` on the first N prompts of each MT-bench category,
+`--prompts FILE` on another prompt file's (bench.load_prompts: e.g. scripts/long_prompts.py's).
 
     python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16 --tree 2 4 6 --also-ngram 4 6 \
         --per-category 2
@@ -127,6 +131,7 @@ def main() -> None:
                          "branches, named 'S/K/N+gK'")
     ap.add_argument("--per-category", type=int, default=None, metavar="N",
                     help="the first N MT-bench prompts of each category in place of --num-prompts")
+    ap.add_argument("--prompts", default=None, help="prompt file (bench.load_prompts); default MT-bench")
     ap.add_argument("--also-separate", action="store_true",
                     help="also time every tree with its draft phase at each round's start "
                          "(draft_ahead=False), named 'S/K/N separate'")
@@ -136,7 +141,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tok = load_tokenizer(None)
-    prompts = load_prompts(None, args.num_prompts, tok, args.per_category)
+    prompts = load_prompts(args.prompts, args.num_prompts, tok, args.per_category)
     tree = TreeConfig(*args.tree, args.ngram_branch)
     if len(args.also_trees) % 3:
         ap.error("--also-trees takes three numbers a tree")
@@ -167,6 +172,7 @@ def main() -> None:
             # the attention kernel is a process-wide switch that compiled graphs guard on: set per run
             attention = avx2_attention.enabled() and "sdpa" not in off
             avx2_attention.enable(attention)
+            attention_amx = attention and amx and "attnloops" not in off
             wrapper = "py" if "py" in off else "cpp" if "cpp" in off else "default"
             use_wrapper(wrapper)
             head = load_head_for(default_head_path("eagle3"), model)
@@ -183,7 +189,8 @@ def main() -> None:
                                                        max_seq_len=seq_len)
         warmup_s = {name: round(warm_up(fn, prompts), 2) for name, fn in fns.items()}
         runs[b] = {"also": {name: {"spec": [], "tau": None} for name in also},
-                   "fns": fns, "stats": stats, "model": model, "attention": attention, "wrapper": wrapper,
+                   "fns": fns, "stats": stats, "model": model, "attention": attention,
+                   "attention_amx": attention_amx, "wrapper": wrapper,
                    "dot": dot, "amx": amx, "quantization": quantization, "warmup_s": warmup_s,
                    "plain": [], "spec": [], "tau": None}
         print(f"{b}: warm-up {runs[b]['warmup_s']}", flush=True)
@@ -191,6 +198,8 @@ def main() -> None:
     for r in range(args.rounds):
         for b, run in runs.items():
             avx2_attention.enable(run["attention"])
+            if run["attention"]:
+                avx2_attention.set_amx(run["attention_amx"])
             if bf16_linear.supported():
                 bf16_linear.set_amx(run["amx"])
             use_wrapper(run["wrapper"])
@@ -216,7 +225,8 @@ def main() -> None:
                 run["also"][name]["tau"] = round(run["stats"][name].acceptance_length(), 3)
                 line += f", {name} {res[name].tokens_per_s:.1f} (tau {run['also'][name]['tau']})"
             print(line, flush=True)
-    out = {"machine": machine_info(args.dtype, "cpu"), "prompts": len(prompts),
+    out = {"machine": machine_info(args.dtype, "cpu"), "prompts": len(prompts), "prompt_file": args.prompts,
+           "prompt_tokens": [len(p) for p in prompts],
            "per_category": args.per_category,
            "max_new_tokens": args.max_new_tokens, "tree": tree.label(), "rounds": args.rounds, "backends": {}}
     for b, run in runs.items():
@@ -228,7 +238,8 @@ def main() -> None:
                               "spec_vs_plain": round(spec / plain, 3), "tau": run["tau"],
                               "plain_runs": [round(x, 2) for x in run["plain"]],
                               "spec_runs": [round(x, 2) for x in run["spec"]], "warmup_s": run["warmup_s"],
-                              "attention": "avx2" if run["attention"] else "sdpa",
+                              "attention": ("amx" if run["attention_amx"] else "avx2") if run["attention"]
+                              else "sdpa",
                               "inductor_wrapper": run["wrapper"], "bf16_dot": run["dot"],
                               "quantization": run["quantization"],
                               "fused_layers": run["model"].fused_layers is not None,

@@ -1,8 +1,8 @@
-"""kernels/avx2_attention: attention of a few query rows over the KV cache, fp32 on AVX2. It
-computes SDPA (GQA, additive masks with -inf, cache views read in place), a row's output does not
-depend on the rows beside it, model.attention hands it decode and verify calls (eager and
-compiled) only while enabled, and greedy speculative decoding on it is token-identical to plain
-decoding on it."""
+"""kernels/avx2_attention: attention of a few query rows over the KV cache, fp32 and bf16 on AVX2
+(bf16 on AMX tiles where the CPU has them). It computes SDPA (GQA, additive masks with -inf,
+cache views read in place), a row's output does not depend on the rows beside it or on masked
+slots, model.attention hands it decode and verify calls (eager and compiled) only while enabled,
+and greedy speculative decoding on it is token-identical to plain decoding on it."""
 
 from __future__ import annotations
 
@@ -44,26 +44,43 @@ def tree_bias(B: int, T: int, S: int) -> torch.Tensor:
     return bias
 
 
-@pytest.mark.parametrize("T,S", [(1, 7), (1, 515), (4, 64), (16, 300), (3, 9)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_is_sdpa_and_rows_independent(T, S, dtype):
-    avx2_attention.load()
+@pytest.fixture
+def multiply(request):
+    """The kernel's bf16 multiply for one test ("loops": AVX2 FMAs, "amx": tiles), then back."""
+    was = avx2_attention.amx_on()
+    on = avx2_attention.set_amx(request.param == "amx")
+    if on != (request.param == "amx"):
+        avx2_attention.set_amx(was)
+        pytest.skip("CPU without AMX tiles (or Linux does not let this process use them)")
+    yield request.param
+    avx2_attention.set_amx(was)
+
+
+# (1, 7): fewer slots than a block; (16, 300) and (20, 300): 48 and 60 rows a kv head, more than
+# one block of 16 rows on the tiles; (3, 9): rows that do not fill a block
+@pytest.mark.parametrize("T,S", [(1, 7), (1, 515), (4, 64), (16, 300), (3, 9), (20, 33)])
+@pytest.mark.parametrize("dtype,multiply", [(torch.float32, "loops"), (torch.bfloat16, "loops"),
+                                            (torch.bfloat16, "amx")], indirect=["multiply"])
+def test_kernel_is_sdpa_and_rows_independent(T, S, dtype, multiply):
     B, H, KVH = 2, 9, 3
     q = torch.randn(B, T, H, 64).to(dtype).transpose(1, 2)  # [B, H, T, D], strided as the model's
-    long_keys, long_values = cache_views(B, KVH, S + 13, dtype=dtype)
+    long_keys, long_values = cache_views(B, KVH, S + 15, dtype=dtype)
     keys, values = long_keys.narrow(2, 0, S), long_values.narrow(2, 0, S)
     bias = tree_bias(B, T, S).to(dtype)
     out = torch.ops.eagle.avx2_attention(q, keys, values, bias)
     # bit for bit with masked slots after the last (a plain step reads fewer slots than a verify)
-    # and between (a tree's path has its siblings between its nodes): 13 more slots, 8 masked
-    # after the first S, 5 attended after them; the short call reads the first S and those 5
-    gaps = torch.full((B, 1, T, S + 13), float("-inf"), dtype=dtype)
-    gaps[..., :S], gaps[..., S + 8:] = bias, 0
+    # and between (a tree's path has its siblings between its nodes): 15 more slots, 5 of them
+    # attended after gaps of odd and even lengths (7, 0, 1, 2, 0), so slots change their place in
+    # a block of the kernel's (on AMX tiles: a pair of a tile row, a tile of 16); the short call
+    # reads the first S and those 5
+    extra = torch.tensor([7, 8, 10, 13, 14]) + S
+    gaps = torch.full((B, 1, T, S + 15), float("-inf"), dtype=dtype)
+    gaps[..., :S], gaps[..., extra] = bias, 0
     gapped = torch.ops.eagle.avx2_attention(q, long_keys, long_values, gaps)
-    idx = torch.cat([torch.arange(S), torch.arange(S + 8, S + 13)])
+    idx = torch.cat([torch.arange(S), extra])
     dense = torch.ops.eagle.avx2_attention(q, long_keys[:, :, idx], long_values[:, :, idx], gaps[..., idx])
     assert torch.equal(gapped, dense)
-    masked = torch.full((B, 1, T, 13), float("-inf"), dtype=dtype)
+    masked = torch.full((B, 1, T, 15), float("-inf"), dtype=dtype)
     longer = torch.ops.eagle.avx2_attention(q, long_keys, long_values, torch.cat([bias, masked], -1))
     assert torch.equal(longer, out)
     assert out.dtype == dtype
@@ -71,11 +88,34 @@ def test_kernel_is_sdpa_and_rows_independent(T, S, dtype):
                                          enable_gqa=True)
     if dtype == torch.float32:
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
-    else:  # computed in fp32, one rounding to bf16
+    else:  # computed in fp32 (on the tiles: bf16 products, P in two bf16 parts), one rounding to bf16
         torch.testing.assert_close(out.double(), ref.to(dtype).double(), rtol=8e-3, atol=4e-3)
     for t in range(T):  # bit for bit: a verify's rows = one-row steps'
         one = torch.ops.eagle.avx2_attention(q[:, :, t:t + 1], keys, values, bias[:, :, t:t + 1])
         assert torch.equal(one, out[:, :, t:t + 1]), t
+
+
+@pytest.mark.parametrize("dtype,multiply", [(torch.float32, "loops"), (torch.bfloat16, "loops"),
+                                            (torch.bfloat16, "amx")], indirect=["multiply"])
+def test_a_slot_adds_the_same_wherever_masked_slots_put_it(dtype, multiply):
+    """A tree's verify reads its path's slots with masked siblings between them, a one-row step
+    reads them side by side: the rows' outputs must be the same bits. Peaked scores (queries x 3)
+    and ~115,000 outputs, so that a sum whose order depends on where a slot sits shows past the
+    bf16 rounding: P V summed 32 slots a tile on AMX failed here (4 outputs differed), as it made
+    4 of 8 long prompts' bf16 speculative output part from plain decoding's."""
+    torch.manual_seed(0)
+    for T, S in ((16, 300), (20, 33), (64, 200)):
+        B, H, KVH = 2, 9, 3
+        q = (3 * torch.randn(B, T, H, 64)).to(dtype).transpose(1, 2)
+        long_keys, long_values = cache_views(B, KVH, S + 15, dtype=dtype)
+        extra = torch.tensor([7, 8, 10, 13, 14]) + S  # after gaps of 7, 0, 1, 2 and 0 slots
+        gaps = torch.full((B, 1, T, S + 15), float("-inf"), dtype=dtype)
+        gaps[..., :S], gaps[..., extra] = 0, 0
+        gapped = torch.ops.eagle.avx2_attention(q, long_keys, long_values, gaps)
+        idx = torch.cat([torch.arange(S), extra])
+        keys, values = long_keys[:, :, idx], long_values[:, :, idx]
+        dense = torch.ops.eagle.avx2_attention(q, keys, values, gaps[..., idx])
+        assert torch.equal(gapped, dense), (T, S, (gapped != dense).sum().item())
 
 
 def test_kv_write_runs_in_cpp_once_loaded():

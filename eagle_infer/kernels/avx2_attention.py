@@ -1,5 +1,6 @@
 """Attention of a few query rows (a decode step's one, a verify's tree) over the KV cache, fp32 or
-bf16 (computed in fp32) on AVX2 + FMA (avx2_attention.cpp), as torch.ops.eagle.avx2_attention:
+bf16 (computed in fp32) on AVX2 + FMA, bf16 on AMX tiles where the CPU has them (set_amx; the
+default follows the bf16 Linears' multiply) (avx2_attention.cpp), as torch.ops.eagle.avx2_attention:
 what model.attention runs for such calls on a CPU while it is enabled (`enable()`; the loader
 enables it with the "avx2" Linears in fp32 and the "avx512_bf16" ones in bf16, unless
 EAGLE_CPU_ATTENTION=sdpa).
@@ -48,7 +49,10 @@ def enable(on: bool = True) -> None:
 @functools.cache
 def load() -> None:
     """Build (first time on a machine) and load the op, and give compiled graphs its shape."""
+    from eagle_infer.kernels import bf16_linear
+
     avx2_linear.build("eagle_avx2_attention", SOURCE)
+    torch.ops.eagle.avx2_attention_set_amx(bf16_linear.multiply_default() == "amx")
 
     @torch.library.register_fake("eagle::avx2_attention")
     def _(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
@@ -59,3 +63,18 @@ def applies(q: Tensor, mask: Tensor) -> bool:
     """Whether model.attention hands this call (q [B, H, T, D], mask) to the kernel."""
     return (_enabled and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
             and mask.dtype == q.dtype and q.shape[-1] == HEAD_DIM and q.shape[2] <= MAX_ROWS)
+
+
+def set_amx(on: bool) -> bool:
+    """From now on, in this process, bf16 calls run on AMX tiles (on, where the CPU has them and
+    Linux lets the process use them) or on the AVX2 loops; returns whether they use AMX. The
+    default follows the Linears' multiply (bf16_linear.multiply_default: amx on AMX CPUs,
+    $EAGLE_BF16_DOT). One choice a process: a row's bits depend on it."""
+    load()
+    return torch.ops.eagle.avx2_attention_set_amx(on)
+
+
+def amx_on() -> bool:
+    """Whether bf16 calls run on AMX now (set_amx)."""
+    load()
+    return torch.ops.eagle.avx2_attention_amx_on()
