@@ -949,7 +949,9 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": machine_info(args.dtype, device),
         "cpu_linears": getattr(model, "cpu_linears", None),
         "bf16_multiply": cpu_linears.bf16_multiply(model),
-        "cpu_attention": "avx2" if avx2_attention.enabled() else "sdpa",
+        # our kernel's AVX2 loops, or (bf16) its scores on AMX tiles; else torch's SDPA
+        "cpu_attention": ("amx" if args.dtype == "bf16" and avx2_attention.amx_on() else "avx2")
+        if avx2_attention.enabled() else "sdpa",
         "compiled": compile_steps,
         "timing": "interleaved" if interleaved else "sequential",
         "draft_ahead": args.draft_ahead,

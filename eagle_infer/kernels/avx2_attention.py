@@ -1,9 +1,9 @@
 """Attention of a few query rows (a decode step's one, a verify's tree) over the KV cache, fp32 or
-bf16 (computed in fp32) on AVX2 + FMA, bf16 on AMX tiles where the CPU has them (set_amx; the
-default follows the bf16 Linears' multiply) (avx2_attention.cpp), as torch.ops.eagle.avx2_attention:
-what model.attention runs for such calls on a CPU while it is enabled (`enable()`; the loader
-enables it with the "avx2" Linears in fp32 and the "avx512_bf16" ones in bf16, unless
-EAGLE_CPU_ATTENTION=sdpa).
+bf16 (computed in fp32) on AVX2 + FMA, bf16 with its scores on AMX tiles where the CPU has them
+(set_amx) (avx2_attention.cpp), as torch.ops.eagle.avx2_attention: what model.attention runs for
+such calls on a CPU while it is enabled (`enable()`; the loader enables it with the "avx2"
+Linears in fp32 and the "avx512_bf16" ones in bf16, on AMX where those multiply there, unless
+EAGLE_CPU_ATTENTION=sdpa, or =loops for the AVX2 loops).
 
 Built once per machine by torch's extension builder into its cache (avx2_linear.build).
 
@@ -67,9 +67,10 @@ def applies(q: Tensor, mask: Tensor) -> bool:
 
 def set_amx(on: bool) -> bool:
     """From now on, in this process, bf16 calls run on AMX tiles (on, where the CPU has them and
-    Linux lets the process use them) or on the AVX2 loops; returns whether they use AMX. The
-    default follows the Linears' multiply (bf16_linear.multiply_default: amx on AMX CPUs,
-    $EAGLE_BF16_DOT). One choice a process: a row's bits depend on it."""
+    Linux lets the process use them) or on the AVX2 loops; returns whether they use AMX. Set at
+    load() as the Linears' multiply (bf16_linear.multiply_default: amx on AMX CPUs unless
+    $EAGLE_BF16_DOT says otherwise) and by the loader ($EAGLE_CPU_ATTENTION=loops: off). One
+    choice a process: a row's bits depend on it."""
     load()
     return torch.ops.eagle.avx2_attention_set_amx(on)
 

@@ -68,13 +68,9 @@ def dot_default() -> bool:
 
 def use_multiply_default() -> bool:
     """The multiply of multiply_default() for the Linears packed now: sets the process's AMX switch
-    to it (set_amx; bf16 attention's too, kernels/avx2_attention) and returns their `dot`
-    (dot_default). Called where a model's weights are packed, so $EAGLE_BF16_DOT at a load is
-    what its Linears and its attention run."""
-    from eagle_infer.kernels import avx2_attention
-
+    to it (set_amx) and returns their `dot` (dot_default). Called where a model's weights are
+    packed, so $EAGLE_BF16_DOT at a load is what its Linears run."""
     set_amx(multiply_default() == "amx")
-    avx2_attention.set_amx(multiply_default() == "amx")
     return dot_default()
 
 
