@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from eagle_infer.default_model import resolve_model_path
 from eagle_infer.errors import UserError
-from eagle_infer.kernels import avx2_attention, avx2_linear, bf16_linear, decoder_layers
+from eagle_infer.kernels import avx2_attention, avx2_linear, decoder_layers
 from eagle_infer.model import ModelConfig, Transformer, convert_hf_state_dict
 from eagle_infer.quantize import quantize_linears
 
@@ -107,9 +107,9 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     without AVX-512, inductor for fp32 on an AVX-512 one, avx512_bf16 for bf16 on an AVX512-BF16
     one, else onednn, where this torch has it, the model has Linears it packs and the packed
     copies fit in free memory (cpu_linears.auto_backend). With "avx2" and fp32 or "avx512_bf16"
-    and bf16, attention calls of a few query rows run kernels/avx2_attention too, bf16 ones with
-    their scores on AMX tiles where the Linears multiply there ($EAGLE_CPU_ATTENTION=sdpa keeps
-    them on torch's SDPA, =loops on the kernel's AVX2 loops)."""
+    and bf16, attention calls of a few query rows run kernels/avx2_attention too
+    ($EAGLE_CPU_ATTENTION=sdpa keeps them on torch's SDPA; =amx runs bf16 ones with their scores
+    on AMX tiles, opt-in: avx2_attention.set_amx)."""
     folder = resolve_model_path(path)
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
@@ -142,8 +142,8 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
             raise UserError("cpu_linears must be auto, torch, onednn, inductor, avx2 or avx512_bf16, "
                             f"got {backend!r}")
         attention = os.environ.get("EAGLE_CPU_ATTENTION", "auto")
-        if attention not in ("auto", "loops", "sdpa"):
-            raise UserError(f"EAGLE_CPU_ATTENTION must be auto, loops or sdpa, got {attention!r}")
+        if attention not in ("auto", "amx", "sdpa"):
+            raise UserError(f"EAGLE_CPU_ATTENTION must be auto, amx or sdpa, got {attention!r}")
         from eagle_infer import cpu_linears as onednn
 
         if backend == "auto":
@@ -160,8 +160,8 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
         if (ours or int8_fp32) and attention != "sdpa":
             try:
                 avx2_attention.enable()
-                # bf16 calls on AMX where the Linears multiply there (one choice a process)
-                avx2_attention.set_amx(attention == "auto" and bf16_linear.multiply_default() == "amx")
+                # bf16 calls on AMX tiles only when asked for (one choice a process)
+                avx2_attention.set_amx(attention == "amx")
             except Exception as e:  # the Linear kernel built, so this is unexpected: say so, go on
                 warnings.warn(f"the avx2 attention kernel did not build ({e}); attention runs on SDPA",
                               stacklevel=2)

@@ -7,8 +7,8 @@ kernels/avx2_attention, ":py" compiles steps with Inductor's Python wrapper inst
 one (cpu_linears.step_options); ":cpp" compiles them with the C++ wrapper where the default is
 the Python one (e.g. bf16 "onednn"); they combine ("avx2:sdpa:py"). For "avx512_bf16", ":fma",
 ":dot" and ":amx" pick its multiply (kernels/bf16_linear.multiply_default: fp32 FMAs, vdpbf16ps or
-AMX tiles); ":attnloops" runs bf16 attention on kernels/avx2_attention's AVX2 loops where it
-would run on AMX tiles (avx2_attention.set_amx). ":int8"
+AMX tiles); ":attnamx" runs bf16 attention with its scores on AMX tiles (avx2_attention.set_amx,
+EAGLE_CPU_ATTENTION=amx) rather than on kernels/avx2_attention's AVX2 loops. ":int8"
 loads the target with weight-only int8 Linears (`--quantization int8`; with "avx512_bf16" on our
 kernel, with the others on torch's and, compiled, Inductor's template). ":pylayers" keeps the
 target's layers in Python where they would run as one C++ call (kernels/decoder_layers:
@@ -22,7 +22,7 @@ EAGLE_FUSED_LAYERS=0 for that load).
     python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16 --also-trees 3 4 8 2 4 6
     python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16 avx512_bf16:int8 onednn:int8
     python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16 avx512_bf16:pylayers --tree 2 4 4
-    python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16 avx512_bf16:attnloops \
+    python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16:attnamx avx512_bf16 \
         --prompts data/long_prompts.jsonl
 
 `--also-trees` times more trees after `--tree` in every round, on the same model (one backend
@@ -172,7 +172,7 @@ def main() -> None:
             # the attention kernel is a process-wide switch that compiled graphs guard on: set per run
             attention = avx2_attention.enabled() and "sdpa" not in off
             avx2_attention.enable(attention)
-            attention_amx = attention and amx and "attnloops" not in off
+            attention_amx = attention and amx and "attnamx" in off
             wrapper = "py" if "py" in off else "cpp" if "cpp" in off else "default"
             use_wrapper(wrapper)
             head = load_head_for(default_head_path("eagle3"), model)

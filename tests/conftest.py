@@ -110,7 +110,7 @@ def attention_kernel_on():
 @pytest.fixture(params=["fma", "vdpbf16ps", "amx"])
 def bf16_multiply(request, monkeypatch):
     """kernels/bf16_linear on each of its multiplies for one test: the model loads' choice
-    ($EAGLE_BF16_DOT) and the process-wide AMX switches (the Linears' and bf16 attention's);
+    ($EAGLE_BF16_DOT) and the process-wide AMX switches (the Linears', and bf16 attention's opt-in one);
     "amx" skips on a CPU without AMX tiles.
     The process's setting is restored after it; the test's node.machine_multiply is the machine's
     default multiply (compiled checks, the same graphs whatever the multiply, run on that one)."""
@@ -120,7 +120,7 @@ def bf16_multiply(request, monkeypatch):
     request.node.machine_multiply = bf16_linear.multiply_default()  # what this machine runs by default
     if bf16_linear.set_amx(request.param == "amx") != (request.param == "amx"):
         pytest.skip("CPU without AMX tiles (or Linux does not let this process use them)")
-    avx2_attention.set_amx(request.param == "amx")  # bf16 attention follows the multiply, as at a load
+    avx2_attention.set_amx(request.param == "amx")  # bf16 attention on the tiles too (opt-in)
     monkeypatch.setenv(bf16_linear.DOT_ENV, request.param)
     yield request.param
     bf16_linear.set_amx(before[0])

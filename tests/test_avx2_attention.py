@@ -209,19 +209,20 @@ def test_loader_turns_it_on_with_the_avx2_linears(monkeypatch, default_model_dir
         load_model(default_model_dir, "fp32", "cpu", cpu_linears="avx2")
         assert not avx2_attention.enabled()
         monkeypatch.setenv("EAGLE_CPU_ATTENTION", "flash")
-        with pytest.raises(UserError, match="EAGLE_CPU_ATTENTION must be auto, loops or sdpa, got 'flash'"):
+        with pytest.raises(UserError, match="EAGLE_CPU_ATTENTION must be auto, amx or sdpa, got 'flash'"):
             load_model(default_model_dir, "fp32", "cpu", cpu_linears="avx2")
         monkeypatch.delenv("EAGLE_CPU_ATTENTION")
         load_model(default_model_dir, "fp32", "cpu", cpu_linears="torch")
         assert not avx2_attention.enabled()  # only with the avx2 Linears, where it was measured
         load_model(default_model_dir, "fp32", "cpu", cpu_linears="avx2")
         assert avx2_attention.enabled()
-        if bf16_linear.supported():  # bf16 on our Linears: its bf16 calls on AMX where they multiply there
-            load_model(default_model_dir, "bf16", "cpu", cpu_linears="avx512_bf16")
-            assert avx2_attention.enabled() and avx2_attention.amx_on() == bf16_linear.amx_on()
-            monkeypatch.setenv("EAGLE_CPU_ATTENTION", "loops")
+        if bf16_linear.supported():  # bf16 on our Linears: on AMX tiles only when asked for
+            avx2_attention.set_amx(True)
             load_model(default_model_dir, "bf16", "cpu", cpu_linears="avx512_bf16")
             assert avx2_attention.enabled() and not avx2_attention.amx_on()
+            monkeypatch.setenv("EAGLE_CPU_ATTENTION", "amx")
+            load_model(default_model_dir, "bf16", "cpu", cpu_linears="avx512_bf16")
+            assert avx2_attention.enabled() and avx2_attention.amx_on() == bf16_linear.amx_supported()
     finally:
         avx2_attention.enable(before[0])
         avx2_attention.set_amx(before[1])

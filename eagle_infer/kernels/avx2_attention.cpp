@@ -159,8 +159,8 @@ void attend_rows(const KV* q, const KV* k, const KV* v, int64_t kv_stride, const
   }
 }
 
-// On a CPU with AMX (set_amx, the default there: bf16_linear.multiply_default), bf16 calls run on
-// AVX-512 with their scores on the tiles instead (attend_rows_amx), 16 rows at a time: a verify's
+// On a CPU with AMX, where asked for (set_amx; EAGLE_CPU_ATTENTION=amx), bf16 calls run on AVX-512
+// with their scores on the tiles instead (attend_rows_amx), 16 rows at a time: a verify's
 // rows then cost little more than a decode step's row, where each added its own pass over K
 // (Xeon with AMX, 2 threads, 9 heads over 3, 1,024 slots: 72 us for one query row, 244 for six on
 // the loops above). Scores: C[slot][row] = K's rows (the A tile, straight from the cache) times

@@ -1,9 +1,9 @@
 """Attention of a few query rows (a decode step's one, a verify's tree) over the KV cache, fp32 or
-bf16 (computed in fp32) on AVX2 + FMA, bf16 with its scores on AMX tiles where the CPU has them
-(set_amx) (avx2_attention.cpp), as torch.ops.eagle.avx2_attention: what model.attention runs for
-such calls on a CPU while it is enabled (`enable()`; the loader enables it with the "avx2"
-Linears in fp32 and the "avx512_bf16" ones in bf16, on AMX where those multiply there, unless
-EAGLE_CPU_ATTENTION=sdpa, or =loops for the AVX2 loops).
+bf16 (computed in fp32) on AVX2 + FMA, or bf16 with its scores on AMX tiles (set_amx, opt-in:
+EAGLE_CPU_ATTENTION=amx) (avx2_attention.cpp), as torch.ops.eagle.avx2_attention: what
+model.attention runs for such calls on a CPU while it is enabled (`enable()`; the loader enables
+it with the "avx2" Linears in fp32 and the "avx512_bf16" ones in bf16, unless
+EAGLE_CPU_ATTENTION=sdpa).
 
 Built once per machine by torch's extension builder into its cache (avx2_linear.build).
 
@@ -49,10 +49,7 @@ def enable(on: bool = True) -> None:
 @functools.cache
 def load() -> None:
     """Build (first time on a machine) and load the op, and give compiled graphs its shape."""
-    from eagle_infer.kernels import bf16_linear
-
     avx2_linear.build("eagle_avx2_attention", SOURCE)
-    torch.ops.eagle.avx2_attention_set_amx(bf16_linear.multiply_default() == "amx")
 
     @torch.library.register_fake("eagle::avx2_attention")
     def _(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
@@ -67,10 +64,11 @@ def applies(q: Tensor, mask: Tensor) -> bool:
 
 def set_amx(on: bool) -> bool:
     """From now on, in this process, bf16 calls run on AMX tiles (on, where the CPU has them and
-    Linux lets the process use them) or on the AVX2 loops; returns whether they use AMX. Set at
-    load() as the Linears' multiply (bf16_linear.multiply_default: amx on AMX CPUs unless
-    $EAGLE_BF16_DOT says otherwise) and by the loader ($EAGLE_CPU_ATTENTION=loops: off). One
-    choice a process: a row's bits depend on it."""
+    Linux lets the process use them) or on the AVX2 loops (the default); returns whether they
+    use AMX. The loader sets it ($EAGLE_CPU_ATTENTION=amx: on). Not the default yet: faster
+    (README, "Attention on AMX"), but answers generated with it trained and scored heads worse
+    (held-out τ 2.05 against 2.26-2.29), unexplained. One choice a process: a row's bits depend
+    on it."""
     load()
     return torch.ops.eagle.avx2_attention_set_amx(on)
 
