@@ -67,7 +67,7 @@ def set_amx(on: bool) -> bool:
     Linux lets the process use them) or on the AVX2 loops (the default); returns whether they
     use AMX. The loader sets it ($EAGLE_CPU_ATTENTION=amx: on). Not the default yet: faster
     (README, "Attention on AMX"), but on one held-out split the answers generated with it scored
-    the shipped head lower (τ 2.05 against 2.26-2.29; on another, level), not yet explained. One
+    the shipped head lower (τ 2.05 against 2.26-2.29; on two others, level): likely chance. One
     choice a process: a row's bits depend on it."""
     load()
     return torch.ops.eagle.avx2_attention_set_amx(on)
