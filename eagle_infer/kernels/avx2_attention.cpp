@@ -17,9 +17,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -29,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "amx.h"
 #include "avx2_math.h"
 #include "kernel_calls.h"
 
@@ -174,35 +172,16 @@ void attend_rows(const KV* q, const KV* k, const KV* v, int64_t kv_stride, const
 // from the loops' (one choice a process).
 std::atomic<bool> g_amx{false};
 
-bool amx_usable() {
-  static const bool usable = [] {
-    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) return false;
-    unsigned a, b, c, d;
-    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-    const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
-    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
-    return tile && bf16 && syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-  }();
-  return usable;
-}
-
 bool set_amx(bool on) {
-  g_amx = on && amx_usable();
+  g_amx = on && eagle::amx_usable();
   return g_amx;
 }
 
 #define EAGLE_AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,amx-tile,amx-bf16")))
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0-3, each 16 rows of 64 bytes: 0 K (A), 1 and 2 Q's d 0-31 and 32-63 (B), 3 the scores.
 EAGLE_AMX_TARGET inline void configure_tiles() {
-  TileConfig cfg;
+  eagle::TileConfig cfg;
   for (int t = 0; t < 4; t++) {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
@@ -246,25 +225,6 @@ EAGLE_AMX_TARGET inline __m256i to_bf16(__m512 v) {
 
 EAGLE_AMX_TARGET inline __m512 from_bf16(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// exp of 16 floats: exp8's polynomial on each half (the same values as exp8 gives)
-EAGLE_AMX_TARGET inline __m512 exp16(__m512 x) {
-  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365478515625f);
-  x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
-  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
-  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-  const __m512i n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(n));
 }
 
 // NR rows' sums o[r] [64] += p[r][i] v[i] and sums[r] [16 lanes alike] += p[r][i] over the n slots
@@ -354,7 +314,7 @@ EAGLE_AMX_TARGET void attend_rows_amx(const at::BFloat16* q, const at::BFloat16*
     for (int64_t j = 0; j < S16; j += 16) {
       const __m512 x = _mm512_loadu_ps(s + j);
       const __mmask16 live = _mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ);
-      _mm512_storeu_ps(s + j, _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x, m))));
+      _mm512_storeu_ps(s + j, _mm512_maskz_mov_ps(live, eagle::exp16(_mm512_sub_ps(x, m))));
     }
   }
   // out = P V and the weights' sum, each a chain of fp32 FMAs (adds) over the slots in order, as

@@ -37,13 +37,11 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <atomic>
 #include <cstring>
 #include <type_traits>
 
+#include "amx.h"
 #include "kernel_calls.h"
 
 namespace {
@@ -327,16 +325,9 @@ std::atomic<bool> g_amx{false};
 constexpr int64_t kTileK = 32;       // bf16 k of a tile row (64 bytes)
 constexpr int64_t kTileRows = 16;
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Every tile 64 bytes a row; rows: 16 for tiles 0-4, last_rows (1 where 0: unused) for 5-7.
 __attribute__((target("amx-tile"))) inline void configure_tiles(int64_t last_rows) {
-  TileConfig cfg;
+  eagle::TileConfig cfg;
   for (int t = 0; t < 8; t++) {
     cfg.rows[t] = static_cast<uint8_t>(t < 5 ? kTileRows : last_rows ? last_rows : 1);
     cfg.colsb[t] = 64;
@@ -418,23 +409,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels(const eagle::Linear
   }
 }
 
-// Whether this CPU has AMX-BF16 and Linux lets this process use the tiles (asked for here once:
-// arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, process-wide).
-bool amx_usable() {
-  static const bool usable = [] {
-    if (!__builtin_cpu_supports("avx512f")) return false;
-    unsigned a, b, c, d;
-    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-    const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
-    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
-    return tile && bf16 && syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-  }();
-  return usable;
-}
-
-// set_amx(on): `dot` calls multiply on AMX from now on (where amx_usable; returns whether they do).
+// set_amx(on): `dot` calls multiply on AMX from now on (where eagle::amx_usable; returns whether
+// they do).
 bool set_amx(bool on) {
-  g_amx = on && amx_usable();
+  g_amx = on && eagle::amx_usable();
   return g_amx;
 }
 
