@@ -134,8 +134,10 @@ class Avx2Linear(KernelLinear):
 # oneDNN multiplies with vdpbf16ps, at half the multiply-adds a cycle of the fp32 FMAs that the
 # kernel feeds with the bf16 weights. On a 2-core AMD EPYC (Zen 4) the kernel on vdpbf16ps (its
 # default there) is level with oneDNN and torch at 512 rows and 1.2-2x faster below
-# (results/probe_bf16_linear_amd_zen4.json); there the FMAs would be 2x slower at 512.
-BF16_MAX_ROWS = 512
+# (results/probe_bf16_linear_amd_zen4.json); there the FMAs would be 2x slower at 512. Without
+# AVX512-BF16 (the kernel's AVX2 build) every call runs ours: torch emulates bf16 there, 8x slower
+# at 64-512 rows on a 2-core AVX2 AMD EPYC (results/probe_bf16_linear_amd_avx2.json).
+BF16_MAX_ROWS = 512 if torch.cpu._is_avx512_bf16_supported() else 1 << 62
 
 
 class Bf16Linear(KernelLinear):
@@ -178,7 +180,7 @@ def use_bf16_linears(model: nn.Module) -> int:
     from eagle_infer.kernels import bf16_linear
 
     if not bf16_linear.supported():
-        raise RuntimeError("cpu_linears=avx512_bf16: this CPU has no AVX512-BF16")
+        raise RuntimeError("cpu_linears=avx512_bf16: this CPU has neither AVX512-BF16 nor AVX2 with FMA")
     n = _use_kernel_linears(model, bf16_linear, Bf16Linear, torch.bfloat16)
     dot = bf16_linear.use_multiply_default()
     for m in model.modules():
@@ -201,10 +203,12 @@ def bf16_multiply(model: nn.Module) -> str | None:
 
 
 def bf16_default() -> bool:
-    """Whether "auto" picks "avx512_bf16" for bf16 Linears: an AVX512-BF16 CPU whose kernel builds
-    here (measured faster than oneDNN's prepacked bf16 Linears at 1-512 rows there; on AMX CPUs
+    """Whether "auto" picks "avx512_bf16" for bf16 Linears: a CPU whose kernel builds here. With
+    AVX512-BF16 measured faster than oneDNN's prepacked bf16 Linears at 1-512 rows (on AMX CPUs
     the kernel multiplies on the tiles too: 1.2-1.7x oneDNN's at 1-16 rows, level at 64, on a
-    2-core Xeon with AMX, results/probe_bf16_linear_amx_xeon.json)."""
+    2-core Xeon with AMX, results/probe_bf16_linear_amx_xeon.json); on an AVX2 CPU without it
+    (the kernel's AVX2 build) oneDNN has no bf16 Linear and torch's emulates bf16 several times
+    slower than fp32, while the kernel streams half fp32's bytes (results/probe_bf16_linear_amd_avx2.json)."""
     from eagle_infer.kernels import bf16_linear
 
     if not bf16_linear.supported():
@@ -298,15 +302,18 @@ def auto_backend(model: nn.Module) -> str:
     the template at 1 and 4 rows (README); on a Xeon with AVX512-BF16 the bf16 kernel faster than
     oneDNN's bf16 Linears at 1-512 rows (BF16_MAX_ROWS). bf16 is not measured on the template
     (its weights would miss torch's compile cache there)."""
+    free = available_memory_bytes()
+    bf16 = _linears(model, (torch.bfloat16,))
+    if bf16 and not _linears(model, (torch.float32,)) and bf16_default():  # on any AVX2 CPU, no oneDNN needed
+        need = sum(m.weight.numel() * m.weight.element_size() for m in bf16)
+        if free is None or 2 * need <= free:
+            return "avx512_bf16"
     need = convertible_bytes(model) if available() else 0
     if need == 0:
         return "torch"
-    free = available_memory_bytes()
     if free is not None and 2 * need > free:
         return "torch"
     dtypes = {m.weight.dtype for m in _convertible(model)}  # not empty: need > 0
-    if dtypes == {torch.bfloat16} and bf16_default():
-        return "avx512_bf16"
     fp32 = dtypes == {torch.float32}
     if fp32 and avx2_default():
         return "avx2"

@@ -45,13 +45,24 @@ def cpu_has_fast_bf16() -> bool:
     return any(f in flags for f in ("avx512_bf16", "amx_bf16"))
 
 
+def cpu_runs_bf16_fast() -> bool:
+    """True where bf16 decoding beats fp32 on this CPU: bf16 instructions (cpu_has_fast_bf16), or
+    AVX2 with FMA where our bf16 Linear kernel builds (its AVX2 build streams half fp32's bytes:
+    plain decoding 2.5-2.8x our fp32 on a 2-core AVX2 AMD EPYC, README)."""
+    if cpu_has_fast_bf16():
+        return True
+    from eagle_infer import cpu_linears
+
+    return cpu_linears.bf16_default()
+
+
 def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
     """Map a dtype name to torch, refusing one this machine can't run. "auto" = bf16 where the
-    hardware runs it fast, else fp32."""
+    hardware runs it fast (cpu_runs_bf16_fast on a CPU), else fp32."""
     if name == "auto":
         dev = torch.device(device)
         fast = (torch.cuda.is_available() and torch.cuda.is_bf16_supported()) if dev.type == "cuda" \
-            else cpu_has_fast_bf16()
+            else cpu_runs_bf16_fast()
         return torch.bfloat16 if fast else torch.float32
     if isinstance(name, torch.dtype):
         dtype = name
@@ -102,11 +113,12 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     bf16; "torch" runs them through torch's kernel; "inductor": compiled steps run them through
     Inductor's C++ GEMM template on frozen weights (cpu_linears.compile_settings; eager calls run
     as onednn's); "avx2": calls of up to 32 rows, eager and compiled, run our AVX2 kernel
-    (eagle_infer/kernels/avx2_linear.cpp); "avx512_bf16": bf16 calls of up to 512 rows run our
-    AVX-512 kernel (eagle_infer/kernels/bf16_linear.cpp); "auto" = avx2 for fp32 on an AVX2 CPU
-    without AVX-512, inductor for fp32 on an AVX-512 one, avx512_bf16 for bf16 on an AVX512-BF16
-    one, else onednn, where this torch has it, the model has Linears it packs and the packed
-    copies fit in free memory (cpu_linears.auto_backend). With "avx2" and fp32 or "avx512_bf16"
+    (eagle_infer/kernels/avx2_linear.cpp); "avx512_bf16": bf16 calls of up to 512 rows (every
+    call on a CPU without AVX512-BF16: the kernel's AVX2 build) run our kernel
+    (eagle_infer/kernels/bf16_linear.cpp); "auto" = avx2 for fp32 on an AVX2 CPU without AVX-512,
+    inductor for fp32 on an AVX-512 one, avx512_bf16 for bf16 wherever the kernel builds, else
+    onednn, where this torch has it, the model has Linears it packs and the packed copies fit in
+    free memory (cpu_linears.auto_backend). With "avx2" and fp32 or "avx512_bf16"
     and bf16, attention calls of a few query rows run kernels/avx2_attention too
     ($EAGLE_CPU_ATTENTION=sdpa keeps them on torch's SDPA; =amx runs bf16 ones with their scores
     on AMX tiles, opt-in: avx2_attention.set_amx)."""

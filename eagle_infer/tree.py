@@ -153,15 +153,24 @@ class TreeConfig:
         and 2/4/6+g4 is the default there too: 16 prompts (2 a category), interleaved, 2 rounds,
         160.4 tokens/s against 145.9 for 1/4/3+g4 (τ 2.291 against 1.795; 2/4/4+g4 147.1) and
         ahead in each round (README "bf16 and int8 on AMX tiles"). The multiply is known before
-        the model loads ($EAGLE_BF16_DOT, else the CPU: bf16_linear.multiply_default)."""
+        the model loads ($EAGLE_BF16_DOT, else the CPU: bf16_linear.multiply_default).
+
+        On an AVX2 CPU without AVX512-BF16 (the bf16 kernel's AVX2 build) a verify of up to 3
+        rows costs about one step's Linears and each row after that ~0.2 more (compute-bound on
+        8-float FMAs): 1/4/3+g4 there. AMD EPYC Zen 2, 8 MT-bench prompts (1 a category), 2
+        rounds interleaved, results/ab_trees_bf16_amd_avx2.json: 87.3 tokens/s (1.37x plain, τ
+        1.79) against 84.9 for the chain 2/1/3+g4, 83.3 for 2/4/3+g4, 75-76 for 3/1/4+g4,
+        2/4/4+g4 and 2/4/5+g4 (τ 1.98-2.16), in both rounds."""
         if device_type != "cpu":
             return cls()
-        if quantization == "int8":
-            from eagle_infer.kernels.bf16_linear import multiply_default
+        from eagle_infer.kernels.bf16_linear import avx512_bf16_supported, multiply_default
 
+        if quantization == "int8":
             on_tiles = dtype == "bf16" and multiply_default() == "amx"  # fp32 int8 is torch's kernel
             return cls(2, 4, 6, ngram_branch=4) if on_tiles else cls(1, 4, 3, ngram_branch=4)
-        return cls(2, 4, 6, ngram_branch=4) if dtype == "bf16" else cls(2, 4, 4, ngram_branch=4)
+        if dtype == "bf16":
+            return cls(2, 4, 6, ngram_branch=4) if avx512_bf16_supported() else cls(1, 4, 3, ngram_branch=4)
+        return cls(2, 4, 4, ngram_branch=4)
 
     @classmethod
     def from_flags(cls, num_steps: int | None, eagle_topk: int | None, num_draft_tokens: int | None,

@@ -48,7 +48,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from eagle_infer.errors import UserError
-from eagle_infer.loader import cpu_has_fast_bf16, resolve_dtype
+from eagle_infer.loader import cpu_runs_bf16_fast, resolve_dtype
 from eagle_train.shards import (
     HELDOUT_SUBDIR,
     MANIFEST,
@@ -701,9 +701,9 @@ def run(cfg: DictConfig, model=None, tokenizer=None) -> dict:
     if any(s.todo for s in states):
         dev = (model.embed_tokens.weight.device if model is not None
                else torch.device(resolve_device(cfg.device) or default_device()))
-        if str(cfg.capture.dtype) in ("bf16", "bfloat16") and dev.type == "cpu" and not cpu_has_fast_bf16():
-            log("warning: this CPU has no bf16 instructions (AVX512-BF16/AMX): capture.dtype=bf16 is "
-                "emulated and several times slower than capture.dtype=fp32 here")
+        if str(cfg.capture.dtype) in ("bf16", "bfloat16") and dev.type == "cpu" and not cpu_runs_bf16_fast():
+            log("warning: this CPU has no bf16 instructions (AVX512-BF16/AMX) and our bf16 kernel did not "
+                "build: capture.dtype=bf16 is emulated and several times slower than capture.dtype=fp32 here")
         ours_generate = bool(cfg.capture.regenerate) and generation_backend(cfg) == "ours"
         needs_target = ours_generate or store_states_of(cfg)
         if model is None and needs_target:

@@ -2,7 +2,8 @@
 CPU default tree 4, of the GPU default tree 16, prefill chunks more): oneDNN's prepacked bf16
 Linear (cpu_linears="onednn"), torch's F.linear and our AVX-512 kernel (cpu_linears="avx512_bf16",
 eagle_infer/kernels/bf16_linear.cpp) on fp32 FMAs ("ours"), on vdpbf16ps ("ours_dot") and on AMX
-tiles where the CPU has them ("ours_amx"), and
+tiles where the CPU has them ("ours_amx"), the fp32 weights on the AVX2 kernel (cpu_linears="avx2", the
+fp32 default on AVX2 CPUs: "fp32"), and
 the same kernel on the weights made int8 (`--quantization int8`: "int8", "int8_dot", "int8_amx"), in one
 process. Each shape runs over as many distinct
 weights as fill `--mb` MB, more than the last-level cache holds (260 MB reported on the 2-core
@@ -30,8 +31,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from eagle_infer import cpu_linears
 from eagle_infer.bench import median_seconds
-from eagle_infer.kernels import bf16_linear
+from eagle_infer.kernels import avx2_linear, bf16_linear
 from eagle_infer.quantize import quantize_weight
 
 
@@ -62,7 +64,8 @@ def load_baseline(source: str) -> None:
     copy.write_text(text)
     for header in bf16_linear.SOURCE.parent.glob("*.h"):  # the headers it includes, as they are now
         (copy.parent / header.name).write_bytes(header.read_bytes())
-    build("eagle_bf16_linear_baseline", copy, bf16_linear.FLAGS)
+    build("eagle_bf16_linear_baseline", copy,
+          bf16_linear.AVX512_FLAGS if bf16_linear.avx512_bf16_supported() else [])
 
 
 SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576),
@@ -77,18 +80,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--baseline", metavar="SOURCE", help="another bf16_linear.cpp to time beside ours")
     ap.add_argument("--kernels", nargs="+",
-                    help="only these (ours ours_dot ours_amx int8 int8_dot int8_amx onednn torch baseline "
-                         "baseline_dot baseline_int8 baseline_int8_dot)")
+                    help="only these (ours ours_dot ours_amx int8 int8_dot int8_amx onednn torch fp32 "
+                         "baseline baseline_dot baseline_int8 baseline_int8_dot)")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     bf16_linear.load()
+    dot = bf16_linear.avx512_bf16_supported()  # the AVX2 build has the FMA loop only
+    onednn_bf16 = torch.bfloat16 in cpu_linears.packable_dtypes()
     amx = bf16_linear.set_amx(True)
     bf16_linear.set_amx(False)  # "ours_dot" / "int8_dot": vdpbf16ps; "ours_amx" / "int8_amx": AMX
     if args.baseline:
         load_baseline(args.baseline)
     out = {"threads": args.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-           "avx512_bf16": bf16_linear.supported(), "cpu_vendor": bf16_linear.cpu_vendor(),
+           "avx512_bf16": bf16_linear.avx512_bf16_supported(), "cpu_vendor": bf16_linear.cpu_vendor(),
            "dot_default": bf16_linear.dot_default(), "multiply_default": bf16_linear.multiply_default(),
            "amx": amx, "baseline": args.baseline, "shapes": {}}
     for name, (n, k) in SHAPES.items():
@@ -96,7 +101,8 @@ def main() -> None:
         weights = [(torch.randn(n, k) * 0.05).bfloat16() for _ in range(copies)]
         ours_w = [bf16_linear.pack(w) for w in weights]
         int8_w = [bf16_linear.pack_int8(*quantize_weight(w)) for w in weights]
-        onednn_w = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
+        onednn_w = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights] if onednn_bf16 else []
+        fp32_w = [avx2_linear.pack(w.float()) for w in weights] if avx2_linear.supported() else []
         mb = copies * n * k * 2 / 1e6
         for m in args.rows:
             x = torch.randn(m, k).bfloat16()
@@ -107,7 +113,14 @@ def main() -> None:
                 "int8_dot": lambda x=x: [bf16_linear.int8_linear(x, w, s, n, True) for w, s in int8_w],  # noqa: B023
                 "onednn": lambda x=x: [onednn(x, w) for w in onednn_w],  # noqa: B023
                 "torch": lambda x=x: [F.linear(x, w) for w in weights],  # noqa: B023
+                "fp32": lambda x=x: [avx2_linear.avx2_linear(x.float(), w, n) for w in fp32_w],  # noqa: B023
             }
+            if not dot:
+                calls = {kn: fn for kn, fn in calls.items() if not kn.endswith("_dot")}
+            if not onednn_bf16:  # oneDNN has no bf16 Linear without native bf16
+                del calls["onednn"]
+            if not fp32_w:
+                del calls["fp32"]
             if amx:  # the dot calls on AMX tiles, the switch flipped around them
                 calls["ours_amx"] = lambda x=x: on_amx(  # noqa: B023
                     lambda: [bf16_linear.bf16_linear(x, w, n, True) for w in ours_w])  # noqa: B023
@@ -134,7 +147,7 @@ def main() -> None:
                 got = fn()[0]
                 err = (got.double() - want).abs().mean().item()
                 ms = 1e3 * statistics.median(seconds[kernel]) / copies
-                weight_bytes = n * k * (1 if "int8" in kernel else 2)
+                weight_bytes = n * k * (1 if "int8" in kernel else 4 if kernel == "fp32" else 2)
                 row[kernel] = {"ms_a_call": round(ms, 4), "gb_s": round(weight_bytes / 1e6 / ms, 1),
                                "mean_abs_err": float(f"{err:.3g}")}
                 if kernel.startswith("baseline"):  # a rework of the kernel keeps its bits

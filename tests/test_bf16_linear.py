@@ -23,7 +23,7 @@ from eagle_infer.quantize import quantize_weight
 from eagle_infer.speculative import SpecDecoder, generate_speculative
 from eagle_infer.tree import TreeConfig
 
-pytestmark = pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without AVX512-BF16")
+pytestmark = pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without AVX2 / FMA")
 
 
 def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -46,7 +46,9 @@ def test_kernel_is_linear_and_rows_independent(n, k, bf16_multiply):
     torch.testing.assert_close(full.double(), reference(x, w).bfloat16().double(), rtol=8e-3, atol=1e-2)
     assert (full.double() != reference(x, w).bfloat16().double()).float().mean() < 0.01
     # tiles of 8 and every tail; 9-32 rows run k in chunks (100: a chunk and a part), 33+ do not
-    for rows in (1, 2, 3, 7, 8, 9, 15, 16, 17, 19, 25, 32, 33):
+    # AVX2 build: 1-3 rows over the whole panel, then tiles of 3-5 rows in halves (4, 5, 6 = 3 + 3,
+    # 10, 11 = 3 + 4 + 4)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 15, 16, 17, 19, 25, 32, 33):
         got = bf16_linear.bf16_linear(x[:rows], wp, n, dot)
         assert torch.equal(got, full[:rows]), rows  # bit for bit: a verify's rows = one-row steps'
     x3 = x[:6].view(2, 3, k)  # [B, T, H], as the lm_head sees it
@@ -72,11 +74,22 @@ def test_int8_kernel_is_the_quantized_linear_and_rows_independent(n, k, bf16_mul
     want = (x.double() @ q.double().T * scale.double()).bfloat16().double()
     torch.testing.assert_close(full.double(), want, rtol=8e-3, atol=1e-4)
     assert (full.double() != want).float().mean() < 0.01
-    for rows in (1, 2, 3, 7, 8, 9, 16, 17, 32, 33):  # whole k, chunks of k (9-32 on vdpbf16ps), whole
+    # whole k, chunks of k (9-32 on vdpbf16ps), whole; AVX2: each tile shape
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 16, 17, 32, 33):
         assert torch.equal(bf16_linear.int8_linear(x[:rows], wp, s, n, dot), full[:rows]), rows
 
 
 def test_dot_product_choice(monkeypatch):
+    bf16_linear.load()  # this machine's build, before the CPU checks are faked
+    monkeypatch.setattr(bf16_linear, "avx512_bf16_supported", lambda: False)  # AVX2 only: FMAs
+    for choice in ("auto", "fma"):
+        monkeypatch.setenv(bf16_linear.DOT_ENV, choice)
+        assert bf16_linear.multiply_default() == "fma" and not bf16_linear.dot_default()
+    for choice in ("vdpbf16ps", "amx"):
+        monkeypatch.setenv(bf16_linear.DOT_ENV, choice)
+        with pytest.raises(UserError, match=f"EAGLE_BF16_DOT={choice} needs a CPU with AVX512-BF16"):
+            bf16_linear.multiply_default()
+    monkeypatch.setattr(bf16_linear, "avx512_bf16_supported", lambda: True)
     monkeypatch.setattr(bf16_linear, "amx_supported", lambda: False)
     monkeypatch.setattr(bf16_linear, "cpu_vendor", lambda: "AuthenticAMD")
     monkeypatch.delenv(bf16_linear.DOT_ENV, raising=False)
@@ -144,7 +157,8 @@ def test_bf16_linears_eager_compiled_and_large_calls():
         graphs.append(gm)
         return gm.forward
 
-    for rows in (1, 4, cpu_linears.BF16_MAX_ROWS, cpu_linears.BF16_MAX_ROWS + 1):
+    limit = cpu_linears.BF16_MAX_ROWS  # the AVX2 build: no limit, a prefill chunk of 600 rows runs ours
+    for rows in (1, 4, limit, limit + 1) if limit <= 512 else (1, 4, 600):
         x = torch.randn(rows, lin.in_features).bfloat16()
         want = reference(x, w).bfloat16().double()
         torch.testing.assert_close(lin(x).double(), want, rtol=8e-3, atol=1e-2)
@@ -210,9 +224,26 @@ def test_loader_picks_the_kernel_for_bf16_and_falls_back_when_it_does_not_build(
     assert load_model(path, "bf16", "cpu").cpu_linears == "avx512_bf16"
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     monkeypatch.setattr(bf16_linear, "load", no_compiler)
+    # oneDNN's bf16 Linears where the CPU has native bf16, else torch's (an AVX2 CPU)
+    fallback = "onednn" if torch.bfloat16 in cpu_linears.packable_dtypes() else "torch"
     with pytest.warns(UserWarning, match="avx512_bf16 kernel did not build .*no C\\+\\+ compiler"):
-        assert load_model(path, "bf16", "cpu").cpu_linears == "onednn"
+        assert load_model(path, "bf16", "cpu").cpu_linears == fallback
     monkeypatch.setattr(bf16_linear, "supported", lambda: False)
-    assert load_model(path, "bf16", "cpu").cpu_linears == "onednn"
-    with pytest.raises(RuntimeError, match="no AVX512-BF16"):
+    assert load_model(path, "bf16", "cpu").cpu_linears == fallback
+    with pytest.raises(RuntimeError, match="neither AVX512-BF16 nor AVX2 with FMA"):
         load_model(path, "bf16", "cpu", cpu_linears="avx512_bf16")
+
+
+def test_auto_dtype_is_bf16_wherever_the_kernel_runs(monkeypatch):
+    """"auto" = bf16 on a CPU with bf16 instructions, and on an AVX2 one where the kernel's AVX2
+    build runs (2.5-2.8x our fp32 plain decoding there), fp32 where it does not build."""
+    from eagle_infer import loader
+
+    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: False)  # an AVX2 CPU
+    monkeypatch.setattr(cpu_linears, "bf16_default", lambda: True)
+    assert loader.resolve_dtype("auto", "cpu") == torch.bfloat16
+    monkeypatch.setattr(cpu_linears, "bf16_default", lambda: False)  # no compiler: torch's bf16 is slow
+    assert loader.resolve_dtype("auto", "cpu") == torch.float32
+    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: True)
+    assert loader.resolve_dtype("auto", "cpu") == torch.bfloat16
+    assert loader.resolve_dtype("fp32", "cpu") == torch.float32

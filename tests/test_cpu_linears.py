@@ -93,8 +93,11 @@ def test_bf16_linears_packed_from_one_row_where_the_cpu_has_bf16(monkeypatch, ti
         ours = cpu_linears.bf16_default()
         assert model.cpu_linears == ("avx512_bf16" if ours else "onednn")
         assert type(model.lm_head) is (cpu_linears.Bf16Linear if ours else cpu_linears.OneDNNLinear)
-    else:  # no native bf16 (an AVX2 CPU): nothing to pack, and auto keeps torch's kernel
+    else:  # no native bf16 (an AVX2 CPU): nothing for oneDNN to pack; auto runs our kernel's AVX2 build
         assert cpu_linears.use_onednn_linears(lin) == 0
+        assert model.cpu_linears == "avx512_bf16" and type(model.lm_head) is cpu_linears.Bf16Linear
+        monkeypatch.setattr(cpu_linears, "bf16_default", lambda: False)  # where it does not build
+        model = load_model(tiny_model_dir("llama"), "bf16", "cpu")
         assert model.cpu_linears == "torch" and type(model.lm_head) is torch.nn.Linear
 
 

@@ -23,7 +23,7 @@ from eagle_infer.speculative import generate_speculative
 from eagle_infer.tree import TreeConfig
 
 pytestmark = pytest.mark.skipif(not avx2_linear.supported(), reason="CPU without AVX2 / FMA")
-needs_bf16 = pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without AVX512-BF16")
+needs_bf16 = pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without AVX2 / FMA")
 
 
 def fp32_target(layers: int = 3, attention_bias: bool = False) -> Transformer:

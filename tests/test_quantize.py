@@ -158,7 +158,7 @@ def test_fp32_int8_load_turns_the_attention_kernel_on(tiny_model_dir):
         avx2_attention.enable(before)
 
 
-@pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without AVX512-BF16")
+@pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without AVX2 / FMA")
 def test_int8_on_our_kernel_speculative_identical_to_plain_eager_and_compiled(
         bf16_multiply, attention_kernel_on, request):
     """A bf16 target on "avx512_bf16" quantized: its Linears and its head's run our kernel on the
@@ -200,7 +200,7 @@ def test_int8_on_our_kernel_speculative_identical_to_plain_eager_and_compiled(
     assert spec == plain
 
 
-@pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without AVX512-BF16")
+@pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without AVX2 / FMA")
 def test_load_model_int8_on_our_kernel(tiny_model_dir, tmp_path):
     path = tiny_model_dir("llama")
     target = load_model(path, "bf16", "cpu", cpu_linears="avx512_bf16", quantization="int8")

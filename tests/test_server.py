@@ -483,6 +483,11 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
     # No tree flag: the device's tree; a flag given overrides only its own field.
     assert server.resolve_tree(args, "cuda") == server.TreeConfig(5, 4, 16)
     assert server.resolve_tree(args, "cpu") == server.TreeConfig(2, 4, 4, ngram_branch=4)  # fp32
+    from eagle_infer.kernels import bf16_linear
+
+    monkeypatch.setattr(bf16_linear, "avx512_bf16_supported", lambda: False)  # AVX2: a verify's rows dear
+    assert server.resolve_tree(args, "cpu", "bf16") == server.TreeConfig(1, 4, 3, ngram_branch=4)
+    monkeypatch.setattr(bf16_linear, "avx512_bf16_supported", lambda: True)
     assert server.resolve_tree(args, "cpu", "bf16") == server.TreeConfig(2, 4, 6, ngram_branch=4)
     int8 = server.build_parser().parse_args(["--quantization", "int8"])
     monkeypatch.setenv("EAGLE_BF16_DOT", "vdpbf16ps")  # int8's tree follows the multiply

@@ -42,11 +42,14 @@
 #include <type_traits>
 
 #include "amx.h"
+#include "avx2_math.h"
 #include "kernel_calls.h"
 
 namespace {
 
-constexpr int64_t kPanel = 32;  // columns per panel: two 16-float accumulators a row
+constexpr int64_t kPanel = 32;  // columns per panel: two 16-float accumulators a row (AVX2: four 8-float)
+
+#if defined(__AVX512BF16__)
 // On vdpbf16ps with 9-32 rows, the bytes of bf16 panel (32 k pairs) each tile runs before the
 // next tile takes them from L1 (chunked_rows; int8 weights: a chunk made bf16 into that much).
 constexpr int64_t kChunkBytes = 4096;
@@ -434,6 +437,132 @@ void panels(const eagle::LinearCall& c, int64_t p0, int64_t p1) {
   }
 }
 
+#else  // the AVX2 build (bf16_linear.flags: a CPU without AVX512-BF16)
+
+// The FMA loop on 8-float vectors: no vdpbf16ps (`dot` is refused), no AMX. Each output is the
+// same fp32 FMA chain over k = 0..K-1 from zero as the AVX-512 loop's, so a verify's rows equal
+// one-row steps' bit for bit here too. A k pair of 8 columns is one 32-byte load of bf16 pairs
+// (16 bytes of int8), made fp32 with a shift and a mask (int8: widened, then each half
+// sign-extended). 1-2 rows run the panel's 4 vectors together (4-8 accumulators: enough
+// independent chains to stream the weights at one row). More rows run tiles of 3-5 rows (sizes
+// as even as can be: 11 rows are 4 + 4 + 3), each over the panel in two halves of 16 columns,
+// one after the other, with a half's weights made fp32 once for all the tile's rows: 2 x ROWS
+// accumulators, 4 weight vectors and one row's x pair fill the 16 registers at 5 rows. (A half
+// reads one of the two 64-byte lines of each k pair's 128 bytes: the panel streams from memory
+// once; later tiles read it from cache.)
+std::atomic<bool> g_amx{false};  // never on: no AMX in this build
+constexpr int64_t kMaxTileRows = 5;
+
+template <int ROWS>
+constexpr int64_t kAhead = ROWS == 1 ? 8 : 16;  // k pairs prefetched ahead (bf16 pairs' bytes)
+
+inline void load_pair8(const at::BFloat16* wp, __m256& even, __m256& odd) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+
+inline void load_pair8(const int8_t* wp, __m256& even, __m256& odd) {
+  const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
+  even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16));
+  odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16));
+}
+
+// Vectors V0..V0 + NV - 1 (8 columns each) of one panel for ROWS rows of x [ROWS, K] (fp32, K
+// even) over all of k, to bf16 rows of y [ROWS, N] (cols: the panel's columns that exist).
+template <int ROWS, int V0, int NV, typename W>
+inline void tile8(const float* __restrict__ x, int64_t K, const W* __restrict__ w, at::BFloat16* y, int64_t N,
+                  int64_t cols, const float* scale) {
+  constexpr int64_t kVec = 16;  // a vector's k pair: 16 weights
+  constexpr int64_t kBytes = NV * kVec * sizeof(W);  // of each k pair that this pass reads
+  __m256 acc[ROWS][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; r++)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++) acc[r][v] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < K / 2; p++) {
+    const W* wp = w + p * 2 * kPanel + V0 * kVec;
+    const char* ahead = reinterpret_cast<const char*>(wp) + kAhead<ROWS> * 2 * kPanel * sizeof(at::BFloat16);
+#pragma GCC unroll 2
+    for (int64_t line = 0; line < kBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    if constexpr (NV == 4) {  // 1-2 rows: x pairs held, a vector's weights at a time
+      __m256 a[ROWS], b[ROWS];
+#pragma GCC unroll 2
+      for (int r = 0; r < ROWS; r++)
+        a[r] = _mm256_broadcast_ss(x + r * K + 2 * p), b[r] = _mm256_broadcast_ss(x + r * K + 2 * p + 1);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; v++) {
+        __m256 even, odd;
+        load_pair8(wp + v * kVec, even, odd);
+#pragma GCC unroll 2
+        for (int r = 0; r < ROWS; r++)  // k = 2p, then 2p + 1: one FMA chain over k per output
+          acc[r][v] = _mm256_fmadd_ps(b[r], odd, _mm256_fmadd_ps(a[r], even, acc[r][v]));
+      }
+    } else {  // a tile: the weights held, a row's x pair at a time
+      __m256 even[NV], odd[NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; v++) load_pair8(wp + v * kVec, even[v], odd[v]);
+#pragma GCC unroll 8
+      for (int r = 0; r < ROWS; r++) {
+        const __m256 a = _mm256_broadcast_ss(x + r * K + 2 * p), b = _mm256_broadcast_ss(x + r * K + 2 * p + 1);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) acc[r][v] = _mm256_fmadd_ps(b, odd[v], _mm256_fmadd_ps(a, even[v], acc[r][v]));
+      }
+    }
+  }
+  const int64_t c0 = V0 * 8, n = std::min<int64_t>(NV * 8, cols - c0);
+  if (n <= 0) return;  // the last panel of an N that is not a multiple of 32: nothing here
+  for (int r = 0; r < ROWS; r++) {
+    alignas(16) at::BFloat16 out[NV * 8];
+    for (int v = 0; v < NV; v++) {
+      __m256 s = acc[r][v];
+      if (scale) s = _mm256_mul_ps(s, _mm256_loadu_ps(scale + c0 + v * 8));
+      eagle::store8(out + v * 8, s);
+    }
+    std::memcpy(y + r * N + c0, out, n * sizeof(at::BFloat16));
+  }
+}
+
+template <int ROWS, typename W>
+inline void tile_rows8(const float* x, int64_t K, const W* w, at::BFloat16* y, int64_t N, int64_t cols,
+                       const float* scale) {
+  if constexpr (ROWS <= 3) {
+    tile8<ROWS, 0, 4>(x, K, w, y, N, cols, scale);
+  } else {
+    tile8<ROWS, 0, 2>(x, K, w, y, N, cols, scale);
+    tile8<ROWS, 2, 2>(x, K, w, y, N, cols, scale);
+  }
+}
+
+template <typename W>
+void panels(const eagle::LinearCall& c, int64_t p0, int64_t p1) {
+  const W* w = static_cast<const W*>(c.w);
+  const auto* x = static_cast<const float*>(c.x);
+  auto* y = static_cast<at::BFloat16*>(c.y);
+  for (int64_t p = p0; p < p1; p++) {
+    const int64_t cols = std::min(kPanel, c.N - p * kPanel);
+    const float* s = c.scale ? c.scale + p * kPanel : nullptr;
+    const W* wp = w + p * c.K * kPanel;
+    const int64_t tiles = c.M <= 3 ? 1 : (c.M + kMaxTileRows - 1) / kMaxTileRows;
+    for (int64_t t = 0, m = 0; t < tiles; t++) {
+      const int64_t rows = c.M / tiles + (t >= tiles - c.M % tiles);  // as even as can be
+      const float* xm = x + m * c.K;
+      at::BFloat16* ym = y + m * c.N + p * kPanel;
+      m += rows;
+      switch (rows) {
+        case 5: tile_rows8<5>(xm, c.K, wp, ym, c.N, cols, s); break;
+        case 4: tile_rows8<4>(xm, c.K, wp, ym, c.N, cols, s); break;
+        case 3: tile_rows8<3>(xm, c.K, wp, ym, c.N, cols, s); break;
+        case 2: tile_rows8<2>(xm, c.K, wp, ym, c.N, cols, s); break;
+        default: tile_rows8<1>(xm, c.K, wp, ym, c.N, cols, s); break;
+      }
+    }
+  }
+}
+
+bool set_amx(bool) { return false; }
+#endif
+
 // y = x @ W.T (times the column scales for int8 W) through the packed weight wp [panels, K / 2,
 // 32, 2] of W's dtype; `name` for the errors.
 template <typename W>
@@ -441,6 +570,10 @@ at::Tensor linear(const char* name, const at::Tensor& x_in, const at::Tensor& wp
                   int64_t N, bool dot) {
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, name, ": bf16 inputs only, got ", x_in.scalar_type());
   TORCH_CHECK(x_in.device().is_cpu() && wp.device().is_cpu(), name, ": CPU tensors only");
+#if !defined(__AVX512BF16__)
+  TORCH_CHECK(!dot, name, ": dot products (vdpbf16ps, AMX tiles) need a CPU with AVX512-BF16; this build has "
+              "the FMA loop only");
+#endif
   const int64_t K = x_in.size(-1);
   TORCH_CHECK(wp.dim() == 4 && wp.size(1) == (K + 1) / 2 && wp.size(2) == kPanel && wp.size(3) == 2 &&
                   wp.size(0) * kPanel >= N && wp.is_contiguous(),

@@ -1,6 +1,7 @@
-"""bf16 Linears of a few rows on AVX512-BF16 CPUs (bf16_linear.cpp): a decode step's one row and
-a verify's tree of rows, over weights packed in 32-column panels of k pairs, as
-torch.ops.eagle.bf16_linear. Built once per machine like avx2_linear (avx2_linear.build).
+"""bf16 Linears of a few rows on a CPU (bf16_linear.cpp): a decode step's one row and a verify's
+tree of rows, over weights packed in 32-column panels of k pairs, as torch.ops.eagle.bf16_linear.
+Built once per machine like avx2_linear (avx2_linear.build): for AVX-512 with AVX512-BF16 where
+the CPU has it (fp32 FMAs, vdpbf16ps or AMX tiles), else for AVX2 + FMA (the FMA loop only).
 
     wp = pack(linear.weight)                       # [ceil(N / 32), ceil(K / 2), 32, 2]
     y = torch.ops.eagle.bf16_linear(x, wp, N)      # ~ F.linear(x, linear.weight), bf16
@@ -24,12 +25,19 @@ from torch import Tensor
 
 PANEL = 32
 SOURCE = Path(__file__).with_name("bf16_linear.cpp")
-FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]  # bf16: vdpbf16ps, vcvtneps2bf16
-DOT_ENV = "EAGLE_BF16_DOT"  # auto | vdpbf16ps | fma
+AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]  # bf16: vdpbf16ps, vcvtneps2bf16
+DOT_ENV = "EAGLE_BF16_DOT"  # auto | amx | vdpbf16ps | fma
 
 
 def supported() -> bool:
-    """Whether this CPU has AVX512-BF16 (vdpbf16ps)."""
+    """Whether this CPU runs the kernel: AVX2 with FMA (the FMA loop), or AVX512-BF16."""
+    from eagle_infer.kernels import avx2_linear
+
+    return avx512_bf16_supported() or avx2_linear.supported()
+
+
+def avx512_bf16_supported() -> bool:
+    """Whether this CPU has AVX512-BF16 (vdpbf16ps): the AVX-512 build, with its dot products."""
     return torch.cpu._is_avx512_bf16_supported()
 
 
@@ -53,6 +61,11 @@ def multiply_default() -> str:
     choice = os.environ.get(DOT_ENV, "auto")
     if choice not in ("auto", "amx", "vdpbf16ps", "fma"):
         raise UserError(f"{DOT_ENV} must be auto, amx, vdpbf16ps or fma, got {choice!r}")
+    if not avx512_bf16_supported():  # the AVX2 build: FMAs only
+        if choice in ("amx", "vdpbf16ps"):
+            raise UserError(f"{DOT_ENV}={choice} needs a CPU with AVX512-BF16; this one runs the kernel "
+                            "on fp32 FMAs only (fma or auto)")
+        return "fma"
     if choice != "auto":
         return choice
     if amx_supported():
@@ -98,7 +111,10 @@ def load() -> None:
     """Build (first time on a machine) and load the op, and give compiled graphs its shape."""
     from eagle_infer.kernels.avx2_linear import build
 
-    build("eagle_bf16_linear", SOURCE, FLAGS)
+    if avx512_bf16_supported():
+        build("eagle_bf16_linear", SOURCE, AVX512_FLAGS)
+    else:  # another library name: a machine's cache can hold both builds
+        build("eagle_bf16_linear_avx2", SOURCE)
     torch.ops.eagle.bf16_linear_set_amx(multiply_default() == "amx")
 
     @torch.library.register_fake("eagle::bf16_linear")
