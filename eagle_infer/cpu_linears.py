@@ -5,9 +5,10 @@ as "onednn" does; and "avx2": calls of up to AVX2_MAX_ROWS rows, eager and compi
 kernel (kernels/avx2_linear.cpp: the template's register block with the weight stream
 prefetched), larger ones torch's; "avx512_bf16": bf16 calls of up to BF16_MAX_ROWS rows, eager
 and compiled, run kernels/bf16_linear.cpp (fp32 FMAs on the bf16 weights, vdpbf16ps or AMX
-tiles: bf16_linear.multiply_default). auto_backend picks
-"avx2" for fp32 on AVX2 CPUs (measured there), "inductor" for fp32 on AVX-512 ones,
-"avx512_bf16" for bf16 on AVX512-BF16 ones (on AMX tiles where the CPU has them).
+tiles: bf16_linear.multiply_default; on a CPU without AVX512-BF16 its AVX2 build, FMAs only, the
+name notwithstanding). auto_backend picks "avx2" for fp32 on AVX2 CPUs (measured there),
+"inductor" for fp32 on AVX-512 ones, "avx512_bf16" for bf16 wherever the kernel builds (on AMX
+tiles where the CPU has them).
 
 oneDNN: fp32 at 2-512 rows, bf16 from one row where the CPU has native bf16 (AVX512-BF16 / AMX).
 

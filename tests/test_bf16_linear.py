@@ -1,8 +1,9 @@
-"""cpu_linears="avx512_bf16": our AVX-512 kernel for bf16 Linears (eagle_infer/kernels/bf16_linear),
-on fp32 FMAs, on vdpbf16ps and on AMX tiles (`dot`; AMX where the CPU has it),
+"""cpu_linears="avx512_bf16": our kernel for bf16 Linears (eagle_infer/kernels/bf16_linear),
+on fp32 FMAs, on vdpbf16ps and on AMX tiles (`dot`; AMX where the CPU has it; on a CPU without
+AVX512-BF16 its AVX2 build, on FMAs only),
 computes F.linear to bf16 rounding (fp32 products and sums, one rounding at the end), a row's
 values do not depend on the rows beside it, compiled steps call it (not a silent F.linear), the
-loader picks it for bf16 on an AVX512-BF16 CPU, and greedy speculative decoding on it (with
+loader picks it for bf16 on any CPU where it builds, and greedy speculative decoding on it (with
 kernels/avx2_attention) is token-identical to plain decoding on it in bf16, eager and compiled
 (Inductor's C++ wrapper, eager's bf16 rounding: cpu_linears.step_options)."""
 
