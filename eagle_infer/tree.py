@@ -160,12 +160,16 @@ class TreeConfig:
         8-float FMAs): 1/4/3+g4 there. AMD EPYC Zen 2, 8 MT-bench prompts (1 a category), 2
         rounds interleaved, results/ab_trees_bf16_amd_avx2.json: 87.3 tokens/s (1.37x plain, τ
         1.79) against 84.9 for the chain 2/1/3+g4, 83.3 for 2/4/3+g4, 75-76 for 3/1/4+g4,
-        2/4/4+g4 and 2/4/5+g4 (τ 1.98-2.16), in both rounds."""
+        2/4/4+g4 and 2/4/5+g4 (τ 1.98-2.16), in both rounds. With int8 weights there even 3 rows
+        cost 1.8 steps (the int8 conversion): 1/4/2+g4, level with plain (107.4 against 106.7
+        tokens/s; 1/4/3+g4 90.1, 2/1/3+g4 88.3; results/ab_trees_int8_amd_avx2.json)."""
         if device_type != "cpu":
             return cls()
         from eagle_infer.kernels.bf16_linear import avx512_bf16_supported, multiply_default
 
         if quantization == "int8":
+            if dtype == "bf16" and not avx512_bf16_supported():  # our kernel's AVX2 build
+                return cls(1, 4, 2, ngram_branch=4)
             on_tiles = dtype == "bf16" and multiply_default() == "amx"  # fp32 int8 is torch's kernel
             return cls(2, 4, 6, ngram_branch=4) if on_tiles else cls(1, 4, 3, ngram_branch=4)
         if dtype == "bf16":

@@ -237,7 +237,7 @@ def test_loader_picks_the_kernel_for_bf16_and_falls_back_when_it_does_not_build(
 
 def test_auto_dtype_is_bf16_wherever_the_kernel_runs(monkeypatch):
     """"auto" = bf16 on a CPU with bf16 instructions, and on an AVX2 one where the kernel's AVX2
-    build runs (2.5-2.8x our fp32 plain decoding there), fp32 where it does not build."""
+    build runs (1.7x our fp32 plain decoding there), fp32 where it does not build."""
     from eagle_infer import loader
 
     monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: False)  # an AVX2 CPU
