@@ -1,6 +1,7 @@
 // y[M, N] = x[M, K] @ W.T for the few rows of a decode step (1) or a verify (a tree's nodes), bf16
-// in and out on AVX-512 (or AMX tiles), fp32 products and sums. W is packed in 32-column panels of k pairs:
-// wp [ceil(N / 32), ceil(K / 2), 32, 2], zero-padded: a 64-byte load holds 16 columns' k pair.
+// in and out on AVX-512 (or AMX tiles; on CPUs without AVX512-BF16 an AVX2 build, below), fp32
+// products and sums. W is packed in 32-column panels of k pairs: wp [ceil(N / 32), ceil(K / 2),
+// 32, 2], zero-padded: a 64-byte load holds 16 columns' k pair.
 //
 // Why not oneDNN's prepacked bf16 Linear (cpu_linears="onednn"): at one row it reads the weights
 // at ~16 GB/s on a 2-core Xeon with AVX512-BF16, 60% of the read bandwidth there (profile of the
@@ -437,19 +438,22 @@ void panels(const eagle::LinearCall& c, int64_t p0, int64_t p1) {
   }
 }
 
-#else  // the AVX2 build (bf16_linear.flags: a CPU without AVX512-BF16)
+#else  // the AVX2 build (bf16_linear.load: a CPU without AVX512-BF16)
 
 // The FMA loop on 8-float vectors: no vdpbf16ps (`dot` is refused), no AMX. Each output is the
 // same fp32 FMA chain over k = 0..K-1 from zero as the AVX-512 loop's, so a verify's rows equal
 // one-row steps' bit for bit here too. A k pair of 8 columns is one 32-byte load of bf16 pairs
 // (16 bytes of int8), made fp32 with a shift and a mask (int8: widened, then each half
-// sign-extended). 1-2 rows run the panel's 4 vectors together (4-8 accumulators: enough
-// independent chains to stream the weights at one row). More rows run tiles of 3-5 rows (sizes
-// as even as can be: 11 rows are 4 + 4 + 3), each over the panel in two halves of 16 columns,
-// one after the other, with a half's weights made fp32 once for all the tile's rows: 2 x ROWS
-// accumulators, 4 weight vectors and one row's x pair fill the 16 registers at 5 rows. (A half
-// reads one of the two 64-byte lines of each k pair's 128 bytes: the panel streams from memory
-// once; later tiles read it from cache.)
+// sign-extended). 1-3 rows run the panel's 4 vectors together, a vector's weights made fp32 at
+// a time for every row (4-12 accumulators). More rows run tiles of up to 5 rows, sizes as even as
+// can be (11 rows: 3 + 4 + 4); a tile of 4-5 rows runs the panel in two halves of 16 columns one
+// after the other, the half's weights made fp32 once for all its rows (2 x ROWS accumulators, 4
+// weight vectors and one row's x pair fill the 16 registers at 5 rows; a half reads one of the two
+// 64-byte lines of each k pair's 128 bytes, so the panel still streams from memory once). Measured
+// on a 2-core AMD EPYC Zen 2 (scripts/probe_bf16_linear.py, results/probe_bf16_linear_amd_avx2.json):
+// 3 rows cost 1.0-1.1x one row (memory-bound: the default tree's verify there), 4-5 rows 1.4-1.6x,
+// 8 rows ~2.1x (the FMAs bind); tiles of at most 3 rows over whole panels ran 4 / 8 / 16 rows
+// 5-20% slower than these halves, and a 4-row tile over the whole panel needs 16 accumulators.
 std::atomic<bool> g_amx{false};  // never on: no AMX in this build
 constexpr int64_t kMaxTileRows = 5;
 
@@ -485,16 +489,16 @@ inline void tile8(const float* __restrict__ x, int64_t K, const W* __restrict__ 
     const char* ahead = reinterpret_cast<const char*>(wp) + kAhead<ROWS> * 2 * kPanel * sizeof(at::BFloat16);
 #pragma GCC unroll 2
     for (int64_t line = 0; line < kBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-    if constexpr (NV == 4) {  // 1-2 rows: x pairs held, a vector's weights at a time
+    if constexpr (NV == 4) {  // 1-3 rows: x pairs held, a vector's weights at a time
       __m256 a[ROWS], b[ROWS];
-#pragma GCC unroll 2
+#pragma GCC unroll 4
       for (int r = 0; r < ROWS; r++)
         a[r] = _mm256_broadcast_ss(x + r * K + 2 * p), b[r] = _mm256_broadcast_ss(x + r * K + 2 * p + 1);
 #pragma GCC unroll 4
       for (int v = 0; v < NV; v++) {
         __m256 even, odd;
         load_pair8(wp + v * kVec, even, odd);
-#pragma GCC unroll 2
+#pragma GCC unroll 4
         for (int r = 0; r < ROWS; r++)  // k = 2p, then 2p + 1: one FMA chain over k per output
           acc[r][v] = _mm256_fmadd_ps(b[r], odd, _mm256_fmadd_ps(a[r], even, acc[r][v]));
       }
