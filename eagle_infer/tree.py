@@ -162,7 +162,9 @@ class TreeConfig:
         1.79) against 84.9 for the chain 2/1/3+g4, 83.3 for 2/4/3+g4, 75-76 for 3/1/4+g4,
         2/4/4+g4 and 2/4/5+g4 (τ 1.98-2.16), in both rounds. With int8 weights there even 3 rows
         cost 1.8 steps (the int8 conversion): 1/4/2+g4, level with plain (107.4 against 106.7
-        tokens/s; 1/4/3+g4 90.1, 2/1/3+g4 88.3; results/ab_trees_int8_amd_avx2.json)."""
+        tokens/s; 1/4/3+g4 90.1, 2/1/3+g4 88.3; results/ab_trees_int8_amd_avx2.json; with the
+        cheaper int8 conversion since, 1.08x plain against 0.98x for 1/4/3+g4:
+        results/ab_trees_int8_amd_avx2_madd.json)."""
         if device_type != "cpu":
             return cls()
         from eagle_infer.kernels.bf16_linear import avx512_bf16_supported, multiply_default

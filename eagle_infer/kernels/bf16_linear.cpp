@@ -444,7 +444,7 @@ void panels(const eagle::LinearCall& c, int64_t p0, int64_t p1) {
 // same fp32 FMA chain over k = 0..K-1 from zero as the AVX-512 loop's, so a verify's rows equal
 // one-row steps' bit for bit here too. A k pair of 8 columns is one 32-byte load of bf16 pairs
 // (16 bytes of int8), made fp32 with a shift and a mask (int8: widened, then each half
-// sign-extended). 1-3 rows run the panel's 4 vectors together, a vector's weights made fp32 at
+// sign-extended: load_pair8). 1-3 rows run the panel's 4 vectors together, a vector's weights made fp32 at
 // a time for every row (4-12 accumulators). More rows run tiles of up to 5 rows, sizes as even as
 // can be (11 rows: 3 + 4 + 4); a tile of 4-5 rows runs the panel in two halves of 16 columns one
 // after the other, the half's weights made fp32 once for all its rows (2 x ROWS accumulators, 4
@@ -466,10 +466,12 @@ inline void load_pair8(const at::BFloat16* wp, __m256& even, __m256& odd) {
   odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
 }
 
+// int8: 16 bytes widened to 16-bit pairs; each half of a pair sign-extended by a multiply-add with
+// (1, 0) or (0, 1) (one instruction where shifts take two: 3 rows 8-16% faster, the Zen 2 probe)
 inline void load_pair8(const int8_t* wp, __m256& even, __m256& odd) {
   const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
-  even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16));
-  odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16));
+  even = _mm256_cvtepi32_ps(_mm256_madd_epi16(v, _mm256_set1_epi32(1)));
+  odd = _mm256_cvtepi32_ps(_mm256_madd_epi16(v, _mm256_set1_epi32(0x10000)));
 }
 
 // Vectors V0..V0 + NV - 1 (8 columns each) of one panel for ROWS rows of x [ROWS, K] (fp32, K
