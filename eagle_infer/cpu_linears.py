@@ -261,9 +261,13 @@ def _convertible(model: nn.Module) -> list[nn.Linear]:
     return _linears(model, packable_dtypes())
 
 
+def _weight_bytes(linears: list[nn.Linear]) -> int:
+    return sum(m.weight.numel() * m.weight.element_size() for m in linears)
+
+
 def convertible_bytes(model: nn.Module) -> int:
     """Bytes of the weights use_onednn_linears would pack (the packed copy's size)."""
-    return sum(m.weight.numel() * m.weight.element_size() for m in _convertible(model))
+    return _weight_bytes(_convertible(model))
 
 
 def available_memory_bytes() -> int | None:
@@ -306,8 +310,7 @@ def auto_backend(model: nn.Module) -> str:
     free = available_memory_bytes()
     bf16 = _linears(model, (torch.bfloat16,))
     if bf16 and not _linears(model, (torch.float32,)) and bf16_default():  # on any AVX2 CPU, no oneDNN needed
-        need = sum(m.weight.numel() * m.weight.element_size() for m in bf16)
-        if free is None or 2 * need <= free:
+        if free is None or 2 * _weight_bytes(bf16) <= free:
             return "avx512_bf16"
     need = convertible_bytes(model) if available() else 0
     if need == 0:

@@ -50,6 +50,9 @@ namespace {
 
 constexpr int64_t kPanel = 32;  // columns per panel: two 16-float accumulators a row (AVX2: four 8-float)
 
+// Rows of tile t of `tiles` over M rows, sizes as even as can be (17 rows in 3 tiles: 5, 6, 6).
+inline int64_t even_rows(int64_t t, int64_t tiles, int64_t M) { return M / tiles + (t >= tiles - M % tiles); }
+
 #if defined(__AVX512BF16__)
 // On vdpbf16ps with 9-32 rows, the bytes of bf16 panel (32 k pairs) each tile runs before the
 // next tile takes them from L1 (chunked_rows; int8 weights: a chunk made bf16 into that much).
@@ -251,7 +254,7 @@ constexpr int64_t kChunkedRows = 32;
 // rows of the tiles before).
 template <typename Dot>
 inline int64_t tile_rows(int64_t t, int64_t tiles, int64_t m, int64_t M) {
-  return Dot::value ? M / tiles + (t >= tiles - M % tiles) : std::min<int64_t>(8, M - m);
+  return Dot::value ? even_rows(t, tiles, M) : std::min<int64_t>(8, M - m);
 }
 
 // 9-32 rows on vdpbf16ps: k in chunks, every tile in turn, the sums in a buffer between chunks.
@@ -420,22 +423,14 @@ bool set_amx(bool on) {
   return g_amx;
 }
 
-// Panels p0..p1 of a LinearCall over a packed weight of W's dtype [panels, K / 2, 32, 2] (K even):
-// what each thread of a parallel region computes (eagle::LinearPanels).
+// All rows of a LinearCall over one panel wp, to its columns of y (cols of them; s: their int8
+// scales, else nullptr), on vdpbf16ps (dot) or the FMA loop.
 template <typename W>
-void panels(const eagle::LinearCall& c, int64_t p0, int64_t p1) {
-  if (c.dot && c.K % kTileK == 0 && g_amx.load(std::memory_order_relaxed)) return amx_panels<W>(c, p0, p1);
-  const W* w = static_cast<const W*>(c.w);
-  auto* y = static_cast<at::BFloat16*>(c.y);
-  for (int64_t p = p0; p < p1; p++) {
-    const int64_t cols = std::min(kPanel, c.N - p * kPanel);
-    const float* s = c.scale ? c.scale + p * kPanel : nullptr;
-    const W* wp = w + p * c.K * kPanel;
-    if (c.dot)
-      rows_of(static_cast<const at::BFloat16*>(c.x), c.M, c.K, wp, y + p * kPanel, c.N, cols, s, std::true_type{});
-    else
-      rows_of(static_cast<const float*>(c.x), c.M, c.K, wp, y + p * kPanel, c.N, cols, s, std::false_type{});
-  }
+inline void panel_rows(const eagle::LinearCall& c, const W* wp, at::BFloat16* y, int64_t cols, const float* s) {
+  if (c.dot)
+    rows_of(static_cast<const at::BFloat16*>(c.x), c.M, c.K, wp, y, c.N, cols, s, std::true_type{});
+  else
+    rows_of(static_cast<const float*>(c.x), c.M, c.K, wp, y, c.N, cols, s, std::false_type{});
 }
 
 #else  // the AVX2 build (bf16_linear.load: a CPU without AVX512-BF16)
@@ -540,34 +535,43 @@ inline void tile_rows8(const float* x, int64_t K, const W* w, at::BFloat16* y, i
   }
 }
 
+// All rows of a LinearCall over one panel wp, to its columns of y (as the AVX-512 build's).
 template <typename W>
-void panels(const eagle::LinearCall& c, int64_t p0, int64_t p1) {
-  const W* w = static_cast<const W*>(c.w);
+inline void panel_rows(const eagle::LinearCall& c, const W* wp, at::BFloat16* y, int64_t cols, const float* s) {
   const auto* x = static_cast<const float*>(c.x);
-  auto* y = static_cast<at::BFloat16*>(c.y);
-  for (int64_t p = p0; p < p1; p++) {
-    const int64_t cols = std::min(kPanel, c.N - p * kPanel);
-    const float* s = c.scale ? c.scale + p * kPanel : nullptr;
-    const W* wp = w + p * c.K * kPanel;
-    const int64_t tiles = c.M <= 3 ? 1 : (c.M + kMaxTileRows - 1) / kMaxTileRows;
-    for (int64_t t = 0, m = 0; t < tiles; t++) {
-      const int64_t rows = c.M / tiles + (t >= tiles - c.M % tiles);  // as even as can be
-      const float* xm = x + m * c.K;
-      at::BFloat16* ym = y + m * c.N + p * kPanel;
-      m += rows;
-      switch (rows) {
-        case 5: tile_rows8<5>(xm, c.K, wp, ym, c.N, cols, s); break;
-        case 4: tile_rows8<4>(xm, c.K, wp, ym, c.N, cols, s); break;
-        case 3: tile_rows8<3>(xm, c.K, wp, ym, c.N, cols, s); break;
-        case 2: tile_rows8<2>(xm, c.K, wp, ym, c.N, cols, s); break;
-        default: tile_rows8<1>(xm, c.K, wp, ym, c.N, cols, s); break;
-      }
+  const int64_t tiles = c.M <= 3 ? 1 : (c.M + kMaxTileRows - 1) / kMaxTileRows;
+  for (int64_t t = 0, m = 0; t < tiles; t++) {
+    const int64_t rows = even_rows(t, tiles, c.M);
+    const float* xm = x + m * c.K;
+    at::BFloat16* ym = y + m * c.N;
+    m += rows;
+    switch (rows) {
+      case 5: tile_rows8<5>(xm, c.K, wp, ym, c.N, cols, s); break;
+      case 4: tile_rows8<4>(xm, c.K, wp, ym, c.N, cols, s); break;
+      case 3: tile_rows8<3>(xm, c.K, wp, ym, c.N, cols, s); break;
+      case 2: tile_rows8<2>(xm, c.K, wp, ym, c.N, cols, s); break;
+      default: tile_rows8<1>(xm, c.K, wp, ym, c.N, cols, s); break;
     }
   }
 }
 
 bool set_amx(bool) { return false; }
 #endif
+
+// Panels p0..p1 of a LinearCall over a packed weight of W's dtype [panels, K / 2, 32, 2] (K even):
+// what each thread of a parallel region computes (eagle::LinearPanels).
+template <typename W>
+void panels(const eagle::LinearCall& c, int64_t p0, int64_t p1) {
+#if defined(__AVX512BF16__)
+  if (c.dot && c.K % kTileK == 0 && g_amx.load(std::memory_order_relaxed)) return amx_panels<W>(c, p0, p1);
+#endif
+  const W* w = static_cast<const W*>(c.w);
+  auto* y = static_cast<at::BFloat16*>(c.y);
+  for (int64_t p = p0; p < p1; p++) {
+    const int64_t cols = std::min(kPanel, c.N - p * kPanel);
+    panel_rows(c, w + p * c.K * kPanel, y + p * kPanel, cols, c.scale ? c.scale + p * kPanel : nullptr);
+  }
+}
 
 // y = x @ W.T (times the column scales for int8 W) through the packed weight wp [panels, K / 2,
 // 32, 2] of W's dtype; `name` for the errors.
