@@ -438,22 +438,27 @@ inline void panel_rows(const eagle::LinearCall& c, const W* wp, at::BFloat16* y,
 // The FMA loop on 8-float vectors: no vdpbf16ps (`dot` is refused), no AMX. Each output is the
 // same fp32 FMA chain over k = 0..K-1 from zero as the AVX-512 loop's, so a verify's rows equal
 // one-row steps' bit for bit here too. A k pair of 8 columns is one 32-byte load of bf16 pairs
-// (16 bytes of int8), made fp32 with a shift and a mask (int8: widened, then each half
-// sign-extended: load_pair8). 1-3 rows run the panel's 4 vectors together, a vector's weights made fp32 at
-// a time for every row (4-12 accumulators). More rows run tiles of up to 5 rows, sizes as even as
-// can be (11 rows: 3 + 4 + 4); a tile of 4-5 rows runs the panel in two halves of 16 columns one
-// after the other, the half's weights made fp32 once for all its rows (2 x ROWS accumulators, 4
-// weight vectors and one row's x pair fill the 16 registers at 5 rows; a half reads one of the two
-// 64-byte lines of each k pair's 128 bytes, so the panel still streams from memory once). Measured
-// on a 2-core AMD EPYC Zen 2 (scripts/probe_bf16_linear.py, results/probe_bf16_linear_amd_avx2.json):
-// 3 rows cost 1.0-1.1x one row (memory-bound: the default tree's verify there), 4-5 rows 1.4-1.6x,
-// 8 rows ~2.1x (the FMAs bind); tiles of at most 3 rows over whole panels ran 4 / 8 / 16 rows
-// 5-20% slower than these halves, and a 4-row tile over the whole panel needs 16 accumulators.
+// (16 bytes of int8), made fp32 with a shift and a mask (int8: load_pair8). A tile of up to 4 rows
+// runs the panel's 4 vectors (32 columns) together, a vector's weights made fp32 at a time for
+// every row. Up to 4 rows, one tile runs all of k. More rows run k in chunks of kChunk pairs (4 KB
+// of bf16 panel: L1) that every tile takes in turn, the first asking for the panel ahead, the sums
+// in a buffer between chunks (exact fp32: still one chain over k from zero per output): the panel
+// streams from memory once whatever the rows, and the FMAs of the tiles after the first run on
+// what L1 holds while the stream goes on. Measured on a 2-core AMD EPYC Zen 2 against tiles of
+// 4-5 rows that ran the panel's two 16-column halves one after the other (scripts/
+// probe_bf16_linear.py --baseline, results/probe_bf16_linear_amd_avx2_chunks.json): the lm_head
+// at 4 / 5 / 6 / 8 / 16 rows 23 / 19 / 28 / 23 / 14% faster, 1.11 / 1.16 / 1.21 / 1.57x one row
+// (the halves: 1.45 / 1.42 / 1.69 / 2.04x: each half's pass stalled on the stream behind its
+// FMAs); 1-3 rows level or a little faster, 32-512 within 5%. int8 weights convert in every tile
+// (5 instructions a 16 weights): 2-4 and 6 rows 3-15% faster, 8-16 level, 5 rows 11% slower (4 + 1
+// rows convert twice).
 std::atomic<bool> g_amx{false};  // never on: no AMX in this build
-constexpr int64_t kMaxTileRows = 5;
+constexpr int64_t kMaxTileRows = 4;
+constexpr int64_t kChunk = 32;
+constexpr int64_t kBlockRows = 16;  // rows whose sums wait in a buffer together (more: blocks)
 
 template <int ROWS>
-constexpr int64_t kAhead = ROWS == 1 ? 8 : 16;  // k pairs prefetched ahead (bf16 pairs' bytes)
+constexpr int64_t kAhead = ROWS == 1 ? 8 : 64;  // k pairs prefetched ahead (bf16 pairs' bytes)
 
 inline void load_pair8(const at::BFloat16* wp, __m256& even, __m256& odd) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
@@ -469,88 +474,85 @@ inline void load_pair8(const int8_t* wp, __m256& even, __m256& odd) {
   odd = _mm256_cvtepi32_ps(_mm256_madd_epi16(v, _mm256_set1_epi32(0x10000)));
 }
 
-// Vectors V0..V0 + NV - 1 (8 columns each) of one panel for ROWS rows of x [ROWS, K] (fp32, K
-// even) over all of k, to bf16 rows of y [ROWS, N] (cols: the panel's columns that exist).
-template <int ROWS, int V0, int NV, typename W>
-inline void tile8(const float* __restrict__ x, int64_t K, const W* __restrict__ w, at::BFloat16* y, int64_t N,
-                  int64_t cols, const float* scale) {
+// The panel's 32 columns for ROWS rows of x [ROWS, K] (fp32, K even) over k pairs p0..p1, the sums
+// from and back to s [ROWS, 32] (fp32). LEAD: the tile that reads the panel first asks for it
+// kAhead pairs ahead.
+template <int ROWS, bool LEAD, typename W>
+inline void tile8(const float* __restrict__ x, int64_t K, const W* __restrict__ w, int64_t p0, int64_t p1,
+                  float* __restrict__ s) {
   constexpr int64_t kVec = 16;  // a vector's k pair: 16 weights
-  constexpr int64_t kBytes = NV * kVec * sizeof(W);  // of each k pair that this pass reads
-  __m256 acc[ROWS][NV];
-#pragma GCC unroll 8
+  __m256 acc[ROWS][4];
+#pragma GCC unroll 4
   for (int r = 0; r < ROWS; r++)
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; v++) acc[r][v] = _mm256_setzero_ps();
-  for (int64_t p = 0; p < K / 2; p++) {
-    const W* wp = w + p * 2 * kPanel + V0 * kVec;
-    const char* ahead = reinterpret_cast<const char*>(wp) + kAhead<ROWS> * 2 * kPanel * sizeof(at::BFloat16);
+    for (int v = 0; v < 4; v++) acc[r][v] = _mm256_load_ps(s + r * kPanel + v * 8);
+  for (int64_t p = p0; p < p1; p++) {
+    const W* wp = w + p * 2 * kPanel;
+    if constexpr (LEAD) {
+      const char* ahead = reinterpret_cast<const char*>(wp) + kAhead<ROWS> * 2 * kPanel * sizeof(at::BFloat16);
 #pragma GCC unroll 2
-    for (int64_t line = 0; line < kBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-    if constexpr (NV == 4) {  // 1-3 rows: x pairs held, a vector's weights at a time
-      __m256 a[ROWS], b[ROWS];
+      for (int64_t line = 0; line < 2 * kPanel * static_cast<int64_t>(sizeof(W)); line += 64)
+        _mm_prefetch(ahead + line, _MM_HINT_T0);
+    }
+    __m256 a[ROWS], b[ROWS];
 #pragma GCC unroll 4
-      for (int r = 0; r < ROWS; r++)
-        a[r] = _mm256_broadcast_ss(x + r * K + 2 * p), b[r] = _mm256_broadcast_ss(x + r * K + 2 * p + 1);
+    for (int r = 0; r < ROWS; r++)
+      a[r] = _mm256_broadcast_ss(x + r * K + 2 * p), b[r] = _mm256_broadcast_ss(x + r * K + 2 * p + 1);
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; v++) {
-        __m256 even, odd;
-        load_pair8(wp + v * kVec, even, odd);
+    for (int v = 0; v < 4; v++) {
+      __m256 even, odd;
+      load_pair8(wp + v * kVec, even, odd);
 #pragma GCC unroll 4
-        for (int r = 0; r < ROWS; r++)  // k = 2p, then 2p + 1: one FMA chain over k per output
-          acc[r][v] = _mm256_fmadd_ps(b[r], odd, _mm256_fmadd_ps(a[r], even, acc[r][v]));
-      }
-    } else {  // a tile: the weights held, a row's x pair at a time
-      __m256 even[NV], odd[NV];
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; v++) load_pair8(wp + v * kVec, even[v], odd[v]);
-#pragma GCC unroll 8
-      for (int r = 0; r < ROWS; r++) {
-        const __m256 a = _mm256_broadcast_ss(x + r * K + 2 * p), b = _mm256_broadcast_ss(x + r * K + 2 * p + 1);
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; v++) acc[r][v] = _mm256_fmadd_ps(b, odd[v], _mm256_fmadd_ps(a, even[v], acc[r][v]));
-      }
+      for (int r = 0; r < ROWS; r++)  // k = 2p, then 2p + 1: one FMA chain over k per output
+        acc[r][v] = _mm256_fmadd_ps(b[r], odd, _mm256_fmadd_ps(a[r], even, acc[r][v]));
     }
   }
-  const int64_t c0 = V0 * 8, n = std::min<int64_t>(NV * 8, cols - c0);
-  if (n <= 0) return;  // the last panel of an N that is not a multiple of 32: nothing here
-  for (int r = 0; r < ROWS; r++) {
-    alignas(16) at::BFloat16 out[NV * 8];
-    for (int v = 0; v < NV; v++) {
-      __m256 s = acc[r][v];
-      if (scale) s = _mm256_mul_ps(s, _mm256_loadu_ps(scale + c0 + v * 8));
-      eagle::store8(out + v * 8, s);
-    }
-    std::memcpy(y + r * N + c0, out, n * sizeof(at::BFloat16));
+#pragma GCC unroll 4
+  for (int r = 0; r < ROWS; r++)
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; v++) _mm256_store_ps(s + r * kPanel + v * 8, acc[r][v]);
+}
+
+template <bool LEAD, typename W>
+inline void tile8_of(int64_t rows, const float* x, int64_t K, const W* w, int64_t p0, int64_t p1, float* s) {
+  switch (rows) {
+    case 4: tile8<4, LEAD>(x, K, w, p0, p1, s); break;
+    case 3: tile8<3, LEAD>(x, K, w, p0, p1, s); break;
+    case 2: tile8<2, LEAD>(x, K, w, p0, p1, s); break;
+    default: tile8<1, LEAD>(x, K, w, p0, p1, s); break;
   }
 }
 
-template <int ROWS, typename W>
-inline void tile_rows8(const float* x, int64_t K, const W* w, at::BFloat16* y, int64_t N, int64_t cols,
-                       const float* scale) {
-  if constexpr (ROWS <= 3) {
-    tile8<ROWS, 0, 4>(x, K, w, y, N, cols, scale);
-  } else {
-    tile8<ROWS, 0, 2>(x, K, w, y, N, cols, scale);
-    tile8<ROWS, 2, 2>(x, K, w, y, N, cols, scale);
-  }
-}
-
-// All rows of a LinearCall over one panel wp, to its columns of y (as the AVX-512 build's).
+// All rows of a LinearCall over one panel wp, to its columns of y (as the AVX-512 build's): blocks
+// of up to kBlockRows rows, each over k in chunks (one chunk: all of k, where a tile holds them).
 template <typename W>
 inline void panel_rows(const eagle::LinearCall& c, const W* wp, at::BFloat16* y, int64_t cols, const float* s) {
   const auto* x = static_cast<const float*>(c.x);
-  const int64_t tiles = c.M <= 3 ? 1 : (c.M + kMaxTileRows - 1) / kMaxTileRows;
-  for (int64_t t = 0, m = 0; t < tiles; t++) {
-    const int64_t rows = even_rows(t, tiles, c.M);
-    const float* xm = x + m * c.K;
-    at::BFloat16* ym = y + m * c.N;
-    m += rows;
-    switch (rows) {
-      case 5: tile_rows8<5>(xm, c.K, wp, ym, c.N, cols, s); break;
-      case 4: tile_rows8<4>(xm, c.K, wp, ym, c.N, cols, s); break;
-      case 3: tile_rows8<3>(xm, c.K, wp, ym, c.N, cols, s); break;
-      case 2: tile_rows8<2>(xm, c.K, wp, ym, c.N, cols, s); break;
-      default: tile_rows8<1>(xm, c.K, wp, ym, c.N, cols, s); break;
+  const int64_t pairs = c.K / 2;
+  alignas(32) float sums[kBlockRows * kPanel];
+  for (int64_t m0 = 0; m0 < c.M; m0 += kBlockRows) {
+    const int64_t M = std::min(kBlockRows, c.M - m0);
+    const int64_t chunk = M <= kMaxTileRows ? pairs : kChunk;
+    std::memset(sums, 0, M * kPanel * sizeof(float));
+    for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
+      const int64_t p1 = std::min(pairs, p0 + chunk);
+      for (int64_t m = 0; m < M; m += kMaxTileRows) {
+        const int64_t rows = std::min(kMaxTileRows, M - m);
+        const float* xm = x + (m0 + m) * c.K;
+        if (m == 0)
+          tile8_of<true>(rows, xm, c.K, wp, p0, p1, sums + m * kPanel);
+        else
+          tile8_of<false>(rows, xm, c.K, wp, p0, p1, sums + m * kPanel);
+      }
+    }
+    for (int64_t r = 0; r < M; r++) {
+      alignas(16) at::BFloat16 out[kPanel];
+      for (int v = 0; v < 4; v++) {
+        __m256 sum = _mm256_load_ps(sums + r * kPanel + v * 8);
+        if (s) sum = _mm256_mul_ps(sum, _mm256_loadu_ps(s + v * 8));
+        eagle::store8(out + v * 8, sum);
+      }
+      std::memcpy(y + (m0 + r) * c.N, out, cols * sizeof(at::BFloat16));
     }
   }
 }
