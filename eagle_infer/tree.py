@@ -155,16 +155,17 @@ class TreeConfig:
         ahead in each round (README "bf16 and int8 on AMX tiles"). The multiply is known before
         the model loads ($EAGLE_BF16_DOT, else the CPU: bf16_linear.multiply_default).
 
-        On an AVX2 CPU without AVX512-BF16 (the bf16 kernel's AVX2 build) a verify of up to 3
-        rows costs about one step's Linears and each row after that ~0.2 more (compute-bound on
-        8-float FMAs): 1/4/3+g4 there. AMD EPYC Zen 2, 8 MT-bench prompts (1 a category), 2
-        rounds interleaved, results/ab_trees_bf16_amd_avx2.json: 87.3 tokens/s (1.37x plain, τ
-        1.79) against 84.9 for the chain 2/1/3+g4, 83.3 for 2/4/3+g4, 75-76 for 3/1/4+g4,
-        2/4/4+g4 and 2/4/5+g4 (τ 1.98-2.16), in both rounds. With int8 weights there even 3 rows
-        cost 1.8 steps (the int8 conversion): 1/4/2+g4, level with plain (107.4 against 106.7
-        tokens/s; 1/4/3+g4 90.1, 2/1/3+g4 88.3; results/ab_trees_int8_amd_avx2.json; with the
-        cheaper int8 conversion since, 1.08x plain against 0.98x for 1/4/3+g4:
-        results/ab_trees_int8_amd_avx2_madd.json)."""
+        On an AVX2 CPU without AVX512-BF16 (the bf16 kernel's AVX2 build), since its tiles take k
+        in chunks (a verify's Linears at 4 / 6 / 8 rows 1.11 / 1.21 / 1.57x a one-row step's),
+        1/4/4+g4. AMD EPYC Zen 2, 16 MT-bench prompts (2 a category), 2 rounds interleaved,
+        results/ab_trees_bf16_amd_avx2_chunks16.json: 88.0 tokens/s (1.31x plain, τ 1.91)
+        against 87.5 for 2/2/4+g4, 86.6 for 2/4/4+g4, 85.8 for 1/4/3+g4 (the default before, τ
+        1.76) and 78.4 for 1/4/5+g4, in that order in both rounds; with 8 prompts 2/4/4+g4 93.8,
+        1/4/3+g4 92.5, 2/4/5+g4 88.3, 2/4/6+g4 86.8 (τ 2.28), 2/4/8+g4 74.2
+        (results/ab_trees_bf16_amd_avx2_chunks.json). With int8 weights each tile converts the
+        weights again (compute-bound from 3 rows): 1/4/2+g4, 1.08x plain against 1.00x for
+        1/4/3+g4 and 0.89x for 2/4/4+g4 (results/ab_trees_int8_amd_avx2_chunks.json; the same
+        order before the chunks: results/ab_trees_int8_amd_avx2_madd.json)."""
         if device_type != "cpu":
             return cls()
         from eagle_infer.kernels.bf16_linear import avx512_bf16_supported, multiply_default
@@ -175,7 +176,7 @@ class TreeConfig:
             on_tiles = dtype == "bf16" and multiply_default() == "amx"  # fp32 int8 is torch's kernel
             return cls(2, 4, 6, ngram_branch=4) if on_tiles else cls(1, 4, 3, ngram_branch=4)
         if dtype == "bf16":
-            return cls(2, 4, 6, ngram_branch=4) if avx512_bf16_supported() else cls(1, 4, 3, ngram_branch=4)
+            return cls(2, 4, 6, ngram_branch=4) if avx512_bf16_supported() else cls(1, 4, 4, ngram_branch=4)
         return cls(2, 4, 4, ngram_branch=4)
 
     @classmethod

@@ -424,7 +424,7 @@ def run_bench(cfg: DictConfig) -> dict | None:
     """A short end-of-pipeline benchmark of the trained head: plain vs speculative greedy decoding
     (eagle_infer.bench) on the first ``stage.bench.num_prompts`` MT-bench prompts with a small
     tree (the device's default for the dtype that runs, TreeConfig.default_for, where the config
-    leaves it null: on a CPU 2/4/6 in bf16 (1/4/3 without AVX512-BF16), 2/4/4 in fp32, with an
+    leaves it null: on a CPU 2/4/6 in bf16 (1/4/4 without AVX512-BF16), 2/4/4 in fp32, with an
     n-gram branch of 4). Writes
     ``<workdir>/bench.json``; 0 prompts = off."""
     import torch

@@ -485,8 +485,8 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
     assert server.resolve_tree(args, "cpu") == server.TreeConfig(2, 4, 4, ngram_branch=4)  # fp32
     from eagle_infer.kernels import bf16_linear
 
-    monkeypatch.setattr(bf16_linear, "avx512_bf16_supported", lambda: False)  # AVX2: a verify's rows dear
-    assert server.resolve_tree(args, "cpu", "bf16") == server.TreeConfig(1, 4, 3, ngram_branch=4)
+    monkeypatch.setattr(bf16_linear, "avx512_bf16_supported", lambda: False)  # AVX2: a verify's rows dearer
+    assert server.resolve_tree(args, "cpu", "bf16") == server.TreeConfig(1, 4, 4, ngram_branch=4)
     int8_args = server.build_parser().parse_args(["--quantization", "int8"])
     assert server.resolve_tree(int8_args, "cpu", "bf16") == server.TreeConfig(1, 4, 2, ngram_branch=4)
     assert server.resolve_tree(int8_args, "cpu", "fp32") == server.TreeConfig(1, 4, 3, ngram_branch=4)
