@@ -29,7 +29,7 @@ from eagle_infer.cpu_linears import (
 )
 from eagle_infer.errors import UserError, cli_errors
 from eagle_infer.model import Transformer, causal_mask
-from eagle_infer.sampling import SamplingParams, logits_to_probs, sample
+from eagle_infer.sampling import SamplingParams, greedy_tokens, logits_to_probs, sample
 
 # Called with (sequence index, token id); returning True stops that sequence (stop strings).
 TokenCallback = Callable[[int, int], bool]
@@ -123,7 +123,7 @@ def pick_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
                 greedy: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] -> next token per sequence, each with its own settings (greedy: the
     argmax, when a compiled step computed it already)."""
-    out = logits.argmax(-1) if greedy is None else greedy.clone()
+    out = greedy_tokens(logits) if greedy is None else greedy.clone()
     # Sampled rows with the same settings share one softmax and one CDF search: one at a time,
     # a row cost ~14 ATen ops a step (scripts/probe_capture_ops.py), ~3,600 launches a step for a
     # GPU capture of 256 sampled answers. Each row still draws its uniform from its own
@@ -307,7 +307,7 @@ class CompiledDecode:
         5.68 (Zen 4, in-process A/B)."""
         mask = causal_mask(cur, 1, kv_ref.shape[-1])  # [Bp, 1, kv_len]
         logits, _ = self.model(tokens[:, None], cur[:, None], cur[:, None], mask)
-        return logits[:, 0], logits[:, 0].argmax(-1)
+        return logits[:, 0], greedy_tokens(logits[:, 0])
 
     def __call__(self, tokens: torch.Tensor, cur: torch.Tensor,
                  kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,11 +43,25 @@ class SamplingParams:
         return g
 
 
+def greedy_tokens(logits: Tensor) -> Tensor:
+    """logits [..., V] -> logits.argmax(-1): the first of equal maxima, a NaN counting as the
+    maximum, as torch's. Compiled on a CPU it is a max and then the least index that holds it:
+    Inductor vectorizes both reductions where its argmax over a vocabulary runs scalar (4 x 49152
+    bf16 logits, a verify's: 0.61 ms as argmax against 0.15, a round's ~3% on a 2-core Zen 2;
+    eager, torch's argmax is as fast)."""
+    if logits.device.type != "cpu" or not torch.compiler.is_compiling():
+        return logits.argmax(-1)
+    top = logits.amax(-1, keepdim=True)
+    index = torch.arange(logits.shape[-1], dtype=torch.int32, device=logits.device)
+    hit = (logits == top) | logits.isnan()
+    return torch.where(hit, index, logits.shape[-1]).amin(-1).long()
+
+
 def logits_to_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> Tensor:
     """logits [..., V] -> fp32 probabilities [..., V] after temperature, top-k and top-p."""
     logits = logits.float()
     if temperature == 0.0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(greedy_tokens(logits), logits.shape[-1]).float()
     logits = logits / temperature
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]

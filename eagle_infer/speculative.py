@@ -52,7 +52,7 @@ from eagle_infer.generate import (
 from eagle_infer.heads import DraftHead
 from eagle_infer.kernels.tree_accept import kernel_available
 from eagle_infer.model import Transformer, build_attn_mask, causal_mask
-from eagle_infer.sampling import SamplingParams, next_token
+from eagle_infer.sampling import SamplingParams, greedy_tokens, next_token
 from eagle_infer.tree import (
     Acceptance,
     DraftTree,
@@ -452,7 +452,7 @@ class SpecDecoder:
         deferred catch-up."""
         mask = causal_mask(L, 1, kv_ref.shape[-1])  # [B, 1, kv_len]
         logits, hidden = self._verify(tokens, L[:, None], L[:, None], mask)
-        return logits, logits[:, 0].argmax(-1), self.head.project(hidden)[:, 0]
+        return logits, greedy_tokens(logits[:, 0]), self.head.project(hidden)[:, 0]
 
     def _catch_up(self, next_tokens: Tensor, feats: Tensor, pos: Tensor, mask: Tensor, count: Tensor,
                   row0: int = 0) -> tuple[Tensor, Tensor]:

@@ -14,7 +14,7 @@ import torch
 
 from eagle_infer.errors import UserError
 from eagle_infer.generate import StreamPrinter, chat_prompt_ids, generate
-from eagle_infer.sampling import SamplingParams, logits_to_probs
+from eagle_infer.sampling import SamplingParams, greedy_tokens, logits_to_probs
 
 REPO = Path(__file__).resolve().parents[1]
 # CLI subprocesses: one thread unless told otherwise (see conftest.pytest_configure).
@@ -159,6 +159,24 @@ def test_temperature_zero_is_one_hot_argmax():
     probs = logits_to_probs(logits, 0.0)
     assert torch.equal(probs.argmax(-1), logits.argmax(-1))
     assert torch.equal(probs.sum(-1), torch.ones(3)) and int((probs > 0).sum()) == 3
+
+
+def test_greedy_tokens_is_argmax_compiled_too():
+    """greedy_tokens compiled (a max, then the least index holding it) picks what argmax does:
+    the first of tied maxima, a NaN as the maximum (the first of several), a row of -inf's first."""
+    logits = torch.randn(2, 5, 3000, generator=torch.Generator().manual_seed(2))
+    logits[0, 1, [7, 2900]] = 50.0  # a tie
+    logits[0, 2, [11, 40]] = float("nan")
+    logits[1, 0] = float("-inf")
+    logits[1, 3] = 0.0  # all tied
+    logits[1, 4, 2999] = 1e4  # the last
+    compiled = torch.compile(greedy_tokens, fullgraph=True, dynamic=False)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype)
+        assert torch.equal(greedy_tokens(x), x.argmax(-1))
+        got = compiled(x)
+        assert got.dtype == torch.int64 and torch.equal(got, x.argmax(-1)), (got, x.argmax(-1))
+    assert compiled(logits)[0, 1] == 7 and compiled(logits)[0, 2] == 11 and compiled(logits)[1, 4] == 2999
 
 
 def test_temperature_only_is_softmax():
