@@ -158,7 +158,7 @@ class TreeConfig:
         On an AVX2 CPU without AVX512-BF16 (the bf16 kernel's AVX2 build), since its tiles take k
         in chunks (a verify's Linears at 4 / 6 / 8 rows 1.11 / 1.21 / 1.57x a one-row step's),
         1/4/4+g4. AMD EPYC Zen 2, 16 MT-bench prompts (2 a category), 2 rounds interleaved,
-        results/ab_trees_bf16_amd_avx2_chunks16.json: 88.0 tokens/s (1.31x plain, τ 1.91)
+        results/ab_trees_bf16_amd_avx2_chunks16.json: 87.9 tokens/s (1.31x plain, τ 1.91)
         against 87.5 for 2/2/4+g4, 86.6 for 2/4/4+g4, 85.8 for 1/4/3+g4 (the default before, τ
         1.76) and 78.4 for 1/4/5+g4, in that order in both rounds; with 8 prompts 2/4/4+g4 93.8,
         1/4/3+g4 92.5, 2/4/5+g4 88.3, 2/4/6+g4 86.8 (τ 2.28), 2/4/8+g4 74.2
