@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from eagle_infer.kernels.bf16_linear import avx512_bf16_supported
+
 # Rows above which torch's kernel is as fast or faster: prefill chunks and training batches.
 # AMD EPYC AVX2, 2 threads, the target's 121 Linears (scripts/probe_linear_backends.py):
 # M = 64 / 128 / 256 / 512 / 2048: torch 170 / 279 / 485 / 872 / 3567 ms, oneDNN prepacked
@@ -138,7 +140,7 @@ class Avx2Linear(KernelLinear):
 # (results/probe_bf16_linear_amd_zen4.json); there the FMAs would be 2x slower at 512. Without
 # AVX512-BF16 (the kernel's AVX2 build) every call runs ours: torch emulates bf16 there, 8x slower
 # at 64-512 rows on a 2-core AVX2 AMD EPYC (results/probe_bf16_linear_amd_avx2.json).
-BF16_MAX_ROWS = 512 if torch.cpu._is_avx512_bf16_supported() else 1 << 62
+BF16_MAX_ROWS = 512 if avx512_bf16_supported() else 1 << 62
 
 
 class Bf16Linear(KernelLinear):

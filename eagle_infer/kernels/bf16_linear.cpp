@@ -50,10 +50,10 @@ namespace {
 
 constexpr int64_t kPanel = 32;  // columns per panel: two 16-float accumulators a row (AVX2: four 8-float)
 
+#if defined(__AVX512BF16__)
 // Rows of tile t of `tiles` over M rows, sizes as even as can be (17 rows in 3 tiles: 5, 6, 6).
 inline int64_t even_rows(int64_t t, int64_t tiles, int64_t M) { return M / tiles + (t >= tiles - M % tiles); }
 
-#if defined(__AVX512BF16__)
 // On vdpbf16ps with 9-32 rows, the bytes of bf16 panel (32 k pairs) each tile runs before the
 // next tile takes them from L1 (chunked_rows; int8 weights: a chunk made bf16 into that much).
 constexpr int64_t kChunkBytes = 4096;
