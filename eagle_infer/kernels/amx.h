@@ -22,6 +22,9 @@ struct alignas(64) TileConfig {
 // process use the tiles (asked for once a library: arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA,
 // process-wide).
 inline bool amx_usable() {
+#if defined(EAGLE_EMULATED_AMX)  // tests/avx512_emulation.h: the tiles emulated in C++
+  return true;
+#endif
   static const bool usable = [] {
     if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) return false;
     unsigned a, b, c, d;

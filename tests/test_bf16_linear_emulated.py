@@ -1,0 +1,126 @@
+"""kernels/bf16_linear.cpp's AVX-512 build (fp32 FMAs, vdpbf16ps, AMX tiles; bf16 and int8
+weights) run on any x86 CPU with AVX2: a copy of it compiled against tests/avx512_emulation.h,
+which implements the intrinsics it calls in plain C++ (Intel's pseudo-code), registered as
+torch.ops.eagle_emu512. The sessions and CI machines here are mostly AVX2-only, so without this a
+change to that build would first run on a user's AVX512-BF16 or AMX machine.
+
+Each output must be, bit for bit, the chain the kernel promises: one fp32 sum over the k pairs
+from zero, each pair's two products added in the multiply's order (the FMA loop and TDPBF16PS:
+the even k first; vdpbf16ps: the odd one), times the int8 scale, rounded to bf16 once; whatever
+the rows beside it (every tile shape, the chunks of k, the blocks of 16 rows, AMX's last block)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle_infer.kernels import avx2_linear, bf16_linear
+from eagle_infer.quantize import quantize_weight
+
+pytestmark = pytest.mark.skipif(not avx2_linear.supported(), reason="CPU without AVX2 / FMA")
+
+EMULATION = Path(__file__).with_name("avx512_emulation.h")
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 15, 16, 17, 19, 25, 32, 33, 40)
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    """torch.ops.eagle_emu512: bf16_linear.cpp's AVX-512 build on the emulated intrinsics (built
+    once per machine and source: a folder named by the sources' hash keeps torch's build cache)."""
+    kernels = bf16_linear.SOURCE.parent
+    source = bf16_linear.SOURCE.read_text()
+    for macro in ("TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY_IMPL"):
+        assert f"{macro}(eagle," in source
+    source = source.replace("TORCH_LIBRARY_FRAGMENT(eagle,", "TORCH_LIBRARY(eagle_emu512,")
+    source = source.replace("TORCH_LIBRARY_IMPL(eagle,", "TORCH_LIBRARY_IMPL(eagle_emu512,")
+    headers = sorted(kernels.glob("*.h")) + [EMULATION]
+    crc = zlib.crc32(source.encode() + b"".join(h.read_bytes() for h in headers))
+    folder = Path(tempfile.gettempdir()) / f"eagle_emu512_{crc:08x}"
+    folder.mkdir(exist_ok=True)
+    for header in headers:
+        shutil.copyfile(header, folder / header.name)
+    (folder / "bf16_linear.cpp").write_text(source)
+    avx2_linear.build("eagle_bf16_linear_emu512", folder / "bf16_linear.cpp",
+                      ["-include", str(folder / EMULATION.name), "-Wno-psabi"])
+    return torch.ops.eagle_emu512
+
+
+def chain(x: torch.Tensor, w: torch.Tensor, odd_first: bool,
+          scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T as the kernel sums it: per output an fp32 chain over the k pairs from
+    zero (an odd K padded with a zero), the pair's two products in order (the products of bf16
+    values, and of bf16 and int8 ones, are exact in fp32: an add rounds once, as an FMA does),
+    times `scale` [N], then bf16."""
+    xf, wf = F.pad(x.float(), (0, x.shape[1] % 2)), F.pad(w.float(), (0, w.shape[1] % 2))
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    first, second = (1, 0) if odd_first else (0, 1)
+    for p in range(0, xf.shape[1], 2):
+        acc = acc + xf[:, p + first, None] * wf[None, :, p + first]
+        acc = acc + xf[:, p + second, None] * wf[None, :, p + second]
+    return (acc if scale is None else acc * scale.float()).bfloat16()
+
+
+def odd_first(multiply: str, k: int) -> bool:
+    """vdpbf16ps adds a pair's odd product first; on AMX only K a multiple of 32 runs on the tiles
+    (others on vdpbf16ps); the FMA loop and TDPBF16PS add the even one first."""
+    return multiply == "vdpbf16ps" or (multiply == "amx" and k % 32 != 0)
+
+
+@pytest.fixture(params=["fma", "vdpbf16ps", "amx"])
+def multiply(request, emulated):
+    assert emulated.bf16_linear_set_amx(request.param == "amx") == (request.param == "amx")
+    yield request.param
+    emulated.bf16_linear_set_amx(False)
+
+
+@pytest.mark.parametrize("n,k", [(64, 64), (100, 576), (5, 7), (33, 100), (70, 1536)])
+def test_emulated_avx512_build_sums_the_promised_chain(emulated, multiply, n, k):
+    dot = multiply != "fma"
+    w = torch.randn(n, k).bfloat16()
+    wp = bf16_linear.pack(w)
+    x = torch.randn(ROWS[-1], k).bfloat16()
+    want = chain(x, w, odd_first(multiply, k))
+    assert emulated.bf16_linear_amx_on() == (multiply == "amx")
+    for rows in ROWS:
+        got = emulated.bf16_linear(x[:rows], wp, n, dot)
+        assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+        assert torch.equal(got, want[:rows]), (multiply, rows)
+    if not dot:  # the AVX2 build (this machine's, or the AVX-512 one) runs the same FMA chain
+        assert torch.equal(bf16_linear.bf16_linear(x, wp, n), want)
+    x3 = x[:6].view(2, 3, k)  # [B, T, H], as the lm_head sees it
+    assert torch.equal(emulated.bf16_linear(x3, wp, n, dot), want[:6].view(2, 3, n))
+
+
+@pytest.mark.parametrize("n,k", [(64, 64), (100, 576), (5, 7), (33, 100)])
+def test_emulated_avx512_build_int8_sums_the_promised_chain(emulated, multiply, n, k):
+    """int8 weights: made fp32 (FMAs) or bf16 (vdpbf16ps; AMX: into a buffer the tiles load)
+    exactly, the same chain, times the column's scale, bf16 once."""
+    dot = multiply != "fma"
+    w = torch.randn(n, k) * torch.logspace(-2, 0, n)[:, None]
+    q, scale = quantize_weight(w)
+    wp, s = bf16_linear.pack_int8(q, scale)
+    x = torch.randn(ROWS[-1], k).bfloat16()
+    want = chain(x, q, odd_first(multiply, k), scale)
+    for rows in ROWS:
+        assert torch.equal(emulated.int8_linear(x[:rows], wp, s, n, dot), want[:rows]), (multiply, rows)
+    if not dot:
+        assert torch.equal(bf16_linear.int8_linear(x, wp, s, n), want)
+
+
+def test_this_machines_build_sums_the_promised_fma_chain():
+    """The build this machine loads, on its FMA loop: the same chain bit for bit (vdpbf16ps and
+    AMX hardware are checked against float64 in test_bf16_linear: the silicon's rounding inside a
+    dot product is not the pseudo-code's everywhere)."""
+    w = torch.randn(40, 200).bfloat16()
+    x = torch.randn(20, 200).bfloat16()
+    q, scale = quantize_weight(w.float())
+    assert torch.equal(bf16_linear.bf16_linear(x, bf16_linear.pack(w), 40), chain(x, w, False))
+    want = chain(x, q, False, scale)
+    assert torch.equal(bf16_linear.int8_linear(x, *bf16_linear.pack_int8(q, scale), 40), want)
+
