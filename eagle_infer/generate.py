@@ -114,7 +114,8 @@ def forward_padded(model: Transformer, tokens: torch.Tensor, lens: torch.Tensor 
     kv_len = kv_len or kv_len_for(T, model.max_seq_len)
     mask = causal_mask(torch.zeros(B, dtype=torch.long, device=dev), T, kv_len)
     logits, hidden = model(tokens, pos, pos, mask, logits_at=None if lens is None else (lens - 1)[:, None],
-                           hidden_layers=hidden_layers, compute_logits=lens is not None, row0=row0)
+                           hidden_layers=hidden_layers, compute_logits=lens is not None, row0=row0,
+                           causal=True)
     return (None if logits is None else logits[:, 0]), hidden
 
 

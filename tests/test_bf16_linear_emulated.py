@@ -113,14 +113,18 @@ def test_emulated_avx512_build_int8_sums_the_promised_chain(emulated, multiply, 
         assert torch.equal(bf16_linear.int8_linear(x, wp, s, n), want)
 
 
-def test_this_machines_build_sums_the_promised_fma_chain():
-    """The build this machine loads, on its FMA loop: the same chain bit for bit (vdpbf16ps and
-    AMX hardware are checked against float64 in test_bf16_linear: the silicon's rounding inside a
-    dot product is not the pseudo-code's everywhere)."""
-    w = torch.randn(40, 200).bfloat16()
-    x = torch.randn(20, 200).bfloat16()
+@pytest.mark.parametrize("n,k", [(40, 200), (5, 7), (70, 576)])
+def test_this_machines_build_sums_the_promised_fma_chain(n, k):
+    """The build this machine loads, on its FMA loop: the same chain bit for bit, at every row
+    count (the AVX2 build: tiles of up to 4 rows over all of k, then chunks of k, then from 24 rows
+    6-row tiles over a panel made fp32 once). vdpbf16ps and AMX hardware are checked against
+    float64 in test_bf16_linear: the silicon's rounding inside a dot product is not the
+    pseudo-code's everywhere."""
+    w = torch.randn(n, k).bfloat16()
+    x = torch.randn(64, k).bfloat16()
     q, scale = quantize_weight(w.float())
-    assert torch.equal(bf16_linear.bf16_linear(x, bf16_linear.pack(w), 40), chain(x, w, False))
-    want = chain(x, q, False, scale)
-    assert torch.equal(bf16_linear.int8_linear(x, *bf16_linear.pack_int8(q, scale), 40), want)
-
+    want, want8 = chain(x, w, False), chain(x, q, False, scale)
+    wp, (q8, s8) = bf16_linear.pack(w), bf16_linear.pack_int8(q, scale)
+    for rows in (*ROWS, 47, 64):
+        assert torch.equal(bf16_linear.bf16_linear(x[:rows], wp, n), want[:rows]), rows
+        assert torch.equal(bf16_linear.int8_linear(x[:rows], q8, s8, n), want8[:rows]), rows

@@ -41,6 +41,7 @@
 #include <atomic>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "amx.h"
 #include "avx2_math.h"
@@ -523,10 +524,81 @@ inline void tile8_of(int64_t rows, const float* x, int64_t K, const W* w, int64_
   }
 }
 
+// Many rows (prefill chunks, a batch's verify) are compute-bound: there the panel is made fp32
+// once for all the rows, into a buffer [K, 32] that stays in L2, and tiles of 6 rows x 16
+// columns run over all of k from it: 12 accumulators, the two weight vectors and a broadcast fit
+// the 16 registers (the 4 x 32 tiles above spill), 12 FMAs a k against 2 loads of weights and 6
+// broadcasts, no conversions. Each output is still one fp32 FMA chain over k from zero: the bits
+// of the tiles above, and of a one-row step.
+template <typename W>
+constexpr int64_t kLargeRows = std::is_same_v<W, int8_t> ? 12 : 32;
+
+template <int ROWS>
+inline void tile16(const float* __restrict__ x, int64_t K, const float* __restrict__ w, at::BFloat16* y,
+                   int64_t N, int64_t cols, const float* s) {
+  __m256 acc[ROWS][2];
+#pragma GCC unroll 6
+  for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k++) {
+    const __m256 w0 = _mm256_loadu_ps(w + k * kPanel), w1 = _mm256_loadu_ps(w + k * kPanel + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < ROWS; r++) {
+      const __m256 a = _mm256_broadcast_ss(x + r * K + k);
+      acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 6  // every acc[r] a register: a loop over r would keep them on the stack
+  for (int r = 0; r < ROWS; r++) {
+    alignas(32) at::BFloat16 out[16];
+    __m256 a0 = acc[r][0], a1 = acc[r][1];
+    if (s) a0 = _mm256_mul_ps(a0, _mm256_loadu_ps(s)), a1 = _mm256_mul_ps(a1, _mm256_loadu_ps(s + 8));
+    eagle::store8(out, a0);
+    eagle::store8(out + 8, a1);
+    std::memcpy(y + r * N, out, cols * sizeof(at::BFloat16));
+  }
+}
+
+template <typename W>
+inline void large_panel_rows(const eagle::LinearCall& c, const W* wp, at::BFloat16* y, int64_t cols,
+                             const float* s) {
+  const auto* x = static_cast<const float*>(c.x);
+  const int64_t K = c.K;
+  thread_local std::vector<float> panel;  // [K, 32]: w[n, k] at k * 32 + n
+  panel.resize(K * kPanel);
+  float* w = panel.data();
+  for (int64_t p = 0; p < K / 2; p++)
+    for (int v = 0; v < 4; v++) {
+      __m256 even, odd;
+      load_pair8(wp + p * 2 * kPanel + v * 16, even, odd);
+      _mm256_storeu_ps(w + 2 * p * kPanel + v * 8, even);
+      _mm256_storeu_ps(w + (2 * p + 1) * kPanel + v * 8, odd);
+    }
+  for (int64_t m = 0; m < c.M; m += 6) {
+    const int64_t rows = std::min<int64_t>(6, c.M - m);
+    for (int64_t h = 0; h < 2 && 16 * h < cols; h++) {
+      const float* xm = x + m * K;
+      at::BFloat16* ym = y + m * c.N + 16 * h;
+      const int64_t hc = std::min<int64_t>(16, cols - 16 * h);
+      const float* sh = s ? s + 16 * h : nullptr;
+      switch (rows) {
+        case 6: tile16<6>(xm, K, w + 16 * h, ym, c.N, hc, sh); break;
+        case 5: tile16<5>(xm, K, w + 16 * h, ym, c.N, hc, sh); break;
+        case 4: tile16<4>(xm, K, w + 16 * h, ym, c.N, hc, sh); break;
+        case 3: tile16<3>(xm, K, w + 16 * h, ym, c.N, hc, sh); break;
+        case 2: tile16<2>(xm, K, w + 16 * h, ym, c.N, hc, sh); break;
+        default: tile16<1>(xm, K, w + 16 * h, ym, c.N, hc, sh); break;
+      }
+    }
+  }
+}
+
 // All rows of a LinearCall over one panel wp, to its columns of y (as the AVX-512 build's): blocks
-// of up to kBlockRows rows, each over k in chunks (one chunk: all of k, where a tile holds them).
+// of up to kBlockRows rows, each over k in chunks (one chunk: all of k, where a tile holds them);
+// from kLargeRows rows large_panel_rows.
 template <typename W>
 inline void panel_rows(const eagle::LinearCall& c, const W* wp, at::BFloat16* y, int64_t cols, const float* s) {
+  if (c.M >= kLargeRows<W>) return large_panel_rows(c, wp, y, cols, s);
   const auto* x = static_cast<const float*>(c.x);
   const int64_t pairs = c.K / 2;
   alignas(32) float sums[kBlockRows * kPanel];
