@@ -216,7 +216,10 @@ def causal_attention(q: Tensor, keys: Tensor, values: Tensor, gqa: bool) -> Tens
     """attention() of a prefill from slot 0: q [B, heads, T, D] over the T keys/values [B, kv_heads,
     T, D] it wrote, each row seeing those at or before it (right padding is past every real row).
     SDPA's causal kernel skips the blocks above the diagonal and the slots past T that a mask
-    covers: a 1,089-token prefill's attention 1.27 s -> 0.7 s (30 layers, bf16, 2-core AMD EPYC)."""
+    covers: a 1,089-token prefill's attention 1.27 s -> 0.6 s (30 layers, bf16, 2-core AMD EPYC).
+    CPU only: on CUDA, SDPA takes enable_gqa in its flash kernel alone (no fp32), and the math
+    kernel it would fall to copies the keys and values per query head (grouped_query_attention);
+    not measured there."""
     return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
 
 
@@ -370,7 +373,7 @@ class Attention(nn.Module):
         qk, v = self.qkv_proj(x).view(B, T, nh + 2 * nkv, self.head_dim).split([nh + nkv, nkv], 2)
         q, k = rotate(qk, s.cos, s.sin).split([nh, nkv], 2)  # q and k rotated together
         keys, values = s.cache.update(self.layer, s.write_index, k, v, s.row0, s.kv_len)
-        if s.causal:
+        if s.causal and x.device.type == "cpu":
             out = causal_attention(q.transpose(1, 2), keys[:, :, :T], values[:, :, :T], nkv != nh)
         else:
             out = attention(q.transpose(1, 2), keys, values, s.bias, nkv != nh)  # [B, heads, T, D]
