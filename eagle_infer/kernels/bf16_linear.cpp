@@ -452,7 +452,8 @@ inline void panel_rows(const eagle::LinearCall& c, const W* wp, at::BFloat16* y,
 // (the halves: 1.45 / 1.42 / 1.69 / 2.04x: each half's pass stalled on the stream behind its
 // FMAs); 1-3 rows level or a little faster, 32-512 within 5%. int8 weights convert in every tile
 // (5 instructions a 16 weights): 2-4 and 6 rows 3-15% faster, 8-16 level, 5 rows 11% slower (4 + 1
-// rows convert twice).
+// rows convert twice). From kLargeRows rows (prefill chunks, batches' verifies) large_panel_rows
+// instead: the panel made fp32 once, 6 x 16 tiles over it.
 std::atomic<bool> g_amx{false};  // never on: no AMX in this build
 constexpr int64_t kMaxTileRows = 4;
 constexpr int64_t kChunk = 32;
