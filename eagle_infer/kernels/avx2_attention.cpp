@@ -108,8 +108,16 @@ void attend_rows(const KV* q, const KV* k, const KV* v, int64_t kv_stride, const
   }
   for (int64_t r = 0; r < R; r++) {  // p = exp(s - max), exactly 0 where the bias masks the slot
     float* p = scores + r * S;
+    // the row's max, 8 lanes at a time (a scalar loop was a chain of S compares): the same value
+    // in any order (-0 and +0 aside, which give the same exp(s - m); a NaN score makes the row
+    // NaN either way)
+    __m256 lanes_max = neg_inf;
+    int64_t i0 = 0;
+    for (; i0 + 8 <= S; i0 += 8) lanes_max = _mm256_max_ps(lanes_max, _mm256_loadu_ps(p + i0));
+    _mm256_store_ps(lanes, lanes_max);
     float m = -INFINITY;
-    for (int64_t i = 0; i < S; i++) m = std::max(m, p[i]);
+    for (int l = 0; l < 8; l++) m = std::max(m, lanes[l]);
+    for (; i0 < S; i0++) m = std::max(m, p[i0]);
     const __m256 vm = _mm256_set1_ps(m);
     for (int64_t i = 0; i < S; i += 8) {
       const int64_t n = std::min<int64_t>(8, S - i);
