@@ -476,6 +476,17 @@ inline void load_pair8(const int8_t* wp, __m256& even, __m256& odd) {
   odd = _mm256_cvtepi32_ps(_mm256_madd_epi16(v, _mm256_set1_epi32(0x10000)));
 }
 
+// A row's NV * 8 sums to its first `cols` bf16 outputs at y, times the int8 scales s (nullptr for
+// bf16 weights), rounded once.
+template <int NV>
+inline void store_row8(at::BFloat16* y, const __m256 (&sum)[NV], int64_t cols, const float* s) {
+  alignas(32) at::BFloat16 out[NV * 8];
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; v++)
+    eagle::store8(out + v * 8, s ? _mm256_mul_ps(sum[v], _mm256_loadu_ps(s + v * 8)) : sum[v]);
+  std::memcpy(y, out, cols * sizeof(at::BFloat16));
+}
+
 // The panel's 32 columns for ROWS rows of x [ROWS, K] (fp32, K even) over k pairs p0..p1, the sums
 // from and back to s [ROWS, 32] (fp32). LEAD: the tile that reads the panel first asks for it
 // kAhead pairs ahead.
@@ -550,14 +561,7 @@ inline void tile16(const float* __restrict__ x, int64_t K, const float* __restri
     }
   }
 #pragma GCC unroll 6  // every acc[r] a register: a loop over r would keep them on the stack
-  for (int r = 0; r < ROWS; r++) {
-    alignas(32) at::BFloat16 out[16];
-    __m256 a0 = acc[r][0], a1 = acc[r][1];
-    if (s) a0 = _mm256_mul_ps(a0, _mm256_loadu_ps(s)), a1 = _mm256_mul_ps(a1, _mm256_loadu_ps(s + 8));
-    eagle::store8(out, a0);
-    eagle::store8(out + 8, a1);
-    std::memcpy(y + r * N, out, cols * sizeof(at::BFloat16));
-  }
+  for (int r = 0; r < ROWS; r++) store_row8(y + r * N, acc[r], cols, s);
 }
 
 template <typename W>
@@ -619,13 +623,9 @@ inline void panel_rows(const eagle::LinearCall& c, const W* wp, at::BFloat16* y,
       }
     }
     for (int64_t r = 0; r < M; r++) {
-      alignas(16) at::BFloat16 out[kPanel];
-      for (int v = 0; v < 4; v++) {
-        __m256 sum = _mm256_load_ps(sums + r * kPanel + v * 8);
-        if (s) sum = _mm256_mul_ps(sum, _mm256_loadu_ps(s + v * 8));
-        eagle::store8(out + v * 8, sum);
-      }
-      std::memcpy(y + (m0 + r) * c.N, out, cols * sizeof(at::BFloat16));
+      __m256 sum[4];
+      for (int v = 0; v < 4; v++) sum[v] = _mm256_load_ps(sums + r * kPanel + v * 8);
+      store_row8(y + (m0 + r) * c.N, sum, cols, s);
     }
   }
 }
