@@ -193,14 +193,25 @@ def attn_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return bias.masked_fill_(~mask, float("-inf"))[:, None]
 
 
-def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, gqa: bool) -> Tensor:
+def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, gqa: bool,
+              causal: bool = False) -> Tensor:
     """SDPA of q [B, heads, T, D] over keys/values [B, kv_heads, S, D] with mask [B, 1, T, S]
-    (bool, or additive in q's dtype). One bf16 query per row on a CPU runs in fp32: torch's CPU
-    flash kernel takes ~4x longer for one bf16 query than for two (AMD EPYC AVX512-BF16, 2 threads,
-    S=1024: 570 us at T=1, 178 at T=2, 129 upcast; batch 4: 2,307 vs 445), and it accumulates in
-    fp32 anyway. Every plain decode step is such a call, 30 times. fp32 and bf16 calls of a few
-    rows on a CPU go to kernels/avx2_attention while it is enabled (the loader does, with the
-    "avx2" Linears in fp32 and the "avx512_bf16" ones in bf16)."""
+    (bool, or additive in q's dtype). `causal`: the mask is the causal mask of slots 0..T-1 (a
+    prefill from the start, which wrote those slots; right padding is past every real row): on a
+    CPU, SDPA's causal kernel over those T slots, which skips the blocks above the diagonal and the
+    slots past T that the mask covers (a 1,089-token prefill's attention 1.27 s -> 0.6 s, 30 layers,
+    bf16, 2-core AMD EPYC); not on CUDA, where SDPA takes enable_gqa in its flash kernel alone (no
+    fp32) and the math kernel it would fall to copies the keys and values per query head
+    (grouped_query_attention): not measured there. One bf16 query per row on a CPU runs in fp32:
+    torch's CPU flash kernel takes ~4x longer for one bf16 query than for two (AMD EPYC
+    AVX512-BF16, 2 threads, S=1024: 570 us at T=1, 178 at T=2, 129 upcast; batch 4: 2,307 vs 445),
+    and it accumulates in fp32 anyway. Every plain decode step is such a call, 30 times. fp32 and
+    bf16 calls of a few rows on a CPU go to kernels/avx2_attention while it is enabled (the loader
+    does, with the "avx2" Linears in fp32 and the "avx512_bf16" ones in bf16)."""
+    if causal and q.device.type == "cpu":
+        T = q.shape[2]
+        return F.scaled_dot_product_attention(q, keys[:, :, :T], values[:, :, :T], is_causal=True,
+                                              enable_gqa=gqa)
     if avx2_attention.applies(q, mask):
         return torch.ops.eagle.avx2_attention(q, keys, values, mask)
     if q.shape[2] == 1 and q.dtype == torch.bfloat16 and q.device.type == "cpu":
@@ -210,17 +221,6 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, gqa: bool) 
     if gqa and q.device.type == "cuda":
         return grouped_query_attention(q, keys, values, mask)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
-
-
-def causal_attention(q: Tensor, keys: Tensor, values: Tensor, gqa: bool) -> Tensor:
-    """attention() of a prefill from slot 0: q [B, heads, T, D] over the T keys/values [B, kv_heads,
-    T, D] it wrote, each row seeing those at or before it (right padding is past every real row).
-    SDPA's causal kernel skips the blocks above the diagonal and the slots past T that a mask
-    covers: a 1,089-token prefill's attention 1.27 s -> 0.6 s (30 layers, bf16, 2-core AMD EPYC).
-    CPU only: on CUDA, SDPA takes enable_gqa in its flash kernel alone (no fp32), and the math
-    kernel it would fall to copies the keys and values per query head (grouped_query_attention);
-    not measured there."""
-    return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
 
 
 def grouped_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
@@ -373,10 +373,7 @@ class Attention(nn.Module):
         qk, v = self.qkv_proj(x).view(B, T, nh + 2 * nkv, self.head_dim).split([nh + nkv, nkv], 2)
         q, k = rotate(qk, s.cos, s.sin).split([nh, nkv], 2)  # q and k rotated together
         keys, values = s.cache.update(self.layer, s.write_index, k, v, s.row0, s.kv_len)
-        if s.causal and x.device.type == "cpu":
-            out = causal_attention(q.transpose(1, 2), keys[:, :, :T], values[:, :, :T], nkv != nh)
-        else:
-            out = attention(q.transpose(1, 2), keys, values, s.bias, nkv != nh)  # [B, heads, T, D]
+        out = attention(q.transpose(1, 2), keys, values, s.bias, nkv != nh, s.causal)  # [B, heads, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B * T, -1))
 
 
