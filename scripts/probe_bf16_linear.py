@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 from pathlib import Path
 
 import torch
@@ -53,19 +52,10 @@ def on_amx(fn):
 
 def load_baseline(source: str) -> None:
     """Build and load `source` (a version of bf16_linear.cpp) as torch.ops.eagle_baseline."""
-    from eagle_infer.kernels.avx2_linear import build
+    from eagle_infer.kernels.avx2_linear import build_copy
 
-    text = Path(source).read_text()
-    for macro in ("TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY_IMPL"):
-        if f"{macro}(eagle," not in text:
-            raise SystemExit(f"--baseline {source}: no {macro}(eagle, ...) block; not bf16_linear.cpp?")
-        text = text.replace(f"{macro}(eagle,", f"{macro}(eagle_baseline,")
-    copy = Path(tempfile.mkdtemp(prefix="bf16_baseline_")) / "bf16_linear_baseline.cpp"
-    copy.write_text(text)
-    for header in bf16_linear.SOURCE.parent.glob("*.h"):  # the headers it includes, as they are now
-        (copy.parent / header.name).write_bytes(header.read_bytes())
-    build("eagle_bf16_linear_baseline", copy,
-          bf16_linear.AVX512_FLAGS if bf16_linear.avx512_bf16_supported() else [])
+    build_copy("eagle_bf16_linear_baseline", Path(source).read_text(), "eagle_baseline",
+               bf16_linear.AVX512_FLAGS if bf16_linear.avx512_bf16_supported() else [])
 
 
 SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576),

@@ -16,7 +16,6 @@ import argparse
 import json
 import statistics
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,17 +26,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def build_baseline(rev: str) -> None:
     """Build decoder_layers.cpp at `rev` as the library eagle_old_layers (ops eagle_old::...)."""
-    from eagle_infer.kernels.avx2_linear import build
+    from eagle_infer.kernels.avx2_linear import build_copy
 
     src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:eagle_infer/kernels/decoder_layers.cpp"],
                          check=True, capture_output=True, text=True).stdout
-    src = src.replace("TORCH_LIBRARY_FRAGMENT(eagle, m)", "TORCH_LIBRARY(eagle_old, m)")
-    src = src.replace("TORCH_LIBRARY_IMPL(eagle, CPU, m)", "TORCH_LIBRARY_IMPL(eagle_old, CPU, m)")
-    folder = Path(tempfile.mkdtemp(prefix="eagle_old_layers_"))
-    for header in (ROOT / "eagle_infer/kernels").glob("*.h"):  # today's headers, for what it includes
-        (folder / header.name).write_bytes(header.read_bytes())
-    (folder / "decoder_layers.cpp").write_text(src)
-    build("eagle_old_layers", folder / "decoder_layers.cpp")
+    build_copy("eagle_old_layers", src, "eagle_old")
 
 
 def step_arguments(model, T: int, kv: int) -> tuple:

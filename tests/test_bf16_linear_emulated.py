@@ -11,9 +11,6 @@ the rows beside it (every tile shape, the chunks of k, the blocks of 16 rows, AM
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-import zlib
 from pathlib import Path
 
 import pytest
@@ -31,23 +28,9 @@ ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 15, 16, 17, 19, 25, 32, 33, 40)
 
 @pytest.fixture(scope="module")
 def emulated():
-    """torch.ops.eagle_emu512: bf16_linear.cpp's AVX-512 build on the emulated intrinsics (built
-    once per machine and source: a folder named by the sources' hash keeps torch's build cache)."""
-    kernels = bf16_linear.SOURCE.parent
-    source = bf16_linear.SOURCE.read_text()
-    for macro in ("TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY_IMPL"):
-        assert f"{macro}(eagle," in source
-    source = source.replace("TORCH_LIBRARY_FRAGMENT(eagle,", "TORCH_LIBRARY(eagle_emu512,")
-    source = source.replace("TORCH_LIBRARY_IMPL(eagle,", "TORCH_LIBRARY_IMPL(eagle_emu512,")
-    headers = sorted(kernels.glob("*.h")) + [EMULATION]
-    crc = zlib.crc32(source.encode() + b"".join(h.read_bytes() for h in headers))
-    folder = Path(tempfile.gettempdir()) / f"eagle_emu512_{crc:08x}"
-    folder.mkdir(exist_ok=True)
-    for header in headers:
-        shutil.copyfile(header, folder / header.name)
-    (folder / "bf16_linear.cpp").write_text(source)
-    avx2_linear.build("eagle_bf16_linear_emu512", folder / "bf16_linear.cpp",
-                      ["-include", str(folder / EMULATION.name), "-Wno-psabi"])
+    """torch.ops.eagle_emu512: bf16_linear.cpp's AVX-512 build on the emulated intrinsics."""
+    avx2_linear.build_copy("eagle_bf16_linear_emu512", bf16_linear.SOURCE.read_text(), "eagle_emu512",
+                           ["-Wno-psabi"], include=EMULATION)
     return torch.ops.eagle_emu512
 
 

@@ -43,6 +43,32 @@ def build(name: str, source: Path, isa: list[str] = ()) -> None:
                        is_python_module=False, verbose=False)
 
 
+def build_copy(name: str, text: str, namespace: str, isa: list[str] = (),
+               include: Path | None = None) -> None:
+    """Build `text`, a version of one of this folder's C++ sources, as library `name` with its ops
+    under torch.ops.<namespace> instead of eagle (its TORCH_LIBRARY_FRAGMENT / _IMPL(eagle, ...)
+    blocks renamed), against this folder's headers as they are now; `include`: a header of its own
+    read before the source (-include). In a folder named by the sources' hash, so torch's build
+    cache keeps it. How a probe runs a kernel beside another revision of itself, and how the tests
+    run bf16_linear's AVX-512 build on emulated intrinsics."""
+    import tempfile
+    import zlib
+
+    for macro in ("TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY_IMPL"):
+        if f"{macro}(eagle," not in text:
+            raise ValueError(f"{name}: the source has no {macro}(eagle, ...) block to rename")
+        text = text.replace(f"{macro}(eagle,", f"{macro}({namespace},")
+    headers = sorted(Path(__file__).parent.glob("*.h")) + ([include] if include else [])
+    crc = zlib.crc32(text.encode() + b"".join(h.read_bytes() for h in headers))
+    folder = Path(tempfile.gettempdir()) / f"{name}_{crc:08x}"
+    folder.mkdir(exist_ok=True)
+    for header in headers:
+        (folder / header.name).write_bytes(header.read_bytes())
+    (folder / f"{name}.cpp").write_text(text)
+    forced = ["-include", str(folder / include.name)] if include else []
+    build(name, folder / f"{name}.cpp", [*isa, *forced])
+
+
 @functools.cache
 def load() -> None:
     """Build (first time on a machine) and load the op, and give compiled graphs its shape."""
