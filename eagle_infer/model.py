@@ -198,9 +198,11 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, gqa: bool,
     """SDPA of q [B, heads, T, D] over keys/values [B, kv_heads, S, D] with mask [B, 1, T, S]
     (bool, or additive in q's dtype). `causal`: the mask is the causal mask of slots 0..T-1 (a
     prefill from the start, which wrote those slots; right padding is past every real row): on a
-    CPU, SDPA's causal kernel over those T slots, which skips the blocks above the diagonal and the
-    slots past T that the mask covers (a 1,089-token prefill's attention 1.27 s -> 0.6 s, 30 layers,
-    bf16, 2-core AMD EPYC); not on CUDA, where SDPA takes enable_gqa in its flash kernel alone (no
+    CPU, a causal kernel over those T slots, which skips the blocks above the diagonal and the
+    slots past T that the mask covers: kernels/avx2_attention's causal_attention while the kernel
+    is enabled (a 1,089-token prefill's attention, 30 layers, bf16, 2-core AMD EPYC Zen 4: 0.30 s
+    against SDPA's causal kernel's 0.47-0.54 s), else SDPA's (1.27 s -> 0.6 s against the mask
+    over kv_len on a Zen 2); not on CUDA, where SDPA takes enable_gqa in its flash kernel alone (no
     fp32) and the math kernel it would fall to copies the keys and values per query head
     (grouped_query_attention): not measured there. One bf16 query per row on a CPU runs in fp32:
     torch's CPU flash kernel takes ~4x longer for one bf16 query than for two (AMD EPYC
@@ -210,6 +212,8 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, gqa: bool,
     does, with the "avx2" Linears in fp32 and the "avx512_bf16" ones in bf16)."""
     if causal and q.device.type == "cpu":
         T = q.shape[2]
+        if avx2_attention.causal_applies(q):
+            return torch.ops.eagle.causal_attention(q, keys, values)
         return F.scaled_dot_product_attention(q, keys[:, :, :T], values[:, :, :T], is_causal=True,
                                               enable_gqa=gqa)
     if avx2_attention.applies(q, mask):

@@ -2,7 +2,8 @@
 (bf16 on AMX tiles where the CPU has them). It computes SDPA (GQA, additive masks with -inf,
 cache views read in place), a row's output does not depend on the rows beside it or on masked
 slots, model.attention hands it decode and verify calls (eager and compiled) only while enabled,
-and greedy speculative decoding on it is token-identical to plain decoding on it."""
+and greedy speculative decoding on it is token-identical to plain decoding on it. Its second op,
+causal_attention (a prefill's), computes SDPA's causal attention over the first T slots."""
 
 from __future__ import annotations
 
@@ -116,6 +117,68 @@ def test_a_slot_adds_the_same_wherever_masked_slots_put_it(dtype, multiply):
         keys, values = long_keys[:, :, idx], long_values[:, :, idx]
         dense = torch.ops.eagle.avx2_attention(q, keys, values, gaps[..., idx])
         assert torch.equal(gapped, dense), (T, S, (gapped != dense).sum().item())
+
+
+# T: one position; fewer than a block of 8 keys; not a multiple of the 16-position tasks or of
+# the 6-row tiles; several tasks (B = 2: a batched prefill, right-padded rows included)
+@pytest.mark.parametrize("T", [1, 5, 37, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_kernel_is_causal_sdpa(T, dtype):
+    """causal_attention (a prefill from slot 0) computes SDPA's causal attention over the first T
+    slots of cache views, reads no slot after them (NaN there), takes the model's strided q, and
+    returns [B, H, T, D] laid out as [B, T, H, D], which o_proj reads without a copy."""
+    avx2_attention.load()
+    torch.manual_seed(0)
+    B, H, KVH = 2, 9, 3
+    q = (2 * torch.randn(B, T, H + 2 * KVH, 64)).to(dtype)[:, :, :H].transpose(1, 2)
+    keys, values = cache_views(B, KVH, T + 20, dtype=dtype)
+    keys[:, :, T:], values[:, :, T:] = float("nan"), float("nan")
+    out = torch.ops.eagle.causal_attention(q, keys, values)
+    assert out.shape == (B, H, T, 64) and out.dtype == dtype and out.transpose(1, 2).is_contiguous()
+    ref = F.scaled_dot_product_attention(q.double(), keys[:, :, :T].double(), values[:, :, :T].double(),
+                                         is_causal=True, enable_gqa=True)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    else:  # computed in fp32, one rounding to bf16
+        torch.testing.assert_close(out.double(), ref.to(dtype).double(), rtol=8e-3, atol=4e-3)
+
+
+def test_causal_kernel_names_bad_input():
+    avx2_attention.load()
+    keys, values = cache_views(1, 3, 10)
+    q = torch.randn(1, 9, 4, 64)
+    with pytest.raises(RuntimeError, match="fp32 or bf16 only"):
+        torch.ops.eagle.causal_attention(q.double(), keys, values)
+    with pytest.raises(RuntimeError, match="at least T keys"):
+        torch.ops.eagle.causal_attention(torch.randn(1, 9, 11, 64), keys, values)
+    with pytest.raises(RuntimeError, match="heads a multiple of kv heads"):
+        torch.ops.eagle.causal_attention(torch.randn(1, 8, 4, 64), keys, values)
+
+
+def test_prefill_runs_the_causal_kernel_only_while_enabled(attention_kernel_on):
+    """model.attention(..., causal=True), a prefill from slot 0: the kernel while enabled, else
+    SDPA's causal kernel; both the same attention."""
+    q, (keys, values) = torch.randn(1, 9, 30, 64), cache_views(1, 3, 40)
+    calls = []
+    real = torch.ops.eagle.causal_attention
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(torch.ops.eagle, name)
+
+        @staticmethod
+        def causal_attention(*args):
+            calls.append(args)
+            return real(*args)
+
+    outs = []
+    for on in (True, False):
+        avx2_attention.enable(on)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch.ops, "eagle", Spy())
+            outs.append(attention(q, keys, values, torch.zeros(1, 1, 30, 40), True, causal=True))
+    assert len(calls) == 1  # the first, enabled, call
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
 def test_kv_write_runs_in_cpp_once_loaded():

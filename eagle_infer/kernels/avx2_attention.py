@@ -3,7 +3,9 @@ bf16 (computed in fp32) on AVX2 + FMA, or bf16 with its scores on AMX tiles (set
 EAGLE_CPU_ATTENTION=amx) (avx2_attention.cpp), as torch.ops.eagle.avx2_attention: what
 model.attention runs for such calls on a CPU while it is enabled (`enable()`; the loader enables
 it with the "avx2" Linears in fp32 and the "avx512_bf16" ones in bf16, unless
-EAGLE_CPU_ATTENTION=sdpa).
+EAGLE_CPU_ATTENTION=sdpa). A prefill's causal attention from slot 0 (model.attention's `causal`
+calls, hundreds of rows) goes to the library's second op, torch.ops.eagle.causal_attention, while
+it is enabled.
 
 Built once per machine by torch's extension builder into its cache (avx2_linear.build).
 
@@ -11,6 +13,9 @@ Built once per machine by torch's extension builder into its cache (avx2_linear.
     out = torch.ops.eagle.avx2_attention(q, keys, values, bias)
     # q [B, H, T, 64], keys / values [B, KVH, S, 64] (cache views), bias [B, 1, T, S] additive
     # == F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, enable_gqa=True)
+    out = torch.ops.eagle.causal_attention(q, keys, values)  # S >= T, slots 0..T-1 read
+    # == F.scaled_dot_product_attention(q, keys[:, :, :T], values[:, :, :T], is_causal=True,
+    #                                   enable_gqa=True)
 """
 
 from __future__ import annotations
@@ -55,11 +60,23 @@ def load() -> None:
     def _(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
         return q.new_empty(q.shape)
 
+    @torch.library.register_fake("eagle::causal_attention")
+    def _(q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+        B, H, T, D = q.shape
+        return q.new_empty(B, T, H, D).transpose(1, 2)
+
 
 def applies(q: Tensor, mask: Tensor) -> bool:
     """Whether model.attention hands this call (q [B, H, T, D], mask) to the kernel."""
     return (_enabled and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
             and mask.dtype == q.dtype and q.shape[-1] == HEAD_DIM and q.shape[2] <= MAX_ROWS)
+
+
+def causal_applies(q: Tensor) -> bool:
+    """Whether model.attention hands a prefill's causal attention (q [B, H, T, D]) to the kernel's
+    causal_attention: on the same CPUs and dtypes as the decode calls, any T."""
+    return (_enabled and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+            and q.shape[-1] == HEAD_DIM)
 
 
 def set_amx(on: bool) -> bool:
