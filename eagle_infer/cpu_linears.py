@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from eagle_infer.kernels.bf16_linear import avx512_bf16_supported
+from eagle_infer.kernels.bf16_linear import amx_supported
 
 # Rows above which torch's kernel is as fast or faster: prefill chunks and training batches.
 # AMD EPYC AVX2, 2 threads, the target's 121 Linears (scripts/probe_linear_backends.py):
@@ -130,7 +130,7 @@ class Avx2Linear(KernelLinear):
     max_rows, op = AVX2_MAX_ROWS, "avx2_linear"
 
 
-# Rows up to which an "avx512_bf16" Linear runs our kernel (prefill chunks of more run torch's).
+# Rows up to which an "avx512_bf16" Linear runs our kernel (calls of more run torch's): no limit but on AMX.
 # 2-core Xeon with AVX512-BF16, 2 threads, weights streamed from memory, ms a call: 3072 x 576 at
 # 1 / 16 / 64 / 512 rows ours 0.146 / 0.273 / 0.801 / 6.35, oneDNN prepacked 0.183 / 0.447 / 1.336
 # / 10.46, torch's 0.251 / 0.571 / 1.511 / 10.08 (scripts/probe_bf16_linear.py): without AMX
@@ -139,8 +139,14 @@ class Avx2Linear(KernelLinear):
 # default there) is level with oneDNN and torch at 512 rows and 1.2-2x faster below
 # (results/probe_bf16_linear_amd_zen4.json); there the FMAs would be 2x slower at 512. Without
 # AVX512-BF16 (the kernel's AVX2 build) every call runs ours: torch emulates bf16 there, 8x slower
-# at 64-512 rows on a 2-core AVX2 AMD EPYC (results/probe_bf16_linear_amd_avx2.json).
-BF16_MAX_ROWS = 512 if avx512_bf16_supported() else 1 << 62
+# at 64-512 rows on a 2-core AVX2 AMD EPYC (results/probe_bf16_linear_amd_avx2.json). Above 512
+# rows (a long prompt's prefill) too: on the Zen 4 ours on vdpbf16ps ran 1.10-1.40x torch's per
+# shape at 1,089 rows (results/probe_bf16_linear_amd_zen4_1089.json), and a ~1,100-token prefill
+# took 1.28 s against 1.44 with torch's above 512 rows; with int8 weights (quantize.Int8Linear:
+# our kernel up to BF16_MAX_ROWS, else an fp32 GEMM on the weight dequantized each call) 1.45 s
+# against 2.57 (scripts/probe_prefill.py --compare linears, results/probe_prefill_linears*). So
+# every call runs ours, but on AMX CPUs, where ours is unmeasured that large against oneDNN's tiles.
+BF16_MAX_ROWS = 512 if amx_supported() else 1 << 62
 
 
 class Bf16Linear(KernelLinear):

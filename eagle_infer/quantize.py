@@ -18,7 +18,8 @@ on some (torch 2.13, AVX2 CPU: in_features 4 or 12 gave garbage, 5 or 33 a segfa
 were right), and its AVX-512 path, unmeasured here, works in 16-wide vectors.
 
 On a CPU with AVX512-BF16 where the target's Linears run our bf16 kernel (cpu_linears
-"avx512_bf16"), calls of up to its BF16_MAX_ROWS rows, eager and compiled, run the same kernel on
+"avx512_bf16"), calls of up to its BF16_MAX_ROWS rows (any number but on AMX CPUs: 512), eager
+and compiled, run the same kernel on
 the int8 weights instead (kernels/bf16_linear.cpp, int8_linear: each output's fp32 sum over k
 times its scale, rounded to bf16 once; AMX tiles, vdpbf16ps or FMAs as the bf16 kernel's
 multiply), and

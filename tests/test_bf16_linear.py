@@ -158,7 +158,7 @@ def test_bf16_linears_eager_compiled_and_large_calls():
         graphs.append(gm)
         return gm.forward
 
-    limit = cpu_linears.BF16_MAX_ROWS  # the AVX2 build: no limit, a prefill chunk of 600 rows runs ours
+    limit = cpu_linears.BF16_MAX_ROWS  # no limit but on AMX CPUs: a prefill chunk of 600 rows runs ours
     for rows in (1, 4, limit, limit + 1) if limit <= 512 else (1, 4, 600):
         x = torch.randn(rows, lin.in_features).bfloat16()
         want = reference(x, w).bfloat16().double()
