@@ -463,59 +463,40 @@ inline void widen_block(const KV* k, const KV* v, int64_t row, int64_t S, int64_
   }
 }
 
-// sc[r][16 keys] = qs[r] . K for NR rows (qs [NR][64], scaled) against two transposed key blocks
-// (kt [2][64][8]): the 2 NR sums stay in registers while d runs. (The loops over the tile's rows
-// are unrolled, the stores included: else GCC keeps the sums in memory.)
+// c[r][0..16) = sum_{k < n} a[r][k] (b0[k], b1[k]) for NR rows (a rows `lda` apart; b0, b1 8 floats
+// each, `ldb` apart a k; c rows `ldc` apart): the 2 NR sums stay in registers while k runs (6 x 2
+// + 2 operands + 1 broadcast of 16 registers). The scores (a: q rows, k: d, b: two transposed key
+// blocks) and P V (a: p rows, k: keys, b: 16 of d of V's rows) are both this tile. The loops over
+// the rows are unrolled, the stores included: else GCC keeps the sums in memory.
 template <int NR>
-inline void score_tile(const float* qs, const float* kt, float* sc, int64_t ld) {
+inline void tile(const float* a, int64_t lda, const float* b0, const float* b1, int64_t ldb, int64_t n,
+                 float* c, int64_t ldc) {
   __m256 acc[NR][2];
 #pragma GCC unroll 6
   for (int r = 0; r < NR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < kD; d++) {
-    const __m256 k0 = _mm256_loadu_ps(kt + d * kKeyBlock), k1 = _mm256_loadu_ps(kt + (kD + d) * kKeyBlock);
+  for (int64_t k = 0; k < n; k++) {
+    const __m256 v0 = _mm256_loadu_ps(b0 + k * ldb), v1 = _mm256_loadu_ps(b1 + k * ldb);
 #pragma GCC unroll 6
     for (int r = 0; r < NR; r++) {
-      const __m256 q = _mm256_broadcast_ss(qs + r * kD + d);
-      acc[r][0] = _mm256_fmadd_ps(q, k0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(q, k1, acc[r][1]);
+      const __m256 x = _mm256_broadcast_ss(a + r * lda + k);
+      acc[r][0] = _mm256_fmadd_ps(x, v0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, v1, acc[r][1]);
     }
   }
 #pragma GCC unroll 6
   for (int r = 0; r < NR; r++) {
-    _mm256_storeu_ps(sc + r * ld, acc[r][0]);
-    _mm256_storeu_ps(sc + r * ld + kKeyBlock, acc[r][1]);
+    _mm256_storeu_ps(c + r * ldc, acc[r][0]);
+    _mm256_storeu_ps(c + r * ldc + 8, acc[r][1]);
   }
 }
 
-// o[r][16 of d from d0] = sum_{j < n} p[r][j] v[j][d] for NR rows (p rows `ld` apart, vf [n][64]).
-template <int NR>
-inline void pv_tile(const float* p, int64_t ld, const float* vf, int64_t n, int64_t d0, float* o) {
-  __m256 acc[NR][2];
-#pragma GCC unroll 6
-  for (int r = 0; r < NR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; j++) {
-    const __m256 v0 = _mm256_loadu_ps(vf + j * kD + d0), v1 = _mm256_loadu_ps(vf + j * kD + d0 + 8);
-#pragma GCC unroll 6
-    for (int r = 0; r < NR; r++) {
-      const __m256 pj = _mm256_broadcast_ss(p + r * ld + j);
-      acc[r][0] = _mm256_fmadd_ps(pj, v0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(pj, v1, acc[r][1]);
-    }
-  }
-#pragma GCC unroll 6
-  for (int r = 0; r < NR; r++) {
-    _mm256_storeu_ps(o + r * kD + d0, acc[r][0]);
-    _mm256_storeu_ps(o + r * kD + d0 + 8, acc[r][1]);
-  }
-}
-
-// NR = rows (1-6) of score_tile<NR> or, with `pv`, of pv_tile<NR> over each 16 of d.
+// NR = rows (1-6) of tile<NR>.
 template <int NR = kTileRows>
-inline void tile_of(int64_t rows, bool pv, const float* a, int64_t ld, const float* b, int64_t n, float* c) {
+inline void tile_of(int64_t rows, const float* a, int64_t lda, const float* b0, const float* b1, int64_t ldb,
+                    int64_t n, float* c, int64_t ldc) {
   if constexpr (NR > 0) {
-    if (rows != NR) return tile_of<NR - 1>(rows, pv, a, ld, b, n, c);
-    if (!pv) return score_tile<NR>(a, b, c, ld);
-    for (int64_t d0 = 0; d0 < kD; d0 += 16) pv_tile<NR>(a, ld, b, n, d0, c);
+    if (rows != NR) return tile_of<NR - 1>(rows, a, lda, b0, b1, ldb, n, c, ldc);
+    tile<NR>(a, lda, b0, b1, ldb, n, c, ldc);
   }
 }
 
@@ -533,9 +514,10 @@ void causal_task(const KV* q, int64_t q_h, int64_t q_t, const float* kt, const f
     const KV* qr = q + (r % G) * q_h + (t0 + r / G) * q_t;
     for (int64_t d = 0; d < kD; d++) qs[r * kD + d] = static_cast<float>(qr[d]) * scale;
   }
-  for (int64_t r = 0; r < R; r += kTileRows)
+  for (int64_t r = 0; r < R; r += kTileRows)  // scores: 16 keys (two transposed blocks) a tile
     for (int64_t j = 0; j < ld; j += 2 * kKeyBlock)
-      tile_of(std::min(kTileRows, R - r), false, qs + r * kD, ld, kt + j * kD, 0, sc + r * ld + j);
+      tile_of(std::min(kTileRows, R - r), qs + r * kD, kD, kt + j * kD, kt + (j + kKeyBlock) * kD, kKeyBlock, kD,
+              sc + r * ld + j, ld);
   const __m256 neg_inf = _mm256_set1_ps(-INFINITY), iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   alignas(32) float lanes[8];
   for (int64_t r = 0; r < R; r++) {  // p = exp(s - max) over the row's keys 0..t, 0 after them
@@ -562,7 +544,8 @@ void causal_task(const KV* q, int64_t q_h, int64_t q_t, const float* kt, const f
   }
   for (int64_t r = 0; r < R; r += kTileRows) {
     const int64_t rows = std::min(kTileRows, R - r), n = t0 + (r + rows - 1) / G + 1;
-    tile_of(rows, true, sc + r * ld, ld, vf, n, o + r * kD);
+    for (int64_t d0 = 0; d0 < kD; d0 += 16)  // P V: 16 of d a tile
+      tile_of(rows, sc + r * ld, ld, vf + d0, vf + d0 + 8, kD, n, o + r * kD + d0, kD);
   }
   for (int64_t r = 0; r < R; r++) {
     const __m256 inv = _mm256_set1_ps(1.f / sums[r]);
