@@ -951,8 +951,8 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": machine_info(args.dtype, device),
         "cpu_linears": getattr(model, "cpu_linears", None),
         "bf16_multiply": cpu_linears.bf16_multiply(model),
-        # our kernel's AVX2 loops, or (bf16) its scores on AMX tiles; else torch's SDPA
-        "cpu_attention": ("amx" if args.dtype == "bf16" and avx2_attention.amx_on() else "avx2")
+        # our kernel: its AVX2 loops, or (bf16) its scores on vdpbf16ps or AMX tiles; else torch's SDPA
+        "cpu_attention": (avx2_attention.bf16_scores() if args.dtype == "bf16" else "loops")
         if avx2_attention.enabled() else "sdpa",
         "compiled": compile_steps,
         "timing": "interleaved" if interleaved else "sequential",

@@ -120,8 +120,9 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     onednn, where this torch has it, the model has Linears it packs and the packed copies fit in
     free memory (cpu_linears.auto_backend). With "avx2" and fp32 or "avx512_bf16"
     and bf16, attention calls of a few query rows run kernels/avx2_attention too
-    ($EAGLE_CPU_ATTENTION=sdpa keeps them on torch's SDPA; =amx runs bf16 ones with their scores
-    on AMX tiles, opt-in: avx2_attention.set_amx)."""
+    ($EAGLE_CPU_ATTENTION=sdpa keeps them on torch's SDPA; =loops, =dot or =amx computes bf16
+    ones' scores on the AVX2 loops, vdpbf16ps or AMX tiles; auto: avx2_attention.default_bf16_scores,
+    dot on AMD CPUs with AVX512-BF16, else loops)."""
     folder = resolve_model_path(path)
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
@@ -154,8 +155,8 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
             raise UserError("cpu_linears must be auto, torch, onednn, inductor, avx2 or avx512_bf16, "
                             f"got {backend!r}")
         attention = os.environ.get("EAGLE_CPU_ATTENTION", "auto")
-        if attention not in ("auto", "amx", "sdpa"):
-            raise UserError(f"EAGLE_CPU_ATTENTION must be auto, amx or sdpa, got {attention!r}")
+        if attention not in ("auto", "sdpa", *avx2_attention.BF16_SCORES):
+            raise UserError(f"EAGLE_CPU_ATTENTION must be auto, loops, dot, amx or sdpa, got {attention!r}")
         from eagle_infer import cpu_linears as onednn
 
         if backend == "auto":
@@ -172,8 +173,9 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
         if (ours or int8_fp32) and attention != "sdpa":
             try:
                 avx2_attention.enable()
-                # bf16 calls on AMX tiles only when asked for (one choice a process)
-                avx2_attention.set_amx(attention == "amx")
+                # bf16 calls' scores: one choice a process
+                avx2_attention.set_bf16_scores(avx2_attention.default_bf16_scores() if attention == "auto"
+                                               else attention)
             except Exception as e:  # the Linear kernel built, so this is unexpected: say so, go on
                 warnings.warn(f"the avx2 attention kernel did not build ({e}); attention runs on SDPA",
                               stacklevel=2)

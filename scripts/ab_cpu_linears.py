@@ -7,8 +7,9 @@ kernels/avx2_attention, ":py" compiles steps with Inductor's Python wrapper inst
 one (cpu_linears.step_options); ":cpp" compiles them with the C++ wrapper where the default is
 the Python one (e.g. bf16 "onednn"); they combine ("avx2:sdpa:py"). For "avx512_bf16", ":fma",
 ":dot" and ":amx" pick its multiply (kernels/bf16_linear.multiply_default: fp32 FMAs, vdpbf16ps or
-AMX tiles); ":attnamx" runs bf16 attention with its scores on AMX tiles (avx2_attention.set_amx,
-EAGLE_CPU_ATTENTION=amx) rather than on kernels/avx2_attention's AVX2 loops. ":int8"
+AMX tiles); ":attnloops", ":attndot" and ":attnamx" compute bf16 attention's scores on
+kernels/avx2_attention's AVX2 loops, vdpbf16ps or AMX tiles (avx2_attention.set_bf16_scores,
+EAGLE_CPU_ATTENTION; else the CPU's default, default_bf16_scores). ":int8"
 loads the target with weight-only int8 Linears (`--quantization int8`; with "avx512_bf16" on our
 kernel, with the others on torch's and, compiled, Inductor's template). ":pylayers" keeps the
 target's layers in Python where they would run as one C++ call (kernels/decoder_layers:
@@ -22,7 +23,7 @@ EAGLE_FUSED_LAYERS=0 for that load).
     python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16 --also-trees 3 4 8 2 4 6
     python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16 avx512_bf16:int8 onednn:int8
     python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16 avx512_bf16:pylayers --tree 2 4 4
-    python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16:attnamx avx512_bf16 \
+    python scripts/ab_cpu_linears.py --dtype bf16 --backends avx512_bf16:attnloops avx512_bf16:attndot \
         --prompts data/long_prompts.jsonl
 
 `--also-trees` times more trees after `--tree` in every round, on the same model (one backend
@@ -172,7 +173,10 @@ def main() -> None:
             # the attention kernel is a process-wide switch that compiled graphs guard on: set per run
             attention = avx2_attention.enabled() and "sdpa" not in off
             avx2_attention.enable(attention)
-            attention_amx = attention and amx and "attnamx" in off
+            scores = next((m[len("attn"):] for m in off if m in ("attnloops", "attndot", "attnamx")),
+                          avx2_attention.default_bf16_scores())
+            bf16_attention = attention and args.dtype == "bf16"
+            attention_scores = avx2_attention.set_bf16_scores(scores) if bf16_attention else None
             wrapper = "py" if "py" in off else "cpp" if "cpp" in off else "default"
             use_wrapper(wrapper)
             head = load_head_for(default_head_path("eagle3"), model)
@@ -190,7 +194,7 @@ def main() -> None:
         warmup_s = {name: round(warm_up(fn, prompts), 2) for name, fn in fns.items()}
         runs[b] = {"also": {name: {"spec": [], "tau": None} for name in also},
                    "fns": fns, "stats": stats, "model": model, "attention": attention,
-                   "attention_amx": attention_amx, "wrapper": wrapper,
+                   "attention_scores": attention_scores, "wrapper": wrapper,
                    "dot": dot, "amx": amx, "quantization": quantization, "warmup_s": warmup_s,
                    "plain": [], "spec": [], "tau": None}
         print(f"{b}: warm-up {runs[b]['warmup_s']}", flush=True)
@@ -198,8 +202,8 @@ def main() -> None:
     for r in range(args.rounds):
         for b, run in runs.items():
             avx2_attention.enable(run["attention"])
-            if run["attention"]:
-                avx2_attention.set_amx(run["attention_amx"])
+            if run["attention_scores"]:
+                avx2_attention.set_bf16_scores(run["attention_scores"])
             if bf16_linear.supported():
                 bf16_linear.set_amx(run["amx"])
             use_wrapper(run["wrapper"])
@@ -238,8 +242,8 @@ def main() -> None:
                               "spec_vs_plain": round(spec / plain, 3), "tau": run["tau"],
                               "plain_runs": [round(x, 2) for x in run["plain"]],
                               "spec_runs": [round(x, 2) for x in run["spec"]], "warmup_s": run["warmup_s"],
-                              "attention": ("amx" if run["attention_amx"] else "avx2") if run["attention"]
-                              else "sdpa",
+                              "attention": ((run["attention_scores"] or "loops") if run["attention"]
+                                            else "sdpa"),
                               "inductor_wrapper": run["wrapper"], "bf16_dot": run["dot"],
                               "quantization": run["quantization"],
                               "fused_layers": run["model"].fused_layers is not None,

@@ -110,7 +110,7 @@ def attention_kernel_on():
 @pytest.fixture(params=["fma", "vdpbf16ps", "amx"])
 def bf16_multiply(request, monkeypatch):
     """kernels/bf16_linear on each of its multiplies for one test: the model loads' choice
-    ($EAGLE_BF16_DOT) and the process-wide AMX switches (the Linears', and bf16 attention's opt-in one);
+    ($EAGLE_BF16_DOT), the process-wide AMX switch (the Linears') and bf16 attention's scores;
     "amx" skips on a CPU without AMX tiles.
     The process's setting is restored after it; the test's node.machine_multiply is the machine's
     default multiply (compiled checks, the same graphs whatever the multiply, run on that one)."""
@@ -118,15 +118,16 @@ def bf16_multiply(request, monkeypatch):
 
     if request.param != "fma" and not bf16_linear.avx512_bf16_supported():
         pytest.skip("CPU without AVX512-BF16: the kernel's AVX2 build multiplies on fp32 FMAs only")
-    before = bf16_linear.amx_on(), avx2_attention.amx_on()
+    before = bf16_linear.amx_on(), avx2_attention.bf16_scores()
     request.node.machine_multiply = bf16_linear.multiply_default()  # what this machine runs by default
     if bf16_linear.set_amx(request.param == "amx") != (request.param == "amx"):
         pytest.skip("CPU without AMX tiles (or Linux does not let this process use them)")
-    avx2_attention.set_amx(request.param == "amx")  # bf16 attention on the tiles too (opt-in)
+    # bf16 attention's scores on the same multiply (on the tiles and vdpbf16ps: opt-in / AMD's default)
+    avx2_attention.set_bf16_scores({"fma": "loops", "vdpbf16ps": "dot", "amx": "amx"}[request.param])
     monkeypatch.setenv(bf16_linear.DOT_ENV, request.param)
     yield request.param
     bf16_linear.set_amx(before[0])
-    avx2_attention.set_amx(before[1])
+    avx2_attention.set_bf16_scores(before[1])
 
 
 @pytest.fixture(scope="session")

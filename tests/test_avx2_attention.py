@@ -47,21 +47,22 @@ def tree_bias(B: int, T: int, S: int) -> torch.Tensor:
 
 @pytest.fixture
 def multiply(request):
-    """The kernel's bf16 multiply for one test ("loops": AVX2 FMAs, "amx": tiles), then back."""
-    was = avx2_attention.amx_on()
-    on = avx2_attention.set_amx(request.param == "amx")
-    if on != (request.param == "amx"):
-        avx2_attention.set_amx(was)
-        pytest.skip("CPU without AMX tiles (or Linux does not let this process use them)")
+    """The kernel's bf16 scores for one test ("loops": AVX2 FMAs, "dot": vdpbf16ps, "amx": tiles),
+    then back."""
+    was = avx2_attention.bf16_scores()
+    if avx2_attention.set_bf16_scores(request.param) != request.param:
+        avx2_attention.set_bf16_scores(was)
+        pytest.skip(f"CPU without {request.param} (AVX512-BF16; AMX tiles Linux lets this process use)")
     yield request.param
-    avx2_attention.set_amx(was)
+    avx2_attention.set_bf16_scores(was)
 
 
 # (1, 7): fewer slots than a block; (16, 300) and (20, 300): 48 and 60 rows a kv head, more than
 # one block of 16 rows on the tiles; (3, 9): rows that do not fill a block
 @pytest.mark.parametrize("T,S", [(1, 7), (1, 515), (4, 64), (16, 300), (3, 9), (20, 33)])
 @pytest.mark.parametrize("dtype,multiply", [(torch.float32, "loops"), (torch.bfloat16, "loops"),
-                                            (torch.bfloat16, "amx")], indirect=["multiply"])
+                                            (torch.bfloat16, "dot"), (torch.bfloat16, "amx")],
+                         indirect=["multiply"])
 def test_kernel_is_sdpa_and_rows_independent(T, S, dtype, multiply):
     B, H, KVH = 2, 9, 3
     q = torch.randn(B, T, H, 64).to(dtype).transpose(1, 2)  # [B, H, T, D], strided as the model's
@@ -89,7 +90,7 @@ def test_kernel_is_sdpa_and_rows_independent(T, S, dtype, multiply):
                                          enable_gqa=True)
     if dtype == torch.float32:
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
-    else:  # computed in fp32 (on the tiles: bf16 products, P in two bf16 parts), one rounding to bf16
+    else:  # computed in fp32 (scores on vdpbf16ps or the tiles: bf16 products), one rounding to bf16
         torch.testing.assert_close(out.double(), ref.to(dtype).double(), rtol=8e-3, atol=4e-3)
     for t in range(T):  # bit for bit: a verify's rows = one-row steps'
         one = torch.ops.eagle.avx2_attention(q[:, :, t:t + 1], keys, values, bias[:, :, t:t + 1])
@@ -97,7 +98,8 @@ def test_kernel_is_sdpa_and_rows_independent(T, S, dtype, multiply):
 
 
 @pytest.mark.parametrize("dtype,multiply", [(torch.float32, "loops"), (torch.bfloat16, "loops"),
-                                            (torch.bfloat16, "amx")], indirect=["multiply"])
+                                            (torch.bfloat16, "dot"), (torch.bfloat16, "amx")],
+                         indirect=["multiply"])
 def test_a_slot_adds_the_same_wherever_masked_slots_put_it(dtype, multiply):
     """A tree's verify reads its path's slots with masked siblings between them, a one-row step
     reads them side by side: the rows' outputs must be the same bits. Peaked scores (queries x 3)
@@ -265,27 +267,33 @@ def test_loader_turns_it_on_with_the_avx2_linears(monkeypatch, default_model_dir
     from eagle_infer.kernels import bf16_linear
     from eagle_infer.loader import load_model
 
-    before = avx2_attention.enabled(), avx2_attention.amx_on()
+    before = avx2_attention.enabled(), avx2_attention.bf16_scores()
     try:
         avx2_attention.enable(False)
         monkeypatch.setenv("EAGLE_CPU_ATTENTION", "sdpa")
         load_model(default_model_dir, "fp32", "cpu", cpu_linears="avx2")
         assert not avx2_attention.enabled()
         monkeypatch.setenv("EAGLE_CPU_ATTENTION", "flash")
-        with pytest.raises(UserError, match="EAGLE_CPU_ATTENTION must be auto, amx or sdpa, got 'flash'"):
+        with pytest.raises(UserError, match="must be auto, loops, dot, amx or sdpa, got 'flash'"):
             load_model(default_model_dir, "fp32", "cpu", cpu_linears="avx2")
         monkeypatch.delenv("EAGLE_CPU_ATTENTION")
         load_model(default_model_dir, "fp32", "cpu", cpu_linears="torch")
         assert not avx2_attention.enabled()  # only with the avx2 Linears, where it was measured
         load_model(default_model_dir, "fp32", "cpu", cpu_linears="avx2")
         assert avx2_attention.enabled()
-        if bf16_linear.supported():  # bf16 on our Linears: on AMX tiles only when asked for
-            avx2_attention.set_amx(True)
+        if bf16_linear.supported():  # bf16 on our Linears: the CPU's default scores, else as asked
+            avx2_attention.set_bf16_scores("amx")
             load_model(default_model_dir, "bf16", "cpu", cpu_linears="avx512_bf16")
-            assert avx2_attention.enabled() and not avx2_attention.amx_on()
-            monkeypatch.setenv("EAGLE_CPU_ATTENTION", "amx")
-            load_model(default_model_dir, "bf16", "cpu", cpu_linears="avx512_bf16")
-            assert avx2_attention.enabled() and avx2_attention.amx_on() == bf16_linear.amx_supported()
+            default = avx2_attention.default_bf16_scores()
+            assert avx2_attention.enabled() and avx2_attention.bf16_scores() == default
+            dot = bf16_linear.avx512_bf16_supported()
+            amd = bf16_linear.cpu_vendor() == "AuthenticAMD"
+            assert default == ("dot" if amd and dot and not bf16_linear.amx_supported() else "loops")
+            for mode, have in (("amx", bf16_linear.amx_supported()), ("dot", dot), ("loops", True)):
+                monkeypatch.setenv("EAGLE_CPU_ATTENTION", mode)
+                load_model(default_model_dir, "bf16", "cpu", cpu_linears="avx512_bf16")
+                assert avx2_attention.enabled()
+                assert avx2_attention.bf16_scores() == (mode if have else "loops")
     finally:
         avx2_attention.enable(before[0])
-        avx2_attention.set_amx(before[1])
+        avx2_attention.set_bf16_scores(before[1])

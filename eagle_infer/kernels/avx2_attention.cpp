@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -34,6 +35,7 @@
 namespace {
 
 constexpr int64_t kD = 64;  // head size: eight 8-float registers
+constexpr int64_t kKeysAhead = 64;  // keys whose rows are asked for ahead of the scores (prefetch_rows)
 
 // One cache row (64 values) as fp32: copied, or widened from bf16 (a bf16 is the high half of the
 // fp32 of the same value, so exactly).
@@ -54,6 +56,20 @@ inline std::pair<const float*, int64_t> block_as_fp32(const KV* src, int64_t n, 
   for (int64_t i = 0; i < n; i++) row_as_fp32(src + i * stride, buf + i * kD);
   std::fill(buf + n * kD, buf + rows * kD, 0.f);
   return {buf, kD};
+}
+
+// Ask for n cache rows (`stride` apart) from `rows` on into L2 (a hint). A step's K and V come from
+// memory (the Linears streamed megabytes of weights since the last step read them), and the
+// hardware's prefetcher alone was slow at it: a one-row call over 1,200 slots, 30 layers' caches
+// in turn with 64 MB read between steps, 154 us a layer on the loops; 133 with K asked for
+// kKeysAhead keys ahead and V as K goes (2-core Zen 4; scripts/probe_avx2_attention.py --cold).
+template <typename KV>
+inline void prefetch_rows(const KV* rows, int64_t n, int64_t stride) {
+  for (int64_t i = 0; i < n; i++) {
+    const char* row = reinterpret_cast<const char*>(rows + i * stride);
+    for (int64_t line = 0; line < kD * static_cast<int64_t>(sizeof(KV)); line += 64)
+      _mm_prefetch(row + line, _MM_HINT_T1);
+  }
 }
 
 // Rows r0..r1 of one (batch, kv head): row r is query head g = r / T of the kv head's group at
@@ -77,8 +93,12 @@ void attend_rows(const KV* q, const KV* k, const KV* v, int64_t kv_stride, const
   // where a masked slot adds an exact 0: a row's result does not change with masked slots
   // between or after the ones it attends (a plain step reads fewer slots than a verify of the
   // same row, and a tree's path has its siblings between its nodes).
+  prefetch_rows(k, std::min(S, kKeysAhead), kv_stride);
   for (int64_t j = 0; j < S; j += 8) {
     const int64_t n = std::min<int64_t>(8, S - j);
+    // K kKeysAhead keys on, and these keys' V rows (P V reads them after every score)
+    if (j + kKeysAhead < S) prefetch_rows(k + (j + kKeysAhead) * kv_stride, std::min(n, S - j - kKeysAhead), kv_stride);
+    prefetch_rows(v + j * kv_stride, n, kv_stride);
     const auto [kj, k_stride] = block_as_fp32(k + j * kv_stride, n, 8, kv_stride, buf.data());
     for (int64_t r = 0; r < R; r++) {
       // q in registers, four keys at a time (8 + 4 registers): one load a fused multiply-add
@@ -166,26 +186,48 @@ void attend_rows(const KV* q, const KV* k, const KV* v, int64_t kv_stride, const
   }
 }
 
-// On a CPU with AMX, where asked for (set_amx; EAGLE_CPU_ATTENTION=amx), bf16 calls run on AVX-512
-// with their scores on the tiles instead (attend_rows_amx), 16 rows at a time: a verify's
-// rows then cost little more than a decode step's row, where each added its own pass over K
-// (Xeon with AMX, 2 threads, 9 heads over 3, 1,024 slots: 72 us for one query row, 244 for six on
-// the loops above). Scores: C[slot][row] = K's rows (the A tile, straight from the cache) times
-// Q's rows (the B tile, made once a call), 16 slots at a time, transposed into the rows' scores;
-// a tile element is a chain over the head's 64 values, the same whichever slot or row it is. The
-// softmax and P V as the loops do, on 16 lanes: P V (and the weights' sum) a chain of fp32 FMAs
-// over the slots in order, several rows at a time. Not P V on the tiles: a tile sums its 32 k
-// (here slots) in an order of its own, so where masked siblings move a slot within a tile (a
-// tree's verify against the one-row steps) bf16 outputs parted (4 of 8 long prompts). A row's
-// result does not depend on the rows beside it or on masked slots, as above; the bits differ
-// from the loops' (one choice a process).
-std::atomic<bool> g_amx{false};
+// bf16 calls' scores on AVX-512 instead of the loops above (one choice a process, set_bf16_scores;
+// EAGLE_CPU_ATTENTION): with vdpbf16ps ("dot", AVX512-BF16: the default on such CPUs without AMX)
+// or on AMX tiles ("amx", opt-in). On the loops each added query row costs its own pass over K
+// (~18 core-cycles a head-slot, about twice what their FMAs need). 2 threads, 9 heads over 3,
+// 1,024 slots, cache warm: on a Zen 4 1 / 4 / 11 query rows took 45 / 93 / 195 us on vdpbf16ps
+// against 62 / 150 / 341 on the loops; on a Xeon with AMX one row 72 us and six 244 on the loops.
+//   dot: K in blocks of 16 keys packed as vdpbf16ps's B operand (kp[p] = the 16 keys' d pair p,
+// 16 x 32 pairs transposed once for every row of the call), each row's score for the 16 keys one
+// chain of 32 vdpbf16ps over the d pairs (q's pair broadcast), up to 8 rows side by side.
+//   amx: C[slot][row] = K's rows (the A tile, straight from the cache) times Q's rows (the B tile,
+// made once a call), 16 slots at a time, transposed into the rows' scores; a tile element is a
+// chain over the head's 64 values, the same whichever slot or row it is.
+//   Then the softmax and P V as the loops do, on 16 lanes: P V (and the weights' sum) a chain of
+// fp32 FMAs over the slots in order, several rows at a time. Not P V on the tiles (or on
+// vdpbf16ps): a tile sums its 32 k (here slots) in an order of its own, so where masked siblings
+// move a slot within a tile (a tree's verify against the one-row steps) bf16 outputs parted (4 of
+// 8 long prompts). A row's result does not depend on the rows beside it or on masked slots, as
+// above; the bits differ from the loops' and between the two (one choice a process).
+enum Bf16Scores : int { kLoops = 0, kAmx = 1, kDot = 2 };
+std::atomic<int> g_bf16_scores{kLoops};
 
-bool set_amx(bool on) {
-  g_amx = on && eagle::amx_usable();
-  return g_amx;
+bool dot_usable() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
 }
 
+// mode: "loops", "amx" or "dot"; where the CPU lacks it, "loops". Returns the mode in effect.
+std::string set_bf16_scores(const std::string& mode) {
+  TORCH_CHECK(mode == "loops" || mode == "amx" || mode == "dot",
+              "avx2_attention: bf16 scores must be loops, amx or dot, got ", mode);
+  const int m = mode == "amx" && eagle::amx_usable() ? kAmx : mode == "dot" && dot_usable() ? kDot : kLoops;
+  g_bf16_scores = m;
+  return m == kAmx ? "amx" : m == kDot ? "dot" : "loops";
+}
+
+std::string bf16_scores() {
+  const int m = g_bf16_scores.load();
+  return m == kAmx ? "amx" : m == kDot ? "dot" : "loops";
+}
+
+#define EAGLE_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+#define EAGLE_DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 #define EAGLE_AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,amx-tile,amx-bf16")))
 
 // Tiles 0-3, each 16 rows of 64 bytes: 0 K (A), 1 and 2 Q's d 0-31 and 32-63 (B), 3 the scores.
@@ -198,10 +240,12 @@ EAGLE_AMX_TARGET inline void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// in [16][16] -> out rows r (of `rows`) at out + r * stride: out[r][i] = in[i][r]
-EAGLE_AMX_TARGET inline void transpose_16x16(const float* in, float* out, int64_t stride, int64_t rows) {
+// in [16][16] (rows `in_stride` apart) -> out rows r (of `rows`) at out + r * stride: out[r][i] =
+// in[i][r] (32-bit elements: floats, or bf16 pairs as they lie)
+EAGLE_AVX512_TARGET inline void transpose_16x16(const float* in, int64_t in_stride, float* out, int64_t stride,
+                                                int64_t rows) {
   __m512 r[16], t[16];
-  for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(in + 16 * i);
+  for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(in + i * in_stride);
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
     t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
@@ -226,25 +270,25 @@ EAGLE_AMX_TARGET inline void transpose_16x16(const float* in, float* out, int64_
 }
 
 // bf16 rounding of 16 floats (ties to even), as c10::BFloat16 rounds finite values
-EAGLE_AMX_TARGET inline __m256i to_bf16(__m512 v) {
+EAGLE_AVX512_TARGET inline __m256i to_bf16(__m512 v) {
   const __m512i b = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16));
 }
 
-EAGLE_AMX_TARGET inline __m512 from_bf16(__m256i h) {
+EAGLE_AVX512_TARGET inline __m512 from_bf16(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 // NR rows' sums o[r] [64] += p[r][i] v[i] and sums[r] [16 lanes alike] += p[r][i] over the n slots
 // of a block (v: [16][64] fp32, p: rows `stride` apart), slot by slot: a chain a row, whatever NR.
 template <int NR>
-EAGLE_AMX_TARGET inline void pv_rows(const float* p, int64_t stride, const float* v, int64_t n, float* o,
-                                     float* sums) {
+EAGLE_AVX512_TARGET inline void pv_rows(const float* p, int64_t stride, const float* v, int64_t n, float* o,
+                                        float* sums) {
   __m512 acc[NR][4], sum[NR];
   for (int r = 0; r < NR; r++) {
-    for (int c = 0; c < 4; c++) acc[r][c] = _mm512_load_ps(o + r * kD + 16 * c);
-    sum[r] = _mm512_load_ps(sums + 16 * r);
+    for (int c = 0; c < 4; c++) acc[r][c] = _mm512_loadu_ps(o + r * kD + 16 * c);
+    sum[r] = _mm512_loadu_ps(sums + 16 * r);
   }
   for (int64_t i = 0; i < n; i++) {
     const __m512 v0 = _mm512_load_ps(v + i * kD), v1 = _mm512_load_ps(v + i * kD + 16);
@@ -259,12 +303,123 @@ EAGLE_AMX_TARGET inline void pv_rows(const float* p, int64_t stride, const float
     }
   }
   for (int r = 0; r < NR; r++) {
-    for (int c = 0; c < 4; c++) _mm512_store_ps(o + r * kD + 16 * c, acc[r][c]);
-    _mm512_store_ps(sums + 16 * r, sum[r]);
+    for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + r * kD + 16 * c, acc[r][c]);
+    _mm512_storeu_ps(sums + 16 * r, sum[r]);
   }
 }
 
-// attend_rows for up to 16 rows r0..r1 of a bf16 call, on the tiles (see above).
+// R rows' scores (q . k, sc: rows S16 apart) -> out: each row's softmax (p = exp(s * scale + bias -
+// max), exactly 0 where masked) in place, then P V / sum for rows r0.. of the call (see above).
+EAGLE_AVX512_TARGET void softmax_pv(float* sc, int64_t S16, int64_t R, const at::BFloat16* v, int64_t kv_stride,
+                                    const at::BFloat16* bias, int64_t T, int64_t S, int64_t r0, float scale,
+                                    at::BFloat16* out, int64_t out_h, int64_t out_t) {
+  const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-INFINITY);
+  for (int64_t r = 0; r < R; r++) {
+    float* s = sc + r * S16;
+    const at::BFloat16* b = bias + ((r0 + r) % T) * S;
+    __m512 vm = neg_inf;
+    for (int64_t j = 0; j < S16; j += 16) {
+      const __mmask16 in = j + 16 <= S ? __mmask16(0xFFFF) : __mmask16((1u << (S - j)) - 1);
+      const __m512 bj = from_bf16(_mm256_maskz_loadu_epi16(in, b + j));
+      const __m512 x = _mm512_mask_blend_ps(in, neg_inf, _mm512_fmadd_ps(_mm512_loadu_ps(s + j), vscale, bj));
+      _mm512_storeu_ps(s + j, x);
+      vm = _mm512_max_ps(vm, x);
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+    for (int64_t j = 0; j < S16; j += 16) {
+      const __m512 x = _mm512_loadu_ps(s + j);
+      const __mmask16 live = _mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ);
+      _mm512_storeu_ps(s + j, _mm512_maskz_mov_ps(live, eagle::exp16(_mm512_sub_ps(x, m))));
+    }
+  }
+  // out = P V and the weights' sum, each a chain of fp32 FMAs (adds) over the slots in order, as
+  // the loops above: a slot's place (the masked slots around it) does not change a row's sums
+  thread_local std::vector<float> o, sums;
+  o.assign(R * kD, 0.f);
+  sums.assign(R * 16, 0.f);
+  alignas(64) float vf[16][kD];
+  for (int64_t j = 0; j < S; j += 16) {
+    const int64_t n = std::min<int64_t>(16, S - j);
+    for (int64_t i = 0; i < n; i++)
+      for (int64_t d = 0; d < kD; d += 16)
+        _mm512_store_ps(vf[i] + d, from_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (j + i) * kv_stride + d))));
+    int64_t r = 0;
+    float *pr = sc + j, *orow = o.data(), *srow = sums.data();
+    for (; r + 4 <= R; r += 4) pv_rows<4>(pr + r * S16, S16, vf[0], n, orow + r * kD, srow + r * 16);
+    for (; r + 2 <= R; r += 2) pv_rows<2>(pr + r * S16, S16, vf[0], n, orow + r * kD, srow + r * 16);
+    for (; r < R; r++) pv_rows<1>(pr + r * S16, S16, vf[0], n, orow + r * kD, srow + r * 16);
+  }
+  for (int64_t r = 0; r < R; r++) {
+    const __m512 inv = _mm512_set1_ps(1.f / sums[r * 16]);
+    const int64_t g = (r0 + r) / T, t = (r0 + r) % T;
+    at::BFloat16* dst = out + g * out_h + t * out_t;
+    for (int d = 0; d < kD; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), to_bf16(_mm512_mul_ps(_mm512_loadu_ps(o.data() + r * kD + d), inv)));
+  }
+}
+
+// sc[r][0..16) = NR rows' scores against a packed block of 16 keys (kp[p]: their d pair p), each a
+// chain of vdpbf16ps over the 32 pairs in order; q rows kD apart.
+template <int NR>
+EAGLE_DOT_TARGET inline void dot_rows(const at::BFloat16* q, const __m512i* kp, float* sc, int64_t ldc) {
+  __m512 acc[NR];
+  for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+  const auto* qp = reinterpret_cast<const int32_t*>(q);
+  for (int p = 0; p < kD / 2; p++) {
+    const __m512bh kpair = (__m512bh)_mm512_load_si512(kp + p);
+    for (int r = 0; r < NR; r++)
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(qp[r * kD / 2 + p]), kpair);
+  }
+  for (int r = 0; r < NR; r++) _mm512_storeu_ps(sc + r * ldc, acc[r]);
+}
+
+// attend_rows for rows r0..r1 of a bf16 call, scores on vdpbf16ps (see above).
+EAGLE_DOT_TARGET void attend_rows_dot(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v,
+                                      int64_t kv_stride, const at::BFloat16* bias, int64_t T, int64_t S,
+                                      int64_t r0, int64_t r1, float scale, at::BFloat16* out, int64_t out_h,
+                                      int64_t out_t) {
+  const int64_t R = r1 - r0, S16 = (S + 15) / 16 * 16;
+  thread_local std::vector<float> sc;
+  sc.resize(R * S16);
+  alignas(64) __m512i kp[kD / 2];
+  alignas(64) at::BFloat16 kbuf[16 * kD];
+  const at::BFloat16* qr = q + r0 * kD;
+  prefetch_rows(k, std::min(S, kKeysAhead), kv_stride);
+  for (int64_t j = 0; j < S; j += 16) {
+    const int64_t n = std::min<int64_t>(16, S - j);
+    // K kKeysAhead keys on, and these keys' V rows (P V reads them after every score)
+    if (j + kKeysAhead < S) prefetch_rows(k + (j + kKeysAhead) * kv_stride, std::min(n, S - j - kKeysAhead), kv_stride);
+    prefetch_rows(v + j * kv_stride, n, kv_stride);
+    const at::BFloat16* kb = k + j * kv_stride;
+    int64_t kst = kv_stride;
+    if (n < 16) {  // the last, partial block: zero keys after it (not the cache's next slots)
+      std::memset(static_cast<void*>(kbuf), 0, sizeof(kbuf));
+      for (int64_t i = 0; i < n; i++) std::memcpy(kbuf + i * kD, kb + i * kv_stride, kD * sizeof(at::BFloat16));
+      kb = kbuf;
+      kst = kD;
+    }
+    // the 16 keys' 32 d pairs as 32-bit elements, transposed: kp[p] lane i = key i's pair p
+    for (int h = 0; h < 2; h++)
+      transpose_16x16(reinterpret_cast<const float*>(kb + 32 * h), kst / 2, reinterpret_cast<float*>(kp + 16 * h),
+                      16, 16);
+    int64_t r = 0;
+    float* s = sc.data() + j;
+    for (; r + 8 <= R; r += 8) dot_rows<8>(qr + r * kD, kp, s + r * S16, S16);
+    switch (R - r) {
+      case 7: dot_rows<7>(qr + r * kD, kp, s + r * S16, S16); break;
+      case 6: dot_rows<6>(qr + r * kD, kp, s + r * S16, S16); break;
+      case 5: dot_rows<5>(qr + r * kD, kp, s + r * S16, S16); break;
+      case 4: dot_rows<4>(qr + r * kD, kp, s + r * S16, S16); break;
+      case 3: dot_rows<3>(qr + r * kD, kp, s + r * S16, S16); break;
+      case 2: dot_rows<2>(qr + r * kD, kp, s + r * S16, S16); break;
+      case 1: dot_rows<1>(qr + r * kD, kp, s + r * S16, S16); break;
+      default: break;
+    }
+  }
+  softmax_pv(sc.data(), S16, R, v, kv_stride, bias, T, S, r0, scale, out, out_h, out_t);
+}
+
+// attend_rows for up to 16 rows r0..r1 of a bf16 call, scores on the tiles (see above).
 EAGLE_AMX_TARGET void attend_rows_amx(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v,
                                       int64_t kv_stride, const at::BFloat16* bias, int64_t T, int64_t S,
                                       int64_t r0, int64_t r1, float scale, at::BFloat16* out, int64_t out_h,
@@ -304,50 +459,9 @@ EAGLE_AMX_TARGET void attend_rows_amx(const at::BFloat16* q, const at::BFloat16*
     _tile_loadd(0, kb + 32, kst * sizeof(at::BFloat16));
     _tile_dpbf16ps(3, 0, 2);
     _tile_stored(3, ct[0], 64);
-    transpose_16x16(ct[0], sc.data() + j, S16, R);
+    transpose_16x16(ct[0], 16, sc.data() + j, S16, R);
   }
-  // softmax a row, in place: p = exp(s * scale + bias - max), exactly 0 where masked
-  const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-INFINITY);
-  for (int64_t r = 0; r < R; r++) {
-    float* s = sc.data() + r * S16;
-    const at::BFloat16* b = bias + ((r0 + r) % T) * S;
-    __m512 vm = neg_inf;
-    for (int64_t j = 0; j < S16; j += 16) {
-      const __mmask16 in = j + 16 <= S ? __mmask16(0xFFFF) : __mmask16((1u << (S - j)) - 1);
-      const __m512 bj = from_bf16(_mm256_maskz_loadu_epi16(in, b + j));
-      const __m512 x = _mm512_mask_blend_ps(in, neg_inf, _mm512_fmadd_ps(_mm512_loadu_ps(s + j), vscale, bj));
-      _mm512_storeu_ps(s + j, x);
-      vm = _mm512_max_ps(vm, x);
-    }
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
-    for (int64_t j = 0; j < S16; j += 16) {
-      const __m512 x = _mm512_loadu_ps(s + j);
-      const __mmask16 live = _mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ);
-      _mm512_storeu_ps(s + j, _mm512_maskz_mov_ps(live, eagle::exp16(_mm512_sub_ps(x, m))));
-    }
-  }
-  // out = P V and the weights' sum, each a chain of fp32 FMAs (adds) over the slots in order, as
-  // the loops above: a slot's place (the masked slots around it) does not change a row's sums
-  alignas(64) float o[16][kD] = {};
-  alignas(64) float sums[16][16] = {};
-  alignas(64) float vf[16][kD];
-  for (int64_t j = 0; j < S; j += 16) {
-    const int64_t n = std::min<int64_t>(16, S - j);
-    for (int64_t i = 0; i < n; i++)
-      for (int64_t d = 0; d < kD; d += 16)
-        _mm512_store_ps(vf[i] + d, from_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (j + i) * kv_stride + d))));
-    int64_t r = 0;
-    for (; r + 4 <= R; r += 4) pv_rows<4>(sc.data() + r * S16 + j, S16, vf[0], n, o[r], sums[r]);
-    for (; r + 2 <= R; r += 2) pv_rows<2>(sc.data() + r * S16 + j, S16, vf[0], n, o[r], sums[r]);
-    for (; r < R; r++) pv_rows<1>(sc.data() + r * S16 + j, S16, vf[0], n, o[r], sums[r]);
-  }
-  for (int64_t r = 0; r < R; r++) {
-    const __m512 inv = _mm512_set1_ps(1.f / sums[r][0]);
-    const int64_t g = (r0 + r) / T, t = (r0 + r) % T;
-    at::BFloat16* dst = out + g * out_h + t * out_t;
-    for (int d = 0; d < kD; d += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), to_bf16(_mm512_mul_ps(_mm512_load_ps(o[r] + d), inv)));
-  }
+  softmax_pv(sc.data(), S16, R, v, kv_stride, bias, T, S, r0, scale, out, out_h, out_t);
 }
 
 // Tasks t0..t1 of an AttentionCall, each (batch, kv head, chunk of its G * T rows): what each
@@ -368,7 +482,13 @@ void tasks(const eagle::AttentionCall& c, int64_t t0, int64_t t1, float* scores)
     const KV *qb = qp + (b * c.H + h0) * c.T * kD, *bb = bp + b * c.T * c.S;
     KV* ob = op + b * c.out_b + h0 * c.out_h;
     if constexpr (std::is_same_v<KV, at::BFloat16>) {
-      if (g_amx.load(std::memory_order_relaxed)) {
+      const int mode = g_bf16_scores.load(std::memory_order_relaxed);
+      // (the dot path reads K's rows as 32-bit pairs: a cache's rows and heads are 64 values apart)
+      if (mode == kDot && c.row % 2 == 0 && kv0 % 2 == 0 && reinterpret_cast<uintptr_t>(kp) % 4 == 0) {
+        attend_rows_dot(qb, kp + kv0, vp + kv0, c.row, bb, c.T, c.S, r0, r1, scale, ob, c.out_h, c.out_t);
+        continue;
+      }
+      if (mode == kAmx) {
         for (int64_t s0 = r0; s0 < r1; s0 += 16)
           attend_rows_amx(qb, kp + kv0, vp + kv0, c.row, bb, c.T, c.S, s0, std::min(r1, s0 + 16), scale, ob,
                           c.out_h, c.out_t);
@@ -647,8 +767,8 @@ int64_t avx2_attention_tasks() {
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("avx2_attention(Tensor q, Tensor keys, Tensor values, Tensor bias) -> Tensor");
   m.def("avx2_attention_tasks() -> int", &avx2_attention_tasks);
-  m.def("avx2_attention_set_amx(bool on) -> bool", &set_amx);
-  m.def("avx2_attention_amx_on() -> bool", [] { return g_amx.load(); });
+  m.def("avx2_attention_set_bf16_scores(str mode) -> str", &set_bf16_scores);
+  m.def("avx2_attention_bf16_scores() -> str", &bf16_scores);
   m.def("causal_attention(Tensor q, Tensor keys, Tensor values) -> Tensor");
 }
 

@@ -1,6 +1,7 @@
 """Attention of a few query rows (a decode step's one, a verify's tree) over the KV cache, fp32 or
-bf16 (computed in fp32) on AVX2 + FMA, or bf16 with its scores on AMX tiles (set_amx, opt-in:
-EAGLE_CPU_ATTENTION=amx) (avx2_attention.cpp), as torch.ops.eagle.avx2_attention: what
+bf16 (computed in fp32) on AVX2 + FMA, or bf16 with its scores on vdpbf16ps (the default on
+AVX512-BF16 CPUs without AMX) or AMX tiles (opt-in) (set_bf16_scores, EAGLE_CPU_ATTENTION;
+avx2_attention.cpp), as torch.ops.eagle.avx2_attention: what
 model.attention runs for such calls on a CPU while it is enabled (`enable()`; the loader enables
 it with the "avx2" Linears in fp32 and the "avx512_bf16" ones in bf16, unless
 EAGLE_CPU_ATTENTION=sdpa). A prefill's causal attention from slot 0 (model.attention's `causal`
@@ -79,18 +80,33 @@ def causal_applies(q: Tensor) -> bool:
             and q.shape[-1] == HEAD_DIM)
 
 
-def set_amx(on: bool) -> bool:
-    """From now on, in this process, bf16 calls run on AMX tiles (on, where the CPU has them and
-    Linux lets the process use them) or on the AVX2 loops (the default); returns whether they
-    use AMX. The loader sets it ($EAGLE_CPU_ATTENTION=amx: on). Not the default yet: faster
-    (README, "Attention on AMX"), but on one held-out split the answers generated with it scored
-    the shipped head lower (τ 2.05 against 2.26-2.29; on two others, level): likely chance. One
-    choice a process: a row's bits depend on it."""
-    load()
-    return torch.ops.eagle.avx2_attention_set_amx(on)
+BF16_SCORES = ("loops", "dot", "amx")
 
 
-def amx_on() -> bool:
-    """Whether bf16 calls run on AMX now (set_amx)."""
+def set_bf16_scores(mode: str) -> str:
+    """From now on, in this process, bf16 calls compute their scores on `mode`: "loops" (the AVX2
+    loops, fp32 FMAs), "dot" (vdpbf16ps on AVX512-BF16, the softmax and P V on AVX-512) or "amx"
+    (AMX tiles, likewise); returns the mode in effect: "loops" where the CPU lacks the one asked
+    for. The loader sets default_bf16_scores() ($EAGLE_CPU_ATTENTION). One choice a process: a
+    row's bits depend on it."""
     load()
-    return torch.ops.eagle.avx2_attention_amx_on()
+    return torch.ops.eagle.avx2_attention_set_bf16_scores(mode)
+
+
+def bf16_scores() -> str:
+    """What bf16 calls compute their scores on now (set_bf16_scores)."""
+    load()
+    return torch.ops.eagle.avx2_attention_bf16_scores()
+
+
+def default_bf16_scores() -> str:
+    """"dot" on an AMD CPU with AVX512-BF16 (where vdpbf16ps runs at the FMAs' rate with twice
+    their multiply-adds, kernels/bf16_linear.cpp): on a 2-core AMD EPYC Zen 4, 2 threads, 9 heads
+    over 3, the kernel's calls ran 1.5-1.9x faster than on the loops (1 to 11 query rows, 256 and
+    1,024 slots; README, "bf16 attention on vdpbf16ps"). Else "loops": on Intel's AVX512-BF16
+    CPUs vdpbf16ps ran at a quarter of the FMAs' rate, and the AMX tiles ("amx") stay opt-in."""
+    from eagle_infer.kernels import bf16_linear
+
+    amd = bf16_linear.cpu_vendor() == "AuthenticAMD"
+    dot = amd and bf16_linear.avx512_bf16_supported() and not bf16_linear.amx_supported()
+    return "dot" if dot else "loops"
