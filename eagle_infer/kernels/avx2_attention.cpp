@@ -10,9 +10,10 @@
 // a step calls it 30 times. Here each (batch, head) is one task: its rows' scores, softmax and
 // weighted sum of V, with K and V read from the cache in place (strided views). A row's result
 // never depends on how many rows came with it (each row runs the same loops in the same order),
-// so a verify's rows equal one-row steps', as with the AVX2 Linear kernel. On a CPU with AMX, bf16
-// calls run on the tiles instead (attend_rows_amx, below; functions built for AVX-512 and AMX
-// by their target attributes, the rest of the file for AVX2). A prefill's causal attention from
+// so a verify's rows equal one-row steps', as with the AVX2 Linear kernel. bf16 calls may compute
+// their scores on vdpbf16ps (attend_rows_dot, the default on AMD CPUs with AVX512-BF16) or on AMX
+// tiles (attend_rows_amx, opt-in) instead: below, functions built for AVX-512 by their target
+// attributes, the rest of the file for AVX2. A prefill's causal attention from
 // slot 0 has its own op, causal_attention (below): hundreds of rows, blocked for throughput.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -187,7 +188,7 @@ void attend_rows(const KV* q, const KV* k, const KV* v, int64_t kv_stride, const
 }
 
 // bf16 calls' scores on AVX-512 instead of the loops above (one choice a process, set_bf16_scores;
-// EAGLE_CPU_ATTENTION): with vdpbf16ps ("dot", AVX512-BF16: the default on such CPUs without AMX)
+// EAGLE_CPU_ATTENTION): with vdpbf16ps ("dot", AVX512-BF16: the default on AMD CPUs with it)
 // or on AMX tiles ("amx", opt-in). On the loops each added query row costs its own pass over K
 // (~18 core-cycles a head-slot, about twice what their FMAs need). 2 threads, 9 heads over 3,
 // 1,024 slots, cache warm: on a Zen 4 1 / 4 / 11 query rows took 45 / 93 / 195 us on vdpbf16ps

@@ -1,6 +1,6 @@
 """Attention of a few query rows (a decode step's one, a verify's tree) over the KV cache, fp32 or
-bf16 (computed in fp32) on AVX2 + FMA, or bf16 with its scores on vdpbf16ps (the default on
-AVX512-BF16 CPUs without AMX) or AMX tiles (opt-in) (set_bf16_scores, EAGLE_CPU_ATTENTION;
+bf16 (computed in fp32) on AVX2 + FMA, or bf16 with its scores on vdpbf16ps (the default on AMD
+CPUs with AVX512-BF16) or AMX tiles (opt-in) (set_bf16_scores, EAGLE_CPU_ATTENTION;
 avx2_attention.cpp), as torch.ops.eagle.avx2_attention: what
 model.attention runs for such calls on a CPU while it is enabled (`enable()`; the loader enables
 it with the "avx2" Linears in fp32 and the "avx512_bf16" ones in bf16, unless
