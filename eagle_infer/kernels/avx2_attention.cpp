@@ -73,6 +73,15 @@ inline void prefetch_rows(const KV* rows, int64_t n, int64_t stride) {
   }
 }
 
+// Before the scores of keys j..j+n of S: K's rows kKeysAhead keys on (from key 0 at j = 0), and these
+// keys' V rows, which P V reads after every score.
+template <typename KV>
+inline void prefetch_ahead(const KV* k, const KV* v, int64_t j, int64_t n, int64_t S, int64_t stride) {
+  if (j == 0) prefetch_rows(k, std::min(S, kKeysAhead), stride);
+  if (j + kKeysAhead < S) prefetch_rows(k + (j + kKeysAhead) * stride, std::min(n, S - j - kKeysAhead), stride);
+  prefetch_rows(v + j * stride, n, stride);
+}
+
 // Rows r0..r1 of one (batch, kv head): row r is query head g = r / T of the kv head's group at
 // position t = r % T. q, bias and out in the cache's dtype KV: q and the bias widened to fp32 as
 // they are read (exactly), each output rounded once as it is written. Scores first (each block of 8 keys, read from the cache once, serves every
@@ -94,12 +103,9 @@ void attend_rows(const KV* q, const KV* k, const KV* v, int64_t kv_stride, const
   // where a masked slot adds an exact 0: a row's result does not change with masked slots
   // between or after the ones it attends (a plain step reads fewer slots than a verify of the
   // same row, and a tree's path has its siblings between its nodes).
-  prefetch_rows(k, std::min(S, kKeysAhead), kv_stride);
   for (int64_t j = 0; j < S; j += 8) {
     const int64_t n = std::min<int64_t>(8, S - j);
-    // K kKeysAhead keys on, and these keys' V rows (P V reads them after every score)
-    if (j + kKeysAhead < S) prefetch_rows(k + (j + kKeysAhead) * kv_stride, std::min(n, S - j - kKeysAhead), kv_stride);
-    prefetch_rows(v + j * kv_stride, n, kv_stride);
+    prefetch_ahead(k, v, j, n, S, kv_stride);
     const auto [kj, k_stride] = block_as_fp32(k + j * kv_stride, n, 8, kv_stride, buf.data());
     for (int64_t r = 0; r < R; r++) {
       // q in registers, four keys at a time (8 + 4 registers): one load a fused multiply-add
@@ -281,6 +287,17 @@ EAGLE_AVX512_TARGET inline __m512 from_bf16(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// Keys j..j+n (n <= 16) of a bf16 cache (rows `stride` apart) as a block of 16 rows: in place where
+// it is full, else copied into buf with zero rows after them (not the cache's next slots). Returns
+// the rows and their stride.
+inline std::pair<const at::BFloat16*, int64_t> key_block16(const at::BFloat16* k, int64_t n, int64_t stride,
+                                                            at::BFloat16* buf) {
+  if (n == 16) return {k, stride};
+  std::memset(static_cast<void*>(buf), 0, 16 * kD * sizeof(at::BFloat16));
+  for (int64_t i = 0; i < n; i++) std::memcpy(buf + i * kD, k + i * stride, kD * sizeof(at::BFloat16));
+  return {buf, kD};
+}
+
 // NR rows' sums o[r] [64] += p[r][i] v[i] and sums[r] [16 lanes alike] += p[r][i] over the n slots
 // of a block (v: [16][64] fp32, p: rows `stride` apart), slot by slot: a chain a row, whatever NR.
 template <int NR>
@@ -374,6 +391,16 @@ EAGLE_DOT_TARGET inline void dot_rows(const at::BFloat16* q, const __m512i* kp, 
   for (int r = 0; r < NR; r++) _mm512_storeu_ps(sc + r * ldc, acc[r]);
 }
 
+// NR = rows (1-8) of dot_rows<NR>.
+template <int NR = 8>
+EAGLE_DOT_TARGET inline void dot_rows_of(int64_t rows, const at::BFloat16* q, const __m512i* kp, float* sc,
+                                         int64_t ldc) {
+  if constexpr (NR > 0) {
+    if (rows != NR) return dot_rows_of<NR - 1>(rows, q, kp, sc, ldc);
+    dot_rows<NR>(q, kp, sc, ldc);
+  }
+}
+
 // attend_rows for rows r0..r1 of a bf16 call, scores on vdpbf16ps (see above).
 EAGLE_DOT_TARGET void attend_rows_dot(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v,
                                       int64_t kv_stride, const at::BFloat16* bias, int64_t T, int64_t S,
@@ -385,37 +412,16 @@ EAGLE_DOT_TARGET void attend_rows_dot(const at::BFloat16* q, const at::BFloat16*
   alignas(64) __m512i kp[kD / 2];
   alignas(64) at::BFloat16 kbuf[16 * kD];
   const at::BFloat16* qr = q + r0 * kD;
-  prefetch_rows(k, std::min(S, kKeysAhead), kv_stride);
   for (int64_t j = 0; j < S; j += 16) {
     const int64_t n = std::min<int64_t>(16, S - j);
-    // K kKeysAhead keys on, and these keys' V rows (P V reads them after every score)
-    if (j + kKeysAhead < S) prefetch_rows(k + (j + kKeysAhead) * kv_stride, std::min(n, S - j - kKeysAhead), kv_stride);
-    prefetch_rows(v + j * kv_stride, n, kv_stride);
-    const at::BFloat16* kb = k + j * kv_stride;
-    int64_t kst = kv_stride;
-    if (n < 16) {  // the last, partial block: zero keys after it (not the cache's next slots)
-      std::memset(static_cast<void*>(kbuf), 0, sizeof(kbuf));
-      for (int64_t i = 0; i < n; i++) std::memcpy(kbuf + i * kD, kb + i * kv_stride, kD * sizeof(at::BFloat16));
-      kb = kbuf;
-      kst = kD;
-    }
+    prefetch_ahead(k, v, j, n, S, kv_stride);
+    const auto [kb, kst] = key_block16(k + j * kv_stride, n, kv_stride, kbuf);
     // the 16 keys' 32 d pairs as 32-bit elements, transposed: kp[p] lane i = key i's pair p
     for (int h = 0; h < 2; h++)
       transpose_16x16(reinterpret_cast<const float*>(kb + 32 * h), kst / 2, reinterpret_cast<float*>(kp + 16 * h),
                       16, 16);
-    int64_t r = 0;
-    float* s = sc.data() + j;
-    for (; r + 8 <= R; r += 8) dot_rows<8>(qr + r * kD, kp, s + r * S16, S16);
-    switch (R - r) {
-      case 7: dot_rows<7>(qr + r * kD, kp, s + r * S16, S16); break;
-      case 6: dot_rows<6>(qr + r * kD, kp, s + r * S16, S16); break;
-      case 5: dot_rows<5>(qr + r * kD, kp, s + r * S16, S16); break;
-      case 4: dot_rows<4>(qr + r * kD, kp, s + r * S16, S16); break;
-      case 3: dot_rows<3>(qr + r * kD, kp, s + r * S16, S16); break;
-      case 2: dot_rows<2>(qr + r * kD, kp, s + r * S16, S16); break;
-      case 1: dot_rows<1>(qr + r * kD, kp, s + r * S16, S16); break;
-      default: break;
-    }
+    for (int64_t r = 0; r < R; r += 8)
+      dot_rows_of(std::min<int64_t>(8, R - r), qr + r * kD, kp, sc.data() + r * S16 + j, S16);
   }
   softmax_pv(sc.data(), S16, R, v, kv_stride, bias, T, S, r0, scale, out, out_h, out_t);
 }
@@ -442,18 +448,7 @@ EAGLE_AMX_TARGET void attend_rows_amx(const at::BFloat16* q, const at::BFloat16*
   alignas(64) at::BFloat16 kbuf[16 * kD];
   for (int64_t j = 0; j < S; j += 16) {
     const int64_t n = std::min<int64_t>(16, S - j);
-    const at::BFloat16* kb = k + j * kv_stride;
-    int64_t kst = kv_stride;
-    if (n < 16) {  // the last, partial block: zero keys after it (not the cache's next slots)
-      for (int64_t i = 0; i < 16; i++) {
-        if (i < n)
-          std::memcpy(kbuf + i * kD, kb + i * kv_stride, kD * sizeof(at::BFloat16));
-        else
-          std::memset(static_cast<void*>(kbuf + i * kD), 0, kD * sizeof(at::BFloat16));
-      }
-      kb = kbuf;
-      kst = kD;
-    }
+    const auto [kb, kst] = key_block16(k + j * kv_stride, n, kv_stride, kbuf);
     _tile_zero(3);
     _tile_loadd(0, kb, kst * sizeof(at::BFloat16));
     _tile_dpbf16ps(3, 0, 1);
