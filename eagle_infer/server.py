@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import gc
 import hmac
 import json
 import logging
@@ -997,6 +998,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine, tokenizer, eos, cfg = in_own_thread(build_engine, args, True)
+    # The loaded model, its compiled graphs and the libraries' objects (~550k) live as long as the
+    # server, and a full collection walks every one of them: 390 ms on a 2-core Zen 4, a stall of
+    # every stream whenever the collector runs one. Frozen, collections skip them (0.01 ms); vLLM
+    # freezes its start-up objects the same way.
+    gc.collect()
+    gc.freeze()
+    log.info("%d start-up objects frozen out of garbage collection", gc.get_freeze_count())
     app = create_app(engine, tokenizer, eos, cfg)
     # uvicorn re-raises the signal it shut down on once it is done; a no-op handler of ours
     # then receives it, so SIGTERM ends the process with status 0 after the graceful shutdown.

@@ -305,6 +305,16 @@ def test_disconnected_stream_frees_its_slot(server, client):
     assert made < 200
 
 
+def test_start_up_objects_are_frozen_out_of_garbage_collection(server):
+    # A full collection walks everything the collector tracks: the loaded model's and compiled
+    # graphs' objects too (~390 ms) unless frozen at start-up; serving must not pay that stall.
+    import re
+
+    found = re.search(r"(\d+) start-up objects frozen", server.log.read_text())
+    assert found, "the server did not freeze its start-up objects"
+    assert int(found.group(1)) > 50_000  # torch, transformers and the model, not a handful
+
+
 def test_sigterm_exits_cleanly(server):
     # Runs last: it stops the shared server.
     t0 = time.time()
