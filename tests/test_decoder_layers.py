@@ -26,10 +26,11 @@ pytestmark = pytest.mark.skipif(not avx2_linear.supported(), reason="CPU without
 needs_bf16 = pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without AVX2 / FMA")
 
 
-def fp32_target(layers: int = 3, attention_bias: bool = False) -> Transformer:
+def fp32_target(layers: int = 3, attention_bias: bool = False, heads: int = 4,
+                kv_heads: int = 2) -> Transformer:
     """A tiny fp32 target of head size 64 (the attention kernel's) on torch's Linears."""
     cfg = ModelConfig(model_type="llama", vocab_size=96, hidden_size=128, intermediate_size=192,
-                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=64,
+                      num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=64,
                       max_position_embeddings=512, eos_token_ids=[], attention_bias=attention_bias)
     torch.manual_seed(0)
     target = Transformer(cfg).eval().requires_grad_(False)
@@ -138,6 +139,39 @@ def test_a_sequences_result_does_not_depend_on_the_batch_beside_it(attention_ker
     target.cache.kv.copy_(before)
     alone, alone_hidden = target(tokens[:1], new[:1], new[:1], mask[:1], hidden_layers=[1])
     assert torch.equal(alone[0], pair[0]) and torch.equal(alone_hidden[0][0], hidden[0][0])
+
+
+@needs_bf16
+def test_a_split_attention_leaves_a_sequences_bits_alone(attention_kernel_on):
+    """On 2 threads a decode step of one sequence over 3 kv heads splits each kv head's attention
+    in halves between the threads (kernel_calls.h split_attention; with vdpbf16ps scores), beside a
+    second sequence the threads take whole kv heads: the sequence's logits, hidden states and cache
+    must be the same bits either way."""
+    if avx2_attention.set_bf16_scores("dot") != "dot":
+        avx2_attention.set_bf16_scores(avx2_attention.default_bf16_scores())
+        pytest.skip("CPU without AVX512-BF16")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        target = on_our_kernels(fp32_target(heads=6, kv_heads=3), torch.bfloat16)
+        B, P = 2, 40
+        target.setup_cache(B, 64)
+        g = torch.Generator().manual_seed(7)
+        prompt = torch.randint(0, 96, (B, P), generator=g)
+        pos = torch.arange(P).expand(B, P)
+        target(prompt, pos, pos, causal_mask(torch.zeros(B, dtype=torch.long), P, P))
+        before = target.cache.kv.clone()
+        tokens, new = torch.randint(0, 96, (B, 1), generator=g), torch.full((B, 1), P)
+        mask = causal_mask(torch.full((B,), P), 1, 48)
+        pair, hidden = target(tokens, new, new, mask, hidden_layers=[1])
+        pair_kv = target.cache.kv.clone()
+        target.cache.kv.copy_(before)
+        alone, alone_hidden = target(tokens[:1], new[:1], new[:1], mask[:1], hidden_layers=[1])
+        assert torch.equal(alone[0], pair[0]) and torch.equal(alone_hidden[0][0], hidden[0][0])
+        assert torch.equal(target.cache.kv[:, :, 0], pair_kv[:, :, 0])
+    finally:
+        torch.set_num_threads(threads)
+        avx2_attention.set_bf16_scores(avx2_attention.default_bf16_scores())
 
 
 @needs_bf16

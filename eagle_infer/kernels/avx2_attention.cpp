@@ -73,13 +73,15 @@ inline void prefetch_rows(const KV* rows, int64_t n, int64_t stride) {
   }
 }
 
-// Before the scores of keys j..j+n of S: K's rows kKeysAhead keys on (from key 0 at j = 0), and these
-// keys' V rows, which P V reads after every score.
+// Before the scores of keys j..j+n of those up to `end`, from key `start` on: K's rows kKeysAhead keys
+// on (from `start` at j = start), and, unless v is null, these keys' V rows, which P V reads after
+// every score.
 template <typename KV>
-inline void prefetch_ahead(const KV* k, const KV* v, int64_t j, int64_t n, int64_t S, int64_t stride) {
-  if (j == 0) prefetch_rows(k, std::min(S, kKeysAhead), stride);
-  if (j + kKeysAhead < S) prefetch_rows(k + (j + kKeysAhead) * stride, std::min(n, S - j - kKeysAhead), stride);
-  prefetch_rows(v + j * stride, n, stride);
+inline void prefetch_ahead(const KV* k, const KV* v, int64_t j, int64_t n, int64_t end, int64_t stride,
+                           int64_t start = 0) {
+  if (j == start) prefetch_rows(k + start * stride, std::min(end - start, kKeysAhead), stride);
+  if (j + kKeysAhead < end) prefetch_rows(k + (j + kKeysAhead) * stride, std::min(n, end - j - kKeysAhead), stride);
+  if (v) prefetch_rows(v + j * stride, n, stride);
 }
 
 // Rows r0..r1 of one (batch, kv head): row r is query head g = r / T of the kv head's group at
@@ -298,82 +300,107 @@ inline std::pair<const at::BFloat16*, int64_t> key_block16(const at::BFloat16* k
   return {buf, kD};
 }
 
-// NR rows' sums o[r] [64] += p[r][i] v[i] and sums[r] [16 lanes alike] += p[r][i] over the n slots
-// of a block (v: [16][64] fp32, p: rows `stride` apart), slot by slot: a chain a row, whatever NR.
-template <int NR>
+// NR rows' sums o[r] [16 C of d] += p[r][i] v[i] and sums[r] [16 lanes alike] += p[r][i] over the n
+// slots of a block (v: 16 rows of fp32 kD apart, from the first of the C columns of 16 d; o: rows
+// kD apart, from the same column; p: rows `stride` apart), slot by slot: a chain a row and d,
+// whatever NR and C.
+template <int NR, int C>
 EAGLE_AVX512_TARGET inline void pv_rows(const float* p, int64_t stride, const float* v, int64_t n, float* o,
                                         float* sums) {
-  __m512 acc[NR][4], sum[NR];
+  __m512 acc[NR][C], sum[NR];
   for (int r = 0; r < NR; r++) {
-    for (int c = 0; c < 4; c++) acc[r][c] = _mm512_loadu_ps(o + r * kD + 16 * c);
+    for (int c = 0; c < C; c++) acc[r][c] = _mm512_loadu_ps(o + r * kD + 16 * c);
     sum[r] = _mm512_loadu_ps(sums + 16 * r);
   }
   for (int64_t i = 0; i < n; i++) {
-    const __m512 v0 = _mm512_load_ps(v + i * kD), v1 = _mm512_load_ps(v + i * kD + 16);
-    const __m512 v2 = _mm512_load_ps(v + i * kD + 32), v3 = _mm512_load_ps(v + i * kD + 48);
+    __m512 vc[C];
+    for (int c = 0; c < C; c++) vc[c] = _mm512_load_ps(v + i * kD + 16 * c);
     for (int r = 0; r < NR; r++) {
       const __m512 pr = _mm512_set1_ps(p[r * stride + i]);
-      acc[r][0] = _mm512_fmadd_ps(pr, v0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(pr, v1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(pr, v2, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(pr, v3, acc[r][3]);
+      for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(pr, vc[c], acc[r][c]);
       sum[r] = _mm512_add_ps(sum[r], pr);
     }
   }
   for (int r = 0; r < NR; r++) {
-    for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + r * kD + 16 * c, acc[r][c]);
+    for (int c = 0; c < C; c++) _mm512_storeu_ps(o + r * kD + 16 * c, acc[r][c]);
     _mm512_storeu_ps(sums + 16 * r, sum[r]);
   }
 }
 
-// R rows' scores (q . k, sc: rows S16 apart) -> out: each row's softmax (p = exp(s * scale + bias -
-// max), exactly 0 where masked) in place, then P V / sum for rows r0.. of the call (see above).
-EAGLE_AVX512_TARGET void softmax_pv(float* sc, int64_t S16, int64_t R, const at::BFloat16* v, int64_t kv_stride,
-                                    const at::BFloat16* bias, int64_t T, int64_t S, int64_t r0, float scale,
-                                    at::BFloat16* out, int64_t out_h, int64_t out_t) {
+// R rows' scores (q . k, raw: rows S16 apart) -> p (the same or another buffer): each row's softmax
+// weights, p = exp(s * scale + bias - max), exactly 0 where masked (normalised later, by P V's sum).
+EAGLE_AVX512_TARGET void softmax_rows(const float* raw, float* p, int64_t S16, int64_t R, const at::BFloat16* bias,
+                                      int64_t T, int64_t S, int64_t r0, float scale) {
   const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-INFINITY);
   for (int64_t r = 0; r < R; r++) {
-    float* s = sc + r * S16;
+    const float* s = raw + r * S16;
+    float* pr = p + r * S16;
     const at::BFloat16* b = bias + ((r0 + r) % T) * S;
     __m512 vm = neg_inf;
     for (int64_t j = 0; j < S16; j += 16) {
       const __mmask16 in = j + 16 <= S ? __mmask16(0xFFFF) : __mmask16((1u << (S - j)) - 1);
       const __m512 bj = from_bf16(_mm256_maskz_loadu_epi16(in, b + j));
       const __m512 x = _mm512_mask_blend_ps(in, neg_inf, _mm512_fmadd_ps(_mm512_loadu_ps(s + j), vscale, bj));
-      _mm512_storeu_ps(s + j, x);
+      _mm512_storeu_ps(pr + j, x);
       vm = _mm512_max_ps(vm, x);
     }
     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
     for (int64_t j = 0; j < S16; j += 16) {
-      const __m512 x = _mm512_loadu_ps(s + j);
+      const __m512 x = _mm512_loadu_ps(pr + j);
       const __mmask16 live = _mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ);
-      _mm512_storeu_ps(s + j, _mm512_maskz_mov_ps(live, eagle::exp16(_mm512_sub_ps(x, m))));
+      _mm512_storeu_ps(pr + j, _mm512_maskz_mov_ps(live, eagle::exp16(_mm512_sub_ps(x, m))));
     }
   }
-  // out = P V and the weights' sum, each a chain of fp32 FMAs (adds) over the slots in order, as
-  // the loops above: a slot's place (the masked slots around it) does not change a row's sums
+}
+
+// out[.., d0..d0 + 16 C) of rows r0.. = P V / sum for R rows' softmax weights p (rows S16 apart),
+// each d and the weights' sum a chain of fp32 FMAs (adds) over the slots in order, as the loops
+// above: a slot's place (the masked slots around it) does not change a row's sums, nor does how
+// many columns of d a call computes. vahead: V's rows (of these columns) asked for kKeysAhead slots
+// ahead, where nothing else has asked for them.
+template <int C>
+EAGLE_AVX512_TARGET void pv_out(const float* p, int64_t S16, int64_t R, const at::BFloat16* v, int64_t kv_stride,
+                                int64_t T, int64_t S, int64_t r0, int64_t d0, bool vahead, at::BFloat16* out,
+                                int64_t out_h, int64_t out_t) {
   thread_local std::vector<float> o, sums;
   o.assign(R * kD, 0.f);
   sums.assign(R * 16, 0.f);
   alignas(64) float vf[16][kD];
+  constexpr int64_t kLine = 64 / sizeof(at::BFloat16);  // d a cache line holds
+  if (vahead)
+    for (int64_t i = 0; i < std::min(S, kKeysAhead); i++)
+      for (int64_t d = d0; d < d0 + 16 * C; d += kLine) _mm_prefetch(reinterpret_cast<const char*>(v + i * kv_stride + d), _MM_HINT_T1);
   for (int64_t j = 0; j < S; j += 16) {
     const int64_t n = std::min<int64_t>(16, S - j);
+    if (vahead)
+      for (int64_t i = j + kKeysAhead; i < std::min(S, j + kKeysAhead + n); i++)
+        for (int64_t d = d0; d < d0 + 16 * C; d += kLine) _mm_prefetch(reinterpret_cast<const char*>(v + i * kv_stride + d), _MM_HINT_T1);
     for (int64_t i = 0; i < n; i++)
-      for (int64_t d = 0; d < kD; d += 16)
+      for (int64_t d = d0; d < d0 + 16 * C; d += 16)
         _mm512_store_ps(vf[i] + d, from_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (j + i) * kv_stride + d))));
     int64_t r = 0;
-    float *pr = sc + j, *orow = o.data(), *srow = sums.data();
-    for (; r + 4 <= R; r += 4) pv_rows<4>(pr + r * S16, S16, vf[0], n, orow + r * kD, srow + r * 16);
-    for (; r + 2 <= R; r += 2) pv_rows<2>(pr + r * S16, S16, vf[0], n, orow + r * kD, srow + r * 16);
-    for (; r < R; r++) pv_rows<1>(pr + r * S16, S16, vf[0], n, orow + r * kD, srow + r * 16);
+    const float* pr = p + j;
+    float *orow = o.data() + d0, *srow = sums.data();
+    for (; r + 4 <= R; r += 4) pv_rows<4, C>(pr + r * S16, S16, vf[0] + d0, n, orow + r * kD, srow + r * 16);
+    for (; r + 2 <= R; r += 2) pv_rows<2, C>(pr + r * S16, S16, vf[0] + d0, n, orow + r * kD, srow + r * 16);
+    for (; r < R; r++) pv_rows<1, C>(pr + r * S16, S16, vf[0] + d0, n, orow + r * kD, srow + r * 16);
   }
   for (int64_t r = 0; r < R; r++) {
     const __m512 inv = _mm512_set1_ps(1.f / sums[r * 16]);
     const int64_t g = (r0 + r) / T, t = (r0 + r) % T;
     at::BFloat16* dst = out + g * out_h + t * out_t;
-    for (int d = 0; d < kD; d += 16)
+    for (int64_t d = d0; d < d0 + 16 * C; d += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), to_bf16(_mm512_mul_ps(_mm512_loadu_ps(o.data() + r * kD + d), inv)));
   }
+}
+
+// R rows' scores (sc: rows S16 apart) -> out: each row's softmax in place, then P V / sum for rows
+// r0.. of the call (see above).
+EAGLE_AVX512_TARGET void softmax_pv(float* sc, int64_t S16, int64_t R, const at::BFloat16* v, int64_t kv_stride,
+                                    const at::BFloat16* bias, int64_t T, int64_t S, int64_t r0, float scale,
+                                    at::BFloat16* out, int64_t out_h, int64_t out_t) {
+  softmax_rows(sc, sc, S16, R, bias, T, S, r0, scale);
+  pv_out<4>(sc, S16, R, v, kv_stride, T, S, r0, 0, false, out, out_h, out_t);
 }
 
 // sc[r][0..16) = NR rows' scores against a packed block of 16 keys (kp[p]: their d pair p), each a
@@ -401,6 +428,25 @@ EAGLE_DOT_TARGET inline void dot_rows_of(int64_t rows, const at::BFloat16* q, co
   }
 }
 
+// sc[r][j0..j1) = q's R rows (kD apart) . keys j0..j1 (j0 a multiple of 16, j1 of 16 or S) of S, on
+// vdpbf16ps; v: V's rows, asked for as the keys go (or null).
+EAGLE_DOT_TARGET void scores_dot(const at::BFloat16* q, int64_t R, const at::BFloat16* k, const at::BFloat16* v,
+                                 int64_t kv_stride, int64_t S, int64_t j0, int64_t j1, float* sc, int64_t S16) {
+  alignas(64) __m512i kp[kD / 2];
+  alignas(64) at::BFloat16 kbuf[16 * kD];
+  for (int64_t j = j0; j < j1; j += 16) {
+    const int64_t n = std::min<int64_t>(16, S - j);
+    prefetch_ahead(k, v, j, n, j1, kv_stride, j0);
+    const auto [kb, kst] = key_block16(k + j * kv_stride, n, kv_stride, kbuf);
+    // the 16 keys' 32 d pairs as 32-bit elements, transposed: kp[p] lane i = key i's pair p
+    for (int h = 0; h < 2; h++)
+      transpose_16x16(reinterpret_cast<const float*>(kb + 32 * h), kst / 2, reinterpret_cast<float*>(kp + 16 * h),
+                      16, 16);
+    for (int64_t r = 0; r < R; r += 8)
+      dot_rows_of(std::min<int64_t>(8, R - r), q + r * kD, kp, sc + r * S16 + j, S16);
+  }
+}
+
 // attend_rows for rows r0..r1 of a bf16 call, scores on vdpbf16ps (see above).
 EAGLE_DOT_TARGET void attend_rows_dot(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v,
                                       int64_t kv_stride, const at::BFloat16* bias, int64_t T, int64_t S,
@@ -409,20 +455,7 @@ EAGLE_DOT_TARGET void attend_rows_dot(const at::BFloat16* q, const at::BFloat16*
   const int64_t R = r1 - r0, S16 = (S + 15) / 16 * 16;
   thread_local std::vector<float> sc;
   sc.resize(R * S16);
-  alignas(64) __m512i kp[kD / 2];
-  alignas(64) at::BFloat16 kbuf[16 * kD];
-  const at::BFloat16* qr = q + r0 * kD;
-  for (int64_t j = 0; j < S; j += 16) {
-    const int64_t n = std::min<int64_t>(16, S - j);
-    prefetch_ahead(k, v, j, n, S, kv_stride);
-    const auto [kb, kst] = key_block16(k + j * kv_stride, n, kv_stride, kbuf);
-    // the 16 keys' 32 d pairs as 32-bit elements, transposed: kp[p] lane i = key i's pair p
-    for (int h = 0; h < 2; h++)
-      transpose_16x16(reinterpret_cast<const float*>(kb + 32 * h), kst / 2, reinterpret_cast<float*>(kp + 16 * h),
-                      16, 16);
-    for (int64_t r = 0; r < R; r += 8)
-      dot_rows_of(std::min<int64_t>(8, R - r), qr + r * kD, kp, sc.data() + r * S16 + j, S16);
-  }
+  scores_dot(q + r0 * kD, R, k, v, kv_stride, S, 0, S, sc.data(), S16);
   softmax_pv(sc.data(), S16, R, v, kv_stride, bias, T, S, r0, scale, out, out_h, out_t);
 }
 
@@ -502,6 +535,46 @@ void attention_tasks(const eagle::AttentionCall& c, int64_t t0, int64_t t1, floa
     tasks<float>(c, t0, t1, scores);
 }
 
+// A call's attention in two phases, each in halves across the threads, where its (batch, kv head)
+// pairs alone would leave a thread idle (a decode step at batch 1: 3 kv heads on 2 threads, one
+// thread doing two while the other does one; kernel_calls.h split_attention). Phase 1, task (pair,
+// half): its rows' scores against that half of the keys into `shared` (on vdpbf16ps); phase 2, task
+// (pair, half): its rows' softmax from the shared scores (both halves compute it, alike), then P V
+// for that half of d. Every value is computed as attend_rows_dot computes it (a score a slot, a
+// softmax a row, a chain a row and d), so the outputs are its, bit for bit; only the work moves,
+// each K and V byte read by one task. A step meets K and V cold, and a thread with two kv heads
+// read twice the bytes of one with one.
+//   split_tasks: the tasks of each phase, 0 where the call does not split this way (bf16 scores not
+// on vdpbf16ps, or rows in chunks): then attention_tasks.
+int64_t split_tasks(const eagle::AttentionCall& c) {
+  if (!c.bf16 || c.chunks != 1 || g_bf16_scores.load(std::memory_order_relaxed) != kDot) return 0;
+  if (c.row % 2 || c.batch % 2 || c.head % 2 || reinterpret_cast<uintptr_t>(c.k) % 4) return 0;  // as tasks()
+  return c.B * c.KVH * 2;
+}
+
+// Tasks t0..t1 of phase 1 or 2 (above); shared: B * KVH * G * T * S16 floats (S16: S rounded up to 16).
+void split_phase(const eagle::AttentionCall& c, int64_t phase, int64_t t0, int64_t t1, float* shared) {
+  const int64_t G = c.H / c.KVH, R = G * c.T, S16 = (c.S + 15) / 16 * 16, half_keys = (S16 / 16 + 1) / 2 * 16;
+  const auto *qp = static_cast<const at::BFloat16*>(c.q), *bp = static_cast<const at::BFloat16*>(c.bias);
+  const auto *kp = static_cast<const at::BFloat16*>(c.k), *vp = static_cast<const at::BFloat16*>(c.v);
+  auto* op = static_cast<at::BFloat16*>(c.out);
+  for (int64_t task = t0; task < t1; task++) {
+    const int64_t half = task % 2, bk = task / 2, b = bk / c.KVH, kvh = bk % c.KVH, h0 = kvh * G;
+    const int64_t kv0 = b * c.batch + kvh * c.head;
+    float* sc = shared + bk * R * S16;
+    if (phase == 1) {
+      const int64_t j0 = half * half_keys, j1 = std::min(c.S, j0 + half_keys);
+      if (j0 < j1) scores_dot(qp + (b * c.H + h0) * c.T * kD, R, kp + kv0, nullptr, c.row, c.S, j0, j1, sc, S16);
+    } else {
+      thread_local std::vector<float> p;
+      p.resize(R * S16);
+      softmax_rows(sc, p.data(), S16, R, bp + b * c.T * c.S, c.T, c.S, 0, 1.f / std::sqrt(static_cast<float>(kD)));
+      pv_out<2>(p.data(), S16, R, vp + kv0, c.row, c.T, c.S, 0, 32 * half, true, op + b * c.out_b + h0 * c.out_h,
+                c.out_h, c.out_t);
+    }
+  }
+}
+
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& keys, const at::Tensor& values,
                   const at::Tensor& bias_in) {
   const int64_t B = q_in.size(0), H = q_in.size(1), T = q_in.size(2), KVH = keys.size(1), S = keys.size(2);
@@ -511,8 +584,17 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& keys, const at::Tens
   const eagle::AttentionCall call{q.scalar_type() == at::kBFloat16, q.data_ptr(), keys.data_ptr(), values.data_ptr(),
                                   bias.data_ptr(), out.data_ptr(), B, H, T, KVH, S, keys.stride(0), keys.stride(1),
                                   keys.stride(2), H * T * kD, T * kD, kD, chunks};
+  const int64_t split = eagle::split_attention(R, B, KVH, at::get_num_threads()) ? split_tasks(call) : 0;
+  if (split) {
+    std::vector<float> shared(B * KVH * R * ((S + 15) / 16 * 16));
+    for (int64_t phase : {1, 2})
+      at::parallel_for(0, split, 1, [&](int64_t begin, int64_t end) { split_phase(call, phase, begin, end, shared.data()); });
+    return out;
+  }
   at::parallel_for(0, B * KVH * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores((R + chunks - 1) / chunks * S);
+    // the loops' scratch (dot and AMX keep their own): kept by the thread from call to call
+    thread_local std::vector<float> scores;
+    scores.resize((R + chunks - 1) / chunks * S);
     attention_tasks(call, begin, end, scores.data());
   });
   return out;
@@ -753,9 +835,16 @@ void kv_write(const at::Tensor& kv, const at::Tensor& index, const at::Tensor& n
 }
 
 
-// The address of attention_tasks (eagle::AttentionTasks), for decoder_layers.cpp.
+// The addresses of attention_tasks (eagle::AttentionTasks), split_tasks and split_phase
+// (eagle::AttentionSplitTasks, eagle::AttentionSplitPhase), for decoder_layers.cpp.
 int64_t avx2_attention_tasks() {
   return reinterpret_cast<int64_t>(static_cast<eagle::AttentionTasks>(&attention_tasks));
+}
+int64_t avx2_attention_split_tasks() {
+  return reinterpret_cast<int64_t>(static_cast<eagle::AttentionSplitTasks>(&split_tasks));
+}
+int64_t avx2_attention_split_phase() {
+  return reinterpret_cast<int64_t>(static_cast<eagle::AttentionSplitPhase>(&split_phase));
 }
 
 }  // namespace
@@ -763,6 +852,8 @@ int64_t avx2_attention_tasks() {
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("avx2_attention(Tensor q, Tensor keys, Tensor values, Tensor bias) -> Tensor");
   m.def("avx2_attention_tasks() -> int", &avx2_attention_tasks);
+  m.def("avx2_attention_split_tasks() -> int", &avx2_attention_split_tasks);
+  m.def("avx2_attention_split_phase() -> int", &avx2_attention_split_phase);
   m.def("avx2_attention_set_bf16_scores(str mode) -> str", &set_bf16_scores);
   m.def("avx2_attention_bf16_scores() -> str", &bf16_scores);
   m.def("causal_attention(Tensor q, Tensor keys, Tensor values) -> Tensor");

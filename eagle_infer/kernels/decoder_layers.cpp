@@ -65,6 +65,8 @@ struct Stack {
   bool dot;
   double eps;
   eagle::AttentionTasks attention;
+  eagle::AttentionSplitTasks split_tasks;
+  eagle::AttentionSplitPhase split_phase;
 };
 
 // The address a kernel library's op `name` returns (kernel_calls.h): the library is loaded (the
@@ -87,7 +89,9 @@ int64_t register_stack(const std::vector<at::Tensor>& tensors, const std::vector
   TORCH_CHECK(tensors.size() % 10 == 0 && kinds.size() * 10 == tensors.size() * 4 && !tensors.empty(),
               "register_stack: 10 tensors and 4 kinds a layer, got ", tensors.size(), " and ", kinds.size());
   Stack s{{}, dims[0], dims[1], dims[2], dims[3], dims[4] != 0, eps,
-          reinterpret_cast<eagle::AttentionTasks>(kernel_address("eagle::avx2_attention_tasks"))};
+          reinterpret_cast<eagle::AttentionTasks>(kernel_address("eagle::avx2_attention_tasks")),
+          reinterpret_cast<eagle::AttentionSplitTasks>(kernel_address("eagle::avx2_attention_split_tasks")),
+          reinterpret_cast<eagle::AttentionSplitPhase>(kernel_address("eagle::avx2_attention_split_phase"))};
   TORCH_CHECK(s.head_dim == 64 && s.heads % s.kv_heads == 0, "register_stack: head size 64, heads a multiple of kv heads");
   const int64_t H = tensors[0].size(0);
   TORCH_CHECK(H % 8 == 0 && s.intermediate % 8 == 0, "register_stack: hidden and intermediate sizes multiples of 8");
@@ -229,11 +233,13 @@ at::Tensor layers_impl(const Stack& s, const at::Tensor& x_in, const at::Tensor&
   const int64_t R = (nh / nkv) * T, chunks = eagle::attention_chunks(R, B, nkv, threads);
   const int64_t attention_tasks = B * nkv * chunks, widest = std::max({H, nh * D, I});
   const bool wide_inputs = std::is_same_v<scalar_t, at::BFloat16> && !s.dot;
+  const bool split = eagle::split_attention(R, B, nkv, threads);  // if the kernel can (split_tasks)
+  std::vector<float> shared(split ? B * nkv * R * ((S + 15) / 16 * 16) : 0);
 
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num(), n = omp_get_num_threads();
-    std::vector<float> scores((R + chunks - 1) / chunks * S), wide(wide_inputs ? BT * widest : 0);
+    std::vector<float> scores(split ? 0 : (R + chunks - 1) / chunks * S), wide(wide_inputs ? BT * widest : 0);
     int64_t r0, r1;  // this thread's rows of the loops between the kernels
     eagle::thread_share(BT, t, n, r0, r1);
     // this thread's panels of y [BT, N] = x @ W.T
@@ -273,8 +279,16 @@ at::Tensor layers_impl(const Stack& s, const at::Tensor& x_in, const at::Tensor&
                                            B, nh, T, nkv, S, nkv * max_seq * D, max_seq * D, D, T * nh * D, D, nh * D,
                                            chunks};
       int64_t a0, a1;
-      eagle::thread_share(attention_tasks, t, n, a0, a1);
-      s.attention(attention, a0, a1, scores.data());
+      if (const int64_t split_tasks = split ? s.split_tasks(attention) : 0) {
+        eagle::thread_share(split_tasks, t, n, a0, a1);
+        s.split_phase(attention, 1, a0, a1, shared.data());
+#pragma omp barrier
+        s.split_phase(attention, 2, a0, a1, shared.data());
+      } else {
+        if (scores.empty()) scores.resize((R + chunks - 1) / chunks * S);  // (split: not on vdpbf16ps)
+        eagle::thread_share(attention_tasks, t, n, a0, a1);
+        s.attention(attention, a0, a1, scores.data());
+      }
 #pragma omp barrier
       linear(ly.o, merged, g);  // [BT, H]
 #pragma omp barrier

@@ -57,6 +57,19 @@ inline int64_t attention_chunks(int64_t R, int64_t B, int64_t KVH, int64_t threa
   return want < 1 ? 1 : (want < R ? want : R);
 }
 
+// Whether a call whose kv heads' rows do not split into chunks (attention_chunks: 1) runs in two
+// phases, each in halves of every (batch, kv head) (avx2_attention.cpp split_phase): where those
+// pairs do not divide among the threads (a decode step at batch 1: 3 kv heads on 2 threads).
+inline bool split_attention(int64_t R, int64_t B, int64_t KVH, int64_t threads) {
+  return R < 8 && threads > 1 && (B * KVH) % threads != 0;
+}
+
+// A split call's tasks a phase (0: the call does not split so: attention_tasks instead), and tasks
+// t0..t1 of phase 1 or 2; `shared`: the scores of phase 1 for phase 2, B * KVH * (H / KVH) * T * S16
+// floats (S16: S rounded up to a multiple of 16). Phase 2 may start once every phase-1 task is done.
+using AttentionSplitTasks = int64_t (*)(const AttentionCall& call);
+using AttentionSplitPhase = void (*)(const AttentionCall& call, int64_t phase, int64_t t0, int64_t t1, float* shared);
+
 // The share [begin, end) of n work items of thread `t` of `threads`: at::parallel_for's static split
 // (ceil(n / threads) each, in order).
 inline void thread_share(int64_t n, int t, int threads, int64_t& begin, int64_t& end) {
