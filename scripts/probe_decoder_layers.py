@@ -1,11 +1,13 @@
 """The fused decoder-layers op against another revision of itself, in one process: the same step's
 arguments (the default target, one sequence, T new rows at kv length S) through today's
 `eagle::decoder_layers` and through decoder_layers.cpp as it was at --baseline (built under the
-namespace eagle_old, registered on the same weights), calls alternating in rounds; prints whether
-the outputs are bit-identical and the median ms a call. A VM's speed drifts within minutes, so two
-builds are compared in one process, round after round, rather than run apart.
+namespace eagle_old, registered on the same weights), calls alternating one by one (A B B A ...);
+prints whether the outputs are bit-identical and the median ms a call. A VM's speed drifts within
+minutes, so two builds are compared in one process, call after call, rather than run apart (rounds
+of 20-30 calls each still swung by +-3% here where single calls alternating agreed to 1%).
 
     python scripts/probe_decoder_layers.py --baseline e244ffd --quantization int8 --kv 200 --rows 1 4
+    python scripts/probe_decoder_layers.py --baseline a1d3a18 --kv 100 300 600 1200 --rows 1
 
 The baseline's source must build against today's kernels (the ops it calls must still exist).
 """
@@ -57,10 +59,9 @@ def main() -> None:
     ap.add_argument("--baseline", required=True, help="git revision of decoder_layers.cpp to compare with")
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     ap.add_argument("--quantization", default="none", choices=["none", "int8"])
-    ap.add_argument("--kv", type=int, default=200)
+    ap.add_argument("--kv", type=int, nargs="+", default=[200])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4])
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--calls", type=int, default=100)
+    ap.add_argument("--calls", type=int, default=300, help="calls of each build, alternating")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -73,29 +74,30 @@ def main() -> None:
     build_baseline(args.baseline)
     tensors, kinds, dims, eps, _ = decoder_layers.stack_arguments(model)  # what attach registered
     old_id = torch.ops.eagle_old.register_stack(tensors, kinds, dims, eps)
-    model.setup_cache(1, max(2 * args.kv, 256))
+    model.setup_cache(1, max(2 * max(args.kv), 256))
     results = []
-    for T in args.rows:
-        new_args = step_arguments(model, T, args.kv)
-        old_args = (old_id, *new_args[1:])
-        identical = torch.equal(torch.ops.eagle.decoder_layers(*new_args),
-                                torch.ops.eagle_old.decoder_layers(*old_args))
-        ms = {"baseline": [], "now": []}
-        for _ in range(args.rounds):
-            for name, op, a in (("baseline", torch.ops.eagle_old.decoder_layers, old_args),
-                                ("now", torch.ops.eagle.decoder_layers, new_args)):
+    for kv in args.kv:
+        for T in args.rows:
+            new_args = step_arguments(model, T, kv)
+            old_args = (old_id, *new_args[1:])
+            identical = torch.equal(torch.ops.eagle.decoder_layers(*new_args),
+                                    torch.ops.eagle_old.decoder_layers(*old_args))
+            builds = (("baseline", torch.ops.eagle_old.decoder_layers, old_args),
+                      ("now", torch.ops.eagle.decoder_layers, new_args))
+            ms = {"baseline": [], "now": []}
+            for i in range(2 * args.calls):
+                name, op, a = builds[(i + i // 2) % 2]  # A B B A: neither build always goes first
                 t = time.perf_counter()
-                for _ in range(args.calls):
-                    op(*a)
-                ms[name].append((time.perf_counter() - t) / args.calls * 1e3)
-        row = {"rows": T, "kv": args.kv, "identical": identical,
-               **{f"{k}_ms": round(statistics.median(v), 3) for k, v in ms.items()}}
-        row["speedup"] = round(row["baseline_ms"] / row["now_ms"], 3)
-        results.append(row)
-        print(json.dumps(row), flush=True)
+                op(*a)
+                ms[name].append((time.perf_counter() - t) * 1e3)
+            row = {"rows": T, "kv": kv, "identical": identical,
+                   **{f"{k}_ms": round(statistics.median(v), 3) for k, v in ms.items()}}
+            row["speedup"] = round(row["baseline_ms"] / row["now_ms"], 3)
+            results.append(row)
+            print(json.dumps(row), flush=True)
     if args.json:
         out = {"baseline": args.baseline, "dtype": args.dtype, "quantization": args.quantization,
-               "threads": torch.get_num_threads(), "results": results}
+               "threads": torch.get_num_threads(), "calls": args.calls, "results": results}
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
         print("wrote", args.json)
 

@@ -121,38 +121,6 @@ def test_a_slot_adds_the_same_wherever_masked_slots_put_it(dtype, multiply):
         assert torch.equal(gapped, dense), (T, S, (gapped != dense).sum().item())
 
 
-@pytest.fixture
-def two_threads():
-    was = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(was)
-
-
-# S: one block of 16 keys or less (phase 1's second half has none), blocks that do not halve, a
-# partial last block; T = 2: a verify of two rows (still fewer than 8 a kv head: not in chunks)
-@pytest.mark.parametrize("T,S", [(1, 7), (1, 16), (1, 300), (2, 515)])
-@pytest.mark.parametrize("multiply", ["dot"], indirect=True)
-def test_a_split_call_computes_the_unsplit_bits(two_threads, multiply, T, S):
-    """At batch 1 a decode step's 3 kv heads do not divide between 2 threads, so the call runs in
-    two phases, each in halves of every kv head (the scores of half the keys, then the softmax and
-    P V of half of d): its outputs must be the bits the same call computes unsplit (one thread),
-    masked slots between and after the attended ones included."""
-    B, H, KVH = 1, 9, 3
-    torch.manual_seed(T * S)
-    q = (3 * torch.randn(B, T, H, 64)).bfloat16().transpose(1, 2)
-    keys, values = cache_views(B, KVH, S, dtype=torch.bfloat16)
-    bias = tree_bias(B, T, S).bfloat16()
-    bias[..., S // 3] = float("-inf")
-    split = torch.ops.eagle.avx2_attention(q, keys, values, bias)
-    torch.set_num_threads(1)
-    unsplit = torch.ops.eagle.avx2_attention(q, keys, values, bias)
-    assert torch.equal(split, unsplit)
-    ref = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), attn_mask=bias.double(),
-                                         enable_gqa=True)
-    torch.testing.assert_close(split.double(), ref.bfloat16().double(), rtol=8e-3, atol=4e-3)
-
-
 # T: one position; fewer than a block of 8 keys; not a multiple of the 16-position tasks or of
 # the 6-row tiles; several tasks (B = 2: a batched prefill, right-padded rows included)
 @pytest.mark.parametrize("T", [1, 5, 37, 100])

@@ -141,12 +141,16 @@ def test_a_sequences_result_does_not_depend_on_the_batch_beside_it(attention_ker
     assert torch.equal(alone[0], pair[0]) and torch.equal(alone_hidden[0][0], hidden[0][0])
 
 
+# P: a prompt within one block of 16 keys (phase 1's second half reads none), blocks that do not
+# halve, a partial last block; T = 2: a verify's two rows (4 a kv head: not in chunks)
 @needs_bf16
-def test_a_split_attention_leaves_a_sequences_bits_alone(attention_kernel_on):
-    """On 2 threads a decode step of one sequence over 3 kv heads splits each kv head's attention
-    in halves between the threads (kernel_calls.h split_attention; with vdpbf16ps scores), beside a
-    second sequence the threads take whole kv heads: the sequence's logits, hidden states and cache
-    must be the same bits either way."""
+@pytest.mark.parametrize("P,T", [(6, 1), (40, 1), (300, 2)])
+def test_a_split_attention_leaves_a_sequences_bits_alone(attention_kernel_on, P, T):
+    """On 2 threads the attention of one sequence's decode step over 3 kv heads runs in two phases,
+    each in halves of every kv head (kernel_calls.h split_attention; vdpbf16ps scores: the keys'
+    halves, then P V's halves of d); beside a second sequence the threads take whole kv heads: the
+    sequence's logits, hidden states and cache must be the same bits either way, with a masked
+    slot amid the prompt's."""
     if avx2_attention.set_bf16_scores("dot") != "dot":
         avx2_attention.set_bf16_scores(avx2_attention.default_bf16_scores())
         pytest.skip("CPU without AVX512-BF16")
@@ -154,15 +158,16 @@ def test_a_split_attention_leaves_a_sequences_bits_alone(attention_kernel_on):
     torch.set_num_threads(2)
     try:
         target = on_our_kernels(fp32_target(heads=6, kv_heads=3), torch.bfloat16)
-        B, P = 2, 40
-        target.setup_cache(B, 64)
-        g = torch.Generator().manual_seed(7)
+        B = 2
+        target.setup_cache(B, P + 24)
+        g = torch.Generator().manual_seed(P)
         prompt = torch.randint(0, 96, (B, P), generator=g)
         pos = torch.arange(P).expand(B, P)
         target(prompt, pos, pos, causal_mask(torch.zeros(B, dtype=torch.long), P, P))
         before = target.cache.kv.clone()
-        tokens, new = torch.randint(0, 96, (B, 1), generator=g), torch.full((B, 1), P)
-        mask = causal_mask(torch.full((B,), P), 1, 48)
+        tokens, new = torch.randint(0, 96, (B, T), generator=g), (P + torch.arange(T)).expand(B, T)
+        mask = causal_mask(torch.full((B,), P), T, P + 4 if P < 12 else P + 20)  # slots after: masked
+        mask[:, :, P // 3] = False
         pair, hidden = target(tokens, new, new, mask, hidden_layers=[1])
         pair_kv = target.cache.kv.clone()
         target.cache.kv.copy_(before)
