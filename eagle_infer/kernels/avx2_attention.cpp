@@ -493,6 +493,13 @@ EAGLE_AMX_TARGET void attend_rows_amx(const at::BFloat16* q, const at::BFloat16*
   softmax_pv(sc.data(), S16, R, v, kv_stride, bias, T, S, r0, scale, out, out_h, out_t);
 }
 
+// Whether a call's bf16 scores run on vdpbf16ps: its mode, and K's rows readable as 32-bit pairs (a
+// cache's rows and heads are 64 values apart).
+bool on_dot(const eagle::AttentionCall& c) {
+  return c.bf16 && g_bf16_scores.load(std::memory_order_relaxed) == kDot && c.row % 2 == 0 && c.batch % 2 == 0 &&
+         c.head % 2 == 0 && reinterpret_cast<uintptr_t>(c.k) % 4 == 0;
+}
+
 // Tasks t0..t1 of an AttentionCall, each (batch, kv head, chunk of its G * T rows): what each
 // thread of a parallel region computes (eagle::AttentionTasks).
 template <typename KV>
@@ -502,6 +509,7 @@ void tasks(const eagle::AttentionCall& c, int64_t t0, int64_t t1, float* scores)
   const KV *qp = static_cast<const KV*>(c.q), *bp = static_cast<const KV*>(c.bias);
   const KV *kp = static_cast<const KV*>(c.k), *vp = static_cast<const KV*>(c.v);
   KV* op = static_cast<KV*>(c.out);
+  [[maybe_unused]] const bool dot = on_dot(c);
   for (int64_t task = t0; task < t1; task++) {
     const int64_t ch = task % c.chunks, bk = task / c.chunks, b = bk / c.KVH, kvh = bk % c.KVH;
     const int64_t r0 = ch * per_chunk, r1 = std::min(R, r0 + per_chunk);
@@ -511,13 +519,11 @@ void tasks(const eagle::AttentionCall& c, int64_t t0, int64_t t1, float* scores)
     const KV *qb = qp + (b * c.H + h0) * c.T * kD, *bb = bp + b * c.T * c.S;
     KV* ob = op + b * c.out_b + h0 * c.out_h;
     if constexpr (std::is_same_v<KV, at::BFloat16>) {
-      const int mode = g_bf16_scores.load(std::memory_order_relaxed);
-      // (the dot path reads K's rows as 32-bit pairs: a cache's rows and heads are 64 values apart)
-      if (mode == kDot && c.row % 2 == 0 && kv0 % 2 == 0 && reinterpret_cast<uintptr_t>(kp) % 4 == 0) {
+      if (dot) {
         attend_rows_dot(qb, kp + kv0, vp + kv0, c.row, bb, c.T, c.S, r0, r1, scale, ob, c.out_h, c.out_t);
         continue;
       }
-      if (mode == kAmx) {
+      if (g_bf16_scores.load(std::memory_order_relaxed) == kAmx) {
         for (int64_t s0 = r0; s0 < r1; s0 += 16)
           attend_rows_amx(qb, kp + kv0, vp + kv0, c.row, bb, c.T, c.S, s0, std::min(r1, s0 + 16), scale, ob,
                           c.out_h, c.out_t);
@@ -548,11 +554,12 @@ void attention_tasks(const eagle::AttentionCall& c, int64_t t0, int64_t t1, floa
 // at 100 (2-core Zen 4). Not this file's op: as two parallel regions a call over 100-600 slots ran
 // 0.64-0.90x the unsplit call's speed, level at 1,200.
 //   split_tasks: the tasks of each phase, 0 where the call does not split this way (bf16 scores not
-// on vdpbf16ps, or rows in chunks): then attention_tasks.
+// on vdpbf16ps, or rows in chunks): then attention_tasks. Not on the AVX2 loops: split the same
+// way, a step over 1,200 slots ran 0.97x (bf16) and 0.92x (fp32) of the unsplit one (2-core Zen 4),
+// likely because their P V runs one row at a time with the weights' sum a scalar chain a slot,
+// which halving d does not shorten (the dot path's P V runs several rows side by side).
 int64_t split_tasks(const eagle::AttentionCall& c) {
-  if (!c.bf16 || c.chunks != 1 || g_bf16_scores.load(std::memory_order_relaxed) != kDot) return 0;
-  if (c.row % 2 || c.batch % 2 || c.head % 2 || reinterpret_cast<uintptr_t>(c.k) % 4) return 0;  // as tasks()
-  return c.B * c.KVH * 2;
+  return c.chunks == 1 && on_dot(c) ? c.B * c.KVH * 2 : 0;
 }
 
 // Tasks t0..t1 of phase 1 or 2 (above); shared: B * KVH * G * T * S16 floats (S16: S rounded up to 16).
