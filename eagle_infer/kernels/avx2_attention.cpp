@@ -556,8 +556,7 @@ void attention_tasks(const eagle::AttentionCall& c, int64_t t0, int64_t t1, floa
 //   split_tasks: the tasks of each phase, 0 where the call does not split this way (bf16 scores not
 // on vdpbf16ps, or rows in chunks): then attention_tasks. Not on the AVX2 loops: split the same
 // way, a step over 1,200 slots ran 0.97x (bf16) and 0.92x (fp32) of the unsplit one (2-core Zen 4),
-// likely because their P V runs one row at a time with the weights' sum a scalar chain a slot,
-// which halving d does not shorten (the dot path's P V runs several rows side by side).
+// and still 0.91x / 0.94x with their P V running 3 rows side by side; why is not known yet.
 int64_t split_tasks(const eagle::AttentionCall& c) {
   return c.chunks == 1 && on_dot(c) ? c.B * c.KVH * 2 : 0;
 }
