@@ -500,24 +500,34 @@ bool on_dot(const eagle::AttentionCall& c) {
          c.head % 2 == 0 && reinterpret_cast<uintptr_t>(c.k) % 4 == 0;
 }
 
+// Where a call's (batch, kv head) pair bk reads and writes: its query group's q rows and bias rows,
+// its output, and its K and V rows' offset in the cache (tasks() and split_phase alike).
+template <typename KV>
+struct Pair {
+  const KV *q, *bias;
+  KV* out;
+  int64_t kv0;
+};
+template <typename KV>
+Pair<KV> pair_of(const eagle::AttentionCall& c, int64_t bk) {
+  const int64_t b = bk / c.KVH, kvh = bk % c.KVH, h0 = kvh * (c.H / c.KVH);  // the group's first query head
+  return {static_cast<const KV*>(c.q) + (b * c.H + h0) * c.T * kD, static_cast<const KV*>(c.bias) + b * c.T * c.S,
+          static_cast<KV*>(c.out) + b * c.out_b + h0 * c.out_h, b * c.batch + kvh * c.head};
+}
+
 // Tasks t0..t1 of an AttentionCall, each (batch, kv head, chunk of its G * T rows): what each
 // thread of a parallel region computes (eagle::AttentionTasks).
 template <typename KV>
 void tasks(const eagle::AttentionCall& c, int64_t t0, int64_t t1, float* scores) {
   const int64_t G = c.H / c.KVH, R = G * c.T, per_chunk = (R + c.chunks - 1) / c.chunks;
   const float scale = 1.f / std::sqrt(static_cast<float>(kD));
-  const KV *qp = static_cast<const KV*>(c.q), *bp = static_cast<const KV*>(c.bias);
   const KV *kp = static_cast<const KV*>(c.k), *vp = static_cast<const KV*>(c.v);
-  KV* op = static_cast<KV*>(c.out);
   [[maybe_unused]] const bool dot = on_dot(c);
   for (int64_t task = t0; task < t1; task++) {
-    const int64_t ch = task % c.chunks, bk = task / c.chunks, b = bk / c.KVH, kvh = bk % c.KVH;
+    const int64_t ch = task % c.chunks;
     const int64_t r0 = ch * per_chunk, r1 = std::min(R, r0 + per_chunk);
     if (r0 >= r1) continue;
-    const int64_t h0 = kvh * G;  // the group's first query head
-    const int64_t kv0 = b * c.batch + kvh * c.head;
-    const KV *qb = qp + (b * c.H + h0) * c.T * kD, *bb = bp + b * c.T * c.S;
-    KV* ob = op + b * c.out_b + h0 * c.out_h;
+    const auto [qb, bb, ob, kv0] = pair_of<KV>(c, task / c.chunks);
     if constexpr (std::is_same_v<KV, at::BFloat16>) {
       if (dot) {
         attend_rows_dot(qb, kp + kv0, vp + kv0, c.row, bb, c.T, c.S, r0, r1, scale, ob, c.out_h, c.out_t);
@@ -563,23 +573,20 @@ int64_t split_tasks(const eagle::AttentionCall& c) {
 
 // Tasks t0..t1 of phase 1 or 2 (above); shared: B * KVH * G * T * S16 floats (S16: S rounded up to 16).
 void split_phase(const eagle::AttentionCall& c, int64_t phase, int64_t t0, int64_t t1, float* shared) {
-  const int64_t G = c.H / c.KVH, R = G * c.T, S16 = (c.S + 15) / 16 * 16, half_keys = (S16 / 16 + 1) / 2 * 16;
-  const auto *qp = static_cast<const at::BFloat16*>(c.q), *bp = static_cast<const at::BFloat16*>(c.bias);
+  const int64_t R = c.H / c.KVH * c.T, S16 = (c.S + 15) / 16 * 16, half_keys = (S16 / 16 + 1) / 2 * 16;
   const auto *kp = static_cast<const at::BFloat16*>(c.k), *vp = static_cast<const at::BFloat16*>(c.v);
-  auto* op = static_cast<at::BFloat16*>(c.out);
   for (int64_t task = t0; task < t1; task++) {
-    const int64_t half = task % 2, bk = task / 2, b = bk / c.KVH, kvh = bk % c.KVH, h0 = kvh * G;
-    const int64_t kv0 = b * c.batch + kvh * c.head;
+    const int64_t half = task % 2, bk = task / 2;
+    const auto [q, bias, out, kv0] = pair_of<at::BFloat16>(c, bk);
     float* sc = shared + bk * R * S16;
     if (phase == 1) {
       const int64_t j0 = half * half_keys, j1 = std::min(c.S, j0 + half_keys);
-      if (j0 < j1) scores_dot(qp + (b * c.H + h0) * c.T * kD, R, kp + kv0, nullptr, c.row, c.S, j0, j1, sc, S16);
+      if (j0 < j1) scores_dot(q, R, kp + kv0, nullptr, c.row, c.S, j0, j1, sc, S16);
     } else {
       thread_local std::vector<float> p;
       p.resize(R * S16);
-      softmax_rows(sc, p.data(), S16, R, bp + b * c.T * c.S, c.T, c.S, 0, 1.f / std::sqrt(static_cast<float>(kD)));
-      pv_out<2>(p.data(), S16, R, vp + kv0, c.row, c.T, c.S, 0, 32 * half, true, op + b * c.out_b + h0 * c.out_h,
-                c.out_h, c.out_t);
+      softmax_rows(sc, p.data(), S16, R, bias, c.T, c.S, 0, 1.f / std::sqrt(static_cast<float>(kD)));
+      pv_out<2>(p.data(), S16, R, vp + kv0, c.row, c.T, c.S, 0, 32 * half, true, out, c.out_h, c.out_t);
     }
   }
 }
