@@ -116,6 +116,29 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(attention_kernel_on
     assert torch.equal(one[:, 0], five[:, 0])  # each sequence's first new token, bit for bit
 
 
+def alone_and_beside(target: Transformer, P: int, T: int, kv_len: int, cache_len: int, seed: int,
+                     masked_slot: int | None = None):
+    """Two prompts of P tokens prefilled, then T more tokens each from the same cache: both
+    sequences in one call, then the first alone. ((logits, layer-1 input, its cache row) of the
+    first sequence beside the second, the same alone); masked_slot: a prompt slot no row attends."""
+    B = 2
+    target.setup_cache(B, cache_len)
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 96, (B, P), generator=g)
+    pos = torch.arange(P).expand(B, P)
+    target(prompt, pos, pos, causal_mask(torch.zeros(B, dtype=torch.long), P, P))
+    before = target.cache.kv.clone()
+    tokens, new = torch.randint(0, 96, (B, T), generator=g), (P + torch.arange(T)).expand(B, T)
+    mask = causal_mask(torch.full((B,), P), T, kv_len)
+    if masked_slot is not None:
+        mask[:, :, masked_slot] = False
+    pair, hidden = target(tokens, new, new, mask, hidden_layers=[1])
+    pair_kv = target.cache.kv[:, :, 0].clone()
+    target.cache.kv.copy_(before)
+    alone, alone_hidden = target(tokens[:1], new[:1], new[:1], mask[:1], hidden_layers=[1])
+    return (pair[0], hidden[0][0], pair_kv), (alone[0], alone_hidden[0][0], target.cache.kv[:, :, 0])
+
+
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("dtype,linears", [
     (torch.float32, "ours"),
@@ -126,19 +149,8 @@ def test_a_sequences_result_does_not_depend_on_the_batch_beside_it(attention_ker
     """Alone (batch 1: fewer kv heads than twice the threads) the op's attention splits each kv
     head's rows between the threads; beside another sequence, a thread takes whole kv heads."""
     target = tiny_target(dtype=dtype, linears=linears)
-    B, P = 2, 9
-    target.setup_cache(B, 64)
-    g = torch.Generator().manual_seed(6)
-    prompt = torch.randint(0, 96, (B, P), generator=g)
-    pos = torch.arange(P).expand(B, P)
-    target(prompt, pos, pos, causal_mask(torch.zeros(B, dtype=torch.long), P, P))
-    before = target.cache.kv.clone()
-    tokens, new = torch.randint(0, 96, (B, T), generator=g), (P + torch.arange(T)).expand(B, T)
-    mask = causal_mask(torch.full((B,), P), T, 40)
-    pair, hidden = target(tokens, new, new, mask, hidden_layers=[1])
-    target.cache.kv.copy_(before)
-    alone, alone_hidden = target(tokens[:1], new[:1], new[:1], mask[:1], hidden_layers=[1])
-    assert torch.equal(alone[0], pair[0]) and torch.equal(alone_hidden[0][0], hidden[0][0])
+    (pair, hidden, _), (alone, alone_hidden, _) = alone_and_beside(target, 9, T, 40, 64, seed=6)
+    assert torch.equal(alone, pair) and torch.equal(alone_hidden, hidden)
 
 
 # P: a prompt within one block of 16 keys (phase 1's second half reads none), blocks that do not
@@ -158,22 +170,10 @@ def test_a_split_attention_leaves_a_sequences_bits_alone(attention_kernel_on, P,
     torch.set_num_threads(2)
     try:
         target = on_our_kernels(fp32_target(heads=6, kv_heads=3), torch.bfloat16)
-        B = 2
-        target.setup_cache(B, P + 24)
-        g = torch.Generator().manual_seed(P)
-        prompt = torch.randint(0, 96, (B, P), generator=g)
-        pos = torch.arange(P).expand(B, P)
-        target(prompt, pos, pos, causal_mask(torch.zeros(B, dtype=torch.long), P, P))
-        before = target.cache.kv.clone()
-        tokens, new = torch.randint(0, 96, (B, T), generator=g), (P + torch.arange(T)).expand(B, T)
-        mask = causal_mask(torch.full((B,), P), T, P + 4 if P < 12 else P + 20)  # slots after: masked
-        mask[:, :, P // 3] = False
-        pair, hidden = target(tokens, new, new, mask, hidden_layers=[1])
-        pair_kv = target.cache.kv.clone()
-        target.cache.kv.copy_(before)
-        alone, alone_hidden = target(tokens[:1], new[:1], new[:1], mask[:1], hidden_layers=[1])
-        assert torch.equal(alone[0], pair[0]) and torch.equal(alone_hidden[0][0], hidden[0][0])
-        assert torch.equal(target.cache.kv[:, :, 0], pair_kv[:, :, 0])
+        kv_len = P + 4 if P < 12 else P + 20  # slots after the new rows: masked
+        beside, alone = alone_and_beside(target, P, T, kv_len, P + 24, seed=P, masked_slot=P // 3)
+        for got, want in zip(alone, beside):  # logits, hidden state, cache row
+            assert torch.equal(got, want)
     finally:
         torch.set_num_threads(threads)
         avx2_attention.set_bf16_scores(avx2_attention.default_bf16_scores())
