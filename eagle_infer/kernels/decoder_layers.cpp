@@ -233,13 +233,23 @@ at::Tensor layers_impl(const Stack& s, const at::Tensor& x_in, const at::Tensor&
   const int64_t R = (nh / nkv) * T, chunks = eagle::attention_chunks(R, B, nkv, threads);
   const int64_t attention_tasks = B * nkv * chunks, widest = std::max({H, nh * D, I});
   const bool wide_inputs = std::is_same_v<scalar_t, at::BFloat16> && !s.dot;
-  const bool split = eagle::split_attention(R, B, nkv, threads);  // if the kernel can (split_tasks)
-  std::vector<float> shared(split ? B * nkv * R * ((S + 15) / 16 * 16) : 0);
+  // layer l's attention of rows row0.. over its cache, each row's heads side by side in merged [BT, nh D]
+  auto attention_of = [&](int64_t l) {
+    const int64_t keys_at = ((2 * l * cache_rows) + row0) * nkv * max_seq * D;
+    return eagle::AttentionCall{std::is_same_v<scalar_t, at::BFloat16>, q, kvp + keys_at,
+                                kvp + keys_at + cache_rows * nkv * max_seq * D, bias_c.data_ptr(), merged,
+                                B, nh, T, nkv, S, nkv * max_seq * D, max_seq * D, D, T * nh * D, D, nh * D,
+                                chunks};
+  };
+  // the attention in halves (split_phase) where the threads would idle and the kernel can (its mode
+  // and the cache's strides, the same for every layer)
+  const int64_t split_tasks = eagle::split_attention(R, B, nkv, threads) ? s.split_tasks(attention_of(0)) : 0;
+  std::vector<float> shared(split_tasks ? B * nkv * R * ((S + 15) / 16 * 16) : 0);
 
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num(), n = omp_get_num_threads();
-    std::vector<float> scores(split ? 0 : (R + chunks - 1) / chunks * S), wide(wide_inputs ? BT * widest : 0);
+    std::vector<float> scores(split_tasks ? 0 : (R + chunks - 1) / chunks * S), wide(wide_inputs ? BT * widest : 0);
     int64_t r0, r1;  // this thread's rows of the loops between the kernels
     eagle::thread_share(BT, t, n, r0, r1);
     // this thread's panels of y [BT, N] = x @ W.T
@@ -272,20 +282,14 @@ at::Tensor layers_impl(const Stack& s, const at::Tensor& x_in, const at::Tensor&
           std::memcpy(layer_kv + wi[((B + b) * nkv + hh) * T + tt] * D, row + (nh + nkv + hh) * D, D * sizeof(scalar_t));
       }
 #pragma omp barrier
-      // attention of rows row0.. over this layer's cache, each row's heads side by side in merged [BT, nh D]
-      const int64_t keys_at = ((2 * l * cache_rows) + row0) * nkv * max_seq * D;
-      const eagle::AttentionCall attention{std::is_same_v<scalar_t, at::BFloat16>, q, kvp + keys_at,
-                                           kvp + keys_at + cache_rows * nkv * max_seq * D, bias_c.data_ptr(), merged,
-                                           B, nh, T, nkv, S, nkv * max_seq * D, max_seq * D, D, T * nh * D, D, nh * D,
-                                           chunks};
+      const eagle::AttentionCall attention = attention_of(l);
       int64_t a0, a1;
-      if (const int64_t split_tasks = split ? s.split_tasks(attention) : 0) {
+      if (split_tasks) {
         eagle::thread_share(split_tasks, t, n, a0, a1);
         s.split_phase(attention, 1, a0, a1, shared.data());
 #pragma omp barrier
         s.split_phase(attention, 2, a0, a1, shared.data());
       } else {
-        if (scores.empty()) scores.resize((R + chunks - 1) / chunks * S);  // (split: not on vdpbf16ps)
         eagle::thread_share(attention_tasks, t, n, a0, a1);
         s.attention(attention, a0, a1, scores.data());
       }
