@@ -14,7 +14,7 @@ oneDNN: fp32 at 2-512 rows, bf16 from one row where the CPU has native bf16 (AVX
 
 A verify runs 4-17 rows through the target. torch's fp32 Linear (MKL sgemm) costs 3-4x a one-row
 step at those sizes on an AVX2 AMD EPYC, where oneDNN with weights prepacked costs 1.1-1.9x
-(scripts/probe_linear_backends.py, README). fp32 one-row steps, and calls of more than MAX_ROWS
+(scripts/probe_linear_backends.py, docs/measurements.md). fp32 one-row steps, and calls of more than MAX_ROWS
 rows, keep torch's kernel, which is as fast or faster there. In bf16 oneDNN wins at every size
 up to 64 rows, one row included (AMD EPYC AVX512-BF16: 11.8 vs 23.6 ms for the target's Linears
 at one row, 18.4 vs 35.1 at 16).
@@ -312,9 +312,9 @@ def auto_backend(model: nn.Module) -> str:
 
     Why: measured on the AVX2 AMD EPYC (2 threads, default target), compiled plain fp32 steps of
     24-28 ms on the template against 44-51 ms on MKL / oneDNN, and the avx2 kernel faster than
-    the template at 1 and 4 rows (README); on a Xeon with AVX512-BF16 the bf16 kernel faster than
-    oneDNN's bf16 Linears at 1-512 rows (BF16_MAX_ROWS). bf16 is not measured on the template
-    (its weights would miss torch's compile cache there)."""
+    the template at 1 and 4 rows (docs/measurements.md); on a Xeon with AVX512-BF16 the bf16
+    kernel faster than oneDNN's bf16 Linears at 1-512 rows (BF16_MAX_ROWS). bf16 is not measured
+    on the template (its weights would miss torch's compile cache there)."""
     free = available_memory_bytes()
     bf16 = _linears(model, (torch.bfloat16,))
     if bf16 and not _linears(model, (torch.float32,)) and bf16_default():  # on any AVX2 CPU, no oneDNN needed
@@ -374,7 +374,7 @@ def use_backend_linears(model: nn.Module, backend: str) -> int:
 # _weight_int8pack_mm -> template; the template computes and returns fp32 where torch's kernel
 # rounds to bf16, so compiled int8 steps are not bitwise the eager ones); fp32 (cpu_linears
 # "inductor") plain TPOT 46.1 -> 35.3 ms ("CPP,ATEN" in another run: 47.7 -> 28.3), and 44.3 ->
-# 27.9 ms on 5 prompts x 128 (README).
+# 27.9 ms on 5 prompts x 128 (docs/measurements.md).
 FROZEN_GEMM = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
 
 

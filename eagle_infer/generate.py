@@ -184,7 +184,7 @@ def mark_kv_dynamic(mask: torch.Tensor, max_seq_len: int) -> None:
     graph serves every length below the full cache. Measured in one process on the AMD EPYC
     (AVX512-BF16, 2 threads, bf16, plain step, a capture job sharing the cores): the same logits
     as the static graphs at kv 128 / 256 / 512 / 1024, one compile of 16 s instead of four of
-    43-65 s; on idle cores the bench's tokens/s are the same as with static graphs (README).
+    43-65 s; on idle cores the bench's tokens/s are the same as with static graphs (docs/runtime.md).
     The full cache length is a specialisation of its own (there the slice of the cache is the
     whole, contiguous tensor, which the graph's guards tell apart): it compiles once if reached."""
     if mask.shape[-1] >= max_seq_len:

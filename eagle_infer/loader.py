@@ -48,7 +48,7 @@ def cpu_has_fast_bf16() -> bool:
 def cpu_runs_bf16_fast() -> bool:
     """True where bf16 decoding beats fp32 on this CPU: bf16 instructions (cpu_has_fast_bf16), or
     AVX2 with FMA where our bf16 Linear kernel builds (its AVX2 build streams half fp32's bytes:
-    plain decoding 1.7x our fp32 and speculative 1.6x on a 2-core AVX2 AMD EPYC, README)."""
+    plain decoding 1.7x our fp32 and speculative 1.6x on a 2-core AVX2 AMD EPYC, docs/measurements.md)."""
     if cpu_has_fast_bf16():
         return True
     from eagle_infer import cpu_linears

@@ -34,7 +34,7 @@ Speculative decoding follows this quantized target, not the unquantized model: g
 equals the quantized target's plain greedy output in the tests (tiny targets,
 tests/test_quantize.py). On the default target it agrees, but can part at near-ties: rounding
 activations to bf16 turns the last-bit fp32 differences between a one-token step and a verify
-(attention, norms) into bf16-sized ones, as with --dtype bf16 (README: 3 of 5 MT-bench answers
+(attention, norms) into bf16-sized ones, as with --dtype bf16 (docs/measurements.md: 3 of 5 MT-bench answers
 identical over 128 tokens).
 """
 

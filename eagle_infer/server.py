@@ -764,7 +764,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a tree that shrinks as the batch grows: from MIN_BATCH running requests on, "
                          "rounds draft and verify TREE (STEPS/TOPK/DRAFT_TOKENS[+gK], e.g. 3:1/4/3+g4) "
                          "instead of the main tree (on a CPU a batch's trees make the verify "
-                         "compute-bound: README), or none. Default on CPUs with AMX, in bf16: "
+                         "compute-bound: docs/measurements.md), or none. Default on CPUs with AMX, in bf16: "
                          "3:1/4/3+g4, 2:1/4/3+g4 with int8 weights (with rounds without drafts above "
                          "4 requests); else none")
     ap.add_argument("--speculative-token-map", default=None, help="FR-Spec token map (EAGLE-2 heads)")
@@ -773,13 +773,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "decode step whose tokens the head catches up on later in one pass, so "
                          "speculation resumes when the batch shrinks (vLLM's name). Default: 2 on a CPU, "
                          "1 with int8 weights (where a batch's trees make the verify compute-bound: "
-                         "README), 4 with a batch tree, never on a GPU")
+                         "docs/measurements.md), 4 with a batch tree, never on a GPU")
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                     help="auto = bf16 where the hardware runs it fast (CUDA, AVX512-BF16 / AMX CPUs), "
                     "else fp32; greedy output is token-identical to plain decoding in fp32")
     ap.add_argument("--quantization", default="none", choices=["none", "int8"],
                     help="int8: the target's (and head's) Linears weight-only int8 (CPU): decoding "
-                         "follows the quantized target, whose activations round to bf16 (README)")
+                         "follows the quantized target, whose activations round to bf16 "
+                         "(docs/measurements.md)")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--context-length", type=int, default=2048)
     # Compiled steps, with SGLang's flag names: CUDA graphs by default on CUDA, torch.compile
@@ -795,7 +796,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "start on 2 cores, ~35 s from torch's compile cache later), one graph per batch "
                     "bucket, compiled before the server starts serving. Default on a CPU, where it "
                     "measured 1.25-1.43x the eager steps' tokens/s before the template (which took "
-                    "another third off a plain step: README)")
+                    "another third off a plain step: docs/measurements.md)")
     ap.add_argument("--disable-torch-compile", action="store_false", dest="enable_torch_compile",
                     help="CPU: run the decode steps eagerly (no compile at start-up)")
     ap.set_defaults(enable_torch_compile=None)
@@ -803,7 +804,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with torch.compile: largest batch bucket (1, 2, 4, 8, 16, ...) compiled; "
                     "larger batches run eagerly (default: 1 on a CPU, where each bucket adds its "
                     "compile to the start-up and batches decode more tokens/s without speculation; "
-                    "4 there with a batch tree, which a compiled batch needs to pay: README; "
+                    "4 there with a batch tree, which a compiled batch needs to pay: docs/measurements.md; "
                     "else the bucket of --max-running-requests)")
     ap.add_argument("--max-running-requests", type=int, default=8)
     ap.add_argument("--host", default="127.0.0.1")
@@ -846,7 +847,7 @@ def compile_settings(args: argparse.Namespace, device_type: str,
     unless --disable-cuda-graph; Inductor on a CPU unless --disable-torch-compile (up to batch 1,
     up to 4 with a batch tree, unless --torch-compile-max-bs says otherwise), elsewhere where
     --enable-torch-compile asks. With the batch tree a compiled batch of 4 paid where an eager
-    one did not: AMX Xeon, 16 MT-bench requests x 128 tokens at concurrency 4 (README), 245.2
+    one did not: AMX Xeon, 16 MT-bench requests x 128 tokens at concurrency 4 (docs/measurements.md), 245.2
     tokens/s against 211.2 plain, eager 210.8 against 223.2."""
     if device_type == "cuda" and args.use_cuda_graph:
         return CUDA_GRAPHS, args.cuda_graph_max_bs

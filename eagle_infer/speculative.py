@@ -247,7 +247,7 @@ def disable_by_batch_size_for(given: int | None, device_type: str, quantization:
     """Above how many running sequences rounds draft nothing (SpecDecoder's disable_by_batch_size):
     `given` (--speculative-disable-by-batch-size, the server's and the bench's), else the default
     here. Measured on a 2-core AMD EPYC Zen 4 (8 MT-bench
-    prompts x 128 tokens, EAGLE-3 2/4/4, README): bf16 1.19x plain at batch 2, 0.87x at batch 4
+    prompts x 128 tokens, EAGLE-3 2/4/4, docs/measurements.md): bf16 1.19x plain at batch 2, 0.87x at batch 4
     (rounds without drafts there: 0.97x); int8 weights 0.82x at batch 2, 0.57x at batch 4 (rounds
     without drafts: 0.90-0.94x), so a CPU speculates up to batch 2 (fp32: unmeasured, as bf16),
     an int8 target only alone. On a GPU never: verifying a batch's trees costs about what a plain
@@ -279,7 +279,7 @@ class SpecDecoder:
         verify only each sequence's root (no drafts): a plain decode step whose tokens the draft
         head catches up on later, in one forward over up to max_pending of them, so speculation
         resumes when the batch shrinks. On a 2-core CPU a batch's trees make the verify
-        compute-bound (README: batch 4 EAGLE-3 0.87x plain in bf16, 0.57x with int8). None:
+        compute-bound (docs/measurements.md: batch 4 EAGLE-3 0.87x plain in bf16, 0.57x with int8). None:
         always speculate."""
         if head.config.hidden_size != target.config.hidden_size:
             raise UserError("draft head and target disagree on hidden size")
@@ -667,7 +667,7 @@ class SpecDecoder:
         step on each root and its next token, as plain decoding. The head does not run: the pair
         it will need waits in the row's pending buffer for one catch-up over all of them, when
         the buffer fills or speculation resumes (_catch_up_pending); a catch-up a round (a head
-        forward and its draft logits for every row) cost an int8 batch-4 round ~20% (README).
+        forward and its draft logits for every row) cost an int8 batch-4 round ~20% (docs/measurements.md).
         Not counted in tau: its sequences record no round."""
         dev, L = self.device, self.L[:B]
         kv = self.kv_len(max(s.cached for s in self.seqs) + 1)

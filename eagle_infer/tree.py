@@ -109,7 +109,7 @@ class TreeConfig:
         device's default (SpecDecoder's batch_tree). On a CPU whose bf16 kernel multiplies on AMX
         tiles (bf16 activations, int8 weights too), 1/4/3+g4 from 3 sequences, from 2 with int8
         weights: at batch 4 the default 2/4/6+g4 verifies 28 rows (two row blocks on the tiles),
-        1/4/3+g4 16. README "A tree that shrinks as the batch grows" (8 MT-bench prompts,
+        1/4/3+g4 16. docs/measurements.md "A tree that shrinks as the batch grows" (8 MT-bench prompts,
         interleaved, against rounds without drafts, the default before): bf16 batch 4 1.15x plain
         against 0.90x (eager 1.02x against 0.96x), batch 2 level with 2/4/6+g4; int8 batch 4
         0.99x against 0.74x, batch 2 1.08x against 0.94x. Elsewhere none: unmeasured with a
@@ -128,7 +128,8 @@ class TreeConfig:
     def default_for(cls, device_type: str, quantization: str = "none", dtype: str = "fp32") -> TreeConfig:
         """The tree a server uses when no tree flag is given. On a GPU verifying 16 nodes costs
         about what verifying one does: 5/4/16. On a CPU verify cost grows with every node, so a
-        small tree wins (README: bf16 sweep on a 2-core CPU, 3/4/4 1.13x plain, 5/4/16 0.99x), and
+        small tree wins (docs/measurements.md: bf16 sweep on a 2-core CPU, 3/4/4 1.13x plain,
+        5/4/16 0.99x), and
         of 4 nodes a third draft step rarely places one (τ 1.773 at 2/4/4, 1.791 at 3/4/4) but
         costs 0.08-0.12 plain steps: 2/4/4 in fp32 (AMD EPYC, AVX2). In bf16 on our kernel, with
         the draft phase inside the round (draft ahead) and the segment-16 head, two more nodes
@@ -152,7 +153,7 @@ class TreeConfig:
         5/4/16+g4 in bf16. With int8 weights on the tiles the verify's extra rows are as cheap,
         and 2/4/6+g4 is the default there too: 16 prompts (2 a category), interleaved, 2 rounds,
         160.4 tokens/s against 145.9 for 1/4/3+g4 (τ 2.291 against 1.795; 2/4/4+g4 147.1) and
-        ahead in each round (README "bf16 and int8 on AMX tiles"). The multiply is known before
+        ahead in each round (docs/measurements.md "bf16 and int8 on AMX tiles"). The multiply is known before
         the model loads ($EAGLE_BF16_DOT, else the CPU: bf16_linear.multiply_default).
 
         On an AVX2 CPU without AVX512-BF16 (the bf16 kernel's AVX2 build), since its tiles take k

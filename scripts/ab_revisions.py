@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             for r in range(args.rounds):
                 # the order flips every round: the first of two back-to-back processes was ahead
-                # in 9 of 11 pairs at one tree, whichever revision it ran (README, "k in chunks")
+                # in 9 of 11 pairs at one tree, whichever revision it ran (docs/measurements.md,
+                # "k in chunks")
                 for rev in args.revs if r % 2 == 0 else args.revs[::-1]:
                     i = args.revs.index(rev)
                     ext = Path(tempfile.gettempdir()) / f"ab_revisions_ext_{i}"

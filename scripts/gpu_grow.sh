@@ -26,10 +26,10 @@
 # that run's training only, after TRAIN_ARGS. All runs under one deadline, BUDGET seconds from
 # the start; the capture stops at CAPTURE_S and
 # training uses what it captured by then (a second call resumes the capture where it stopped).
-# Segment 7 (README) ran it with PROBE=20 RUNS="e3:eagle3:1e-4:4:2 e3hi:eagle3:3e-4:4:2
+# Segment 7 (docs/training.md) ran it with PROBE=20 RUNS="e3:eagle3:1e-4:4:2 e3hi:eagle3:3e-4:4:2
 # e2:eagle2:1e-4:4:1", then again on the same warm machine (the capture resumed) with
 # CAPTURE_S=95 RUNS="f3:eagle3:1e-4:4:2:1500 f3b:eagle3:2e-4:8:2:800 f2:eagle2:1e-4:4:2:1600".
-# Segment 8 (later turns; README: not published) added CAPTURE_ARGS="capture.max_turns=3
+# Segment 8 (later turns; docs/training.md: not published) added CAPTURE_ARGS="capture.max_turns=3
 # capture.max_new_tokens_per_turn=256 data.max_length=1024" to TOTAL=565 CAPTURE_S=220
 # RUNS="e3:eagle3:2e-4:8:2 e3hi:eagle3:4e-4:8:2 e2:eagle2:1e-4:4:1", then TOTAL=380 CAPTURE_S=160
 # RUNS="f3:eagle3:2e-4:8:2:400 f3hi:eagle3:4e-4:8:2:400 f2:eagle2:1e-4:4:1:400".
@@ -44,12 +44,12 @@
 # 11171 on) ran the same CAPTURE_ARGS/TRAIN_ARGS with TOTAL=585 CAPTURE_S=180 PROBE=20
 # RUNS="h3:eagle3:1e-4:8:6 h3hi:eagle3:2e-4:8:6 h3b:eagle3:4e-4:32:6 h3bm:eagle3:2e-4:32:6" (32 a
 # step won: 2.19 against 2.12), then TOTAL=320 CAPTURE_S=75 RUNS="k3:eagle3:2e-4:32:6:280".
-# Segment 14 (sampled answers to the first prompts, device_blobs.sh SEGMENT_OFFSET=0; README: not
+# Segment 14 (sampled answers to the first prompts, device_blobs.sh SEGMENT_OFFSET=0; docs/training.md: not
 # published, every lr lowered tau) added capture.temperature=0.7 to those CAPTURE_ARGS with
 # TOTAL=585 CAPTURE_S=180 PROBE=20 RUNS="a3:eagle3:2e-4:32:6 c3:eagle3:4e-4:64:6
 # t3:eagle3:2e-4:32:6::train.online_tf32=true", then TOTAL=230 CAPTURE_S=1
 # RUNS="l3:eagle3:5e-5:32:6:200 m3:eagle3:1e-4:32:6:200". Segment 15 (the target's own prompts,
-# device_blobs.sh SEGMENT_FILE=data/magpie/smollm2-135m-seed0.jsonl.xz; README: not published, their
+# device_blobs.sh SEGMENT_FILE=data/magpie/smollm2-135m-seed0.jsonl.xz; docs/training.md: not published, their
 # kind's tau up, ShareGPT's down) ran segment 13's CAPTURE_ARGS/TRAIN_ARGS with TOTAL=585 CAPTURE_S=180
 # PROBE=20 RUNS="a3:eagle3:2e-4:32:6 b3:eagle3:1e-4:32:6 l3:eagle3:5e-5:32:6". Segment 16 (published:
 # segment 13's ShareGPT prompts with the unreached Magpie prompts, device_blobs.sh SEGMENT_REPLAY=11171:4500
@@ -74,7 +74,7 @@ PROBE=${PROBE:-0}              # optimizer steps of each probe (0: none; 40 = 4 
 SETUP_S=${SETUP_S:-35}         # a training run's start (target, head, data) before its first step
 # name:kind:lr:batch:epochs[:steps[:overrides]] (header). Segment 13 measured 32 conversations a
 # step at lr 2e-4 best for EAGLE-3 (2.2x the tokens a second of 8 a step: most of a step of 8 does
-# not grow with the batch; README).
+# not grow with the batch; docs/training.md).
 RUNS=${RUNS:-"e3:eagle3:2e-4:32:6 e2:eagle2:1e-4:4:1"}
 HELDOUT=${HELDOUT:-}
 KEEP=${KEEP:-3}

@@ -7,7 +7,7 @@
 # (BACKEND=ours, the default: as fast as vLLM for CPU here at 32 answers a batch, and no ~75 s
 # start) or through vLLM for CPU (BACKEND=vllm, what segments 2-4 used);
 # DATA=tf: the dataset's own answers, every turn (teacher-forced, ~8x cheaper a token, but
-# measured to lower held-out tau: README). Every stage resumes and a finished one is skipped.
+# measured to lower held-out tau: docs/training.md). Every stage resumes and a finished one is skipped.
 # Each segment's result goes into results/grow_segments.json (scripts/grow_record.py). PUBLISH=1
 # copies the grown heads and their records into heads/ and appends the segment to
 # heads/<head>/grow_segments.json: do it (and commit) when tau measurably improved, offline and
@@ -17,17 +17,17 @@
 #   SEG=2 OFFSET=2352 LIMIT=512 PUBLISH=1 bash scripts/grow_heads.sh  # then publish
 #
 # Conversations already used (training split order): 0-1279 on-policy and 1280-2303
-# teacher-forced by scripts/reference_heads.sh, 2304-2351 by the README's quick-preset
+# teacher-forced by scripts/reference_heads.sh, 2304-2351 by docs/training.md's quick-preset
 # experiment, 2352-2863 by segments 1 (teacher-forced), 2 (on-policy) and 3 (segment 2's
 # capture at BATCH=1), none published, then 2352-3887 by segment 4 (on-policy, BATCH=1,
-# published; README: growing the reference heads), 3888-5423 by segment 5 (on-policy, BATCH=1,
+# published; docs/training.md: growing the reference heads), 3888-5423 by segment 5 (on-policy, BATCH=1,
 # our generator, published), 5424-6959 by segment 6 (one epoch, EAGLE-3 only, not published;
 # then two epochs, both kinds: EAGLE-3 published, held-out tau +0.063, runtime tau unchanged;
 # EAGLE-2 not, held-out tau -0.043; a session later EAGLE-2 one epoch on the same capture:
 # held-out +0.040, published as segment 6 from runs/grow/seg6e2), 6960-14809 by segment 7 on a
 # lent H100 (scripts/gpu_grow.sh; published: EAGLE-3 at lr 2e-4, 8 a step, beat 1e-4, 4 a step).
 # 14810-16089 by segment 9 (first turns, EAGLE-3 only, on the AVX2 CPU: the capture stopped
-# after 1,280 conversations to leave time for training; README; segment 8, up to 3 turns of
+# after 1,280 conversations to leave time for training; docs/training.md; segment 8, up to 3 turns of
 # 256 tokens on a lent H100, not published, had used 14810 on too), 14810-16809 by segment 10
 # (a lent H100, published), 16810-17487 by segment 11 (the AVX2 CPU, not published): no first
 # turns are left. Segment 12 (a lent H100, published) answered the 496 first prompts of 640-1023
@@ -36,7 +36,7 @@
 # segment 7's best (from segment 6's head, 1.6M tokens).
 # Every CPU-sized continuation of a mature head lost held-out tau, less at a lower lr: segment 9
 # (259k tokens, 8 a step) -0.075 / -0.058 / -0.017 at 2e-4 / 1e-4 / 2e-5 (runs 9, 9b, 9c),
-# segment 11 (139k, one a step, 2 epochs) -0.069 / -0.012 at 1e-4 / 2e-5 (README); the heads
+# segment 11 (139k, one a step, 2 epochs) -0.069 / -0.012 at 1e-4 / 2e-5 (docs/training.md); the heads
 # grew again only on a GPU's segment (segment 10: 400k tokens, 5.4 epochs at 1e-4).
 set -euo pipefail
 cd "$(dirname "$0")/.."

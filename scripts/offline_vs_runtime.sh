@@ -3,7 +3,7 @@
 # MT-bench prompts (the bench's), answered greedily by the target (held-out split, 128 new
 # tokens, stop at EOS), then greedy chain drafting (7 steps) in the runtime on those prompts.
 # Writes results/offline_vs_runtime_<head>.json (bench) beside the eval's eval.json.
-#   bash scripts/offline_vs_runtime.sh [N]      # N = 10 for the README's numbers
+#   bash scripts/offline_vs_runtime.sh [N]      # N = 10 for the numbers in docs/training.md
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N="${1:-10}"

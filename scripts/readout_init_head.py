@@ -1,7 +1,7 @@
 """Ablation helper: a fresh EAGLE-3 head for the embedded target whose readout (norm + lm_head)
 is the target's final norm times SCALE and the target's lm_head rows of the draft vocabulary
 (the rest random), saved as a head folder for train.init_from. Measured no better than a random
-readout (README, "The main job's head"), so it is not a training option.
+readout (docs/training.md, "The main job's head"), so it is not a training option.
 
     python scripts/readout_init_head.py SCALE OUT_DIR CAPTURE_DIR/d2t_t2d_8192.safetensors
 """

@@ -2,11 +2,11 @@
 # The recipe of the reference heads in heads/ (SmolLM2-135M-Instruct, ShareGPT), stage by stage.
 # Every stage resumes: run the script again after a kill and it goes on where it stopped, and a
 # finished stage is skipped. On a GPU the whole recipe is minutes; on the 2-core CPU it took
-# three sittings (see the README's measured results).
+# three sittings (see docs/training.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 W='${workdir}'  # resolved by Hydra: runs/SmolLM2-135M-Instruct/sharegpt-reference
-TF_LIMIT="${TF_LIMIT:-1024}"        # teacher-forced conversations (the shipped heads: see README)
+TF_LIMIT="${TF_LIMIT:-1024}"        # teacher-forced conversations (the shipped heads: see docs/training.md)
 GROWN_STEPS="${GROWN_STEPS:-420}"   # optimizer steps of the grown heads
 
 # 1. On-policy capture: the target regenerates the first answer of the first 1,280 training

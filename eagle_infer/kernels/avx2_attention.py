@@ -103,7 +103,7 @@ def default_bf16_scores() -> str:
     """"dot" on an AMD CPU with AVX512-BF16 (where vdpbf16ps runs at the FMAs' rate with twice
     their multiply-adds, kernels/bf16_linear.cpp): on a 2-core AMD EPYC Zen 4, 2 threads, 9 heads
     over 3, the kernel's calls ran 1.5-1.9x faster than on the loops (1 to 11 query rows, 256 and
-    1,024 slots; README, "bf16 attention on vdpbf16ps"). Else "loops": on Intel's AVX512-BF16
+    1,024 slots; docs/measurements.md, "bf16 attention on vdpbf16ps"). Else "loops": on Intel's AVX512-BF16
     CPUs vdpbf16ps ran at a quarter of the FMAs' rate, and the AMX tiles ("amx") stay opt-in."""
     from eagle_infer.kernels import bf16_linear
 

@@ -5,7 +5,7 @@
 // leaves the weight stream to the hardware prefetcher, and at 4 rows the FMAs and the loads
 // then add up instead of overlapping (AMD EPYC, AVX2, 2 threads, the default target's lm_head:
 // 1 row 6.3 ms, 4 rows 8.9 ms). A software prefetch a few panel rows ahead hides the loads
-// (scripts/probe_avx2_linear.py, README: every shape faster at 1 and at 4 rows, 4 rows 1.1-1.5x
+// (scripts/probe_avx2_linear.py, docs/measurements.md: every shape faster at 1 and at 4 rows, 4 rows 1.1-1.5x
 // one row). Each output is one fused multiply-add chain over k = 0..K-1 from zero, the
 // template's order: results are bitwise the template's, and a row's values never depend on how
 // many rows came with it (a verify's rows equal one-row steps').
