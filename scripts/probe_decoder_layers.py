@@ -8,6 +8,8 @@ of 20-30 calls each still swung by +-3% here where single calls alternating agre
 
     python scripts/probe_decoder_layers.py --baseline e244ffd --quantization int8 --kv 200 --rows 1 4
     python scripts/probe_decoder_layers.py --baseline a1d3a18 --kv 100 300 600 1200 --rows 1
+    git show HEAD:eagle_infer/kernels/bf16_linear.cpp > /tmp/linear_before.cpp
+    python scripts/probe_decoder_layers.py --baseline HEAD --linear-baseline /tmp/linear_before.cpp
 
 The baseline's source must build against today's kernels (the ops it calls must still exist).
 """
@@ -26,13 +28,24 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def build_baseline(rev: str) -> None:
-    """Build decoder_layers.cpp at `rev` as the library eagle_old_layers (ops eagle_old::...)."""
+def build_baseline(rev: str, linear_source: str | None = None) -> None:
+    """Build decoder_layers.cpp at `rev` as the library eagle_old_layers (ops eagle_old::...); with
+    `linear_source` (a version of bf16_linear.cpp) that Linear kernel is built too, as
+    eagle_baseline::..., and the baseline layers call it instead of today's."""
+    from eagle_infer.kernels import bf16_linear
     from eagle_infer.kernels.avx2_linear import build_copy
 
     src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:eagle_infer/kernels/decoder_layers.cpp"],
                          check=True, capture_output=True, text=True).stdout
-    build_copy("eagle_old_layers", src, "eagle_old")
+    name = "eagle_old_layers"
+    if linear_source:
+        flags = bf16_linear.AVX512_FLAGS if bf16_linear.avx512_bf16_supported() else []
+        build_copy("eagle_bf16_linear_baseline", Path(linear_source).read_text(), "eagle_baseline", flags)
+        old = '"eagle::bf16_linear_panels"'
+        if old not in src:
+            raise SystemExit(f"decoder_layers.cpp at {rev} does not name {old}")
+        src, name = src.replace(old, '"eagle_baseline::bf16_linear_panels"'), "eagle_old_layers_linear"
+    build_copy(name, src, "eagle_old")
 
 
 def step_arguments(model, T: int, kv: int) -> tuple:
@@ -57,6 +70,9 @@ def step_arguments(model, T: int, kv: int) -> tuple:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", required=True, help="git revision of decoder_layers.cpp to compare with")
+    ap.add_argument("--linear-baseline", metavar="SOURCE",
+                    help="a version of bf16_linear.cpp the baseline's Linears run (a Linear kernel's "
+                         "change measured in the whole step)")
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     ap.add_argument("--quantization", default="none", choices=["none", "int8"])
     ap.add_argument("--kv", type=int, nargs="+", default=[200])
@@ -71,7 +87,7 @@ def main() -> None:
     model = load_model(None, dtype=args.dtype, quantization=args.quantization)
     if model.fused_layers is None:
         raise SystemExit("the target's layers are not on the fused op here (Linears off our kernels?)")
-    build_baseline(args.baseline)
+    build_baseline(args.baseline, args.linear_baseline)
     tensors, kinds, dims, eps, _ = decoder_layers.stack_arguments(model)  # what attach registered
     old_id = torch.ops.eagle_old.register_stack(tensors, kinds, dims, eps)
     model.setup_cache(1, max(2 * max(args.kv), 256))
@@ -96,7 +112,8 @@ def main() -> None:
             results.append(row)
             print(json.dumps(row), flush=True)
     if args.json:
-        out = {"baseline": args.baseline, "dtype": args.dtype, "quantization": args.quantization,
+        out = {"baseline": args.baseline, "linear_baseline": args.linear_baseline, "dtype": args.dtype,
+               "quantization": args.quantization,
                "threads": torch.get_num_threads(), "calls": args.calls, "results": results}
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
         print("wrote", args.json)

@@ -46,7 +46,8 @@ def test_kernel_is_linear_and_rows_independent(n, k, bf16_multiply):
     # one rounding to bf16 of a sum that fp32 computes within ~1e-6 relative: at most one bf16 step
     torch.testing.assert_close(full.double(), reference(x, w).bfloat16().double(), rtol=8e-3, atol=1e-2)
     assert (full.double() != reference(x, w).bfloat16().double()).float().mean() < 0.01
-    # tiles of 8 and every tail; 9-32 rows run k in chunks (100: a chunk and a part), 33+ do not
+    # tiles of 8 and every tail; on vdpbf16ps 2-32 rows run k in chunks (100: a chunk and a part),
+    # 33+ do not
     # AVX2 build: up to 4 rows one tile over all of k, more in chunks of 32 k pairs that tiles of
     # 4 rows and the rest take in turn (11 = 4 + 4 + 3), over 16 rows in blocks of 16 (17, 33)
     for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 15, 16, 17, 19, 25, 32, 33):

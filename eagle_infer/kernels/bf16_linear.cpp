@@ -17,7 +17,7 @@
 // denormals flushed): on a 2-core AMD EPYC (Zen 4) it runs at the FMAs' rate with twice the
 // multiply-adds, so level with them at 1-4 rows, 1.3-1.7x at 8-16 and 2x at 64-512 (the Xeon
 // above: the other way round). Each output is then one vdpbf16ps chain over the k pairs, whatever
-// the rows, as above, also where 9-32 rows run k in chunks so that a bigger tree's verify streams
+// the rows, as above, also where 2-32 rows run k in chunks so that a bigger tree's verify streams
 // the weights while it multiplies (rows_of).
 //
 // On a CPU with AMX (set_amx, the default there: bf16_linear.multiply_default) the `dot` calls
@@ -55,8 +55,9 @@ constexpr int64_t kPanel = 32;  // columns per panel: two 16-float accumulators 
 // Rows of tile t of `tiles` over M rows, sizes as even as can be (17 rows in 3 tiles: 5, 6, 6).
 inline int64_t even_rows(int64_t t, int64_t tiles, int64_t M) { return M / tiles + (t >= tiles - M % tiles); }
 
-// On vdpbf16ps with 9-32 rows, the bytes of bf16 panel (32 k pairs) each tile runs before the
-// next tile takes them from L1 (chunked_rows; int8 weights: a chunk made bf16 into that much).
+// On vdpbf16ps with 2-32 rows (int8 weights: 9-32), the bytes of bf16 panel (32 k pairs) each
+// tile runs before the next tile takes them from L1 (chunked_rows; int8 weights: a chunk made bf16
+// into that much).
 constexpr int64_t kChunkBytes = 4096;
 // bf16 k pairs ahead (8 KB of panel, whatever the weights' type) that a chunk's first tile (int8:
 // the chunk's conversion) asks L2 for, so that the stream from memory goes on while the other
@@ -245,10 +246,21 @@ inline void tile_of(int64_t rows, const X* x, int64_t K, const W* w, int64_t p0,
 // Its tiles are of even size too (17 rows: 6 + 6 + 5, not 8 + 8 + 1): a tile of one or two rows
 // has too few chains to hide the instruction's latency. Measured on the Zen 4 EPYC against tile
 // after tile (scripts/probe_bf16_linear.py --baseline): a step's Linears 7-10% faster at 9-17
-// rows, level at 1-8 and 20-32; from 33 rows (prefill) the sums' trips cost more than the overlap
+// rows, level at 20-32; from 33 rows (prefill) the sums' trips cost more than the overlap
 // gains (64 rows: 5-10%, 512: 15%), so whole k there. The FMA loop, compute-bound from 9 rows on
 // the Zen 4, measured 2-6% slower chunked and with even tiles there, and is unmeasured so on the
 // Xeon where it is the default: it keeps tiles of 8 and the rest over the whole of k.
+//
+// bf16 weights at 2-8 rows (a verify of the CPU's default trees, the draft's steps, a batch's
+// plain step) run chunked too, as one tile: what pays there is the lead tile's far prefetch
+// (kFar pairs into L2), where a whole-k tile asks only kAhead pairs (2 KB) ahead into L1 and
+// waits on memory once its multiply-adds per byte grow. The whole fused step on the Zen 4
+// (scripts/probe_decoder_layers.py --linear-baseline, calls alternating, three runs at kv 150 and
+// 600): 6-8 rows 1.10-1.36x faster, 2-5 rows level to 1.13x, 1 and 9 rows level, the same bits;
+// without the far prefetch the chunked tile ran as slowly as before (3 / 6 / 8 rows 1.08 / 1.10
+// / 1.37x behind). The default bf16 tree's round (6 rows), bench at both revisions alternating:
+// 123.0 -> 136.9 tokens/s, verify 1.34 -> 1.29 plain steps. int8 weights keep whole-k tiles
+// there: their chunks' conversion into L1 made 2-8 rows 0.81-0.89x.
 constexpr int64_t kChunkedRows = 32;
 
 // Rows of tile t of `tiles` over M rows: even sizes on vdpbf16ps, else 8 and the rest (m: the
@@ -258,7 +270,8 @@ inline int64_t tile_rows(int64_t t, int64_t tiles, int64_t m, int64_t M) {
   return Dot::value ? even_rows(t, tiles, M) : std::min<int64_t>(8, M - m);
 }
 
-// 9-32 rows on vdpbf16ps: k in chunks, every tile in turn, the sums in a buffer between chunks.
+// 2-32 rows on vdpbf16ps (int8 weights: 9-32): k in chunks, every tile in turn, the sums in a
+// buffer between chunks.
 // int8 weights: each chunk of the panel is made bf16 once, into an L1 buffer (exact: the values
 // the one-row path makes in registers), which every tile multiplies as bf16 weights (the same
 // vdpbf16ps chain over k per output as one row's), where tiles over the int8 panel would each
@@ -310,7 +323,8 @@ template <typename X, typename W, typename Dot>
 void rows_of(const X* x, int64_t M, int64_t K, const W* w, at::BFloat16* y, int64_t N,
              int64_t cols, const float* scale, Dot dot) {
   if constexpr (Dot::value) {
-    if (M > 8 && M <= kChunkedRows) return chunked_rows(x, M, K, w, y, N, cols, scale);
+    constexpr int64_t kFirstChunked = std::is_same_v<W, int8_t> ? 9 : 2;
+    if (M >= kFirstChunked && M <= kChunkedRows) return chunked_rows(x, M, K, w, y, N, cols, scale);
   }
   const int64_t tiles = (M + 7) / 8;
   for (int64_t t = 0, m = 0; t < tiles; t++) {
