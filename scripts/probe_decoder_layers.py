@@ -32,15 +32,15 @@ def build_baseline(rev: str, linear_source: str | None = None) -> None:
     """Build decoder_layers.cpp at `rev` as the library eagle_old_layers (ops eagle_old::...); with
     `linear_source` (a version of bf16_linear.cpp) that Linear kernel is built too, as
     eagle_baseline::..., and the baseline layers call it instead of today's."""
-    from eagle_infer.kernels import bf16_linear
+    from probe_bf16_linear import load_baseline  # this folder: the script's own sys.path entry
+
     from eagle_infer.kernels.avx2_linear import build_copy
 
     src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:eagle_infer/kernels/decoder_layers.cpp"],
                          check=True, capture_output=True, text=True).stdout
     name = "eagle_old_layers"
     if linear_source:
-        flags = bf16_linear.AVX512_FLAGS if bf16_linear.avx512_bf16_supported() else []
-        build_copy("eagle_bf16_linear_baseline", Path(linear_source).read_text(), "eagle_baseline", flags)
+        load_baseline(linear_source)  # ops eagle_baseline::..., as probe_bf16_linear.py --baseline
         old = '"eagle::bf16_linear_panels"'
         if old not in src:
             raise SystemExit(f"decoder_layers.cpp at {rev} does not name {old}")

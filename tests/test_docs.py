@@ -3,6 +3,7 @@ file that exists and, with an #anchor, a heading of that file (GitHub's anchors)
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -11,6 +12,7 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
+@functools.cache
 def anchors(path: Path) -> set[str]:
     """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens, -1, -2 ...
     for repeats; headings inside code blocks do not count."""
