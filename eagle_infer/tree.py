@@ -112,15 +112,22 @@ class TreeConfig:
         1/4/3+g4 16. docs/measurements.md "A tree that shrinks as the batch grows" (8 MT-bench prompts,
         interleaved, against rounds without drafts, the default before): bf16 batch 4 1.15x plain
         against 0.90x (eager 1.02x against 0.96x), batch 2 level with 2/4/6+g4; int8 batch 4
-        0.99x against 0.74x, batch 2 1.08x against 0.94x. Elsewhere none: unmeasured with a
-        small tree (a Zen 4 ran batch 4 at 0.87x plain with 2/4/4, level without drafts)."""
+        0.99x against 0.74x, batch 2 1.08x against 0.94x. Where it multiplies on vdpbf16ps (AMD
+        CPUs with AVX512-BF16), bf16 weights only, 1/4/2+g4 from 3 sequences: its 12 rows at batch
+        4 run the chunked tiles, whose lead streams the weights into L2 (docs/measurements.md "Batch
+        trees on vdpbf16ps": Zen 4, 8 MT-bench prompts, three runs each against rounds without
+        drafts, the default before: 1.03-1.10x plain against 0.95-0.98x; 1/4/3+g4 0.94-1.07x).
+        Elsewhere none (an AVX2 Zen 2's FMA loops ran 1/4/2+g4 at 0.83x, 1/4/3+g4 at 0.73x)."""
         if given is not None:
             return None if given.strip().lower() == "none" else cls.parse_batch_tree(given)
         if device_type != "cpu" or dtype != "bf16":
             return None
         from eagle_infer.kernels.bf16_linear import multiply_default
 
-        if multiply_default() != "amx":
+        multiply = multiply_default()
+        if multiply == "vdpbf16ps" and quantization != "int8":
+            return 3, cls(1, 4, 2, ngram_branch=4)
+        if multiply != "amx":
             return None
         return (2 if quantization == "int8" else 3), cls(1, 4, 3, ngram_branch=4)
 

@@ -526,11 +526,15 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
     assert server.resolve_disable_by_batch_size(given, "cpu") == 8
     assert server.resolve_disable_by_batch_size(given, "cuda") == 8
     # A tree that shrinks as the batch grows: by default in bf16 where the kernel multiplies on AMX
-    # tiles, speculating then up to 4 requests; "none" turns it off, a flag gives another
+    # tiles (int8 weights too) or on vdpbf16ps (bf16 weights), speculating then up to 4 requests;
+    # "none" turns it off, a flag gives another
     small = (3, server.TreeConfig(1, 4, 3, ngram_branch=4))
-    for multiply, on_tiles in (("amx", True), ("fma", False), ("vdpbf16ps", False)):
+    dot = (3, server.TreeConfig(1, 4, 2, ngram_branch=4))
+    for multiply in ("amx", "fma", "vdpbf16ps"):
         monkeypatch.setenv("EAGLE_BF16_DOT", multiply)
-        assert server.resolve_batch_tree(args, "cpu", "bf16") == (small if on_tiles else None)
+        on_tiles = multiply == "amx"
+        assert server.resolve_batch_tree(args, "cpu", "bf16") == (
+            small if on_tiles else dot if multiply == "vdpbf16ps" else None)
         assert server.resolve_batch_tree(int8, "cpu", "bf16") == ((2, small[1]) if on_tiles else None)
         assert server.resolve_batch_tree(args, "cpu", "fp32") is None
         assert server.resolve_batch_tree(int8, "cpu", "fp32") is None  # torch's int8 kernel
