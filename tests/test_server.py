@@ -530,12 +530,11 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
     # "none" turns it off, a flag gives another
     small = (3, server.TreeConfig(1, 4, 3, ngram_branch=4))
     dot = (3, server.TreeConfig(1, 4, 2, ngram_branch=4))
-    for multiply in ("amx", "fma", "vdpbf16ps"):
+    for multiply, bf16_tree, int8_tree in (("amx", small, (2, small[1])), ("fma", None, None),
+                                           ("vdpbf16ps", dot, None)):
         monkeypatch.setenv("EAGLE_BF16_DOT", multiply)
-        on_tiles = multiply == "amx"
-        assert server.resolve_batch_tree(args, "cpu", "bf16") == (
-            small if on_tiles else dot if multiply == "vdpbf16ps" else None)
-        assert server.resolve_batch_tree(int8, "cpu", "bf16") == ((2, small[1]) if on_tiles else None)
+        assert server.resolve_batch_tree(args, "cpu", "bf16") == bf16_tree
+        assert server.resolve_batch_tree(int8, "cpu", "bf16") == int8_tree
         assert server.resolve_batch_tree(args, "cpu", "fp32") is None
         assert server.resolve_batch_tree(int8, "cpu", "fp32") is None  # torch's int8 kernel
         assert server.resolve_batch_tree(args, "cuda", "bf16") is None
