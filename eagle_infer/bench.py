@@ -754,8 +754,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculative-batch-tree", default=None, metavar="MIN_BATCH:TREE",
                     help="the main tree's runs: from MIN_BATCH running sequences on, rounds draft and "
                          "verify TREE (STEPS/TOPK/DRAFT_TOKENS[+gK], e.g. 3:1/4/3+g4) instead, or none "
-                         "(the server's flag and default: on CPUs with AMX in bf16 3:1/4/3+g4, "
-                         "2:1/4/3+g4 with int8 weights; else none)")
+                         "(the server's flag and default in bf16: on CPUs with AMX 3:1/4/3+g4, "
+                         "2:1/4/3+g4 with int8 weights; on AMD CPUs with AVX512-BF16 3:1/4/2+g4 with "
+                         "bf16 weights; else none)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                     help="auto = bf16 where the hardware runs it fast (AVX512-BF16/AMX, CUDA), else fp32")
     ap.add_argument("--quantization", default="none", choices=["none", "int8"],

@@ -764,9 +764,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a tree that shrinks as the batch grows: from MIN_BATCH running requests on, "
                          "rounds draft and verify TREE (STEPS/TOPK/DRAFT_TOKENS[+gK], e.g. 3:1/4/3+g4) "
                          "instead of the main tree (on a CPU a batch's trees make the verify "
-                         "compute-bound: docs/measurements.md), or none. Default on CPUs with AMX, in bf16: "
-                         "3:1/4/3+g4, 2:1/4/3+g4 with int8 weights (with rounds without drafts above "
-                         "4 requests); else none")
+                         "compute-bound: docs/measurements.md), or none. Default in bf16 on CPUs with AMX: "
+                         "3:1/4/3+g4, 2:1/4/3+g4 with int8 weights; on AMD CPUs with AVX512-BF16: "
+                         "3:1/4/2+g4 (bf16 weights); with rounds without drafts above 4 requests; "
+                         "else none")
     ap.add_argument("--speculative-token-map", default=None, help="FR-Spec token map (EAGLE-2 heads)")
     ap.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                     help="while more than N requests are running, rounds draft nothing: a plain "
