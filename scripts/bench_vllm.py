@@ -18,6 +18,9 @@ per round + 1) and `accept_rate_per_position` from vLLM's own spec-decode counte
 vLLM drafts chains only: k draft tokens per round. `--ours` runs our bench on the same prompts
 in the same sitting (plain, and chain drafting with the same k) and adds its numbers;
 `--llamacpp` adds llama.cpp's plain decoding of the target's Q4_1 GGUF (scripts/bench_llamacpp.py).
+`--batch-size B`: B prompts at a time, in order, in every engine (one vLLM `generate` call per
+batch, as our bench's calls; vLLM always drafts, so our chain at B > 1 speculates at every batch
+size too, while our default tree keeps the server's batch defaults).
 """
 
 from __future__ import annotations
@@ -49,11 +52,12 @@ def head_method(head_dir: Path) -> str:
 
 def run_vllm(model: str, prompts: list[list[int]], *, head: Path | None, k: int, max_new_tokens: int,
              dtype: str, ignore_eos: bool, enforce_eager: bool, python: str | None = None,
-             llm_args: dict | None = None, one_call: bool = False) -> dict:
+             llm_args: dict | None = None, one_call: bool = False, batch_size: int = 1) -> dict:
     """One vLLM configuration in its own worker process: outputs, timings, spec counters.
     llm_args: more vllm.LLM arguments (the bench leaves vLLM's defaults). one_call: all prompts
     in one batch and no warm-up call, for checks of outputs and acceptance, not of speed (the
-    interop tests: 4 prompts x 64 tokens took 21 s one by one on the 2-core EPYC)."""
+    interop tests: 4 prompts x 64 tokens took 21 s one by one on the 2-core EPYC). batch_size:
+    prompts per generate call, in order (the warm-up call has as many); seconds are per call."""
     from eagle_infer.vllm_client import VLLMEngine
 
     spec = None
@@ -63,7 +67,8 @@ def run_vllm(model: str, prompts: list[list[int]], *, head: Path | None, k: int,
     params = {"temperature": 0.0, "max_tokens": max_new_tokens, "ignore_eos": ignore_eos}
     with VLLMEngine(model, dtype=dtype, speculative_config=spec, enforce_eager=enforce_eager,
                     max_model_len=max_len, python=python, **(llm_args or {})) as llm:
-        first_s = 0.0 if one_call else llm.generate(prompts[:1], [params])[1]  # warm-up, as our bench
+        first = prompts[:batch_size]  # warm-up, as our bench: one call of a batch's size
+        first_s = 0.0 if one_call else llm.generate(first, [params] * len(first))[1]
         warmup_s = llm.startup_s + first_s
         before = llm.spec_counts()
         if one_call:
@@ -71,9 +76,10 @@ def run_vllm(model: str, prompts: list[list[int]], *, head: Path | None, k: int,
             seconds = [secs / len(prompts)] * len(prompts)
         else:
             outputs, seconds = [], []
-            for p in prompts:  # batch 1, prompt after prompt, as our bench
-                out, secs = llm.generate([p], [params])
-                outputs.append(out[0])
+            for i in range(0, len(prompts), batch_size):  # batch after batch, as our bench
+                batch = prompts[i:i + batch_size]
+                out, secs = llm.generate(batch, [params] * len(batch))
+                outputs.extend(out)
                 seconds.append(secs)
         after = llm.spec_counts()
     result: dict = {"outputs": outputs, "seconds": seconds, "warmup_s": warmup_s}
@@ -84,14 +90,15 @@ def run_vllm(model: str, prompts: list[list[int]], *, head: Path | None, k: int,
     return result
 
 
-def summarize(raw: dict, k: int) -> dict:
-    """Our bench's fields for one vLLM run."""
+def summarize(raw: dict, k: int, batch_size: int = 1) -> dict:
+    """Our bench's fields for one vLLM run (per_prompt at batch 1, else per_batch)."""
     tokens = sum(len(o) for o in raw["outputs"])
     secs = sum(raw["seconds"])
+    calls = [raw["outputs"][i:i + batch_size] for i in range(0, len(raw["outputs"]), batch_size)]
+    per_call = [{"tokens": sum(len(o) for o in c), "seconds": round(s, 4)}
+                for c, s in zip(calls, raw["seconds"])]
     out = {"tokens": tokens, "seconds": round(secs, 4), "tokens_per_s": round(tokens / secs, 3),
-           "per_prompt": [{"tokens": len(o), "seconds": round(s, 4)}
-                          for o, s in zip(raw["outputs"], raw["seconds"])],
-           "warmup_s": round(raw["warmup_s"], 2)}
+           "per_prompt" if batch_size == 1 else "per_batch": per_call, "warmup_s": round(raw["warmup_s"], 2)}
     if "spec" in raw:
         s = raw["spec"]
         drafts = s["vllm:spec_decode_num_drafts"]
@@ -144,7 +151,7 @@ def run_ours(args: argparse.Namespace, head: Path | None, tree: tuple[int, int, 
         cmd = [sys.executable, "-m", "eagle_infer.bench", "--num-prompts", str(args.num_prompts),
                *(["--prompts", args.prompts] if args.prompts else []),
                "--max-new-tokens", str(args.max_new_tokens), "--dtype", args.dtype, "--no-hf",
-               "--quantization", quantization, "--json", str(out)]
+               "--quantization", quantization, "--batch-size", str(args.batch_size), "--json", str(out)]
         if head is None:
             cmd.append("--no-spec")
         else:
@@ -153,8 +160,10 @@ def run_ours(args: argparse.Namespace, head: Path | None, tree: tuple[int, int, 
                 k = args.num_speculative_tokens
                 steps, topk, n = tree or (k, 1, k + 1)
                 cmd += ["--num-steps", str(steps), "--eagle-topk", str(topk), "--num-draft-tokens", str(n)]
-            if tree is None:  # chain drafting as vLLM's, without the CPU default's n-gram branch
-                cmd += ["--ngram-branch", "0"]
+            if tree is None:  # chain drafting as vLLM's, without the CPU default's n-gram branch,
+                # drafting at every batch size as vLLM does
+                cmd += ["--ngram-branch", "0", "--speculative-disable-by-batch-size", str(args.batch_size),
+                        "--speculative-batch-tree", "none"]
         if args.stop_at_eos:
             cmd.append("--stop-at-eos")
         subprocess.run(cmd, check=True, cwd=ROOT)
@@ -171,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="a .jsonl / .json prompt file as the bench takes (default: MT-bench first turns)")
     ap.add_argument("--num-prompts", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=1, help="prompts at a time, in order, in every engine")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--stop-at-eos", action="store_true",
                     help="stop at EOS (default: ignore it, like our bench)")
@@ -205,14 +215,14 @@ def main(argv: list[str] | None = None) -> None:
     dtype = {"bf16": "bfloat16", "fp32": "float32"}[args.dtype]
     k = args.num_speculative_tokens
     common = dict(max_new_tokens=args.max_new_tokens, dtype=dtype, ignore_eos=not args.stop_at_eos,
-                  enforce_eager=args.enforce_eager, k=k)
+                  enforce_eager=args.enforce_eager, k=k, batch_size=args.batch_size)
     methods: dict[str, dict] = {}
     outputs: dict[str, list[list[int]]] = {}
     runs = ([] if args.no_plain else [("vllm plain", None)]) + [(f"vllm {h.name} k{k}", h) for h in heads]
     for name, head in runs:
         print(f"[bench_vllm] {name} ...", file=sys.stderr, flush=True)
         raw = run_vllm(model, prompts, head=head, **common)
-        methods[name] = summarize(raw, k)
+        methods[name] = summarize(raw, k, args.batch_size)
         outputs[name] = raw["outputs"]
         print(f"[bench_vllm] {name}: {methods[name]['tokens_per_s']} tok/s"
               + (f", tau {methods[name]['acceptance_length']}" if head else ""), file=sys.stderr)
@@ -230,8 +240,9 @@ def main(argv: list[str] | None = None) -> None:
         "settings": {"model_path": model, "prompts": args.prompts or "MT-bench first turns",
                      "num_prompts": len(prompts),
                      "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": args.max_new_tokens,
-                     "dtype": args.dtype, "batch_size": 1, "greedy": True, "ignore_eos": not args.stop_at_eos,
-                     "num_speculative_tokens": k, "enforce_eager": args.enforce_eager},
+                     "dtype": args.dtype, "batch_size": args.batch_size, "greedy": True,
+                     "ignore_eos": not args.stop_at_eos, "num_speculative_tokens": k,
+                     "enforce_eager": args.enforce_eager},
         "machine": cpu_info(),
         "methods": methods,
         "outputs": outputs,

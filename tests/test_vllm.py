@@ -70,6 +70,45 @@ def vllm(default_model_dir, tokenizer, mtbench_prompts):
     return prompts, run, run(None)
 
 
+def test_bench_batches_prompts_in_order_one_generate_call_each(monkeypatch):
+    """--batch-size B: a warm-up call of B prompts, then B prompts per vLLM call in order (the last
+    call takes the rest), outputs back in prompt order, timed per call (a fake engine, no vLLM)."""
+    import eagle_infer.vllm_client as vc
+
+    calls: list[list[list[int]]] = []
+
+    class FakeEngine:
+        startup_s = 1.0
+
+        def __init__(self, model, **kw):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def generate(self, prompts, params):
+            assert len(params) == len(prompts)
+            calls.append(prompts)
+            return [[p[0]] * params[0]["max_tokens"] for p in prompts], 0.5
+
+        def spec_counts(self):
+            return {}
+
+    monkeypatch.setattr(vc, "VLLMEngine", FakeEngine)
+    bv = _bench_vllm()
+    prompts = [[i, 100 + i] for i in range(5)]
+    raw = bv.run_vllm("m", prompts, head=None, k=K, max_new_tokens=3, dtype="float32", ignore_eos=True,
+                      enforce_eager=True, batch_size=2)
+    assert calls == [prompts[:2], prompts[:2], prompts[2:4], prompts[4:]]
+    assert raw["outputs"] == [[i] * 3 for i in range(5)] and raw["seconds"] == [0.5] * 3
+    got = bv.summarize(raw, K, batch_size=2)
+    assert [c["tokens"] for c in got["per_batch"]] == [6, 6, 3] and "per_prompt" not in got
+    assert got["tokens_per_s"] == 10.0 and got["warmup_s"] == 1.5
+
+
 def our_chain_tau(target, head_dir: Path, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
     head = load_head_for(head_dir, target)
     outs, stats = generate_speculative(target, head, prompts, MAX_NEW, tree=TreeConfig(K, 1, K + 1))
