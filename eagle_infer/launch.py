@@ -1,4 +1,5 @@
-"""`python -m eagle_infer.server` as a child process on a free local port (benchmarks, tests)."""
+"""`python -m eagle_infer.server` (or another OpenAI-compatible server, e.g. `vllm serve` from its own
+environment) as a child process on a free local port (benchmarks, tests)."""
 
 from __future__ import annotations
 
@@ -22,15 +23,25 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """The server with `args` on a free port, its output in `log`; `stop()` sends SIGTERM."""
+    """The server with `args` on a free port, its output in `log`; `stop()` sends SIGTERM.
+    program: the command before `--port PORT args` (default: this Python's eagle_infer.server,
+    the repository on PYTHONPATH); another program runs without PYTHONPATH, so that our packages
+    never shadow its environment's."""
 
-    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None):
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None,
+                 program: list[str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(log)
-        pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-        full_env = dict(os.environ, PYTHONPATH=pythonpath, **(env or {}))
-        cmd = [sys.executable, "-m", "eagle_infer.server", "--port", str(self.port), *args]
+        full_env = dict(os.environ)
+        if program is None:
+            program = [sys.executable, "-m", "eagle_infer.server"]
+            paths = (str(REPO), full_env.get("PYTHONPATH", ""))
+            full_env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        else:
+            full_env.pop("PYTHONPATH", None)
+        full_env.update(env or {})
+        cmd = [*program, "--port", str(self.port), *args]
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=out, stderr=subprocess.STDOUT)
 

