@@ -34,6 +34,27 @@ def vllm_python() -> str:
     return out.strip().splitlines()[-1]
 
 
+def vllm_cpu_env(python: str) -> dict[str, str]:
+    """The environment vLLM for CPU runs best with on this machine, per its CPU install guide:
+    its OpenMP threads bound to every CPU this process may use, and Intel's OpenMP preloaded
+    when its environment has it (`<env>/lib/libiomp5.so`). Left alone where the caller set them.
+    vLLM 0.32's own default reserves one core for its scheduler process ("auto" binding): on 2
+    cores the model ran on one (the 2-core Zen 4, batch 1, bf16: plain 34.0 tokens/s against
+    42.2 with both cores bound; docs/measurements.md "vLLM for CPU on every core"). Nothing on a
+    machine with CUDA (vLLM's GPU build). VLLM_CPU_OMP_THREADS_BIND=auto gives vLLM's default."""
+    import torch
+
+    env: dict[str, str] = {}
+    if torch.cuda.is_available():
+        return env
+    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # <env>/bin/python: not resolved (a link)
+    if "LD_PRELOAD" not in os.environ and iomp.is_file():
+        env["LD_PRELOAD"] = str(iomp)
+    return env
+
+
 class VLLMEngine:
     """One vLLM `LLM` in a worker process. Greedy or sampled generation from token ids."""
 
@@ -46,11 +67,13 @@ class VLLMEngine:
                   "speculative_config": speculative_config, "enforce_eager": enforce_eager,
                   "max_model_len": max_model_len, "gpu_memory_utilization": 0.3,
                   "disable_log_stats": False, **llm_args}
+        python = python or vllm_python()
+        self.env = vllm_cpu_env(python)  # what the run adds, for the record
         env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-                   TOKENIZERS_PARALLELISM="false")
+                   TOKENIZERS_PARALLELISM="false", **self.env)
         env.pop("PYTHONPATH", None)  # our packages must not shadow the vLLM environment's
         self._log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([python or vllm_python(), str(WORKER), json.dumps(kwargs)],
+        self.proc = subprocess.Popen([python, str(WORKER), json.dumps(kwargs)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      text=True, env=env)
         self.startup_s = float(self._read()["startup_s"])

@@ -21,6 +21,9 @@ in the same sitting (plain, and chain drafting with the same k) and adds its num
 `--batch-size B`: B prompts at a time, in order, in every engine (one vLLM `generate` call per
 batch, as our bench's calls; vLLM always drafts, so our chain at B > 1 speculates at every batch
 size too, while our default tree keeps the server's batch defaults).
+vLLM runs on every core with Intel's OpenMP preloaded (`eagle_infer.vllm_client.vllm_cpu_env`,
+recorded as `vllm_env`): its own default keeps a core for its scheduler, one of two here;
+`VLLM_CPU_OMP_THREADS_BIND=auto` in the environment gives that default back.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ def run_vllm(model: str, prompts: list[list[int]], *, head: Path | None, k: int,
                 outputs.extend(out)
                 seconds.append(secs)
         after = llm.spec_counts()
-    result: dict = {"outputs": outputs, "seconds": seconds, "warmup_s": warmup_s}
+    result: dict = {"outputs": outputs, "seconds": seconds, "warmup_s": warmup_s, "env": llm.env}
     if spec:
         delta = {k_: after[k_] - before[k_] for k_ in SPEC_COUNTERS}
         pos = [a - b for a, b in zip(after[PER_POS], before[PER_POS] or [0] * len(after[PER_POS]))]
@@ -244,6 +247,7 @@ def main(argv: list[str] | None = None) -> None:
                      "ignore_eos": not args.stop_at_eos, "num_speculative_tokens": k,
                      "enforce_eager": args.enforce_eager},
         "machine": cpu_info(),
+        "vllm_env": raw["env"] if runs else {},  # what vllm_cpu_env added (threads bound, OpenMP)
         "methods": methods,
         "outputs": outputs,
     }

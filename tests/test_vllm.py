@@ -79,6 +79,7 @@ def test_bench_batches_prompts_in_order_one_generate_call_each(monkeypatch):
 
     class FakeEngine:
         startup_s = 1.0
+        env: dict = {}
 
         def __init__(self, model, **kw):
             pass
@@ -107,6 +108,25 @@ def test_bench_batches_prompts_in_order_one_generate_call_each(monkeypatch):
     got = bv.summarize(raw, K, batch_size=2)
     assert [c["tokens"] for c in got["per_batch"]] == [6, 6, 3] and "per_prompt" not in got
     assert got["tokens_per_s"] == 10.0 and got["warmup_s"] == 1.5
+
+
+def test_vllm_runs_on_every_core_with_intel_openmp_unless_told_otherwise(tmp_path, monkeypatch):
+    from eagle_infer.vllm_client import vllm_cpu_env
+
+    if __import__("torch").cuda.is_available():
+        pytest.skip("vLLM's GPU build: nothing added")
+    python = tmp_path / "env" / "bin" / "python"
+    (tmp_path / "env" / "lib").mkdir(parents=True)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    cores = ",".join(str(c) for c in sorted(__import__("os").sched_getaffinity(0)))
+    assert vllm_cpu_env(str(python)) == {"VLLM_CPU_OMP_THREADS_BIND": cores}  # no libiomp5 there
+    (tmp_path / "env" / "lib" / "libiomp5.so").touch()
+    assert vllm_cpu_env(str(python)) == {"VLLM_CPU_OMP_THREADS_BIND": cores,
+                                         "LD_PRELOAD": str(tmp_path / "env" / "lib" / "libiomp5.so")}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")  # the caller's choice stays
+    monkeypatch.setenv("LD_PRELOAD", "libtcmalloc.so")
+    assert vllm_cpu_env(str(python)) == {}
 
 
 def our_chain_tau(target, head_dir: Path, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
