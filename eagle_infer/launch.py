@@ -1,4 +1,4 @@
-"""`python -m eagle_infer.server` (or another OpenAI-compatible server, e.g. `vllm serve` from its own
+"""`python -m eagle_infer.server` (or another OpenAI-compatible server, e.g. vLLM's from its own
 environment) as a child process on a free local port (benchmarks, tests)."""
 
 from __future__ import annotations

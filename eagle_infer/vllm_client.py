@@ -34,21 +34,26 @@ def vllm_python() -> str:
     return out.strip().splitlines()[-1]
 
 
+SMALL_MACHINE_CPUS = 4  # where vLLM's one reserved core is a quarter of the compute or more
+
+
 def vllm_cpu_env(python: str) -> dict[str, str]:
-    """The environment vLLM for CPU runs best with on this machine, per its CPU install guide:
-    its OpenMP threads bound to every CPU this process may use, and Intel's OpenMP preloaded
-    when its environment has it (`<env>/lib/libiomp5.so`). Left alone where the caller set them.
-    vLLM 0.32's own default reserves one core for its scheduler process ("auto" binding): on 2
-    cores the model ran on one (the 2-core Zen 4, batch 1, bf16: plain 34.0 tokens/s against
-    42.2 with both cores bound; docs/measurements.md "vLLM for CPU on every core"). Nothing on a
-    machine with CUDA (vLLM's GPU build). VLLM_CPU_OMP_THREADS_BIND=auto gives vLLM's default."""
+    """The environment vLLM for CPU runs best with here, per its CPU install guide: Intel's
+    OpenMP preloaded when its environment has it (`<env>/lib/libiomp5.so`) and, on a machine of
+    at most SMALL_MACHINE_CPUS CPUs, its OpenMP threads bound to all of them. vLLM 0.32's own
+    binding ("auto") keeps one core for its scheduler process: on 2 cores the model ran on one
+    (the 2-core Zen 4, batch 1, bf16: plain 34.0 tokens/s against 42.2 with both cores bound;
+    docs/measurements.md "vLLM for CPU on every core"); on a bigger machine its auto binding
+    (physical cores of one NUMA node, one reserved) stays. Left alone where the caller set them
+    (VLLM_CPU_OMP_THREADS_BIND=auto gives vLLM's default); nothing where CUDA runs (vLLM's GPU build)."""
     import torch
 
     env: dict[str, str] = {}
     if torch.cuda.is_available():
         return env
-    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    cpus = sorted(os.sched_getaffinity(0))
+    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and len(cpus) <= SMALL_MACHINE_CPUS:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cpus)
     iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # <env>/bin/python: not resolved (a link)
     if "LD_PRELOAD" not in os.environ and iomp.is_file():
         env["LD_PRELOAD"] = str(iomp)

@@ -127,6 +127,9 @@ def test_vllm_runs_on_every_core_with_intel_openmp_unless_told_otherwise(tmp_pat
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")  # the caller's choice stays
     monkeypatch.setenv("LD_PRELOAD", "libtcmalloc.so")
     assert vllm_cpu_env(str(python)) == {}
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")  # a big machine keeps vLLM's own binding
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))
+    assert vllm_cpu_env(str(python)) == {}
 
 
 def our_chain_tau(target, head_dir: Path, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
