@@ -185,8 +185,7 @@ def server_command(mode: str, args: argparse.Namespace,
     """(program, flags, environment added) of a mode's server: ours (program None:
     eagle_infer.server) or vLLM's, on every core (vllm_cpu_env)."""
     if mode.startswith("vllm"):
-        from eagle_infer.default_model import resolve_model_path
-        from eagle_infer.shipped import shipped_dir
+        from eagle_infer.default_model import default_head_path, resolve_model_path
         from eagle_infer.vllm_client import vllm_cpu_env, vllm_python
 
         sys.path.insert(0, str(REPO / "scripts"))
@@ -200,7 +199,7 @@ def server_command(mode: str, args: argparse.Namespace,
         flags = ["--dtype", args.vllm_dtype, "--max-num-seqs", str(max_concurrency),
                  "--max-model-len", "2048"]
         if mode == "vllm-spec":
-            head = Path(args.draft) if args.draft else shipped_dir("heads") / "SmolLM2-135M-Instruct-eagle3"
+            head = Path(args.draft) if args.draft else default_head_path("eagle3")  # the server's default
             flags += ["--speculative-config", json.dumps({"method": head_method(head), "model": str(head),
                                                           "num_speculative_tokens": args.vllm_k})]
         if args.api_key:

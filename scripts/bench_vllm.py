@@ -61,6 +61,7 @@ def run_vllm(model: str, prompts: list[list[int]], *, head: Path | None, k: int,
     in one batch and no warm-up call, for checks of outputs and acceptance, not of speed (the
     interop tests: 4 prompts x 64 tokens took 21 s one by one on the 2-core EPYC). batch_size:
     prompts per generate call, in order (the warm-up call has as many); seconds are per call."""
+    from eagle_infer.bench import batches
     from eagle_infer.vllm_client import VLLMEngine
 
     spec = None
@@ -79,8 +80,7 @@ def run_vllm(model: str, prompts: list[list[int]], *, head: Path | None, k: int,
             seconds = [secs / len(prompts)] * len(prompts)
         else:
             outputs, seconds = [], []
-            for i in range(0, len(prompts), batch_size):  # batch after batch, as our bench
-                batch = prompts[i:i + batch_size]
+            for batch in batches(prompts, batch_size):  # batch after batch, as our bench
                 out, secs = llm.generate(batch, [params] * len(batch))
                 outputs.extend(out)
                 seconds.append(secs)
@@ -95,11 +95,12 @@ def run_vllm(model: str, prompts: list[list[int]], *, head: Path | None, k: int,
 
 def summarize(raw: dict, k: int, batch_size: int = 1) -> dict:
     """Our bench's fields for one vLLM run (per_prompt at batch 1, else per_batch)."""
+    from eagle_infer.bench import batches
+
     tokens = sum(len(o) for o in raw["outputs"])
     secs = sum(raw["seconds"])
-    calls = [raw["outputs"][i:i + batch_size] for i in range(0, len(raw["outputs"]), batch_size)]
     per_call = [{"tokens": sum(len(o) for o in c), "seconds": round(s, 4)}
-                for c, s in zip(calls, raw["seconds"])]
+                for c, s in zip(batches(raw["outputs"], batch_size), raw["seconds"])]
     out = {"tokens": tokens, "seconds": round(secs, 4), "tokens_per_s": round(tokens / secs, 3),
            "per_prompt" if batch_size == 1 else "per_batch": per_call, "warmup_s": round(raw["warmup_s"], 2)}
     if "spec" in raw:
@@ -206,15 +207,14 @@ def main(argv: list[str] | None = None) -> None:
                  f"not {' '.join(args.ours_tree)}")
 
     from eagle_infer.bench import load_prompts
-    from eagle_infer.default_model import resolve_model_path
+    from eagle_infer.default_model import default_head_path, resolve_model_path
     from eagle_infer.loader import load_tokenizer
-    from eagle_infer.shipped import shipped_dir
 
     model = str(resolve_model_path(args.model_path))
     tokenizer = load_tokenizer(model)
     prompts = load_prompts(args.prompts, args.num_prompts, tokenizer)
     heads = ([Path(h) for h in args.heads] if args.heads is not None
-             else [shipped_dir("heads") / "SmolLM2-135M-Instruct-eagle3"])
+             else [default_head_path("eagle3")])
     dtype = {"bf16": "bfloat16", "fp32": "float32"}[args.dtype]
     k = args.num_speculative_tokens
     common = dict(max_new_tokens=args.max_new_tokens, dtype=dtype, ignore_eos=not args.stop_at_eos,
