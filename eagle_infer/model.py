@@ -1,4 +1,4 @@
-"""The target model: a Llama-family / Qwen2 decoder with a static KV cache.
+"""The target model: a Llama-family / Qwen2 / Qwen3 decoder with a static KV cache.
 
 Everything the speculative runtime asks of the target is here and nothing more:
   * one preallocated cache for all layers, [layers, 2, batch, kv_heads, max_seq_len, head_dim],
@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from eagle_infer.errors import UserError
 from eagle_infer.kernels import avx2_attention, decoder_layers
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass
@@ -49,9 +49,10 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int = 4096
+    max_position_embeddings: int = 4096  # the context served exactly: a sliding window caps it
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's queries and keys before RoPE
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
@@ -63,9 +64,12 @@ class ModelConfig:
                 f"unsupported architecture: model_type '{model_type}' ({arch}); "
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window", model_type == "mistral"):
-            # Full attention is exact as long as the context stays inside the window.
-            pass
+        max_positions = cfg.get("max_position_embeddings", 4096)
+        window = cfg.get("sliding_window")
+        if window and cfg.get("use_sliding_window", model_type == "mistral"):
+            # Full attention equals the window's while the context stays inside it (a token sees
+            # the W latest slots, itself included): the context is capped there.
+            max_positions = min(max_positions, window)
         # transformers >= 5 keeps rope settings in `rope_parameters`; older configs use
         # `rope_theta` + `rope_scaling`.
         rope = dict(cfg.get("rope_parameters") or {})
@@ -88,9 +92,10 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
             eos_token_ids=eos_ids,
         )
 
@@ -369,12 +374,19 @@ class Attention(nn.Module):
         # q, k and v in one matmul: fewer kernel launches per layer.
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x: Tensor, s: StepInputs) -> Tensor:
         """x [B*T, H] -> [B*T, H]."""
         B, T = s.shape
         nh, nkv = self.n_heads, self.n_kv
         qk, v = self.qkv_proj(x).view(B, T, nh + 2 * nkv, self.head_dim).split([nh + nkv, nkv], 2)
+        if self.qk_norm:
+            q, k = qk.split([nh, nkv], 2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], 2)  # [B, T, nh + nkv, D]
         q, k = rotate(qk, s.cos, s.sin).split([nh, nkv], 2)  # q and k rotated together
         keys, values = s.cache.update(self.layer, s.write_index, k, v, s.row0, s.kv_len)
         out = attention(q.transpose(1, 2), keys, values, s.bias, nkv != nh, s.causal)  # [B, heads, T, D]

@@ -152,7 +152,8 @@ def run_ours(args: argparse.Namespace, head: Path | None, tree: tuple[int, int, 
     "int8": our target with int8 weights (vLLM's runs stay unquantized)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ours.json"
-        cmd = [sys.executable, "-m", "eagle_infer.bench", "--num-prompts", str(args.num_prompts),
+        cmd = [sys.executable, "-m", "eagle_infer.bench", "--model-path", args.model_path,
+               "--num-prompts", str(args.num_prompts),
                *(["--prompts", args.prompts] if args.prompts else []),
                "--max-new-tokens", str(args.max_new_tokens), "--dtype", args.dtype, "--no-hf",
                "--quantization", quantization, "--batch-size", str(args.batch_size), "--json", str(out)]
@@ -205,6 +206,9 @@ def main(argv: list[str] | None = None) -> None:
             len(args.ours_tree) == 3 and all(v.isdigit() for v in args.ours_tree)):
         ap.error(f"--ours-tree takes three numbers (STEPS TOPK N) or 'default', "
                  f"not {' '.join(args.ours_tree)}")
+
+    if args.llamacpp and args.model_path != "default":
+        ap.error("--llamacpp runs the embedded default's Q4_1 GGUF only: drop it or --model-path")
 
     from eagle_infer.bench import load_prompts
     from eagle_infer.default_model import default_head_path, resolve_model_path

@@ -47,6 +47,9 @@ TINY_ARCHS: dict[str, dict] = {
     ),
     "mistral": dict(model_type="mistral", sliding_window=None,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # Qwen3: RMSNorm over each head's queries and keys before RoPE; head_dim != hidden / heads.
+    "qwen3": dict(model_type="qwen3", head_dim=32,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
 }
 TINY_SEED = 1234
 
@@ -66,10 +69,11 @@ def pytest_configure(config):
 
 
 def _hf_config(arch: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     spec = dict(TINY_ARCHS[arch])
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[spec.pop("model_type")]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig,
+           "qwen3": Qwen3Config}[spec.pop("model_type")]
     return cls(**_TINY_BASE, **spec)
 
 

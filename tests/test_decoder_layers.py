@@ -27,11 +27,12 @@ needs_bf16 = pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without
 
 
 def fp32_target(layers: int = 3, attention_bias: bool = False, heads: int = 4,
-                kv_heads: int = 2) -> Transformer:
+                kv_heads: int = 2, qk_norm: bool = False) -> Transformer:
     """A tiny fp32 target of head size 64 (the attention kernel's) on torch's Linears."""
     cfg = ModelConfig(model_type="llama", vocab_size=96, hidden_size=128, intermediate_size=192,
                       num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=64,
-                      max_position_embeddings=512, eos_token_ids=[], attention_bias=attention_bias)
+                      max_position_embeddings=512, eos_token_ids=[], attention_bias=attention_bias,
+                      qk_norm=qk_norm)
     torch.manual_seed(0)
     target = Transformer(cfg).eval().requires_grad_(False)
     with torch.no_grad():
@@ -231,6 +232,7 @@ def test_greedy_identical_on_the_fused_layers_eager_and_compiled(attention_kerne
 
 def test_attach_declines_what_the_op_does_not_compute(attention_kernel_on, monkeypatch):
     assert tiny_target(attention_bias=True).fused_layers is None  # qkv biases (Qwen2)
+    assert on_our_kernels(fp32_target(qk_norm=True)).fused_layers is None  # query/key norms (Qwen3)
     torch_linears = tiny_target()
     assert torch_linears.fused_layers.max_rows == AVX2_MAX_ROWS  # its Linears' kernel limit
     assert decoder_layers.applies(torch_linears, 4, 8) and not decoder_layers.applies(torch_linears, 3, 11)

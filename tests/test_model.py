@@ -2,7 +2,7 @@
 
 Every test runs on the default SmolLM2 (real weights) and on tiny random checkpoints of each
 supported architecture (GQA Llama, Qwen2 with attention bias, tied embeddings with an
-explicit head_dim, Llama-3 rope scaling, Mistral).
+explicit head_dim, Llama-3 rope scaling, Mistral, Qwen3 with query/key norms).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from eagle_infer.model import build_attn_mask, causal_mask
 REPO = Path(__file__).resolve().parents[1]
 # CLI subprocesses: one thread unless told otherwise (see conftest.pytest_configure).
 CLI_ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-ALL_TARGETS = ["default", "llama", "qwen2", "tied", "llama3_rope", "mistral"]
+ALL_TARGETS = ["default", "llama", "qwen2", "tied", "llama3_rope", "mistral", "qwen3"]
 # Cache tests need no second look at the rope variants.
-CACHE_TARGETS = ["default", "llama", "qwen2", "tied"]
+CACHE_TARGETS = ["default", "llama", "qwen2", "tied", "qwen3"]
 
 CHAT_MESSAGES = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -287,6 +287,23 @@ def test_weights_of_another_shape(tmp_path, tiny_model_dir):
     (tmp_path / "model.safetensors").write_bytes((tiny_model_dir("llama") / "model.safetensors").read_bytes())
     with pytest.raises(UserError, match="missing"):
         load_model(tmp_path, "fp32", "cpu")
+
+
+def test_a_sliding_window_caps_the_context(tiny_model_dir):
+    """Full attention equals a sliding window's while the context fits the window: a config whose
+    window is in use serves at most that context (Mistral uses it unless told otherwise, Qwen2 and
+    Qwen3 only with use_sliding_window)."""
+    from eagle_infer.model import ModelConfig
+
+    base = json.loads((tiny_model_dir("llama") / "config.json").read_text())
+    cases = [("mistral", {"sliding_window": 32}, 32), ("mistral", {"sliding_window": None}, 128),
+             ("qwen2", {"sliding_window": 32, "use_sliding_window": False}, 128),
+             ("qwen3", {"sliding_window": 32, "use_sliding_window": True}, 32),
+             ("mistral", {"sliding_window": 4096}, 128)]
+    for model_type, extra, context in cases:
+        cfg = ModelConfig.from_hf({**base, "model_type": model_type, **extra})
+        assert cfg.max_position_embeddings == context, (model_type, extra)
+        assert cfg.qk_norm is (model_type == "qwen3")
 
 
 def test_prompt_longer_than_context(tiny_models):

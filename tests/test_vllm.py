@@ -110,6 +110,29 @@ def test_bench_batches_prompts_in_order_one_generate_call_each(monkeypatch):
     assert got["tokens_per_s"] == 10.0 and got["warmup_s"] == 1.5
 
 
+def test_our_side_of_the_bench_decodes_the_same_target(monkeypatch, capsys):
+    """--ours runs our bench on --model-path, not on the embedded default (it did: a comparison of
+    two different models); --llamacpp, which has the default's GGUF only, refuses another target."""
+    import argparse
+
+    bv = _bench_vllm()
+    cmds: list[list[str]] = []
+
+    def fake_run(cmd, check, cwd):
+        cmds.append(cmd)
+        Path(cmd[cmd.index("--json") + 1]).write_text("{}")
+
+    monkeypatch.setattr(bv.subprocess, "run", fake_run)
+    args = argparse.Namespace(model_path="/models/qwen3", num_prompts=2, prompts=None, max_new_tokens=8,
+                              dtype="fp32", batch_size=1, num_speculative_tokens=K, stop_at_eos=False)
+    bv.run_ours(args, None)
+    bv.run_ours(args, Path("/heads/h"), "default")
+    assert [c[c.index("--model-path") + 1] for c in cmds] == ["/models/qwen3"] * 2
+    with pytest.raises(SystemExit) as e:
+        bv.main(["--model-path", "/models/qwen3", "--llamacpp"])
+    assert e.value.code == 2 and "--llamacpp" in capsys.readouterr().err
+
+
 def test_vllm_runs_on_every_core_with_intel_openmp_unless_told_otherwise(tmp_path, monkeypatch):
     from eagle_infer.vllm_client import vllm_cpu_env
 

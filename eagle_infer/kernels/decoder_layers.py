@@ -82,14 +82,15 @@ def _kernel_of(linear: nn.Module) -> tuple[int, Tensor, Tensor, int] | None:
 
 def attach(model: nn.Module) -> Stack | None:
     """Register the model's layers with the op and set `model.fused_layers` (None where a layer
-    has a Linear off our kernels, a bias, another head size, the attention kernel is off, or
-    $EAGLE_FUSED_LAYERS=0); returns the Stack."""
+    has a Linear off our kernels, a bias, another head size, query/key norms (Qwen3), the
+    attention kernel is off, or $EAGLE_FUSED_LAYERS=0); returns the Stack."""
     choice = os.environ.get(ENV, "1")
     if choice not in ("0", "1"):
         raise UserError(f"{ENV} must be 0 or 1, got {choice!r}")
     model.fused_layers = None
     cfg = model.config
     if (choice == "0" or not avx2_attention.enabled() or cfg.head_dim != avx2_attention.HEAD_DIM
+            or cfg.qk_norm  # query/key norms (Qwen3): not in the op
             or cfg.hidden_size % 8 or cfg.intermediate_size % 8):  # the C++ loops run 8 values at a time
         return None
     args = stack_arguments(model)
