@@ -107,9 +107,11 @@ AVX2_MAX_ROWS = 32
 
 
 class KernelLinear(nn.Linear):
-    """A bias-free nn.Linear (same parameters and state dict) whose calls of up to max_rows rows,
-    eager and compiled, run our op torch.ops.eagle.<op> on its packed copy of the weight (the
-    buffer packed_weight, outside the state dict); larger calls run torch's F.linear."""
+    """An nn.Linear (same parameters and state dict) whose calls of up to max_rows rows, eager and
+    compiled, run our op torch.ops.eagle.<op> on its packed copy of the weight (the buffer
+    packed_weight, outside the state dict), its bias (Qwen2's q/k/v) added after; larger calls
+    run torch's F.linear. Where torch's addmm adds the bias before rounding to bf16, this rounds
+    twice: equally close to the fp32 result, and still each row's own (rows are independent)."""
 
     packed_weight: Tensor
     max_rows: int
@@ -117,8 +119,9 @@ class KernelLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.numel() // x.shape[-1] > self.max_rows:
-            return F.linear(x, self.weight)
-        return self.kernel(x)
+            return F.linear(x, self.weight, self.bias)
+        y = self.kernel(x)
+        return y if self.bias is None else y + self.bias
 
     def kernel(self, x: Tensor) -> Tensor:
         return getattr(torch.ops.eagle, self.op)(x, self.packed_weight, self.out_features)
@@ -162,11 +165,13 @@ class Bf16Linear(KernelLinear):
 
 
 def _use_kernel_linears(model: nn.Module, kernel, cls: type, dtype: torch.dtype) -> int:
-    """Make every bias-free CPU Linear of `model` in `dtype` a `cls`, with `kernel`'s packed copy of
-    its weight (kernel: kernels.avx2_linear or kernels.bf16_linear, built the first time on this
-    machine); returns how many."""
+    """Make every CPU Linear of `model` in `dtype` a `cls`, with `kernel`'s packed copy of its
+    weight (kernel: kernels.avx2_linear or kernels.bf16_linear, built the first time on this
+    machine), biased ones too (on torch's bf16 addmm the q/k/v projections of Qwen2.5-0.5B's shape
+    streamed their weights at ~5 GB/s, a fifth of its decode step: docs/measurements.md); returns
+    how many."""
     kernel.load()
-    linears = _linears(model, (dtype,))
+    linears = _linears(model, (dtype,), with_bias=True)
     for m in linears:
         m.register_buffer("packed_weight", kernel.pack(m.weight), persistent=False)
         m.__class__ = cls
@@ -174,7 +179,7 @@ def _use_kernel_linears(model: nn.Module, kernel, cls: type, dtype: torch.dtype)
 
 
 def use_avx2_linears(model: nn.Module) -> int:
-    """Make every bias-free fp32 CPU Linear of `model` an Avx2Linear (building the kernel the
+    """Make every fp32 CPU Linear of `model` an Avx2Linear (building the kernel the
     first time on this machine); returns how many."""
     from eagle_infer.kernels import avx2_linear
 
@@ -184,7 +189,7 @@ def use_avx2_linears(model: nn.Module) -> int:
 
 
 def use_bf16_linears(model: nn.Module) -> int:
-    """Make every bias-free bf16 CPU Linear of `model` a Bf16Linear (building the kernel the
+    """Make every bf16 CPU Linear of `model` a Bf16Linear (building the kernel the
     first time on this machine); returns how many."""
     from eagle_infer.kernels import bf16_linear
 
@@ -258,9 +263,10 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
 
 
-def _linears(model: nn.Module, dtypes: tuple[torch.dtype, ...]) -> list[nn.Linear]:
-    """The bias-free CPU nn.Linears of `model` with weights in `dtypes`: what a backend converts."""
-    return [m for m in model.modules() if type(m) is nn.Linear and m.bias is None
+def _linears(model: nn.Module, dtypes: tuple[torch.dtype, ...], with_bias: bool = False) -> list[nn.Linear]:
+    """The CPU nn.Linears of `model` with weights in `dtypes` (bias-free ones unless `with_bias`):
+    what a backend converts."""
+    return [m for m in model.modules() if type(m) is nn.Linear and (with_bias or m.bias is None)
             and m.weight.device.type == "cpu" and m.weight.dtype in dtypes]
 
 

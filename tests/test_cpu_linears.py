@@ -101,6 +101,30 @@ def test_bf16_linears_packed_from_one_row_where_the_cpu_has_bf16(monkeypatch, ti
         assert model.cpu_linears == "torch" and type(model.lm_head) is torch.nn.Linear
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_biased_linears_run_our_kernel_rows_independent(dtype, tiny_model_dir):
+    """A Linear with a bias (Qwen2's q/k/v) runs our kernel too, its bias added after: close to
+    torch's, each row the same bits alone or with others (what lossless verification needs), and
+    a Qwen2 checkpoint loads with its q/k/v on it."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48, bias=True).to(dtype)
+    with torch.no_grad():
+        lin.bias.normal_()
+    x = torch.randn(5, 64).to(dtype)
+    ref = F.linear(x.float(), lin.weight.float(), lin.bias.float())
+    convert, cls = ((cpu_linears.use_avx2_linears, cpu_linears.Avx2Linear) if dtype == torch.float32
+                    else (cpu_linears.use_bf16_linears, cpu_linears.Bf16Linear))
+    assert convert(lin) == 1 and type(lin) is cls
+    y = lin(x)
+    torch.testing.assert_close(y.float(), ref, atol=1e-4 if dtype == torch.float32 else 0.1, rtol=0.02)
+    assert torch.equal(y, torch.cat([lin(x[i:i + 1]) for i in range(5)]))
+    fp32 = dtype == torch.float32
+    model = load_model(tiny_model_dir("qwen2"), "fp32" if fp32 else "bf16", "cpu",
+                       cpu_linears="avx2" if fp32 else "avx512_bf16")
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert qkv.bias is not None and type(qkv) is cls and model.fused_layers is None
+
+
 @pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
 def test_speculative_greedy_identical_with_onednn_linears(kind):
     target = tiny_target(layers=3)
