@@ -322,9 +322,13 @@ def auto_backend(model: nn.Module) -> str:
     kernel faster than oneDNN's bf16 Linears at 1-512 rows (BF16_MAX_ROWS). bf16 is not measured
     on the template (its weights would miss torch's compile cache there)."""
     free = available_memory_bytes()
+
+    def ours_fit(dtype: torch.dtype) -> bool:  # our kernels pack biased Linears too (Qwen2's q/k/v)
+        return free is None or 2 * _weight_bytes(_linears(model, (dtype,), with_bias=True)) <= free
+
     bf16 = _linears(model, (torch.bfloat16,))
     if bf16 and not _linears(model, (torch.float32,)) and bf16_default():  # on any AVX2 CPU, no oneDNN needed
-        if free is None or 2 * _weight_bytes(bf16) <= free:
+        if ours_fit(torch.bfloat16):
             return "avx512_bf16"
     need = convertible_bytes(model) if available() else 0
     if need == 0:
@@ -334,7 +338,7 @@ def auto_backend(model: nn.Module) -> str:
     dtypes = {m.weight.dtype for m in _convertible(model)}  # not empty: need > 0
     fp32 = dtypes == {torch.float32}
     if fp32 and avx2_default():
-        return "avx2"
+        return "avx2" if ours_fit(torch.float32) else "torch"
     if fp32 and template_isa() and (free is None or 2 * TEMPLATE_COPIES * need <= free):
         return "inductor"
     return "onednn"

@@ -21,10 +21,10 @@ from eagle_infer.tree import TreeConfig
 pytestmark = pytest.mark.skipif(not avx2_linear.supported(), reason="CPU without AVX2 / FMA")
 
 
-def cache_views(B: int, KVH: int, S: int, max_len: int = 600,
-                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """keys, values [B, KVH, S, 64]: strided views of a [2, B, KVH, max_len, 64] cache, as a layer's."""
-    cache = torch.randn(2, B, KVH, max_len, 64).to(dtype)
+def cache_views(B: int, KVH: int, S: int, max_len: int = 600, dtype: torch.dtype = torch.float32,
+                D: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys, values [B, KVH, S, D]: strided views of a [2, B, KVH, max_len, D] cache, as a layer's."""
+    cache = torch.randn(2, B, KVH, max_len, D).to(dtype)
     return cache.narrow(3, 0, S).unbind(0)
 
 
@@ -63,10 +63,11 @@ def multiply(request):
 @pytest.mark.parametrize("dtype,multiply", [(torch.float32, "loops"), (torch.bfloat16, "loops"),
                                             (torch.bfloat16, "dot"), (torch.bfloat16, "amx")],
                          indirect=["multiply"])
-def test_kernel_is_sdpa_and_rows_independent(T, S, dtype, multiply):
+@pytest.mark.parametrize("D", [64, 128])  # Llama's and Qwen2's head size; Qwen3's
+def test_kernel_is_sdpa_and_rows_independent(T, S, dtype, multiply, D):
     B, H, KVH = 2, 9, 3
-    q = torch.randn(B, T, H, 64).to(dtype).transpose(1, 2)  # [B, H, T, D], strided as the model's
-    long_keys, long_values = cache_views(B, KVH, S + 15, dtype=dtype)
+    q = torch.randn(B, T, H, D).to(dtype).transpose(1, 2)  # [B, H, T, D], strided as the model's
+    long_keys, long_values = cache_views(B, KVH, S + 15, dtype=dtype, D=D)
     keys, values = long_keys.narrow(2, 0, S), long_values.narrow(2, 0, S)
     bias = tree_bias(B, T, S).to(dtype)
     out = torch.ops.eagle.avx2_attention(q, keys, values, bias)
@@ -100,7 +101,8 @@ def test_kernel_is_sdpa_and_rows_independent(T, S, dtype, multiply):
 @pytest.mark.parametrize("dtype,multiply", [(torch.float32, "loops"), (torch.bfloat16, "loops"),
                                             (torch.bfloat16, "dot"), (torch.bfloat16, "amx")],
                          indirect=["multiply"])
-def test_a_slot_adds_the_same_wherever_masked_slots_put_it(dtype, multiply):
+@pytest.mark.parametrize("D", [64, 128])
+def test_a_slot_adds_the_same_wherever_masked_slots_put_it(dtype, multiply, D):
     """A tree's verify reads its path's slots with masked siblings between them, a one-row step
     reads them side by side: the rows' outputs must be the same bits. Peaked scores (queries x 3)
     and ~115,000 outputs, so that a sum whose order depends on where a slot sits shows past the
@@ -109,8 +111,8 @@ def test_a_slot_adds_the_same_wherever_masked_slots_put_it(dtype, multiply):
     torch.manual_seed(0)
     for T, S in ((16, 300), (20, 33), (64, 200)):
         B, H, KVH = 2, 9, 3
-        q = (3 * torch.randn(B, T, H, 64)).to(dtype).transpose(1, 2)
-        long_keys, long_values = cache_views(B, KVH, S + 15, dtype=dtype)
+        q = (3 * torch.randn(B, T, H, D)).to(dtype).transpose(1, 2)
+        long_keys, long_values = cache_views(B, KVH, S + 15, dtype=dtype, D=D)
         extra = torch.tensor([7, 8, 10, 13, 14]) + S  # after gaps of 7, 0, 1, 2 and 0 slots
         gaps = torch.full((B, 1, T, S + 15), float("-inf"), dtype=dtype)
         gaps[..., :S], gaps[..., extra] = 0, 0
@@ -125,18 +127,19 @@ def test_a_slot_adds_the_same_wherever_masked_slots_put_it(dtype, multiply):
 # the 6-row tiles; several tasks (B = 2: a batched prefill, right-padded rows included)
 @pytest.mark.parametrize("T", [1, 5, 37, 100])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_causal_kernel_is_causal_sdpa(T, dtype):
+@pytest.mark.parametrize("D", [64, 128])
+def test_causal_kernel_is_causal_sdpa(T, dtype, D):
     """causal_attention (a prefill from slot 0) computes SDPA's causal attention over the first T
     slots of cache views, reads no slot after them (NaN there), takes the model's strided q, and
     returns [B, H, T, D] laid out as [B, T, H, D], which o_proj reads without a copy."""
     avx2_attention.load()
     torch.manual_seed(0)
     B, H, KVH = 2, 9, 3
-    q = (2 * torch.randn(B, T, H + 2 * KVH, 64)).to(dtype)[:, :, :H].transpose(1, 2)
-    keys, values = cache_views(B, KVH, T + 20, dtype=dtype)
+    q = (2 * torch.randn(B, T, H + 2 * KVH, D)).to(dtype)[:, :, :H].transpose(1, 2)
+    keys, values = cache_views(B, KVH, T + 20, dtype=dtype, D=D)
     keys[:, :, T:], values[:, :, T:] = float("nan"), float("nan")
     out = torch.ops.eagle.causal_attention(q, keys, values)
-    assert out.shape == (B, H, T, 64) and out.dtype == dtype and out.transpose(1, 2).is_contiguous()
+    assert out.shape == (B, H, T, D) and out.dtype == dtype and out.transpose(1, 2).is_contiguous()
     ref = F.scaled_dot_product_attention(q.double(), keys[:, :, :T].double(), values[:, :, :T].double(),
                                          is_causal=True, enable_gqa=True)
     if dtype == torch.float32:
@@ -155,6 +158,8 @@ def test_causal_kernel_names_bad_input():
         torch.ops.eagle.causal_attention(torch.randn(1, 9, 11, 64), keys, values)
     with pytest.raises(RuntimeError, match="heads a multiple of kv heads"):
         torch.ops.eagle.causal_attention(torch.randn(1, 8, 4, 64), keys, values)
+    with pytest.raises(RuntimeError, match="head size 64 or 128"):
+        torch.ops.eagle.causal_attention(torch.randn(1, 9, 4, 96), *cache_views(1, 3, 10, D=96))
 
 
 def test_prefill_runs_the_causal_kernel_only_while_enabled(attention_kernel_on):
@@ -212,7 +217,7 @@ def test_kernel_names_bad_input():
         torch.ops.eagle.avx2_attention(q.double(), keys, values, torch.zeros(1, 1, 2, 10))
     with pytest.raises(RuntimeError, match="bias .* is not \\[B, 1, T, S\\]"):
         torch.ops.eagle.avx2_attention(q, keys, values, torch.zeros(1, 1, 2, 11))
-    with pytest.raises(RuntimeError, match="head size 64"):
+    with pytest.raises(RuntimeError, match="head size 64 or 128"):
         torch.ops.eagle.avx2_attention(torch.randn(1, 9, 2, 32), keys[..., :32], values[..., :32],
                                        torch.zeros(1, 1, 2, 10))
 
@@ -238,12 +243,12 @@ def test_attention_uses_the_kernel_only_while_enabled(attention_kernel_on):
         assert bool({op, op.default} & targets) is ours, (on, rows, targets)
 
 
-def target_with_head_dim_64(layers: int = 2) -> tuple[Transformer, torch.nn.Module]:
-    """A tiny fp32 target whose attention the kernel takes (head size 64), and a random EAGLE-3
-    head for it."""
+def target_for_the_kernel(layers: int = 2, head_dim: int = 64) -> tuple[Transformer, torch.nn.Module]:
+    """A tiny fp32 target whose attention the kernel takes (head size 64, or 128 as Qwen3's, its
+    query / key norms too), and a random EAGLE-3 head for it."""
     cfg = ModelConfig(model_type="llama", vocab_size=96, hidden_size=128, intermediate_size=128,
-                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=64,
-                      max_position_embeddings=512, eos_token_ids=[])
+                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=head_dim,
+                      max_position_embeddings=512, eos_token_ids=[], qk_norm=head_dim == 128)
     torch.manual_seed(0)
     target = Transformer(cfg).eval().requires_grad_(False)
     with torch.no_grad():
@@ -252,8 +257,9 @@ def target_with_head_dim_64(layers: int = 2) -> tuple[Transformer, torch.nn.Modu
     return target, random_head(target, "eagle3", draft_vocab=40)
 
 
-def test_greedy_identical_on_the_kernel_eager_and_compiled(attention_kernel_on):
-    target, head = target_with_head_dim_64()
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_greedy_identical_on_the_kernel_eager_and_compiled(attention_kernel_on, head_dim):
+    target, head = target_for_the_kernel(head_dim=head_dim)
     prompts = prompts_for(target.config.vocab_size)
     plain = generate(target, prompts, 20)  # batch 4: every decode step has 4 rows of 1 query
     assert generate(target, prompts, 20, compile=True) == plain

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_avx2_attention import target_with_head_dim_64
+from test_avx2_attention import target_for_the_kernel
 from test_speculative import prompts_for, tiny_target
 
 from eagle_infer import cpu_linears
@@ -180,7 +180,7 @@ def test_bf16_speculative_greedy_identical_to_plain_on_the_kernels(attention_ker
     too a verify's logits are the one-row steps' and greedy speculative decoding equals plain
     greedy decoding token for token, eager and compiled (Inductor's C++ wrapper, rounding as
     eager does). Logits close to those on torch's Linears. On FMAs, vdpbf16ps and AMX alike."""
-    fp32_target, fp32_head = target_with_head_dim_64(layers=3)
+    fp32_target, fp32_head = target_for_the_kernel(layers=3)
     target, head = fp32_target.to(torch.bfloat16), fp32_head.to(torch.bfloat16)
     prompts = prompts_for(target.config.vocab_size)
     ensure_cache(target, 1, 64)

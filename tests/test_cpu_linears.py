@@ -198,6 +198,22 @@ def test_auto_backend_needs_room_for_the_packed_copies(tiny_model_dir, monkeypat
     assert load_model(path, "fp32", "cpu").cpu_linears == "onednn"
 
 
+def test_auto_backend_counts_the_biased_linears_our_kernels_pack(tiny_model_dir, monkeypatch):
+    """Our kernels pack Qwen2's biased q/k/v too, oneDNN only the bias-free Linears: room for the
+    bias-free ones' copy alone is not room for ours."""
+    path = tiny_model_dir("qwen2")
+    model = load_model(path, "fp32", "cpu", cpu_linears="torch")
+    bias_free = cpu_linears.convertible_bytes(model)
+    biased = sum(m.weight.numel() * 4 for m in model.modules()
+                 if isinstance(m, torch.nn.Linear) and m.bias is not None)
+    assert bias_free > 0 and biased > 0
+    monkeypatch.setattr(cpu_linears, "avx2_default", lambda: True)
+    monkeypatch.setattr(cpu_linears, "available_memory_bytes", lambda: 2 * (bias_free + biased))
+    assert cpu_linears.auto_backend(model) == "avx2"
+    monkeypatch.setattr(cpu_linears, "available_memory_bytes", lambda: 2 * (bias_free + biased) - 1)
+    assert cpu_linears.auto_backend(model) == "torch"
+
+
 def test_inductor_linears_compiled_steps_equal_eager(monkeypatch):
     """cpu_linears="inductor": compiled steps freeze the weights for Inductor's C++ GEMM template
     (where the CPU has its AVX2 / AVX-512 kernels), under a compile-cache tag that differs for

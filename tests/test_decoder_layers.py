@@ -26,11 +26,16 @@ pytestmark = pytest.mark.skipif(not avx2_linear.supported(), reason="CPU without
 needs_bf16 = pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without AVX2 / FMA")
 
 
+# The layer kinds the op computes: Llama's; Qwen2's (q/k/v biases); Qwen3's (head size 128, each
+# head's queries and keys normed before RoPE)
+ARCHS = {"llama": {}, "qwen2": {"attention_bias": True}, "qwen3": {"head_dim": 128, "qk_norm": True}}
+
+
 def fp32_target(layers: int = 3, attention_bias: bool = False, heads: int = 4,
-                kv_heads: int = 2, qk_norm: bool = False) -> Transformer:
-    """A tiny fp32 target of head size 64 (the attention kernel's) on torch's Linears."""
+                kv_heads: int = 2, qk_norm: bool = False, head_dim: int = 64) -> Transformer:
+    """A tiny fp32 target of head size 64 (or 128: the attention kernel's) on torch's Linears."""
     cfg = ModelConfig(model_type="llama", vocab_size=96, hidden_size=128, intermediate_size=192,
-                      num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=64,
+                      num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                       max_position_embeddings=512, eos_token_ids=[], attention_bias=attention_bias,
                       qk_norm=qk_norm)
     torch.manual_seed(0)
@@ -38,9 +43,15 @@ def fp32_target(layers: int = 3, attention_bias: bool = False, heads: int = 4,
     with torch.no_grad():
         target.embed_tokens.weight.normal_(0, 1.0)
         target.lm_head.weight.normal_(0, 0.6)
-        for layer in target.layers:  # norms off 1, so a norm misapplied shows
+        for layer in target.layers:  # norms off 1 and biases off 0, so one misapplied shows
             layer.input_layernorm.weight.uniform_(0.5, 1.5)
             layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+            attn = layer.self_attn
+            if qk_norm:
+                attn.q_norm.weight.uniform_(0.5, 1.5)
+                attn.k_norm.weight.uniform_(0.5, 1.5)
+            if attention_bias:
+                attn.qkv_proj.bias.normal_(0, 0.5)
     return target
 
 
@@ -63,8 +74,8 @@ def on_our_kernels(target: Transformer, dtype: torch.dtype = torch.float32, line
 
 
 def tiny_target(dtype: torch.dtype = torch.float32, linears: str = "ours",
-                attention_bias: bool = False) -> Transformer:
-    return on_our_kernels(fp32_target(attention_bias=attention_bias), dtype, linears)
+                arch: str = "llama") -> Transformer:
+    return on_our_kernels(fp32_target(**ARCHS[arch]), dtype, linears)
 
 
 def step_both_ways(target: Transformer, T: int, taps: list[int]):
@@ -92,8 +103,9 @@ def step_both_ways(target: Transformer, T: int, taps: list[int]):
 
 
 @pytest.mark.parametrize("T", [1, 5])
-def test_fused_layers_compute_the_python_layers(attention_kernel_on, T):
-    target = tiny_target()
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_layers_compute_the_python_layers(attention_kernel_on, T, arch):
+    target = tiny_target(arch=arch)
     assert decoder_layers.applies(target, 2, T)
     taps = [0, 2, 1, 3]  # 3 = the final normed state, taken in Python either way
     (logits, hidden, kv), (ref_logits, ref_hidden, ref_kv) = step_both_ways(target, T, taps)
@@ -110,8 +122,9 @@ def test_fused_layers_compute_the_python_layers(attention_kernel_on, T):
     pytest.param(torch.bfloat16, "ours", marks=needs_bf16),
     pytest.param(torch.bfloat16, "int8", marks=needs_bf16),
 ])
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(attention_kernel_on, dtype, linears):
-    target = tiny_target(dtype=dtype, linears=linears)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(attention_kernel_on, dtype, linears, arch):
+    target = tiny_target(dtype=dtype, linears=linears, arch=arch)
     one, *_ = step_both_ways(target, 1, [1])[0]
     five, *_ = step_both_ways(target, 5, [1])[0]
     assert torch.equal(one[:, 0], five[:, 0])  # each sequence's first new token, bit for bit
@@ -157,8 +170,8 @@ def test_a_sequences_result_does_not_depend_on_the_batch_beside_it(attention_ker
 # P: a prompt within one block of 16 keys (phase 1's second half reads none), blocks that do not
 # halve, a partial last block; T = 2: a verify's two rows (4 a kv head: not in chunks)
 @needs_bf16
-@pytest.mark.parametrize("P,T", [(6, 1), (40, 1), (300, 2)])
-def test_a_split_attention_leaves_a_sequences_bits_alone(attention_kernel_on, P, T):
+@pytest.mark.parametrize("P,T,head_dim", [(6, 1, 64), (40, 1, 64), (300, 2, 64), (40, 1, 128)])
+def test_a_split_attention_leaves_a_sequences_bits_alone(attention_kernel_on, P, T, head_dim):
     """On 2 threads the attention of one sequence's decode step over 3 kv heads runs in two phases,
     each in halves of every kv head (kernel_calls.h split_attention; vdpbf16ps scores: the keys'
     halves, then P V's halves of d); beside a second sequence the threads take whole kv heads: the
@@ -170,7 +183,7 @@ def test_a_split_attention_leaves_a_sequences_bits_alone(attention_kernel_on, P,
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        target = on_our_kernels(fp32_target(heads=6, kv_heads=3), torch.bfloat16)
+        target = on_our_kernels(fp32_target(heads=6, kv_heads=3, head_dim=head_dim), torch.bfloat16)
         kv_len = P + 4 if P < 12 else P + 20  # slots after the new rows: masked
         beside, alone = alone_and_beside(target, P, T, kv_len, P + 24, seed=P, masked_slot=P // 3)
         for got, want in zip(alone, beside):  # logits, hidden state, cache row
@@ -182,8 +195,9 @@ def test_a_split_attention_leaves_a_sequences_bits_alone(attention_kernel_on, P,
 
 @needs_bf16
 @pytest.mark.parametrize("linears", ["ours", "int8"])
-def test_bf16_and_int8_layers_round_where_the_python_layers_do(attention_kernel_on, linears):
-    target = tiny_target(dtype=torch.bfloat16, linears=linears)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_and_int8_layers_round_where_the_python_layers_do(attention_kernel_on, linears, arch):
+    target = tiny_target(dtype=torch.bfloat16, linears=linears, arch=arch)
     (logits, hidden, _), (ref_logits, ref_hidden, _) = step_both_ways(target, 5, [1, 2])
     # the same bf16 roundings, the sums of squares in another order: at most a bf16 step apart
     torch.testing.assert_close(logits.float(), ref_logits.float(), rtol=2e-2, atol=5e-2)
@@ -213,12 +227,14 @@ def test_compiled_steps_call_the_op(attention_kernel_on):
     assert len([n for n in graphs[-1].graph.nodes if n.op == "placeholder"]) < 12
 
 
-@pytest.mark.parametrize("dtype,linears", [
-    (torch.float32, "ours"),
-    pytest.param(torch.bfloat16, "int8", marks=needs_bf16),
+@pytest.mark.parametrize("dtype,linears,arch", [
+    (torch.float32, "ours", "llama"),
+    (torch.float32, "ours", "qwen3"),
+    pytest.param(torch.bfloat16, "int8", "llama", marks=needs_bf16),
+    pytest.param(torch.bfloat16, "int8", "qwen2", marks=needs_bf16),
 ])
-def test_greedy_identical_on_the_fused_layers_eager_and_compiled(attention_kernel_on, dtype, linears):
-    target = fp32_target()
+def test_greedy_identical_on_the_fused_layers_eager_and_compiled(attention_kernel_on, dtype, linears, arch):
+    target = fp32_target(**ARCHS[arch])
     head = random_head(target, "eagle3", draft_vocab=40).to(dtype)
     target = on_our_kernels(target, dtype, linears, head)
     assert target.fused_layers is not None
@@ -231,8 +247,10 @@ def test_greedy_identical_on_the_fused_layers_eager_and_compiled(attention_kerne
 
 
 def test_attach_declines_what_the_op_does_not_compute(attention_kernel_on, monkeypatch):
-    assert tiny_target(attention_bias=True).fused_layers is None  # qkv biases (Qwen2)
-    assert on_our_kernels(fp32_target(qk_norm=True)).fused_layers is None  # query/key norms (Qwen3)
+    assert on_our_kernels(fp32_target(head_dim=32)).fused_layers is None  # no attention kernel for it
+    biased_o = fp32_target()
+    biased_o.layers[1].self_attn.o_proj.bias = torch.nn.Parameter(torch.ones(128), requires_grad=False)
+    assert on_our_kernels(biased_o).fused_layers is None  # a bias the op does not add
     torch_linears = tiny_target()
     assert torch_linears.fused_layers.max_rows == AVX2_MAX_ROWS  # its Linears' kernel limit
     assert decoder_layers.applies(torch_linears, 4, 8) and not decoder_layers.applies(torch_linears, 3, 11)
@@ -266,6 +284,10 @@ def test_bad_input_and_released_stacks_get_clear_errors(attention_kernel_on):
         op(stack.id, x, cos.double(), cos, bias, index, target.cache.kv, 0, 1, [])
     with pytest.raises(RuntimeError, match=r"x \[B\*T, 128\] in the stack's dtype"):
         op(stack.id, torch.randn(1, 64), cos, cos, bias, index, target.cache.kv, 0, 1, [])
+    tensors, kinds, dims, eps, _ = decoder_layers.stack_arguments(tiny_target(arch="qwen3"))
+    tensors[13 + 2] = torch.empty(0)  # layer 1 without its query norm
+    with pytest.raises(RuntimeError, match="query and key norms of 128 values .* in every layer, or in none"):
+        torch.ops.eagle.register_stack(tensors, kinds, dims, eps)
     stack_id = stack.id
     del target, stack
     gc.collect()

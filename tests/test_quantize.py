@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from test_avx2_attention import target_with_head_dim_64
+from test_avx2_attention import target_for_the_kernel
 from test_speculative import oracle_head, prompts_for, random_head, tiny_target
 
 from eagle_infer import cpu_linears, quantize
@@ -165,7 +165,7 @@ def test_int8_on_our_kernel_speculative_identical_to_plain_eager_and_compiled(
     int8 weights, compiled steps call it with our kernels' settings (not the frozen template),
     and greedy speculative decoding equals plain greedy decoding of the quantized target, eager
     and compiled, in bf16."""
-    target, head = target_with_head_dim_64(layers=2)
+    target, head = target_for_the_kernel(layers=2)
     target, head = target.to(torch.bfloat16), head.to(torch.bfloat16)
     prompts = prompts_for(target.config.vocab_size)
     torch_plain = generate(target, prompts, 24)

@@ -1,7 +1,8 @@
 // out[b, h, t] = softmax(q[b, h, t] . K[b, h / G]^T / sqrt(D) + bias[b, 0, t]) V[b, h / G] for the
 // few query rows of a decode step (1) or a verify (a tree's nodes), fp32 on AVX2 + FMA, GQA
-// (G = heads / kv_heads query heads read one kv head). D = 64 (the head size of the targets this
-// runs; other sizes go to SDPA). A bf16 call reads its bf16 K and V in place, widens each block
+// (G = heads / kv_heads query heads read one kv head). D = 64 or 128 (the head sizes of the targets
+// this runs: Llama-family and Qwen2 heads of 64, Qwen3's of 128; other sizes go to SDPA): each
+// function below is a template on D, the op and the fused layers pick the instance. A bf16 call reads its bf16 K and V in place, widens each block
 // of keys or values to fp32 once for all its query rows, and computes as an fp32 call does; its
 // output is rounded to bf16 once.
 //
@@ -35,28 +36,29 @@
 
 namespace {
 
-constexpr int64_t kD = 64;  // head size: eight 8-float registers
 constexpr int64_t kKeysAhead = 64;  // keys whose rows are asked for ahead of the scores (prefetch_rows)
 
-// One cache row (64 values) as fp32: copied, or widened from bf16 (a bf16 is the high half of the
+// One cache row (D values) as fp32: copied, or widened from bf16 (a bf16 is the high half of the
 // fp32 of the same value, so exactly).
-inline void row_as_fp32(const float* src, float* dst) { std::memcpy(dst, src, kD * sizeof(float)); }
+template <int D>
+inline void row_as_fp32(const float* src, float* dst) { std::memcpy(dst, src, D * sizeof(float)); }
+template <int D>
 inline void row_as_fp32(const at::BFloat16* src, float* dst) {
-  for (int64_t d = 0; d < kD; d += 8) _mm256_storeu_ps(dst + d, eagle::load8(src + d));
+  for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, eagle::load8(src + d));
 }
 
 // n keys' (or values') rows of the cache from src (rows `stride` apart) as fp32, followed by zero
 // rows up to `rows`: a full block of an fp32 cache in place, else copied (widened from bf16) into
 // buf, once for all the query rows that read them. Returns the rows and their stride.
-template <typename KV>
+template <int D, typename KV>
 inline std::pair<const float*, int64_t> block_as_fp32(const KV* src, int64_t n, int64_t rows, int64_t stride,
                                                       float* buf) {
   if constexpr (std::is_same_v<KV, float>) {
     if (n == rows) return {src, stride};
   }
-  for (int64_t i = 0; i < n; i++) row_as_fp32(src + i * stride, buf + i * kD);
-  std::fill(buf + n * kD, buf + rows * kD, 0.f);
-  return {buf, kD};
+  for (int64_t i = 0; i < n; i++) row_as_fp32<D>(src + i * stride, buf + i * D);
+  std::fill(buf + n * D, buf + rows * D, 0.f);
+  return {buf, D};
 }
 
 // Ask for n cache rows (`stride` apart) from `rows` on into L2 (a hint). A step's K and V come from
@@ -64,11 +66,11 @@ inline std::pair<const float*, int64_t> block_as_fp32(const KV* src, int64_t n, 
 // hardware's prefetcher alone was slow at it: a one-row call over 1,200 slots, 30 layers' caches
 // in turn with 64 MB read between steps, 154 us a layer on the loops; 133 with K asked for
 // kKeysAhead keys ahead and V as K goes (2-core Zen 4; scripts/probe_avx2_attention.py --cold).
-template <typename KV>
+template <int D, typename KV>
 inline void prefetch_rows(const KV* rows, int64_t n, int64_t stride) {
   for (int64_t i = 0; i < n; i++) {
     const char* row = reinterpret_cast<const char*>(rows + i * stride);
-    for (int64_t line = 0; line < kD * static_cast<int64_t>(sizeof(KV)); line += 64)
+    for (int64_t line = 0; line < D * static_cast<int64_t>(sizeof(KV)); line += 64)
       _mm_prefetch(row + line, _MM_HINT_T1);
   }
 }
@@ -76,30 +78,32 @@ inline void prefetch_rows(const KV* rows, int64_t n, int64_t stride) {
 // Before the scores of keys j..j+n of those up to `end`, from key `start` on: K's rows kKeysAhead keys
 // on (from `start` at j = start), and, unless v is null, these keys' V rows, which P V reads after
 // every score.
-template <typename KV>
+template <int D, typename KV>
 inline void prefetch_ahead(const KV* k, const KV* v, int64_t j, int64_t n, int64_t end, int64_t stride,
                            int64_t start = 0) {
-  if (j == start) prefetch_rows(k + start * stride, std::min(end - start, kKeysAhead), stride);
-  if (j + kKeysAhead < end) prefetch_rows(k + (j + kKeysAhead) * stride, std::min(n, end - j - kKeysAhead), stride);
-  if (v) prefetch_rows(v + j * stride, n, stride);
+  if (j == start) prefetch_rows<D>(k + start * stride, std::min(end - start, kKeysAhead), stride);
+  if (j + kKeysAhead < end) prefetch_rows<D>(k + (j + kKeysAhead) * stride, std::min(n, end - j - kKeysAhead), stride);
+  if (v) prefetch_rows<D>(v + j * stride, n, stride);
 }
 
 // Rows r0..r1 of one (batch, kv head): row r is query head g = r / T of the kv head's group at
 // position t = r % T. q, bias and out in the cache's dtype KV: q and the bias widened to fp32 as
 // they are read (exactly), each output rounded once as it is written. Scores first (each block of 8 keys, read from the cache once, serves every
 // row from L1), then each row's softmax, then sum_j p_j v_j over blocks of keys (again each V
-// block read once for all rows). A row's arithmetic is the same whichever rows come with it.
-template <typename KV>
+// block read once for all rows). A row's arithmetic is the same whichever rows come with it. The
+// registers hold 64 of d at a time (a head of 128 runs its d in two passes, each score and each
+// output value the same chain as in one).
+template <int D, typename KV>
 void attend_rows(const KV* q, const KV* k, const KV* v, int64_t kv_stride, const KV* bias,
                  int64_t T, int64_t S, int64_t r0, int64_t r1, float scale, float* scores, KV* out,
                  int64_t out_h, int64_t out_t) {
   const int64_t R = r1 - r0;
-  std::vector<float> qs(R * kD), sums(R, 0.f);
+  std::vector<float> qs(R * D), sums(R, 0.f);
   for (int64_t r = 0; r < R; r++)
-    for (int64_t d = 0; d < kD; d++) qs[r * kD + d] = static_cast<float>(q[(r0 + r) * kD + d]) * scale;
+    for (int64_t d = 0; d < D; d++) qs[r * D + d] = static_cast<float>(q[(r0 + r) * D + d]) * scale;
   const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
   alignas(32) float lanes[8];
-  std::vector<float> buf(16 * kD);  // a block of keys or values as fp32 (block_as_fp32)
+  std::vector<float> buf(16 * D);  // a block of keys or values as fp32 (block_as_fp32)
   // Keys in blocks of 8 from slot 0, the last one zero-padded: a slot's score is the same
   // whatever S is, and (below) the softmax's sum and the weighted sum of V run in slot order,
   // where a masked slot adds an exact 0: a row's result does not change with masked slots
@@ -107,21 +111,24 @@ void attend_rows(const KV* q, const KV* k, const KV* v, int64_t kv_stride, const
   // same row, and a tree's path has its siblings between its nodes).
   for (int64_t j = 0; j < S; j += 8) {
     const int64_t n = std::min<int64_t>(8, S - j);
-    prefetch_ahead(k, v, j, n, S, kv_stride);
-    const auto [kj, k_stride] = block_as_fp32(k + j * kv_stride, n, 8, kv_stride, buf.data());
+    prefetch_ahead<D>(k, v, j, n, S, kv_stride);
+    const auto [kj, k_stride] = block_as_fp32<D>(k + j * kv_stride, n, 8, kv_stride, buf.data());
     for (int64_t r = 0; r < R; r++) {
-      // q in registers, four keys at a time (8 + 4 registers): one load a fused multiply-add
-      const float* qr = qs.data() + r * kD;
-      __m256 qv[8];
-      for (int d = 0; d < 8; d++) qv[d] = _mm256_loadu_ps(qr + 8 * d);
+      // 64 of q's d in registers, four keys at a time (8 + 4 registers): one load a fused multiply-add
+      const float* qr = qs.data() + r * D;
       __m128 four[2];
       for (int half = 0; half < 2; half++) {
         __m256 acc[4];
-        for (int i = 0; i < 4; i++) {
-          const float* ki = kj + (4 * half + i) * k_stride;
-          __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(ki));
-          for (int d = 1; d < 8; d++) a = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(ki + 8 * d), a);
-          acc[i] = a;
+        for (int c = 0; c < D / 64; c++) {
+          __m256 qv[8];
+          for (int d = 0; d < 8; d++) qv[d] = _mm256_loadu_ps(qr + 64 * c + 8 * d);
+          for (int i = 0; i < 4; i++) {
+            const float* ki = kj + (4 * half + i) * k_stride + 64 * c;
+            __m256 a = c == 0 ? _mm256_mul_ps(qv[0], _mm256_loadu_ps(ki))
+                              : _mm256_fmadd_ps(qv[0], _mm256_loadu_ps(ki), acc[i]);
+            for (int d = 1; d < 8; d++) a = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(ki + 8 * d), a);
+            acc[i] = a;
+          }
         }
         const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
         four[half] = _mm_add_ps(_mm256_castps256_ps128(s0123), _mm256_extractf128_ps(s0123, 1));
@@ -164,34 +171,36 @@ void attend_rows(const KV* q, const KV* k, const KV* v, int64_t kv_stride, const
       }
     }
   }
-  std::vector<float> o(R * kD, 0.f);
-  constexpr int64_t kBlock = 16;  // keys per V block: 4 KB, stays in L1 across the rows
+  std::vector<float> o(R * D, 0.f);
+  constexpr int64_t kBlock = 16;  // keys per V block: 4 KB at D 64, stays in L1 across the rows
   for (int64_t j0 = 0; j0 < S; j0 += kBlock) {
     const int64_t j1 = std::min(S, j0 + kBlock);
-    const auto [vb, v_stride] = block_as_fp32(v + j0 * kv_stride, j1 - j0, j1 - j0, kv_stride, buf.data());
+    const auto [vb, v_stride] = block_as_fp32<D>(v + j0 * kv_stride, j1 - j0, j1 - j0, kv_stride, buf.data());
     for (int64_t r = 0; r < R; r++) {
-      float* orow = o.data() + r * kD;
       const float* p = scores + r * S;
-      __m256 acc[8];
-      for (int d = 0; d < 8; d++) acc[d] = _mm256_loadu_ps(orow + 8 * d);
-      float sum = sums[r];
-      for (int64_t jj = j0; jj < j1; jj++) {
-        const __m256 pj = _mm256_set1_ps(p[jj]);  // 0 at masked slots: adds nothing
-        const float* vj = vb + (jj - j0) * v_stride;
-        for (int d = 0; d < 8; d++) acc[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * d), acc[d]);
-        // the softmax's sum in slot order too: where the attended slots sit (a tree's path has
-        // masked siblings between its nodes, a plain step none) does not change it
-        sum += p[jj];
+      for (int c = 0; c < D / 64; c++) {  // 64 of d in registers at a time
+        float* orow = o.data() + r * D + 64 * c;
+        __m256 acc[8];
+        for (int d = 0; d < 8; d++) acc[d] = _mm256_loadu_ps(orow + 8 * d);
+        for (int64_t jj = j0; jj < j1; jj++) {
+          const __m256 pj = _mm256_set1_ps(p[jj]);  // 0 at masked slots: adds nothing
+          const float* vj = vb + (jj - j0) * v_stride + 64 * c;
+          for (int d = 0; d < 8; d++) acc[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * d), acc[d]);
+        }
+        for (int d = 0; d < 8; d++) _mm256_storeu_ps(orow + 8 * d, acc[d]);
       }
+      // the softmax's sum in slot order too: where the attended slots sit (a tree's path has
+      // masked siblings between its nodes, a plain step none) does not change it
+      float sum = sums[r];
+      for (int64_t jj = j0; jj < j1; jj++) sum += p[jj];
       sums[r] = sum;
-      for (int d = 0; d < 8; d++) _mm256_storeu_ps(orow + 8 * d, acc[d]);
     }
   }
   for (int64_t r = 0; r < R; r++) {
     const __m256 inv = _mm256_set1_ps(1.f / sums[r]);
     const int64_t g = (r0 + r) / T, t = (r0 + r) % T;
     KV* dst = out + g * out_h + t * out_t;
-    for (int d = 0; d < 8; d++) eagle::store8(dst + 8 * d, _mm256_mul_ps(_mm256_loadu_ps(o.data() + r * kD + 8 * d), inv));
+    for (int d = 0; d < D; d += 8) eagle::store8(dst + d, _mm256_mul_ps(_mm256_loadu_ps(o.data() + r * D + d), inv));
   }
 }
 
@@ -206,7 +215,7 @@ void attend_rows(const KV* q, const KV* k, const KV* v, int64_t kv_stride, const
 // chain of 32 vdpbf16ps over the d pairs (q's pair broadcast), up to 8 rows side by side.
 //   amx: C[slot][row] = K's rows (the A tile, straight from the cache) times Q's rows (the B tile,
 // made once a call), 16 slots at a time, transposed into the rows' scores; a tile element is a
-// chain over the head's 64 values, the same whichever slot or row it is.
+// chain over the head's D values, the same whichever slot or row it is.
 //   Then the softmax and P V as the loops do, on 16 lanes: P V (and the weights' sum) a chain of
 // fp32 FMAs over the slots in order, several rows at a time. Not P V on the tiles (or on
 // vdpbf16ps): a tile sums its 32 k (here slots) in an order of its own, so where masked siblings
@@ -239,10 +248,12 @@ std::string bf16_scores() {
 #define EAGLE_DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 #define EAGLE_AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,amx-tile,amx-bf16")))
 
-// Tiles 0-3, each 16 rows of 64 bytes: 0 K (A), 1 and 2 Q's d 0-31 and 32-63 (B), 3 the scores.
+// Tiles 0 to D / 32 + 1, each 16 rows of 64 bytes: 0 K (A), 1 .. D / 32 Q's d 0-31, 32-63, .. (B),
+// the last the scores.
+template <int D>
 EAGLE_AMX_TARGET inline void configure_tiles() {
   eagle::TileConfig cfg;
-  for (int t = 0; t < 4; t++) {
+  for (int t = 0; t < D / 32 + 2; t++) {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
@@ -292,29 +303,30 @@ EAGLE_AVX512_TARGET inline __m512 from_bf16(__m256i h) {
 // Keys j..j+n (n <= 16) of a bf16 cache (rows `stride` apart) as a block of 16 rows: in place where
 // it is full, else copied into buf with zero rows after them (not the cache's next slots). Returns
 // the rows and their stride.
+template <int D>
 inline std::pair<const at::BFloat16*, int64_t> key_block16(const at::BFloat16* k, int64_t n, int64_t stride,
                                                             at::BFloat16* buf) {
   if (n == 16) return {k, stride};
-  std::memset(static_cast<void*>(buf), 0, 16 * kD * sizeof(at::BFloat16));
-  for (int64_t i = 0; i < n; i++) std::memcpy(buf + i * kD, k + i * stride, kD * sizeof(at::BFloat16));
-  return {buf, kD};
+  std::memset(static_cast<void*>(buf), 0, 16 * D * sizeof(at::BFloat16));
+  for (int64_t i = 0; i < n; i++) std::memcpy(buf + i * D, k + i * stride, D * sizeof(at::BFloat16));
+  return {buf, D};
 }
 
 // NR rows' sums o[r] [16 C of d] += p[r][i] v[i] and sums[r] [16 lanes alike] += p[r][i] over the n
-// slots of a block (v: 16 rows of fp32 kD apart, from the first of the C columns of 16 d; o: rows
-// kD apart, from the same column; p: rows `stride` apart), slot by slot: a chain a row and d,
+// slots of a block (v: 16 rows of fp32 D apart, from the first of the C columns of 16 d; o: rows
+// D apart, from the same column; p: rows `stride` apart), slot by slot: a chain a row and d,
 // whatever NR and C.
-template <int NR, int C>
+template <int NR, int C, int D>
 EAGLE_AVX512_TARGET inline void pv_rows(const float* p, int64_t stride, const float* v, int64_t n, float* o,
                                         float* sums) {
   __m512 acc[NR][C], sum[NR];
   for (int r = 0; r < NR; r++) {
-    for (int c = 0; c < C; c++) acc[r][c] = _mm512_loadu_ps(o + r * kD + 16 * c);
+    for (int c = 0; c < C; c++) acc[r][c] = _mm512_loadu_ps(o + r * D + 16 * c);
     sum[r] = _mm512_loadu_ps(sums + 16 * r);
   }
   for (int64_t i = 0; i < n; i++) {
     __m512 vc[C];
-    for (int c = 0; c < C; c++) vc[c] = _mm512_load_ps(v + i * kD + 16 * c);
+    for (int c = 0; c < C; c++) vc[c] = _mm512_load_ps(v + i * D + 16 * c);
     for (int r = 0; r < NR; r++) {
       const __m512 pr = _mm512_set1_ps(p[r * stride + i]);
       for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(pr, vc[c], acc[r][c]);
@@ -322,7 +334,7 @@ EAGLE_AVX512_TARGET inline void pv_rows(const float* p, int64_t stride, const fl
     }
   }
   for (int r = 0; r < NR; r++) {
-    for (int c = 0; c < C; c++) _mm512_storeu_ps(o + r * kD + 16 * c, acc[r][c]);
+    for (int c = 0; c < C; c++) _mm512_storeu_ps(o + r * D + 16 * c, acc[r][c]);
     _mm512_storeu_ps(sums + 16 * r, sum[r]);
   }
 }
@@ -358,14 +370,14 @@ EAGLE_AVX512_TARGET void softmax_rows(const float* raw, float* p, int64_t S16, i
 // above: a slot's place (the masked slots around it) does not change a row's sums, nor does how
 // many columns of d a call computes. vahead: V's rows (of these columns) asked for kKeysAhead slots
 // ahead, where nothing else has asked for them.
-template <int C>
+template <int C, int D>
 EAGLE_AVX512_TARGET void pv_out(const float* p, int64_t S16, int64_t R, const at::BFloat16* v, int64_t kv_stride,
                                 int64_t T, int64_t S, int64_t r0, int64_t d0, bool vahead, at::BFloat16* out,
                                 int64_t out_h, int64_t out_t) {
   thread_local std::vector<float> o, sums;
-  o.assign(R * kD, 0.f);
+  o.assign(R * D, 0.f);
   sums.assign(R * 16, 0.f);
-  alignas(64) float vf[16][kD];
+  alignas(64) float vf[16][D];
   constexpr int64_t kLine = 64 / sizeof(at::BFloat16);  // d a cache line holds
   if (vahead)
     for (int64_t i = 0; i < std::min(S, kKeysAhead); i++)
@@ -381,73 +393,76 @@ EAGLE_AVX512_TARGET void pv_out(const float* p, int64_t S16, int64_t R, const at
     int64_t r = 0;
     const float* pr = p + j;
     float *orow = o.data() + d0, *srow = sums.data();
-    for (; r + 4 <= R; r += 4) pv_rows<4, C>(pr + r * S16, S16, vf[0] + d0, n, orow + r * kD, srow + r * 16);
-    for (; r + 2 <= R; r += 2) pv_rows<2, C>(pr + r * S16, S16, vf[0] + d0, n, orow + r * kD, srow + r * 16);
-    for (; r < R; r++) pv_rows<1, C>(pr + r * S16, S16, vf[0] + d0, n, orow + r * kD, srow + r * 16);
+    for (; r + 4 <= R; r += 4) pv_rows<4, C, D>(pr + r * S16, S16, vf[0] + d0, n, orow + r * D, srow + r * 16);
+    for (; r + 2 <= R; r += 2) pv_rows<2, C, D>(pr + r * S16, S16, vf[0] + d0, n, orow + r * D, srow + r * 16);
+    for (; r < R; r++) pv_rows<1, C, D>(pr + r * S16, S16, vf[0] + d0, n, orow + r * D, srow + r * 16);
   }
   for (int64_t r = 0; r < R; r++) {
     const __m512 inv = _mm512_set1_ps(1.f / sums[r * 16]);
     const int64_t g = (r0 + r) / T, t = (r0 + r) % T;
     at::BFloat16* dst = out + g * out_h + t * out_t;
     for (int64_t d = d0; d < d0 + 16 * C; d += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), to_bf16(_mm512_mul_ps(_mm512_loadu_ps(o.data() + r * kD + d), inv)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), to_bf16(_mm512_mul_ps(_mm512_loadu_ps(o.data() + r * D + d), inv)));
   }
 }
 
 // R rows' scores (sc: rows S16 apart) -> out: each row's softmax in place, then P V / sum for rows
-// r0.. of the call (see above).
+// r0.. of the call (see above), 64 of d a pass.
+template <int D>
 EAGLE_AVX512_TARGET void softmax_pv(float* sc, int64_t S16, int64_t R, const at::BFloat16* v, int64_t kv_stride,
                                     const at::BFloat16* bias, int64_t T, int64_t S, int64_t r0, float scale,
                                     at::BFloat16* out, int64_t out_h, int64_t out_t) {
   softmax_rows(sc, sc, S16, R, bias, T, S, r0, scale);
-  pv_out<4>(sc, S16, R, v, kv_stride, T, S, r0, 0, false, out, out_h, out_t);
+  for (int64_t d0 = 0; d0 < D; d0 += 64) pv_out<4, D>(sc, S16, R, v, kv_stride, T, S, r0, d0, false, out, out_h, out_t);
 }
 
 // sc[r][0..16) = NR rows' scores against a packed block of 16 keys (kp[p]: their d pair p), each a
-// chain of vdpbf16ps over the 32 pairs in order; q rows kD apart.
-template <int NR>
+// chain of vdpbf16ps over the D / 2 pairs in order; q rows D apart.
+template <int NR, int D>
 EAGLE_DOT_TARGET inline void dot_rows(const at::BFloat16* q, const __m512i* kp, float* sc, int64_t ldc) {
   __m512 acc[NR];
   for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
   const auto* qp = reinterpret_cast<const int32_t*>(q);
-  for (int p = 0; p < kD / 2; p++) {
+  for (int p = 0; p < D / 2; p++) {
     const __m512bh kpair = (__m512bh)_mm512_load_si512(kp + p);
     for (int r = 0; r < NR; r++)
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(qp[r * kD / 2 + p]), kpair);
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(qp[r * D / 2 + p]), kpair);
   }
   for (int r = 0; r < NR; r++) _mm512_storeu_ps(sc + r * ldc, acc[r]);
 }
 
-// NR = rows (1-8) of dot_rows<NR>.
-template <int NR = 8>
+// NR = rows (1-8) of dot_rows<NR, D>.
+template <int D, int NR = 8>
 EAGLE_DOT_TARGET inline void dot_rows_of(int64_t rows, const at::BFloat16* q, const __m512i* kp, float* sc,
                                          int64_t ldc) {
   if constexpr (NR > 0) {
-    if (rows != NR) return dot_rows_of<NR - 1>(rows, q, kp, sc, ldc);
-    dot_rows<NR>(q, kp, sc, ldc);
+    if (rows != NR) return dot_rows_of<D, NR - 1>(rows, q, kp, sc, ldc);
+    dot_rows<NR, D>(q, kp, sc, ldc);
   }
 }
 
-// sc[r][j0..j1) = q's R rows (kD apart) . keys j0..j1 (j0 a multiple of 16, j1 of 16 or S) of S, on
+// sc[r][j0..j1) = q's R rows (D apart) . keys j0..j1 (j0 a multiple of 16, j1 of 16 or S) of S, on
 // vdpbf16ps; v: V's rows, asked for as the keys go (or null).
+template <int D>
 EAGLE_DOT_TARGET void scores_dot(const at::BFloat16* q, int64_t R, const at::BFloat16* k, const at::BFloat16* v,
                                  int64_t kv_stride, int64_t S, int64_t j0, int64_t j1, float* sc, int64_t S16) {
-  alignas(64) __m512i kp[kD / 2];
-  alignas(64) at::BFloat16 kbuf[16 * kD];
+  alignas(64) __m512i kp[D / 2];
+  alignas(64) at::BFloat16 kbuf[16 * D];
   for (int64_t j = j0; j < j1; j += 16) {
     const int64_t n = std::min<int64_t>(16, S - j);
-    prefetch_ahead(k, v, j, n, j1, kv_stride, j0);
-    const auto [kb, kst] = key_block16(k + j * kv_stride, n, kv_stride, kbuf);
-    // the 16 keys' 32 d pairs as 32-bit elements, transposed: kp[p] lane i = key i's pair p
-    for (int h = 0; h < 2; h++)
+    prefetch_ahead<D>(k, v, j, n, j1, kv_stride, j0);
+    const auto [kb, kst] = key_block16<D>(k + j * kv_stride, n, kv_stride, kbuf);
+    // the 16 keys' D / 2 d pairs as 32-bit elements, transposed: kp[p] lane i = key i's pair p
+    for (int h = 0; h < D / 32; h++)
       transpose_16x16(reinterpret_cast<const float*>(kb + 32 * h), kst / 2, reinterpret_cast<float*>(kp + 16 * h),
                       16, 16);
     for (int64_t r = 0; r < R; r += 8)
-      dot_rows_of(std::min<int64_t>(8, R - r), q + r * kD, kp, sc + r * S16 + j, S16);
+      dot_rows_of<D>(std::min<int64_t>(8, R - r), q + r * D, kp, sc + r * S16 + j, S16);
   }
 }
 
 // attend_rows for rows r0..r1 of a bf16 call, scores on vdpbf16ps (see above).
+template <int D>
 EAGLE_DOT_TARGET void attend_rows_dot(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v,
                                       int64_t kv_stride, const at::BFloat16* bias, int64_t T, int64_t S,
                                       int64_t r0, int64_t r1, float scale, at::BFloat16* out, int64_t out_h,
@@ -455,11 +470,12 @@ EAGLE_DOT_TARGET void attend_rows_dot(const at::BFloat16* q, const at::BFloat16*
   const int64_t R = r1 - r0, S16 = (S + 15) / 16 * 16;
   thread_local std::vector<float> sc;
   sc.resize(R * S16);
-  scores_dot(q + r0 * kD, R, k, v, kv_stride, S, 0, S, sc.data(), S16);
-  softmax_pv(sc.data(), S16, R, v, kv_stride, bias, T, S, r0, scale, out, out_h, out_t);
+  scores_dot<D>(q + r0 * D, R, k, v, kv_stride, S, 0, S, sc.data(), S16);
+  softmax_pv<D>(sc.data(), S16, R, v, kv_stride, bias, T, S, r0, scale, out, out_h, out_t);
 }
 
 // attend_rows for up to 16 rows r0..r1 of a bf16 call, scores on the tiles (see above).
+template <int D>
 EAGLE_AMX_TARGET void attend_rows_amx(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v,
                                       int64_t kv_stride, const at::BFloat16* bias, int64_t T, int64_t S,
                                       int64_t r0, int64_t r1, float scale, at::BFloat16* out, int64_t out_h,
@@ -467,30 +483,49 @@ EAGLE_AMX_TARGET void attend_rows_amx(const at::BFloat16* q, const at::BFloat16*
   const int64_t R = r1 - r0, S16 = (S + 15) / 16 * 16;
   thread_local std::vector<float> sc;
   sc.resize(16 * S16);
-  configure_tiles();
+  configure_tiles<D>();
   // Q's rows as B tiles: qt[c][p][r] = the pair (d 32c + 2p, 32c + 2p + 1) of row r; rows past R 0
-  alignas(64) uint32_t qt[2][16][16] = {};
+  alignas(64) uint32_t qt[D / 32][16][16] = {};
   for (int64_t r = 0; r < R; r++) {
-    const auto* qr = reinterpret_cast<const uint32_t*>(q + (r0 + r) * kD);
-    for (int c = 0; c < 2; c++)
+    const auto* qr = reinterpret_cast<const uint32_t*>(q + (r0 + r) * D);
+    for (int c = 0; c < D / 32; c++)
       for (int p = 0; p < 16; p++) qt[c][p][r] = qr[16 * c + p];
   }
+  // (the tile intrinsics take their tile numbers as literals)
   _tile_loadd(1, qt[0], 64);
   _tile_loadd(2, qt[1], 64);
+  if constexpr (D == 128) {
+    _tile_loadd(3, qt[2], 64);
+    _tile_loadd(4, qt[3], 64);
+  }
   alignas(64) float ct[16][16];
-  alignas(64) at::BFloat16 kbuf[16 * kD];
+  alignas(64) at::BFloat16 kbuf[16 * D];
   for (int64_t j = 0; j < S; j += 16) {
     const int64_t n = std::min<int64_t>(16, S - j);
-    const auto [kb, kst] = key_block16(k + j * kv_stride, n, kv_stride, kbuf);
-    _tile_zero(3);
-    _tile_loadd(0, kb, kst * sizeof(at::BFloat16));
-    _tile_dpbf16ps(3, 0, 1);
-    _tile_loadd(0, kb + 32, kst * sizeof(at::BFloat16));
-    _tile_dpbf16ps(3, 0, 2);
-    _tile_stored(3, ct[0], 64);
+    const auto [kb, kst] = key_block16<D>(k + j * kv_stride, n, kv_stride, kbuf);
+    const int64_t stride = kst * sizeof(at::BFloat16);
+    if constexpr (D == 64) {
+      _tile_zero(3);
+      _tile_loadd(0, kb, stride);
+      _tile_dpbf16ps(3, 0, 1);
+      _tile_loadd(0, kb + 32, stride);
+      _tile_dpbf16ps(3, 0, 2);
+      _tile_stored(3, ct[0], 64);
+    } else {
+      _tile_zero(5);
+      _tile_loadd(0, kb, stride);
+      _tile_dpbf16ps(5, 0, 1);
+      _tile_loadd(0, kb + 32, stride);
+      _tile_dpbf16ps(5, 0, 2);
+      _tile_loadd(0, kb + 64, stride);
+      _tile_dpbf16ps(5, 0, 3);
+      _tile_loadd(0, kb + 96, stride);
+      _tile_dpbf16ps(5, 0, 4);
+      _tile_stored(5, ct[0], 64);
+    }
     transpose_16x16(ct[0], 16, sc.data() + j, S16, R);
   }
-  softmax_pv(sc.data(), S16, R, v, kv_stride, bias, T, S, r0, scale, out, out_h, out_t);
+  softmax_pv<D>(sc.data(), S16, R, v, kv_stride, bias, T, S, r0, scale, out, out_h, out_t);
 }
 
 // Whether a call's bf16 scores run on vdpbf16ps: its mode, and K's rows readable as 32-bit pairs (a
@@ -511,16 +546,16 @@ struct Pair {
 template <typename KV>
 Pair<KV> pair_of(const eagle::AttentionCall& c, int64_t bk) {
   const int64_t b = bk / c.KVH, kvh = bk % c.KVH, h0 = kvh * (c.H / c.KVH);  // the group's first query head
-  return {static_cast<const KV*>(c.q) + (b * c.H + h0) * c.T * kD, static_cast<const KV*>(c.bias) + b * c.T * c.S,
+  return {static_cast<const KV*>(c.q) + (b * c.H + h0) * c.T * c.D, static_cast<const KV*>(c.bias) + b * c.T * c.S,
           static_cast<KV*>(c.out) + b * c.out_b + h0 * c.out_h, b * c.batch + kvh * c.head};
 }
 
 // Tasks t0..t1 of an AttentionCall, each (batch, kv head, chunk of its G * T rows): what each
 // thread of a parallel region computes (eagle::AttentionTasks).
-template <typename KV>
+template <typename KV, int D>
 void tasks(const eagle::AttentionCall& c, int64_t t0, int64_t t1, float* scores) {
   const int64_t G = c.H / c.KVH, R = G * c.T, per_chunk = (R + c.chunks - 1) / c.chunks;
-  const float scale = 1.f / std::sqrt(static_cast<float>(kD));
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const KV *kp = static_cast<const KV*>(c.k), *vp = static_cast<const KV*>(c.v);
   [[maybe_unused]] const bool dot = on_dot(c);
   for (int64_t task = t0; task < t1; task++) {
@@ -530,25 +565,25 @@ void tasks(const eagle::AttentionCall& c, int64_t t0, int64_t t1, float* scores)
     const auto [qb, bb, ob, kv0] = pair_of<KV>(c, task / c.chunks);
     if constexpr (std::is_same_v<KV, at::BFloat16>) {
       if (dot) {
-        attend_rows_dot(qb, kp + kv0, vp + kv0, c.row, bb, c.T, c.S, r0, r1, scale, ob, c.out_h, c.out_t);
+        attend_rows_dot<D>(qb, kp + kv0, vp + kv0, c.row, bb, c.T, c.S, r0, r1, scale, ob, c.out_h, c.out_t);
         continue;
       }
       if (g_bf16_scores.load(std::memory_order_relaxed) == kAmx) {
         for (int64_t s0 = r0; s0 < r1; s0 += 16)
-          attend_rows_amx(qb, kp + kv0, vp + kv0, c.row, bb, c.T, c.S, s0, std::min(r1, s0 + 16), scale, ob,
+          attend_rows_amx<D>(qb, kp + kv0, vp + kv0, c.row, bb, c.T, c.S, s0, std::min(r1, s0 + 16), scale, ob,
                           c.out_h, c.out_t);
         continue;
       }
     }
-    attend_rows(qb, kp + kv0, vp + kv0, c.row, bb, c.T, c.S, r0, r1, scale, scores, ob, c.out_h, c.out_t);
+    attend_rows<D>(qb, kp + kv0, vp + kv0, c.row, bb, c.T, c.S, r0, r1, scale, scores, ob, c.out_h, c.out_t);
   }
 }
 
 void attention_tasks(const eagle::AttentionCall& c, int64_t t0, int64_t t1, float* scores) {
   if (c.bf16)
-    tasks<at::BFloat16>(c, t0, t1, scores);
+    c.D == 128 ? tasks<at::BFloat16, 128>(c, t0, t1, scores) : tasks<at::BFloat16, 64>(c, t0, t1, scores);
   else
-    tasks<float>(c, t0, t1, scores);
+    c.D == 128 ? tasks<float, 128>(c, t0, t1, scores) : tasks<float, 64>(c, t0, t1, scores);
 }
 
 // A call's attention in two phases, each in halves across the threads, where its (batch, kv head)
@@ -572,7 +607,8 @@ int64_t split_tasks(const eagle::AttentionCall& c) {
 }
 
 // Tasks t0..t1 of phase 1 or 2 (above); shared: B * KVH * G * T * S16 floats (S16: S rounded up to 16).
-void split_phase(const eagle::AttentionCall& c, int64_t phase, int64_t t0, int64_t t1, float* shared) {
+template <int D>
+void split_phase_of(const eagle::AttentionCall& c, int64_t phase, int64_t t0, int64_t t1, float* shared) {
   const int64_t R = c.H / c.KVH * c.T, S16 = (c.S + 15) / 16 * 16, half_keys = (S16 / 16 + 1) / 2 * 16;
   const auto *kp = static_cast<const at::BFloat16*>(c.k), *vp = static_cast<const at::BFloat16*>(c.v);
   for (int64_t task = t0; task < t1; task++) {
@@ -581,25 +617,30 @@ void split_phase(const eagle::AttentionCall& c, int64_t phase, int64_t t0, int64
     float* sc = shared + bk * R * S16;
     if (phase == 1) {
       const int64_t j0 = half * half_keys, j1 = std::min(c.S, j0 + half_keys);
-      if (j0 < j1) scores_dot(q, R, kp + kv0, nullptr, c.row, c.S, j0, j1, sc, S16);
+      if (j0 < j1) scores_dot<D>(q, R, kp + kv0, nullptr, c.row, c.S, j0, j1, sc, S16);
     } else {
       thread_local std::vector<float> p;
       p.resize(R * S16);
-      softmax_rows(sc, p.data(), S16, R, bias, c.T, c.S, 0, 1.f / std::sqrt(static_cast<float>(kD)));
-      pv_out<2>(p.data(), S16, R, vp + kv0, c.row, c.T, c.S, 0, 32 * half, true, out, c.out_h, c.out_t);
+      softmax_rows(sc, p.data(), S16, R, bias, c.T, c.S, 0, 1.f / std::sqrt(static_cast<float>(D)));
+      pv_out<D / 32, D>(p.data(), S16, R, vp + kv0, c.row, c.T, c.S, 0, D / 2 * half, true, out, c.out_h, c.out_t);
     }
   }
+}
+
+void split_phase(const eagle::AttentionCall& c, int64_t phase, int64_t t0, int64_t t1, float* shared) {
+  c.D == 128 ? split_phase_of<128>(c, phase, t0, t1, shared) : split_phase_of<64>(c, phase, t0, t1, shared);
 }
 
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& keys, const at::Tensor& values,
                   const at::Tensor& bias_in) {
   const int64_t B = q_in.size(0), H = q_in.size(1), T = q_in.size(2), KVH = keys.size(1), S = keys.size(2);
+  const int64_t D = q_in.size(3);
   const at::Tensor q = q_in.contiguous(), bias = bias_in.contiguous();  // no copies for the model's
-  at::Tensor out = at::empty({B, H, T, kD}, q.options());
+  at::Tensor out = at::empty({B, H, T, D}, q.options());
   const int64_t R = (H / KVH) * T, chunks = eagle::attention_chunks(R, B, KVH, at::get_num_threads());
   const eagle::AttentionCall call{q.scalar_type() == at::kBFloat16, q.data_ptr(), keys.data_ptr(), values.data_ptr(),
                                   bias.data_ptr(), out.data_ptr(), B, H, T, KVH, S, keys.stride(0), keys.stride(1),
-                                  keys.stride(2), H * T * kD, T * kD, kD, chunks};
+                                  keys.stride(2), H * T * D, T * D, D, chunks, D};
   at::parallel_for(0, B * KVH * chunks, 1, [&](int64_t begin, int64_t end) {
     // the loops' scratch (dot and AMX keep their own): kept by the thread from call to call
     thread_local std::vector<float> scores;
@@ -619,9 +660,9 @@ at::Tensor avx2_attention(const at::Tensor& q_in, const at::Tensor& keys, const 
               "avx2_attention: q [B, H, T, D], keys / values [B, KVH, S, D], bias [B, 1, T, S]");
   const int64_t B = q_in.size(0), H = q_in.size(1), T = q_in.size(2), D = q_in.size(3);
   const int64_t KVH = keys.size(1), S = keys.size(2);
-  TORCH_CHECK(D == kD && keys.size(3) == kD && values.sizes() == keys.sizes() && keys.size(0) == B &&
+  TORCH_CHECK((D == 64 || D == 128) && keys.size(3) == D && values.sizes() == keys.sizes() && keys.size(0) == B &&
                   KVH > 0 && H % KVH == 0 && S > 0,
-              "avx2_attention: head size 64 and heads a multiple of kv heads, got q ", q_in.sizes(),
+              "avx2_attention: head size 64 or 128 and heads a multiple of kv heads, got q ", q_in.sizes(),
               " keys ", keys.sizes(), " values ", values.sizes());
   TORCH_CHECK(bias_in.size(0) == B && bias_in.size(1) == 1 && bias_in.size(2) == T && bias_in.size(3) == S,
               "avx2_attention: bias ", bias_in.sizes(), " is not [B, 1, T, S] for q ", q_in.sizes(),
@@ -653,20 +694,20 @@ constexpr int64_t kQBlock = 16;  // query positions a task
 constexpr int64_t kKeyBlock = 8;  // keys a transposed block: one 8-float register a d
 constexpr int64_t kTileRows = 6;  // rows of a score or P V tile: 6 x 2 sums, 2 operands, 1 broadcast
 
-// Keys kb*8 .. kb*8+7 of one (batch, kv head), K [S][64] rows `row` apart, as kt [64][8] fp32 (keys
-// past S zero), and the same values' rows as vf [8][64] fp32.
-template <typename KV>
+// Keys kb*8 .. kb*8+7 of one (batch, kv head), K [S][D] rows `row` apart, as kt [D][8] fp32 (keys
+// past S zero), and the same values' rows as vf [8][D] fp32.
+template <int D, typename KV>
 inline void widen_block(const KV* k, const KV* v, int64_t row, int64_t S, int64_t kb, float* kt, float* vf) {
   for (int64_t i = 0; i < kKeyBlock; i++) {
     const int64_t j = kb * kKeyBlock + i;
-    alignas(32) float kr[kD] = {};
+    alignas(32) float kr[D] = {};
     if (j < S) {
-      row_as_fp32(k + j * row, kr);
-      row_as_fp32(v + j * row, vf + i * kD);
+      row_as_fp32<D>(k + j * row, kr);
+      row_as_fp32<D>(v + j * row, vf + i * D);
     } else {
-      std::fill(vf + i * kD, vf + (i + 1) * kD, 0.f);
+      std::fill(vf + i * D, vf + (i + 1) * D, 0.f);
     }
-    for (int64_t d = 0; d < kD; d++) kt[d * kKeyBlock + i] = kr[d];
+    for (int64_t d = 0; d < D; d++) kt[d * kKeyBlock + i] = kr[d];
   }
 }
 
@@ -710,20 +751,20 @@ inline void tile_of(int64_t rows, const float* a, int64_t lda, const float* b0, 
 // One task: query positions t0..t1 (t0 a multiple of 16) of one (batch, kv head), rows r = (t - t0)
 // * G + g (position major: a tile's last row has its most keys). kt, vf: that kv head's keys and
 // values widened (widen_block) up to a multiple of 16 keys.
-template <typename KV>
+template <int D, typename KV>
 void causal_task(const KV* q, int64_t q_h, int64_t q_t, const float* kt, const float* vf, int64_t G, int64_t t0,
                  int64_t t1, KV* out, int64_t out_h, int64_t out_t, std::vector<float>& buf) {
   const int64_t R = (t1 - t0) * G, ld = t0 + kQBlock;  // scores of keys 0..ld-1 a row
-  buf.resize(R * (2 * kD + ld + 1));
-  float *qs = buf.data(), *o = qs + R * kD, *sums = o + R * kD, *sc = sums + R;
-  const float scale = 1.f / std::sqrt(static_cast<float>(kD));
+  buf.resize(R * (2 * D + ld + 1));
+  float *qs = buf.data(), *o = qs + R * D, *sums = o + R * D, *sc = sums + R;
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
   for (int64_t r = 0; r < R; r++) {
     const KV* qr = q + (r % G) * q_h + (t0 + r / G) * q_t;
-    for (int64_t d = 0; d < kD; d++) qs[r * kD + d] = static_cast<float>(qr[d]) * scale;
+    for (int64_t d = 0; d < D; d++) qs[r * D + d] = static_cast<float>(qr[d]) * scale;
   }
   for (int64_t r = 0; r < R; r += kTileRows)  // scores: 16 keys (two transposed blocks) a tile
     for (int64_t j = 0; j < ld; j += 2 * kKeyBlock)
-      tile_of(std::min(kTileRows, R - r), qs + r * kD, kD, kt + j * kD, kt + (j + kKeyBlock) * kD, kKeyBlock, kD,
+      tile_of(std::min(kTileRows, R - r), qs + r * D, D, kt + j * D, kt + (j + kKeyBlock) * D, kKeyBlock, D,
               sc + r * ld + j, ld);
   const __m256 neg_inf = _mm256_set1_ps(-INFINITY), iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   alignas(32) float lanes[8];
@@ -751,21 +792,21 @@ void causal_task(const KV* q, int64_t q_h, int64_t q_t, const float* kt, const f
   }
   for (int64_t r = 0; r < R; r += kTileRows) {
     const int64_t rows = std::min(kTileRows, R - r), n = t0 + (r + rows - 1) / G + 1;
-    for (int64_t d0 = 0; d0 < kD; d0 += 16)  // P V: 16 of d a tile
-      tile_of(rows, sc + r * ld, ld, vf + d0, vf + d0 + 8, kD, n, o + r * kD + d0, kD);
+    for (int64_t d0 = 0; d0 < D; d0 += 16)  // P V: 16 of d a tile
+      tile_of(rows, sc + r * ld, ld, vf + d0, vf + d0 + 8, D, n, o + r * D + d0, D);
   }
   for (int64_t r = 0; r < R; r++) {
     const __m256 inv = _mm256_set1_ps(1.f / sums[r]);
     KV* dst = out + (r % G) * out_h + (t0 + r / G) * out_t;
-    for (int d = 0; d < kD; d += 8) eagle::store8(dst + d, _mm256_mul_ps(_mm256_loadu_ps(o + r * kD + d), inv));
+    for (int d = 0; d < D; d += 8) eagle::store8(dst + d, _mm256_mul_ps(_mm256_loadu_ps(o + r * D + d), inv));
   }
 }
 
-template <typename KV>
+template <typename KV, int D>
 void causal(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), KVH = keys.size(1), G = H / KVH;
   const int64_t qblocks = (T + kQBlock - 1) / kQBlock, blocks = qblocks * kQBlock / kKeyBlock;
-  const int64_t per_head = qblocks * kQBlock * kD;
+  const int64_t per_head = qblocks * kQBlock * D;
   // every (batch, kv head)'s K (transposed in blocks of 8 keys) and V as fp32, then the tasks
   std::vector<float> kt(B * KVH * per_head), vf(B * KVH * per_head);
   const KV *kp = keys.data_ptr<KV>(), *vp = values.data_ptr<KV>(), *qp = q.data_ptr<KV>();
@@ -773,8 +814,8 @@ void causal(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
   at::parallel_for(0, B * KVH * blocks, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; i++) {
       const int64_t bk = i / blocks, kb = i % blocks, off = bk / KVH * keys.stride(0) + bk % KVH * keys.stride(1);
-      const int64_t at = bk * per_head + kb * kKeyBlock * kD;
-      widen_block(kp + off, vp + off, keys.stride(2), T, kb, kt.data() + at, vf.data() + at);
+      const int64_t at = bk * per_head + kb * kKeyBlock * D;
+      widen_block<D>(kp + off, vp + off, keys.stride(2), T, kb, kt.data() + at, vf.data() + at);
     }
   });
   // tasks from the last query block down (the costliest first), each taken by the next free thread
@@ -785,15 +826,16 @@ void causal(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
     for (int64_t i = next++; i < tasks; i = next++) {
       const int64_t qb = qblocks - 1 - i / (B * KVH), bk = i % (B * KVH), b = bk / KVH, h = bk % KVH;
       const int64_t t0 = qb * kQBlock, t1 = std::min(T, t0 + kQBlock);
-      causal_task(qp + b * q.stride(0) + h * G * q.stride(1), q.stride(1), q.stride(2), kt.data() + bk * per_head,
+      causal_task<D>(qp + b * q.stride(0) + h * G * q.stride(1), q.stride(1), q.stride(2), kt.data() + bk * per_head,
                   vf.data() + bk * per_head, G, t0, t1, op + b * out.stride(0) + h * G * out.stride(1),
                   out.stride(1), out.stride(2), buf);
     }
   });
 }
 
-// q [B, H, T, 64] (any strides, rows contiguous), keys / values [B, KVH, S >= T, 64] cache views
-// (slots 0..T-1 used) -> out [B, H, T, 64], a view of a contiguous [B, T, H, 64] (what o_proj reads).
+// q [B, H, T, D] (any strides, rows contiguous), keys / values [B, KVH, S >= T, D] cache views
+// (slots 0..T-1 used) -> out [B, H, T, D], a view of a contiguous [B, T, H, D] (what o_proj reads);
+// D 64 or 128.
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && keys.scalar_type() == dtype &&
@@ -801,18 +843,18 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const a
               "causal_attention: fp32 or bf16 only, q, keys and values of one dtype");
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4,
               "causal_attention: q [B, H, T, D], keys / values [B, KVH, S, D]");
-  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), KVH = keys.size(1);
-  TORCH_CHECK(q.size(3) == kD && keys.size(3) == kD && values.sizes() == keys.sizes() && keys.size(0) == B &&
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), KVH = keys.size(1), D = q.size(3);
+  TORCH_CHECK((D == 64 || D == 128) && keys.size(3) == D && values.sizes() == keys.sizes() && keys.size(0) == B &&
                   KVH > 0 && H % KVH == 0 && keys.size(2) >= T && T > 0,
-              "causal_attention: head size 64, heads a multiple of kv heads and at least T keys, got q ",
+              "causal_attention: head size 64 or 128, heads a multiple of kv heads and at least T keys, got q ",
               q.sizes(), " keys ", keys.sizes(), " values ", values.sizes());
   TORCH_CHECK(q.stride(3) == 1 && keys.stride(3) == 1 && values.strides() == keys.strides(),
               "causal_attention: rows must be contiguous and keys and values share strides");
-  at::Tensor out = at::empty({B, T, H, kD}, q.options()).transpose(1, 2);
+  at::Tensor out = at::empty({B, T, H, D}, q.options()).transpose(1, 2);
   if (dtype == at::kBFloat16)
-    causal<at::BFloat16>(q, keys, values, out);
+    D == 128 ? causal<at::BFloat16, 128>(q, keys, values, out) : causal<at::BFloat16, 64>(q, keys, values, out);
   else
-    causal<float>(q, keys, values, out);
+    D == 128 ? causal<float, 128>(q, keys, values, out) : causal<float, 64>(q, keys, values, out);
   return out;
 }
 

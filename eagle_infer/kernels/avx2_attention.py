@@ -30,7 +30,7 @@ from torch import Tensor
 from eagle_infer.kernels import avx2_linear
 
 SOURCE = Path(__file__).with_name("avx2_attention.cpp")
-HEAD_DIM = 64
+HEAD_DIMS = (64, 128)  # head sizes the kernel has instances for
 # Query rows (T) up to which model.attention calls the kernel: decode steps and verifies; a
 # prefill's hundreds of rows stay on SDPA's flash kernel, which blocks over them.
 MAX_ROWS = 64
@@ -70,14 +70,14 @@ def load() -> None:
 def applies(q: Tensor, mask: Tensor) -> bool:
     """Whether model.attention hands this call (q [B, H, T, D], mask) to the kernel."""
     return (_enabled and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-            and mask.dtype == q.dtype and q.shape[-1] == HEAD_DIM and q.shape[2] <= MAX_ROWS)
+            and mask.dtype == q.dtype and q.shape[-1] in HEAD_DIMS and q.shape[2] <= MAX_ROWS)
 
 
 def causal_applies(q: Tensor) -> bool:
     """Whether model.attention hands a prefill's causal attention (q [B, H, T, D]) to the kernel's
     causal_attention: on the same CPUs and dtypes as the decode calls, any T."""
     return (_enabled and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-            and q.shape[-1] == HEAD_DIM)
+            and q.shape[-1] in HEAD_DIMS)
 
 
 BF16_SCORES = ("loops", "dot", "amx")

@@ -1,8 +1,9 @@
-// The decoder layers of a Llama-family target (no biases, head size 64) as one call per step on a
-// CPU: what model.DecoderLayer computes, layer after layer, for a decode step's row or a verify's
-// tree of rows, with the Linears and the attention on our kernels (bf16_linear.cpp,
-// avx2_linear.cpp, avx2_attention.cpp) and the norms, RoPE, cache writes, SiLU and residual adds
-// as AVX2 loops in between, each rounded to the model's dtype where model.py's eager ops round.
+// The decoder layers of a Llama-family target (head size 64 or 128; Qwen2's q/k/v biases and
+// Qwen3's query/key norms too) as one call per step on a CPU: what model.DecoderLayer computes,
+// layer after layer, for a decode step's row or a verify's tree of rows, with the Linears and the
+// attention on our kernels (bf16_linear.cpp, avx2_linear.cpp, avx2_attention.cpp) and the norms,
+// RoPE, cache writes, SiLU and residual adds as AVX2 loops in between, each rounded to the model's
+// dtype where model.py's eager ops round.
 //
 // Why: a compiled step of the 30-layer default target runs ~150 kernel calls and ~100 small
 // Inductor kernels, and Dynamo checks ~300 weight tensors' guards before each: on a 2-core Zen 4 with
@@ -55,14 +56,17 @@ struct Linear {
 
 struct Layer {
   at::Tensor in_norm, post_norm;  // [H], the model's dtype
+  at::Tensor q_norm, k_norm;      // [D] (Qwen3), else empty
+  at::Tensor qkv_bias;            // [(heads + 2 kv_heads) D] (Qwen2), else empty
   Linear qkv, o, gate_up, down;
-  const void *in_norm_data, *post_norm_data;
+  const void *in_norm_data, *post_norm_data, *q_norm_data, *k_norm_data, *qkv_bias_data;  // nullptr where empty
 };
 
 struct Stack {
   std::vector<Layer> layers;
   int64_t heads, kv_heads, head_dim, intermediate;
   bool dot;
+  bool qk_norm, qkv_bias;  // every layer has them, or none
   double eps;
   eagle::AttentionTasks attention;
   eagle::AttentionSplitTasks split_tasks;
@@ -80,34 +84,47 @@ std::mutex registry_mutex;
 std::unordered_map<int64_t, Stack> registry;
 int64_t next_id = 1;
 
-// tensors: per layer in_norm, post_norm, then (packed weight, scale) for qkv, o, gate_up, down
-// (scale: an empty tensor but for int8); kinds: per layer the four Linears' Kind; dims: heads,
-// kv heads, head size, intermediate size, dot (bf16_linear's vdpbf16ps flag).
+// tensors: per layer in_norm, post_norm, q_norm, k_norm, qkv bias (the last three empty tensors
+// where the target has none), then (packed weight, scale) for qkv, o, gate_up, down (scale: an
+// empty tensor but for int8); kinds: per layer the four Linears' Kind; dims: heads, kv heads, head
+// size, intermediate size, dot (bf16_linear's vdpbf16ps flag).
+constexpr size_t kPerLayer = 13;
 int64_t register_stack(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& kinds,
                        const std::vector<int64_t>& dims, double eps) {
   TORCH_CHECK(dims.size() == 5, "register_stack: dims = [heads, kv_heads, head_dim, intermediate, dot]");
-  TORCH_CHECK(tensors.size() % 10 == 0 && kinds.size() * 10 == tensors.size() * 4 && !tensors.empty(),
-              "register_stack: 10 tensors and 4 kinds a layer, got ", tensors.size(), " and ", kinds.size());
-  Stack s{{}, dims[0], dims[1], dims[2], dims[3], dims[4] != 0, eps,
+  TORCH_CHECK(tensors.size() % kPerLayer == 0 && kinds.size() * kPerLayer == tensors.size() * 4 && !tensors.empty(),
+              "register_stack: 13 tensors and 4 kinds a layer, got ", tensors.size(), " and ", kinds.size());
+  Stack s{{}, dims[0], dims[1], dims[2], dims[3], dims[4] != 0, tensors[2].numel() > 0, tensors[4].numel() > 0, eps,
           reinterpret_cast<eagle::AttentionTasks>(kernel_address("eagle::avx2_attention_tasks")),
           reinterpret_cast<eagle::AttentionSplitTasks>(kernel_address("eagle::avx2_attention_split_tasks")),
           reinterpret_cast<eagle::AttentionSplitPhase>(kernel_address("eagle::avx2_attention_split_phase"))};
-  TORCH_CHECK(s.head_dim == 64 && s.heads % s.kv_heads == 0, "register_stack: head size 64, heads a multiple of kv heads");
+  TORCH_CHECK((s.head_dim == 64 || s.head_dim == 128) && s.heads % s.kv_heads == 0,
+              "register_stack: head size 64 or 128, heads a multiple of kv heads");
   const int64_t H = tensors[0].size(0);
   TORCH_CHECK(H % 8 == 0 && s.intermediate % 8 == 0, "register_stack: hidden and intermediate sizes multiples of 8");
   const int64_t outs[4] = {(s.heads + 2 * s.kv_heads) * s.head_dim, H, 2 * s.intermediate, H};
   const int64_t ins[4] = {H, s.heads * s.head_dim, H, s.intermediate};
-  for (size_t l = 0; l < tensors.size() / 10; l++) {
-    const at::Tensor* t = tensors.data() + 10 * l;
-    TORCH_CHECK(t[0].scalar_type() == tensors[0].scalar_type() && t[1].scalar_type() == tensors[0].scalar_type() &&
-                    t[0].is_contiguous() && t[1].is_contiguous() && t[0].numel() == H && t[1].numel() == H,
-                "register_stack: layer ", l, ": norms of ", H, " values in layer 0's dtype");
-    Layer layer{t[0], t[1], {}, {}, {}, {}, t[0].data_ptr(), t[1].data_ptr()};
+  const auto dtype = tensors[0].scalar_type();
+  auto of_layer = [&](const at::Tensor& x, int64_t n) {  // a layer's vector: n values in layer 0's dtype
+    return x.scalar_type() == dtype && x.is_contiguous() && x.numel() == n;
+  };
+  for (size_t l = 0; l < tensors.size() / kPerLayer; l++) {
+    const at::Tensor* t = tensors.data() + kPerLayer * l;
+    TORCH_CHECK(of_layer(t[0], H) && of_layer(t[1], H), "register_stack: layer ", l, ": norms of ", H,
+                " values in layer 0's dtype");
+    TORCH_CHECK(s.qk_norm ? of_layer(t[2], s.head_dim) && of_layer(t[3], s.head_dim) : t[2].numel() + t[3].numel() == 0,
+                "register_stack: layer ", l, ": query and key norms of ", s.head_dim,
+                " values in layer 0's dtype in every layer, or in none");
+    TORCH_CHECK(s.qkv_bias ? of_layer(t[4], outs[0]) : t[4].numel() == 0, "register_stack: layer ", l,
+                ": a qkv bias of ", outs[0], " values in layer 0's dtype in every layer, or in none");
+    auto data = [](const at::Tensor& x) -> const void* { return x.numel() ? x.data_ptr() : nullptr; };
+    Layer layer{t[0], t[1], t[2], t[3], t[4], {}, {}, {}, {},
+                t[0].data_ptr(), t[1].data_ptr(), data(t[2]), data(t[3]), data(t[4])};
     Linear* lin[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
     for (int j = 0; j < 4; j++) {
       const int64_t kind = kinds[4 * l + j];
       TORCH_CHECK(kind == kAvx2 || kind == kBf16 || kind == kInt8, "register_stack: unknown kernel ", kind);
-      const at::Tensor& w = t[2 + 2 * j];
+      const at::Tensor& w = t[5 + 2 * j];
       const int64_t width = kind == kAvx2 ? 24 : 32;
       const bool packed = kind == kAvx2 ? w.dim() == 3 && w.size(1) == ins[j] && w.size(2) == width &&
                                               w.scalar_type() == at::kFloat
@@ -116,13 +133,13 @@ int64_t register_stack(const std::vector<at::Tensor>& tensors, const std::vector
       TORCH_CHECK(packed && w.is_contiguous() && w.size(0) * width >= outs[j], "register_stack: layer ", l,
                   " Linear ", j, ": packed weight ", w.sizes(), " ", w.scalar_type(), " does not hold ", outs[j],
                   " outputs of ", ins[j], " inputs for kernel ", kind);
-      TORCH_CHECK(kind != kInt8 || (t[3 + 2 * j].scalar_type() == at::kFloat &&
-                                    t[3 + 2 * j].numel() == w.size(0) * width),
+      TORCH_CHECK(kind != kInt8 || (t[6 + 2 * j].scalar_type() == at::kFloat &&
+                                    t[6 + 2 * j].numel() == w.size(0) * width),
                   "register_stack: int8 scales, fp32, one a packed column");
       const int64_t address = kind == kAvx2 ? kernel_address("eagle::avx2_linear_panels")
                                             : kernel_address("eagle::bf16_linear_panels", kind == kInt8);
-      *lin[j] = Linear{kind, w, t[3 + 2 * j], outs[j], ins[j], reinterpret_cast<eagle::LinearPanels>(address), width,
-                       w.data_ptr(), kind == kInt8 ? t[3 + 2 * j].data_ptr<float>() : nullptr};
+      *lin[j] = Linear{kind, w, t[6 + 2 * j], outs[j], ins[j], reinterpret_cast<eagle::LinearPanels>(address), width,
+                       w.data_ptr(), kind == kInt8 ? t[6 + 2 * j].data_ptr<float>() : nullptr};
     }
     s.layers.push_back(std::move(layer));
   }
@@ -239,7 +256,7 @@ at::Tensor layers_impl(const Stack& s, const at::Tensor& x_in, const at::Tensor&
     return eagle::AttentionCall{std::is_same_v<scalar_t, at::BFloat16>, q, kvp + keys_at,
                                 kvp + keys_at + cache_rows * nkv * max_seq * D, bias_c.data_ptr(), merged,
                                 B, nh, T, nkv, S, nkv * max_seq * D, max_seq * D, D, T * nh * D, D, nh * D,
-                                chunks};
+                                chunks, D};
   };
   // the attention in halves (split_phase) where the threads would idle and the kernel can (its mode
   // and the cache's strides, the same for every layer)
@@ -270,11 +287,17 @@ at::Tensor layers_impl(const Stack& s, const at::Tensor& x_in, const at::Tensor&
 #pragma omp barrier
       linear(ly.qkv, xn, qkv);  // [BT, (nh + 2 nkv) D]
 #pragma omp barrier
-      // RoPE on q (into q [B, nh, T, D]) and k (into its cache row), v into its cache row
+      // the bias (Qwen2), each head's query / key norm (Qwen3), then RoPE on q (into q [B, nh, T,
+      // D]) and k (into its cache row), v into its cache row
       scalar_t* layer_kv = kvp + l * layer_rows * D;
       for (int64_t bt = r0; bt < r1; bt++) {
         const int64_t b = bt / T, tt = bt % T;
-        const scalar_t* row = qkv + bt * QKV;
+        scalar_t* row = qkv + bt * QKV;
+        if (s.qkv_bias) add_into(row, static_cast<const scalar_t*>(ly.qkv_bias_data), QKV);
+        if (s.qk_norm) {
+          rms_norm(row, static_cast<const scalar_t*>(ly.q_norm_data), row, nh, D, eps);
+          rms_norm(row + nh * D, static_cast<const scalar_t*>(ly.k_norm_data), row + nh * D, nkv, D, eps);
+        }
         for (int64_t hh = 0; hh < nh + nkv; hh++)
           rotate_row(row + hh * D, cp + bt * D, sp + bt * D,
                      hh < nh ? q + ((b * nh + hh) * T + tt) * D : layer_kv + wi[(b * nkv + hh - nh) * T + tt] * D, D);

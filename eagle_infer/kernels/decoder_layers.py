@@ -64,33 +64,35 @@ class Stack:
             pass
 
 
-def _kernel_of(linear: nn.Module) -> tuple[int, Tensor, Tensor, int] | None:
+def _kernel_of(linear: nn.Module, biased: bool) -> tuple[int, Tensor, Tensor, int] | None:
     """(kind, packed weight, scale, the rows up to which it runs our kernel) of a Linear on one of
-    our kernels without a bias, else None."""
+    our kernels, with a bias only where `biased` may (the op adds the q/k/v projection's), else
+    None."""
     from eagle_infer.cpu_linears import BF16_MAX_ROWS, Avx2Linear, Bf16Linear
     from eagle_infer.quantize import Int8Linear
 
+    if linear.bias is not None and not biased:
+        return None
     empty = torch.empty(0)
-    if type(linear) is Avx2Linear and linear.bias is None:
+    if type(linear) is Avx2Linear:
         return AVX2, linear.packed_weight, empty, linear.max_rows
-    if type(linear) is Bf16Linear and linear.bias is None:
+    if type(linear) is Bf16Linear:
         return BF16, linear.packed_weight, empty, linear.max_rows
-    if type(linear) is Int8Linear and linear.ours and linear.bias is None:
+    if type(linear) is Int8Linear and linear.ours:
         return INT8, linear.packed_weight, linear.packed_scale, BF16_MAX_ROWS  # as Int8Linear.forward
     return None
 
 
 def attach(model: nn.Module) -> Stack | None:
     """Register the model's layers with the op and set `model.fused_layers` (None where a layer
-    has a Linear off our kernels, a bias, another head size, query/key norms (Qwen3), the
-    attention kernel is off, or $EAGLE_FUSED_LAYERS=0); returns the Stack."""
+    has a Linear off our kernels, a bias but the q/k/v projection's, a head size the attention
+    kernel lacks, the attention kernel is off, or $EAGLE_FUSED_LAYERS=0); returns the Stack."""
     choice = os.environ.get(ENV, "1")
     if choice not in ("0", "1"):
         raise UserError(f"{ENV} must be 0 or 1, got {choice!r}")
     model.fused_layers = None
     cfg = model.config
-    if (choice == "0" or not avx2_attention.enabled() or cfg.head_dim != avx2_attention.HEAD_DIM
-            or cfg.qk_norm  # query/key norms (Qwen3): not in the op
+    if (choice == "0" or not avx2_attention.enabled() or cfg.head_dim not in avx2_attention.HEAD_DIMS
             or cfg.hidden_size % 8 or cfg.intermediate_size % 8):  # the C++ loops run 8 values at a time
         return None
     args = stack_arguments(model)
@@ -106,16 +108,22 @@ def attach(model: nn.Module) -> Stack | None:
 def stack_arguments(model: nn.Module) -> tuple[list[Tensor], list[int], list[int], float, int] | None:
     """register_stack's arguments for the model's layers (tensors, kinds, dims, eps) and the rows
     up to which all its Linears run our kernels, or None where a layer has a Linear off our
-    kernels or with a bias, or the Linears multiply differently (vdpbf16ps and FMAs)."""
+    kernels or with a bias (but q/k/v's), or the Linears multiply differently (vdpbf16ps and
+    FMAs)."""
     cfg = model.config
     tensors, kinds, dots, max_rows = [], [], set(), []
+    empty = torch.empty(0)
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        linears = [_kernel_of(m) for m in modules]
+        linears = [_kernel_of(m, biased=m is attn.qkv_proj) for m in modules]
         if any(k is None for k in linears):
             return None
-        tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        dtype = layer.input_layernorm.weight.dtype
+        # the bias in the model's dtype, as each Linear adds it (Int8Linear keeps an fp32 one)
+        bias = empty if attn.qkv_proj.bias is None else attn.qkv_proj.bias.detach().to(dtype).contiguous()
+        norms = (attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm else (empty, empty)
+        tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *norms, bias]
         for (kind, weight, scale, rows), m in zip(linears, modules):
             tensors += [weight, scale]
             kinds.append(kind)
