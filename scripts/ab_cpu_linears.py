@@ -1,5 +1,6 @@
 """Two CPU Linear backends (load_model's cpu_linears) timed in one process, interleaved, on the
-same prompts: plain and speculative decoding with the default head, compiled. VMs of one kind
+same prompts: plain and speculative decoding with the default head (`--model-path`, `--draft`:
+another target and head), compiled. VMs of one kind
 differ by 20-50% from run to run, so a comparison between two bench runs misleads; here each
 round times every backend back to back and the medians are reported. Suffixes take back one
 thing the "avx2" backend turns on: ":sdpa" runs attention on torch's SDPA instead of
@@ -119,6 +120,8 @@ def use_wrapper(wrapper: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", nargs="+", default=["avx2", "inductor"])
+    ap.add_argument("--model-path", default=None, help="target folder (default: the embedded SmolLM2)")
+    ap.add_argument("--draft", default=None, help="head folder (default: the shipped EAGLE-3 head)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -141,7 +144,7 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    tok = load_tokenizer(None)
+    tok = load_tokenizer(args.model_path)
     prompts = load_prompts(args.prompts, args.num_prompts, tok, args.per_category)
     tree = TreeConfig(*args.tree, args.ngram_branch)
     if len(args.also_trees) % 3:
@@ -166,7 +169,8 @@ def main() -> None:
         load_env = {bf16_linear.DOT_ENV: multiply,
                     decoder_layers.ENV: "0" if "pylayers" in off else "1"}
         with mock.patch.dict(os.environ, load_env):
-            model = load_model(None, args.dtype, "cpu", cpu_linears=backend, quantization=quantization)
+            model = load_model(args.model_path, args.dtype, "cpu", cpu_linears=backend,
+                               quantization=quantization)
             # AMX is a process-wide switch of the kernel's dot calls, which this load set: per run,
             # like attention
             amx = cpu_linears.bf16_multiply(model) == "amx"
@@ -179,7 +183,7 @@ def main() -> None:
             attention_scores = avx2_attention.set_bf16_scores(scores) if bf16_attention else None
             wrapper = "py" if "py" in off else "cpp" if "cpp" in off else "default"
             use_wrapper(wrapper)
-            head = load_head_for(default_head_path("eagle3"), model)
+            head = load_head_for(args.draft or default_head_path("eagle3"), model)
         # the longest prompt at full length: the cache (and its graphs) at the rounds' size
         # one decode function per method, each warmed up (compiled) on the shortest and the longest
         # prompt; a round times them prompt by prompt in alternating order (time_interleaved)
