@@ -24,9 +24,7 @@ import argparse
 import json
 import re
 import statistics
-import subprocess
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -34,14 +32,11 @@ import torch.nn.functional as F
 from eagle_infer.bench import median_seconds
 from eagle_infer.kernels import avx2_attention, avx2_linear
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def load_baseline(rev: str) -> None:
     """The attention kernel's source at `rev` as torch.ops.eagle_old (its kv_write left out: one
     implementation of that op a process)."""
-    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:eagle_infer/kernels/avx2_attention.cpp"],
-                          capture_output=True, text=True, check=True).stdout
+    text = avx2_linear.source_at(rev, avx2_attention.SOURCE)
     text = re.sub(r"TORCH_LIBRARY_IMPL\(eagle_infer, CPU, m\) \{.*?\}", "", text, flags=re.S)
     avx2_linear.build_copy("eagle_attention_baseline", text, "eagle_old")
 

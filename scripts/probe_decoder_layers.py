@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -34,10 +33,17 @@ def build_baseline(rev: str, linear_source: str | None = None) -> None:
     eagle_baseline::..., and the baseline layers call it instead of today's."""
     from probe_bf16_linear import load_baseline  # this folder: the script's own sys.path entry
 
-    from eagle_infer.kernels.avx2_linear import build_copy
+    from eagle_infer.kernels import decoder_layers
+    from eagle_infer.kernels.avx2_linear import build_copy, source_at
 
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:eagle_infer/kernels/decoder_layers.cpp"],
-                         check=True, capture_output=True, text=True).stdout
+    # The baseline calls today's Linear and attention libraries through kernel_calls.h: built
+    # against today's header, a revision with another one would pass its structs in a layout
+    # the kernels do not read (e.g. before f33dfaa AttentionCall had no head size).
+    calls = decoder_layers.SOURCE.with_name("kernel_calls.h")
+    if source_at(rev, calls) != calls.read_text():
+        raise SystemExit(f"kernel_calls.h differs between {rev} and now: the two builds cannot share today's "
+                         "kernels; compare with a revision that has today's kernel_calls.h")
+    src = source_at(rev, decoder_layers.SOURCE)
     name = "eagle_old_layers"
     if linear_source:
         load_baseline(linear_source)  # ops eagle_baseline::..., as probe_bf16_linear.py --baseline

@@ -2,9 +2,9 @@
 // few query rows of a decode step (1) or a verify (a tree's nodes), fp32 on AVX2 + FMA, GQA
 // (G = heads / kv_heads query heads read one kv head). D = 64 or 128 (the head sizes of the targets
 // this runs: Llama-family and Qwen2 heads of 64, Qwen3's of 128; other sizes go to SDPA): each
-// function below is a template on D, the op and the fused layers pick the instance. A bf16 call reads its bf16 K and V in place, widens each block
-// of keys or values to fp32 once for all its query rows, and computes as an fp32 call does; its
-// output is rounded to bf16 once.
+// function below is a template on D, the op and the fused layers pick the instance. A bf16 call
+// reads its bf16 K and V in place, widens each block of keys or values to fp32 once for all its
+// query rows, and computes as an fp32 call does; its output is rounded to bf16 once.
 //
 // Why not SDPA: torch's CPU flash kernel spends ~85 us on one query row over 512 keys (9 heads,
 // D 64, AMD EPYC AVX2, 2 threads) and ~210 us on four, where reading K and V once takes a few us;
@@ -571,7 +571,7 @@ void tasks(const eagle::AttentionCall& c, int64_t t0, int64_t t1, float* scores)
       if (g_bf16_scores.load(std::memory_order_relaxed) == kAmx) {
         for (int64_t s0 = r0; s0 < r1; s0 += 16)
           attend_rows_amx<D>(qb, kp + kv0, vp + kv0, c.row, bb, c.T, c.S, s0, std::min(r1, s0 + 16), scale, ob,
-                          c.out_h, c.out_t);
+                             c.out_h, c.out_t);
         continue;
       }
     }
@@ -826,9 +826,9 @@ void causal(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
     for (int64_t i = next++; i < tasks; i = next++) {
       const int64_t qb = qblocks - 1 - i / (B * KVH), bk = i % (B * KVH), b = bk / KVH, h = bk % KVH;
       const int64_t t0 = qb * kQBlock, t1 = std::min(T, t0 + kQBlock);
-      causal_task<D>(qp + b * q.stride(0) + h * G * q.stride(1), q.stride(1), q.stride(2), kt.data() + bk * per_head,
-                  vf.data() + bk * per_head, G, t0, t1, op + b * out.stride(0) + h * G * out.stride(1),
-                  out.stride(1), out.stride(2), buf);
+      causal_task<D>(qp + b * q.stride(0) + h * G * q.stride(1), q.stride(1), q.stride(2),
+                     kt.data() + bk * per_head, vf.data() + bk * per_head, G, t0, t1,
+                     op + b * out.stride(0) + h * G * out.stride(1), out.stride(1), out.stride(2), buf);
     }
   });
 }

@@ -69,6 +69,16 @@ def build_copy(name: str, text: str, namespace: str, isa: list[str] = (),
     build(name, folder / f"{name}.cpp", [*isa, *forced])
 
 
+def source_at(rev: str, source: Path) -> str:
+    """The text of `source` (one of this folder's C++ files) at git revision `rev`: what a probe
+    hands build_copy to run a kernel beside another revision of itself."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run(["git", "-C", str(root), "show", f"{rev}:{source.resolve().relative_to(root)}"],
+                          check=True, capture_output=True, text=True).stdout
+
+
 @functools.cache
 def load() -> None:
     """Build (first time on a machine) and load the op, and give compiled graphs its shape."""
