@@ -295,6 +295,9 @@ def test_loader_turns_it_on_with_the_avx2_linears(monkeypatch, default_model_dir
             dot = bf16_linear.avx512_bf16_supported()
             amd = bf16_linear.cpu_vendor() == "AuthenticAMD"
             assert default == ("dot" if amd and dot and not bf16_linear.amx_supported() else "loops")
+            # at head size 128 the tiles where the CPU has them (the default target's is 64)
+            amx = bf16_linear.amx_supported()
+            assert avx2_attention.default_bf16_scores(128) == ("amx" if amx else default)
             for mode, have in (("amx", bf16_linear.amx_supported()), ("dot", dot), ("loops", True)):
                 monkeypatch.setenv("EAGLE_CPU_ATTENTION", mode)
                 load_model(default_model_dir, "bf16", "cpu", cpu_linears="avx512_bf16")

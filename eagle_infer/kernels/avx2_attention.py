@@ -1,7 +1,7 @@
 """Attention of a few query rows (a decode step's one, a verify's tree) over the KV cache, fp32 or
 bf16 (computed in fp32) on AVX2 + FMA, or bf16 with its scores on vdpbf16ps (the default on AMD
-CPUs with AVX512-BF16) or AMX tiles (opt-in) (set_bf16_scores, EAGLE_CPU_ATTENTION;
-avx2_attention.cpp), as torch.ops.eagle.avx2_attention: what
+CPUs with AVX512-BF16) or AMX tiles (the default at head size 128 on CPUs with them)
+(set_bf16_scores, EAGLE_CPU_ATTENTION; avx2_attention.cpp), as torch.ops.eagle.avx2_attention: what
 model.attention runs for such calls on a CPU while it is enabled (`enable()`; the loader enables
 it with the "avx2" Linears in fp32 and the "avx512_bf16" ones in bf16, unless
 EAGLE_CPU_ATTENTION=sdpa). A prefill's causal attention from slot 0 (model.attention's `causal`
@@ -99,14 +99,22 @@ def bf16_scores() -> str:
     return torch.ops.eagle.avx2_attention_bf16_scores()
 
 
-def default_bf16_scores() -> str:
-    """"dot" on an AMD CPU with AVX512-BF16 (where vdpbf16ps runs at the FMAs' rate with twice
-    their multiply-adds, kernels/bf16_linear.cpp): on a 2-core AMD EPYC Zen 4, 2 threads, 9 heads
-    over 3, the kernel's calls ran 1.5-1.9x faster than on the loops (1 to 11 query rows, 256 and
-    1,024 slots; docs/measurements.md, "bf16 attention on vdpbf16ps"). Else "loops": on Intel's AVX512-BF16
-    CPUs vdpbf16ps ran at a quarter of the FMAs' rate, and the AMX tiles ("amx") stay opt-in."""
+def default_bf16_scores(head_dim: int = 64) -> str:
+    """"amx" at head size 128 on a CPU with AMX tiles: Qwen3's shape (16 query heads over 8, 2
+    threads, Xeon with AMX) ran a call 2.3-2.6x faster on the tiles than on the loops, which lose to
+    SDPA there from ~4 query rows on; decoding level on MT-bench, rounds ~6% faster on ~1,000-token
+    prompts (docs/measurements.md, "Attention on AMX tiles at head size 128"). "dot" on an AMD CPU
+    with AVX512-BF16 (where vdpbf16ps runs at the FMAs' rate with twice their multiply-adds,
+    kernels/bf16_linear.cpp): on a 2-core AMD EPYC Zen 4, 2 threads, 9 heads over 3, the kernel's
+    calls ran 1.5-1.9x faster than on the loops (1 to 11 query rows, 256 and 1,024 slots;
+    docs/measurements.md, "bf16 attention on vdpbf16ps"). Else "loops": on Intel's AVX512-BF16
+    CPUs vdpbf16ps ran at a quarter of the FMAs' rate, and at head size 64 the AMX tiles stay
+    opt-in (their rounding and the default target's held-out τ: "Attention on AMX, and long
+    prompts")."""
     from eagle_infer.kernels import bf16_linear
 
+    if head_dim == 128 and bf16_linear.amx_supported():
+        return "amx"
     amd = bf16_linear.cpu_vendor() == "AuthenticAMD"
     dot = amd and bf16_linear.avx512_bf16_supported() and not bf16_linear.amx_supported()
     return "dot" if dot else "loops"
