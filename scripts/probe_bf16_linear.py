@@ -10,11 +10,12 @@ weights as fill `--mb` MB, more than the last-level cache holds (260 MB reported
 Xeon this was written on), so the weights stream from memory as in a decode step; the read rate
 is reported beside the time. Also reports each kernel's mean error against float64. The kernels
 take turns within each shape, so this VM's drift hits them alike. `--baseline SOURCE` adds another
-build of the kernel (another version of bf16_linear.cpp) as "baseline" / "baseline_dot" (and
+build of the kernel (another version of bf16_linear.cpp) as "baseline" / "baseline_dot" / "baseline_amx" (and
 "baseline_int8" / "baseline_int8_dot" where it has int8_linear), in the same process, and says
 whether its rows equal ours bit for bit: how a change to the kernel is measured per shape.
 
     python scripts/probe_bf16_linear.py --rows 1 4 16 64 512 --json results/probe_bf16_linear.json
+    python scripts/probe_bf16_linear.py --model-path /tmp/shapes/llama-3.2-1b --rows 1  # its shapes
     git show HEAD~1:eagle_infer/kernels/bf16_linear.cpp > /tmp/before.cpp
     python scripts/probe_bf16_linear.py --rows 1 9 17 --baseline /tmp/before.cpp \
         --kernels ours_dot baseline_dot
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle_infer import cpu_linears
-from eagle_infer.bench import median_seconds
+from eagle_infer.bench import measure_read_bandwidth, median_seconds
 from eagle_infer.kernels import avx2_linear, bf16_linear
 from eagle_infer.quantize import quantize_weight
 
@@ -41,13 +42,14 @@ def onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
-def on_amx(fn):
-    """fn() with the kernel's dot calls on AMX tiles."""
-    bf16_linear.set_amx(True)
+def on_amx(fn, set_amx=bf16_linear.set_amx):
+    """fn() with the kernel's dot calls on AMX tiles (set_amx: the switch of ours, or of the
+    baseline's build)."""
+    set_amx(True)
     try:
         return fn()
     finally:
-        bf16_linear.set_amx(False)
+        set_amx(False)
 
 
 def load_baseline(source: str) -> None:
@@ -62,6 +64,19 @@ SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 5
           "down_proj": (576, 1536), "lm_head": (49152, 576)}
 
 
+def shapes_of(model_path: str) -> dict[str, tuple[int, int]]:
+    """(out, in) of a target's Linears as our layers run them (q/k/v and gate/up fused), from its
+    config.json."""
+    from eagle_infer.loader import read_hf_config, resolve_model_path
+    from eagle_infer.model import ModelConfig
+
+    c = ModelConfig.from_hf(read_hf_config(resolve_model_path(model_path)))
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return {"qkv_proj": (q + 2 * kv, c.hidden_size), "o_proj": (c.hidden_size, q),
+            "gate_up_proj": (2 * c.intermediate_size, c.hidden_size),
+            "down_proj": (c.hidden_size, c.intermediate_size), "lm_head": (c.vocab_size, c.hidden_size)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 512])
@@ -71,9 +86,12 @@ def main() -> None:
     ap.add_argument("--baseline", metavar="SOURCE", help="another bf16_linear.cpp to time beside ours")
     ap.add_argument("--kernels", nargs="+",
                     help="only these (ours ours_dot ours_amx int8 int8_dot int8_amx onednn torch fp32 "
-                         "baseline baseline_dot baseline_int8 baseline_int8_dot)")
+                         "baseline baseline_dot baseline_amx baseline_int8 baseline_int8_dot)")
+    ap.add_argument("--model-path", help="a target folder whose Linear shapes to time "
+                                          "(default: the default target's)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    shapes = shapes_of(args.model_path) if args.model_path else SHAPES
     torch.set_num_threads(args.threads)
     bf16_linear.load()
     dot = bf16_linear.avx512_bf16_supported()  # the AVX2 build has the FMA loop only
@@ -85,8 +103,10 @@ def main() -> None:
     out = {"threads": args.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
            "avx512_bf16": bf16_linear.avx512_bf16_supported(), "cpu_vendor": bf16_linear.cpu_vendor(),
            "dot_default": bf16_linear.dot_default(), "multiply_default": bf16_linear.multiply_default(),
-           "amx": amx, "baseline": args.baseline, "shapes": {}}
-    for name, (n, k) in SHAPES.items():
+           "amx": amx, "baseline": args.baseline, "model_path": args.model_path,
+           "read_gb_s": round(measure_read_bandwidth() / 1e9, 1), "shapes": {}}
+    print(f"read bandwidth (a sum over 256 MB, best of 5): {out['read_gb_s']} GB/s")
+    for name, (n, k) in shapes.items():
         copies = max(2, int(args.mb * 1e6 // (n * k * 2)))
         weights = [(torch.randn(n, k) * 0.05).bfloat16() for _ in range(copies)]
         ours_w = [bf16_linear.pack(w) for w in weights]
@@ -120,6 +140,10 @@ def main() -> None:
                 baseline = torch.ops.eagle_baseline.bf16_linear
                 calls["baseline"] = lambda x=x: [baseline(x, w, n) for w in ours_w]  # noqa: B023
                 calls["baseline_dot"] = lambda x=x: [baseline(x, w, n, True) for w in ours_w]  # noqa: B023
+                if amx and hasattr(torch.ops.eagle_baseline, "bf16_linear_set_amx"):
+                    calls["baseline_amx"] = lambda x=x: on_amx(  # noqa: B023
+                        lambda: [baseline(x, w, n, True) for w in ours_w],  # noqa: B023
+                        torch.ops.eagle_baseline.bf16_linear_set_amx)
                 if hasattr(torch.ops.eagle_baseline, "int8_linear"):
                     base8 = torch.ops.eagle_baseline.int8_linear
                     calls["baseline_int8"] = lambda x=x: [base8(x, w, s, n) for w, s in int8_w]  # noqa: B023
@@ -141,8 +165,10 @@ def main() -> None:
                 row[kernel] = {"ms_a_call": round(ms, 4), "gb_s": round(weight_bytes / 1e6 / ms, 1),
                                "mean_abs_err": float(f"{err:.3g}")}
                 if kernel.startswith("baseline"):  # a rework of the kernel keeps its bits
-                    dot = kernel.endswith("_dot")
+                    dot = kernel.endswith(("_dot", "_amx"))
                     ours = (bf16_linear.int8_linear(x, *int8_w[0], n, dot) if "int8" in kernel
+                            else on_amx(lambda: bf16_linear.bf16_linear(x, ours_w[0], n, True))  # noqa: B023
+                            if kernel.endswith("_amx")
                             else bf16_linear.bf16_linear(x, ours_w[0], n, dot))
                     row[kernel]["equal_to_ours"] = torch.equal(got, ours)
             out["shapes"].setdefault(name, {})[m] = row

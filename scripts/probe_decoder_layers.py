@@ -1,5 +1,5 @@
 """The fused decoder-layers op against another revision of itself, in one process: the same step's
-arguments (the default target, one sequence, T new rows at kv length S) through today's
+arguments (the default target or --model-path's, one sequence, T new rows at kv length S) through today's
 `eagle::decoder_layers` and through decoder_layers.cpp as it was at --baseline (built under the
 namespace eagle_old, registered on the same weights), calls alternating one by one (A B B A ...);
 prints whether the outputs are bit-identical and the median ms a call. A VM's speed drifts within
@@ -46,7 +46,11 @@ def build_baseline(rev: str, linear_source: str | None = None) -> None:
     src = source_at(rev, decoder_layers.SOURCE)
     name = "eagle_old_layers"
     if linear_source:
+        from eagle_infer.kernels import bf16_linear
+
         load_baseline(linear_source)  # ops eagle_baseline::..., as probe_bf16_linear.py --baseline
+        # its own AMX switch, which today's calls have on where they multiply on the tiles
+        torch.ops.eagle_baseline.bf16_linear_set_amx(bf16_linear.amx_on())
         old = '"eagle::bf16_linear_panels"'
         if old not in src:
             raise SystemExit(f"decoder_layers.cpp at {rev} does not name {old}")
@@ -79,6 +83,7 @@ def main() -> None:
     ap.add_argument("--linear-baseline", metavar="SOURCE",
                     help="a version of bf16_linear.cpp the baseline's Linears run (a Linear kernel's "
                          "change measured in the whole step)")
+    ap.add_argument("--model-path", default=None, help="target folder (default: the embedded SmolLM2)")
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     ap.add_argument("--quantization", default="none", choices=["none", "int8"])
     ap.add_argument("--kv", type=int, nargs="+", default=[200])
@@ -90,7 +95,7 @@ def main() -> None:
     from eagle_infer.kernels import decoder_layers
     from eagle_infer.loader import load_model
 
-    model = load_model(None, dtype=args.dtype, quantization=args.quantization)
+    model = load_model(args.model_path, dtype=args.dtype, quantization=args.quantization)
     if model.fused_layers is None:
         raise SystemExit("the target's layers are not on the fused op here (Linears off our kernels?)")
     build_baseline(args.baseline, args.linear_baseline)
@@ -118,7 +123,8 @@ def main() -> None:
             results.append(row)
             print(json.dumps(row), flush=True)
     if args.json:
-        out = {"baseline": args.baseline, "linear_baseline": args.linear_baseline, "dtype": args.dtype,
+        out = {"baseline": args.baseline, "linear_baseline": args.linear_baseline,
+               "model_path": args.model_path, "dtype": args.dtype,
                "quantization": args.quantization,
                "threads": torch.get_num_threads(), "calls": args.calls, "results": results}
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
