@@ -98,7 +98,11 @@ class HeadConfig:
             draft_vocab_size=(draft_vocab_size or target.vocab_size) if kind == "eagle3"
             else target.vocab_size,
             rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
-            rope_scaling=target.rope_scaling, max_position_embeddings=target.max_position_embeddings,
+            rope_scaling=target.rope_scaling,
+            # the target's declared context, not our window-capped one: vLLM sizes the draft's rotary
+            # cache from it (before 0.32, which raises it to the target's, a gather out of bounds
+            # past it: vLLM #48894), and a Mistral-7B-v0.1 head would declare its 4,096-token window
+            max_position_embeddings=target.config_max_position_embeddings or target.max_position_embeddings,
             fc_bias=fc_bias, aux_layer_ids=[i - 1 for i in idx],
         )
 

@@ -50,6 +50,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 4096  # the context served exactly: a sliding window caps it
+    # the config's own max_position_embeddings, uncapped: what a head exported for this target
+    # declares, as SpecForge's heads copy it (0: the same as max_position_embeddings)
+    config_max_position_embeddings: int = 0
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's queries and keys before RoPE
@@ -93,6 +96,7 @@ class ModelConfig:
             rope_theta=float(theta),
             rope_scaling=scaling,
             max_position_embeddings=max_positions,
+            config_max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type == "qwen3",

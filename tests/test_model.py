@@ -293,6 +293,7 @@ def test_a_sliding_window_caps_the_context(tiny_model_dir):
     """Full attention equals a sliding window's while the context fits the window: a config whose
     window is in use serves at most that context (Mistral uses it unless told otherwise, Qwen2 and
     Qwen3 only with use_sliding_window)."""
+    from eagle_infer.heads import HeadConfig
     from eagle_infer.model import ModelConfig
 
     base = json.loads((tiny_model_dir("llama") / "config.json").read_text())
@@ -304,6 +305,9 @@ def test_a_sliding_window_caps_the_context(tiny_model_dir):
         cfg = ModelConfig.from_hf({**base, "model_type": model_type, **extra})
         assert cfg.max_position_embeddings == context, (model_type, extra)
         assert cfg.qk_norm is (model_type == "qwen3")
+        # a head for it declares the target's own context, as the target's config does
+        head = HeadConfig.for_target(cfg, "eagle3")
+        assert head.to_hf()["max_position_embeddings"] == base["max_position_embeddings"] == 128
 
 
 def test_prompt_longer_than_context(tiny_models):
