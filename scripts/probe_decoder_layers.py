@@ -24,8 +24,6 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def build_baseline(rev: str, linear_source: str | None = None) -> None:
     """Build decoder_layers.cpp at `rev` as the library eagle_old_layers (ops eagle_old::...); with

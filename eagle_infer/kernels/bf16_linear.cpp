@@ -348,11 +348,12 @@ std::atomic<bool> g_amx{false};
 constexpr int64_t kTileK = 32;       // bf16 k of a tile row (64 bytes)
 constexpr int64_t kTileRows = 16;
 
-// Every tile 64 bytes a row; rows: 16 for tiles 0-4, last_rows (1 where 0: unused) for 5-7.
-__attribute__((target("amx-tile"))) inline void configure_tiles(int64_t last_rows) {
+// Every tile 64 bytes a row; rows: sum_rows for tiles 0-1 (16: a block's sums; 1: the second
+// panel's sums of amx_row_two_panels), 16 for tiles 2-4, last_rows (1 where 0: unused) for 5-7.
+__attribute__((target("amx-tile"))) inline void configure_tiles(int64_t sum_rows, int64_t last_rows) {
   eagle::TileConfig cfg;
   for (int t = 0; t < 8; t++) {
-    cfg.rows[t] = static_cast<uint8_t>(t < 5 ? kTileRows : last_rows ? last_rows : 1);
+    cfg.rows[t] = static_cast<uint8_t>(t < 2 ? sum_rows : t < 5 ? kTileRows : last_rows ? last_rows : 1);
     cfg.colsb[t] = 64;
   }
   _tile_loadconfig(&cfg);
@@ -414,7 +415,7 @@ EAGLE_AMX_BLOCK(amx_last_block, 5, 6, 7)
 
 // A decode step's one row of x over two panels at once (bf16 weights): sums in tiles 5, 6 (panel
 // wp0) and 0, 1 (wp1), x in 7, weights in 3, 4 and 2 (tile 3 loaded twice a step: eight tiles
-// hold no more), tiles 0 and 1 one row here (configure_one_row). Each output is still one chain
+// hold no more), tiles 0 and 1 one row here (configure_tiles(1, 1)). Each output is still one chain
 // over k in order, so the bits are amx_last_block's and a verify's rows still equal one-row
 // steps'. Two panels' weights stream at once where one panel's did: measured on the Xeon with AMX
 // (2 threads) against one panel at a time, alternating call by call in one process
@@ -422,15 +423,6 @@ EAGLE_AMX_BLOCK(amx_last_block, 5, 6, 7)
 // step's fused layers on Llama-3.2-1B's shape 5% faster, Qwen2.5-0.5B's 2.5-3%, Qwen3-0.6B's 2%,
 // SmolLM2-135M's 0.6%; per Linear (probe_bf16_linear.py --baseline) Llama-3.2-1B's shapes 5-8%
 // (its lm_head, 128256x2048, 4.8%), SmolLM2's level to 5%.
-__attribute__((target("amx-tile"))) inline void configure_one_row() {
-  eagle::TileConfig cfg;
-  for (int t = 0; t < 8; t++) {
-    cfg.rows[t] = static_cast<uint8_t>(t >= 2 && t <= 4 ? kTileRows : 1);
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
-
 __attribute__((target("amx-tile,amx-bf16"))) inline void amx_row_two_panels(
     const at::BFloat16* x, int64_t K, const at::BFloat16* wp0, const at::BFloat16* wp1,
     at::BFloat16* y0, at::BFloat16* y1, int64_t cols1) {
@@ -441,6 +433,8 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void amx_row_two_panels(
   for (int64_t kb = 0; kb < K / kTileK; kb++) {
     const at::BFloat16* b0 = wp0 + kb * kTileRows * 2 * kPanel;
     const at::BFloat16* b1 = wp1 + kb * kTileRows * 2 * kPanel;
+    // the two panels' lines asked for in turn: a panel's 32 prefetches and then the other's made
+    // the Llama-3.2-1B step 3.5-4% slower (probe_decoder_layers --linear-baseline, the same bits)
     const char* ahead0 = reinterpret_cast<const char*>(b0) + kFar * kPairBytes<at::BFloat16>;
     const char* ahead1 = reinterpret_cast<const char*>(b1) + kFar * kPairBytes<at::BFloat16>;
     for (int64_t line = 0; line < kTileRows * kPairBytes<at::BFloat16>; line += 64) {
@@ -471,23 +465,22 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels(const eagle::Linear
   const auto* x = static_cast<const at::BFloat16*>(c.x);
   auto* y = static_cast<at::BFloat16*>(c.y);
   const int64_t full = c.M / kTileRows, last = c.M % kTileRows;
+  alignas(64) at::BFloat16 buf[std::is_same_v<W, int8_t> ? kTileRows * 2 * kPanel : 1];
   if constexpr (std::is_same_v<W, at::BFloat16>) {
     if (c.M == 1) {  // a decode step: two panels at a time
-      configure_one_row();
-      const auto* w = static_cast<const at::BFloat16*>(c.w);
+      configure_tiles(1, 1);
+      const W* w = static_cast<const W*>(c.w);
       int64_t p = p0;
       for (; p + 1 < p1; p += 2)
         amx_row_two_panels(x, c.K, w + p * c.K * kPanel, w + (p + 1) * c.K * kPanel, y + p * kPanel,
                            y + (p + 1) * kPanel, std::min(kPanel, c.N - (p + 1) * kPanel));
-      alignas(64) at::BFloat16 none[1];
       if (p < p1)
         amx_last_block(x, 1, c.K, w + p * c.K * kPanel, y + p * kPanel, c.N, std::min(kPanel, c.N - p * kPanel),
-                       static_cast<const float*>(nullptr), none);
+                       nullptr, buf);
       return;
     }
   }
-  configure_tiles(last);
-  alignas(64) at::BFloat16 buf[std::is_same_v<W, int8_t> ? kTileRows * 2 * kPanel : 1];
+  configure_tiles(kTileRows, last);
   for (int64_t p = p0; p < p1; p++) {
     const int64_t cols = std::min(kPanel, c.N - p * kPanel);
     const float* s = c.scale ? c.scale + p * kPanel : nullptr;
