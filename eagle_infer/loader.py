@@ -122,7 +122,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     and bf16, attention calls of a few query rows run kernels/avx2_attention too
     ($EAGLE_CPU_ATTENTION=sdpa keeps them on torch's SDPA; =loops, =dot or =amx computes bf16
     ones' scores on the AVX2 loops, vdpbf16ps or AMX tiles; auto: avx2_attention.default_bf16_scores,
-    amx at head size 128 on CPUs with AMX, dot on AMD CPUs with AVX512-BF16, else loops)."""
+    amx on CPUs with AMX, dot on AMD CPUs with AVX512-BF16, else loops)."""
     folder = resolve_model_path(path)
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
@@ -175,7 +175,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
                 avx2_attention.enable()
                 # bf16 calls' scores: one choice a process
                 avx2_attention.set_bf16_scores(
-                    avx2_attention.default_bf16_scores(model.config.head_dim) if attention == "auto"
+                    avx2_attention.default_bf16_scores() if attention == "auto"
                     else attention)
             except Exception as e:  # the Linear kernel built, so this is unexpected: say so, go on
                 warnings.warn(f"the avx2 attention kernel did not build ({e}); attention runs on SDPA",

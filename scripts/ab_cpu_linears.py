@@ -178,7 +178,7 @@ def main() -> None:
             attention = avx2_attention.enabled() and "sdpa" not in off
             avx2_attention.enable(attention)
             scores = next((m[len("attn"):] for m in off if m in ("attnloops", "attndot", "attnamx")),
-                          avx2_attention.default_bf16_scores(model.config.head_dim))
+                          avx2_attention.default_bf16_scores())
             bf16_attention = attention and args.dtype == "bf16"
             attention_scores = avx2_attention.set_bf16_scores(scores) if bf16_attention else None
             wrapper = "py" if "py" in off else "cpp" if "cpp" in off else "default"

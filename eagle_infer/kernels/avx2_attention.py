@@ -99,22 +99,20 @@ def bf16_scores() -> str:
     return torch.ops.eagle.avx2_attention_bf16_scores()
 
 
-def default_bf16_scores(head_dim: int = 64) -> str:
-    """"amx" at head size 128 on a CPU with AMX tiles: Qwen3's shape (16 query heads over 8, 2
-    threads, Xeon with AMX) ran a call 2.3-2.6x faster on the tiles than on the loops, which lose to
-    SDPA there from ~4 query rows on; decoding level on MT-bench, rounds ~6% faster on ~1,000-token
-    prompts (docs/measurements.md, "Attention on AMX tiles at head size 128"). "dot" on an AMD CPU
+def default_bf16_scores() -> str:
+    """"amx" on a CPU with AMX tiles: Qwen3's shape (head size 128, 16 query heads over 8, 2
+    threads, Xeon with AMX) ran a call 2.3-2.6x faster on the tiles than on the loops, and at head
+    size 64 the default target decoded 1-7% faster plain and 7-13% speculative on MT-bench and on
+    ~1,000-token prompts (docs/measurements.md, "Attention on AMX tiles at head size 64 too"); τ
+    moved either way with the greedy answers, as with any other rounding. "dot" on an AMD CPU
     with AVX512-BF16 (where vdpbf16ps runs at the FMAs' rate with twice their multiply-adds,
     kernels/bf16_linear.cpp): on a 2-core AMD EPYC Zen 4, 2 threads, 9 heads over 3, the kernel's
     calls ran 1.5-1.9x faster than on the loops (1 to 11 query rows, 256 and 1,024 slots;
     docs/measurements.md, "bf16 attention on vdpbf16ps"). Else "loops": on Intel's AVX512-BF16
-    CPUs vdpbf16ps ran at a quarter of the FMAs' rate, and at head size 64 the AMX tiles stay
-    opt-in (their rounding and the default target's held-out τ: "Attention on AMX, and long
-    prompts")."""
+    CPUs without AMX vdpbf16ps ran at a quarter of the FMAs' rate."""
     from eagle_infer.kernels import bf16_linear
 
-    if head_dim == 128 and bf16_linear.amx_supported():
+    if bf16_linear.amx_supported():
         return "amx"
     amd = bf16_linear.cpu_vendor() == "AuthenticAMD"
-    dot = amd and bf16_linear.avx512_bf16_supported() and not bf16_linear.amx_supported()
-    return "dot" if dot else "loops"
+    return "dot" if amd and bf16_linear.avx512_bf16_supported() else "loops"
