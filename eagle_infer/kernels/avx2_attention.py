@@ -112,7 +112,5 @@ def default_bf16_scores() -> str:
     CPUs without AMX vdpbf16ps ran at a quarter of the FMAs' rate."""
     from eagle_infer.kernels import bf16_linear
 
-    if bf16_linear.amx_supported():
-        return "amx"
-    amd = bf16_linear.cpu_vendor() == "AuthenticAMD"
-    return "dot" if amd and bf16_linear.avx512_bf16_supported() else "loops"
+    # the Linears' CPU rule (bf16_linear.cpu_multiply), each multiply's counterpart here
+    return {"amx": "amx", "vdpbf16ps": "dot", "fma": "loops"}[bf16_linear.cpu_multiply()]

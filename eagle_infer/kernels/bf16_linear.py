@@ -66,8 +66,15 @@ def multiply_default() -> str:
             raise UserError(f"{DOT_ENV}={choice} needs a CPU with AVX512-BF16; this one runs the kernel "
                             "on fp32 FMAs only (fma or auto)")
         return "fma"
-    if choice != "auto":
-        return choice
+    return choice if choice != "auto" else cpu_multiply()
+
+
+def cpu_multiply() -> str:
+    """What "auto" multiplies on, from the CPU alone: "amx" on AMX CPUs, "vdpbf16ps" on AMD ones
+    with AVX512-BF16, else "fma" (the measurements: multiply_default). The attention kernel's
+    default scores follow the same rule (avx2_attention.default_bf16_scores)."""
+    if not avx512_bf16_supported():
+        return "fma"
     if amx_supported():
         return "amx"
     return "vdpbf16ps" if cpu_vendor() == "AuthenticAMD" else "fma"
