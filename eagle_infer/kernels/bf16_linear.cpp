@@ -342,14 +342,14 @@ void rows_of(const X* x, int64_t M, int64_t K, const W* w, at::BFloat16* y, int6
 // (not always the vdpbf16ps loop's bits: one choice a process). int8 weights: each 16 pairs of
 // the panel are made bf16 (load_pair, exact) into a 2 KB buffer the tiles load from.
 // Tiles: 0, 1 the sums of a block of 16 rows (columns 0-15, 16-31), 2 its x, 3, 4 the weights;
-// 5, 6, 7 the same for the M % 16 rows after the blocks of 16 (a verify's all). One row (a decode
-// step) runs two panels at a time instead (amx_row_two_panels).
+// 5, 6, 7 the same for the M % 16 rows after the blocks of 16. Up to 16 rows with bf16 weights (a
+// decode step, a verify) run two panels at a time instead (amx_rows_two_panels).
 std::atomic<bool> g_amx{false};
 constexpr int64_t kTileK = 32;       // bf16 k of a tile row (64 bytes)
 constexpr int64_t kTileRows = 16;
 
-// Every tile 64 bytes a row; rows: sum_rows for tiles 0-1 (16: a block's sums; 1: the second
-// panel's sums of amx_row_two_panels), 16 for tiles 2-4, last_rows (1 where 0: unused) for 5-7.
+// Every tile 64 bytes a row; rows: sum_rows for tiles 0-1 (16: a block's sums; M: the second
+// panel's sums of amx_rows_two_panels), 16 for tiles 2-4, last_rows (1 where 0: unused) for 5-7.
 __attribute__((target("amx-tile"))) inline void configure_tiles(int64_t sum_rows, int64_t last_rows) {
   eagle::TileConfig cfg;
   for (int t = 0; t < 8; t++) {
@@ -413,19 +413,24 @@ EAGLE_AMX_BLOCK(amx_block, 0, 1, 2)
 EAGLE_AMX_BLOCK(amx_last_block, 5, 6, 7)
 #undef EAGLE_AMX_BLOCK
 
-// A decode step's one row of x over two panels at once (bf16 weights): sums in tiles 5, 6 (panel
-// wp0) and 0, 1 (wp1), x in 7, weights in 3, 4 and 2 (tile 3 loaded twice a step: eight tiles
-// hold no more), tiles 0 and 1 one row here (configure_tiles(1, 1)). Each output is still one chain
-// over k in order, so the bits are amx_last_block's and a verify's rows still equal one-row
-// steps'. Two panels' weights stream at once where one panel's did: measured on the Xeon with AMX
-// (2 threads) against one panel at a time, alternating call by call in one process
-// (scripts/probe_decoder_layers.py --linear-baseline, kv 200 and 600, the same bits): a decode
-// step's fused layers on Llama-3.2-1B's shape 5% faster, Qwen2.5-0.5B's 2.5-3%, Qwen3-0.6B's 2%,
-// SmolLM2-135M's 0.6%; per Linear (probe_bf16_linear.py --baseline) Llama-3.2-1B's shapes 5-8%
-// (its lm_head, 128256x2048, 4.8%), SmolLM2's level to 5%.
-__attribute__((target("amx-tile,amx-bf16"))) inline void amx_row_two_panels(
-    const at::BFloat16* x, int64_t K, const at::BFloat16* wp0, const at::BFloat16* wp1,
-    at::BFloat16* y0, at::BFloat16* y1, int64_t cols1) {
+// Up to 16 rows of x (a decode step's one, a verify's tree) over two panels at once (bf16 weights):
+// sums in tiles 5, 6 (panel wp0) and 0, 1 (wp1), x in 7, weights in 3, 4 and 2 (tile 3 loaded twice
+// a step: eight tiles hold no more), tiles 0, 1 and 5-7 `rows` rows (configure_tiles(M, M)). Each
+// output is still one chain over k in order, so the bits are amx_last_block's and a verify's rows
+// still equal one-row steps'. Two panels' weights stream at once where one panel's did: measured on
+// the Xeon with AMX (2 threads) against one panel at a time, alternating call by call in one
+// process (scripts/probe_decoder_layers.py --linear-baseline, kv 200 and 600, the same bits): a
+// decode step's fused layers on Llama-3.2-1B's shape 5% faster, Qwen2.5-0.5B's 2.5-3%,
+// Qwen3-0.6B's 2%, SmolLM2-135M's 0.6%; per Linear (probe_bf16_linear.py --baseline) Llama-3.2-1B's
+// shapes 5-8% (its lm_head, 128256x2048, 4.8%), SmolLM2's level to 5%. At 7-16 rows (a verify of
+// the default tree: 7 rows without its n-gram branch's, 11 with) the fused layers 1.4-4.2% faster
+// on SmolLM2-135M and 3.4-7% on Llama-3.2-1B's, Qwen3-0.6B's and Qwen2.5-0.5B's shapes (kv 200 and
+// 600, the same bits; results/probe_amx_two_panels_verify_*_xeon_amx.json), where a verify's
+// Linears then cost about what a decode step's do. int8 weights keep one panel at a time: two (each
+// made bf16 into its own buffer) were 2-5% slower at 1-11 rows.
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_rows_two_panels(
+    const at::BFloat16* x, int64_t rows, int64_t K, const at::BFloat16* wp0, const at::BFloat16* wp1,
+    at::BFloat16* y0, at::BFloat16* y1, int64_t N, int64_t cols1) {
   _tile_zero(5);
   _tile_zero(6);
   _tile_zero(0);
@@ -451,13 +456,15 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void amx_row_two_panels(
     _tile_loadd(3, b1 + 16 * 2, kPairBytes<at::BFloat16>);
     _tile_dpbf16ps(1, 7, 3);
   }
-  alignas(64) float sums[4][kPanel / 2];
+  alignas(64) float sums[4][kTileRows][kPanel / 2];  // tiles 5, 6, 0, 1: `rows` rows of 16 sums
   _tile_stored(5, sums[0], 64);
   _tile_stored(6, sums[1], 64);
   _tile_stored(0, sums[2], 64);
   _tile_stored(1, sums[3], 64);
-  store_row(y0, _mm512_load_ps(sums[0]), _mm512_load_ps(sums[1]), kPanel, nullptr);
-  store_row(y1, _mm512_load_ps(sums[2]), _mm512_load_ps(sums[3]), cols1, nullptr);
+  for (int64_t r = 0; r < rows; r++) {
+    store_row(y0 + r * N, _mm512_load_ps(sums[0][r]), _mm512_load_ps(sums[1][r]), kPanel, nullptr);
+    store_row(y1 + r * N, _mm512_load_ps(sums[2][r]), _mm512_load_ps(sums[3][r]), cols1, nullptr);
+  }
 }
 
 template <typename W>
@@ -467,15 +474,15 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels(const eagle::Linear
   const int64_t full = c.M / kTileRows, last = c.M % kTileRows;
   alignas(64) at::BFloat16 buf[std::is_same_v<W, int8_t> ? kTileRows * 2 * kPanel : 1];
   if constexpr (std::is_same_v<W, at::BFloat16>) {
-    if (c.M == 1) {  // a decode step: two panels at a time
-      configure_tiles(1, 1);
+    if (c.M <= kTileRows) {  // a decode step or a verify: two panels at a time
+      configure_tiles(c.M, c.M);
       const W* w = static_cast<const W*>(c.w);
       int64_t p = p0;
       for (; p + 1 < p1; p += 2)
-        amx_row_two_panels(x, c.K, w + p * c.K * kPanel, w + (p + 1) * c.K * kPanel, y + p * kPanel,
-                           y + (p + 1) * kPanel, std::min(kPanel, c.N - (p + 1) * kPanel));
+        amx_rows_two_panels(x, c.M, c.K, w + p * c.K * kPanel, w + (p + 1) * c.K * kPanel, y + p * kPanel,
+                            y + (p + 1) * kPanel, c.N, std::min(kPanel, c.N - (p + 1) * kPanel));
       if (p < p1)
-        amx_last_block(x, 1, c.K, w + p * c.K * kPanel, y + p * kPanel, c.N, std::min(kPanel, c.N - p * kPanel),
+        amx_last_block(x, c.M, c.K, w + p * c.K * kPanel, y + p * kPanel, c.N, std::min(kPanel, c.N - p * kPanel),
                        nullptr, buf);
       return;
     }
