@@ -750,7 +750,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculative-draft-model-path", default=None,
                     help=f"draft head folder (default: {DEFAULT_HEAD})")
     tree_help = ("default: 5/4/16 (steps/topk/draft tokens) on a GPU; on a CPU 2/4/6 in bf16 "
-                 "(1/4/4 without AVX512-BF16), 2/4/4 in fp32, "
+                 "(2/4/8 on CPUs with AMX, 1/4/4 without AVX512-BF16), 2/4/4 in fp32, "
                  "1/4/3 with int8 weights (2/4/6 on CPUs with AMX, 1/4/2 without AVX512-BF16); each with an "
                  "n-gram branch of 4 on a CPU")
     ap.add_argument("--speculative-num-steps", type=int, default=None, help=tree_help)

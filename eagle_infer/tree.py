@@ -154,14 +154,19 @@ class TreeConfig:
         2/4/4+g4 137.1, 1/4/3+g4 130.9); int8 1/4/3+g4 232.8 against 1/4/3 208.9 (τ 1.742
         against 1.529; 2/4/4+g4 225.3). A GPU keeps none until measured there.
 
-        On a CPU with AMX (the bf16 kernel on the tiles: a 16-row verify's Linears cost ~1.3 a
-        one-row step's) bigger trees raise τ but the draft steps and attention still grow with
-        them: 2/4/6+g4 level with 2/4/8+g4, 2/4/10+g4 and 3/4/8+g4 and ahead of 4/4/12+g4 and
-        5/4/16+g4 in bf16. With int8 weights on the tiles the verify's extra rows are as cheap,
-        and 2/4/6+g4 is the default there too: 16 prompts (2 a category), interleaved, 2 rounds,
-        160.4 tokens/s against 145.9 for 1/4/3+g4 (τ 2.291 against 1.795; 2/4/4+g4 147.1) and
-        ahead in each round (docs/measurements.md "bf16 and int8 on AMX tiles"). The multiply is known before
-        the model loads ($EAGLE_BF16_DOT, else the CPU: bf16_linear.multiply_default).
+        On a CPU with AMX (the bf16 kernel on the tiles) bigger trees raise τ but the draft steps
+        and attention still grow with them: 2/4/6+g4 was level with 2/4/8+g4, 2/4/10+g4 and
+        3/4/8+g4 and ahead of 4/4/12+g4 and 5/4/16+g4 in bf16 while a verify's rows ran one
+        32-column panel at a time. Since they run two (up to 16 rows), 2/4/8+g4 in bf16: 16
+        MT-bench prompts (2 a category), interleaved prompt by prompt, two runs of 2 rounds,
+        +2.0 to +3.0% over 2/4/6+g4 in 4 of 4 rounds (177.7 / 179.4 against 172.4 / 175.8
+        tokens/s, τ 2.326 against 2.22), 2/4/10+g4 level (178.5 / 178.7), 2/4/12+g4 and
+        3/4/10+g4 between (docs/measurements.md "A verify's Linears on AMX two panels at a
+        time"). With int8 weights (one panel at a time) 2/4/6+g4: 16 prompts, 2 rounds, 160.4
+        tokens/s against 145.9 for 1/4/3+g4 (τ 2.291 against 1.795; 2/4/4+g4 147.1), and
+        again after the bf16 change 286 against 283 for 2/4/8+g4 and 279 for 2/4/10+g4. The
+        multiply is known before the model loads ($EAGLE_BF16_DOT, else the CPU:
+        bf16_linear.multiply_default).
 
         On an AVX2 CPU without AVX512-BF16 (the bf16 kernel's AVX2 build), since its tiles take k
         in chunks (a verify's Linears at 4 / 6 / 8 rows 1.11 / 1.21 / 1.57x a one-row step's),
@@ -184,7 +189,9 @@ class TreeConfig:
             on_tiles = dtype == "bf16" and multiply_default() == "amx"  # fp32 int8 is torch's kernel
             return cls(2, 4, 6, ngram_branch=4) if on_tiles else cls(1, 4, 3, ngram_branch=4)
         if dtype == "bf16":
-            return cls(2, 4, 6, ngram_branch=4) if avx512_bf16_supported() else cls(1, 4, 4, ngram_branch=4)
+            if not avx512_bf16_supported():
+                return cls(1, 4, 4, ngram_branch=4)
+            return cls(2, 4, 8 if multiply_default() == "amx" else 6, ngram_branch=4)
         return cls(2, 4, 4, ngram_branch=4)
 
     @classmethod

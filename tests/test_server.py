@@ -501,11 +501,12 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
     assert server.resolve_tree(int8_args, "cpu", "bf16") == server.TreeConfig(1, 4, 2, ngram_branch=4)
     assert server.resolve_tree(int8_args, "cpu", "fp32") == server.TreeConfig(1, 4, 3, ngram_branch=4)
     monkeypatch.setattr(bf16_linear, "avx512_bf16_supported", lambda: True)
-    assert server.resolve_tree(args, "cpu", "bf16") == server.TreeConfig(2, 4, 6, ngram_branch=4)
     int8 = server.build_parser().parse_args(["--quantization", "int8"])
-    monkeypatch.setenv("EAGLE_BF16_DOT", "vdpbf16ps")  # int8's tree follows the multiply
+    monkeypatch.setenv("EAGLE_BF16_DOT", "vdpbf16ps")  # the tree follows the multiply
+    assert server.resolve_tree(args, "cpu", "bf16") == server.TreeConfig(2, 4, 6, ngram_branch=4)
     assert server.resolve_tree(int8, "cpu", "bf16") == server.TreeConfig(1, 4, 3, ngram_branch=4)
-    monkeypatch.setenv("EAGLE_BF16_DOT", "amx")  # a verify's rows cheap on the tiles: bf16's tree
+    monkeypatch.setenv("EAGLE_BF16_DOT", "amx")  # a verify's rows cheap on the tiles (two panels in bf16)
+    assert server.resolve_tree(args, "cpu", "bf16") == server.TreeConfig(2, 4, 8, ngram_branch=4)
     assert server.resolve_tree(int8, "cpu", "bf16") == server.TreeConfig(2, 4, 6, ngram_branch=4)
     assert server.resolve_tree(int8, "cpu", "fp32") == server.TreeConfig(1, 4, 3, ngram_branch=4)  # not ours
     monkeypatch.setenv("EAGLE_BF16_DOT", "fma")
