@@ -108,7 +108,7 @@ class TreeConfig:
         """--speculative-batch-tree: MIN_BATCH:TREE, "none", or where not given (None) the
         device's default (SpecDecoder's batch_tree). On a CPU whose bf16 kernel multiplies on AMX
         tiles (bf16 activations, int8 weights too), 1/4/3+g4 from 3 sequences, from 2 with int8
-        weights: at batch 4 the default 2/4/6+g4 verifies 28 rows (two row blocks on the tiles),
+        weights: at batch 4 the main tree (2/4/6+g4 then) verifies 28 rows (two row blocks on the tiles),
         1/4/3+g4 16. docs/measurements.md "A tree that shrinks as the batch grows" (8 MT-bench prompts,
         interleaved, against rounds without drafts, the default before): bf16 batch 4 1.15x plain
         against 0.90x (eager 1.02x against 0.96x), batch 2 level with 2/4/6+g4; int8 batch 4
