@@ -162,7 +162,10 @@ class TreeConfig:
         +2.0 to +3.0% over 2/4/6+g4 in 4 of 4 rounds (177.7 / 179.4 against 172.4 / 175.8
         tokens/s, τ 2.326 against 2.22), 2/4/10+g4 level (178.5 / 178.7), 2/4/12+g4 and
         3/4/10+g4 between (docs/measurements.md "A verify's Linears on AMX two panels at a
-        time"). With int8 weights (one panel at a time) 2/4/6+g4: 16 prompts, 2 rounds, 160.4
+        time"). Its n-gram branch is 6 long: of 8 places a longer lookup chain wins more often,
+        +1.1 to +3.4% in 4 of 4 interleaved rounds on the same 16 prompts (either order; τ
+        2.359 against 2.326) and +3.9% on 8 long prompts (118.2 against 113.8 tokens/s, τ
+        3.771 against 3.317). With int8 weights (one panel at a time) 2/4/6+g4: 16 prompts, 2 rounds, 160.4
         tokens/s against 145.9 for 1/4/3+g4 (τ 2.291 against 1.795; 2/4/4+g4 147.1), and
         again after the bf16 change 286 against 283 for 2/4/8+g4 and 279 for 2/4/10+g4. The
         multiply is known before the model loads ($EAGLE_BF16_DOT, else the CPU:
@@ -191,7 +194,9 @@ class TreeConfig:
         if dtype == "bf16":
             if not avx512_bf16_supported():
                 return cls(1, 4, 4, ngram_branch=4)
-            return cls(2, 4, 8 if multiply_default() == "amx" else 6, ngram_branch=4)
+            if multiply_default() == "amx":
+                return cls(2, 4, 8, ngram_branch=6)
+            return cls(2, 4, 6, ngram_branch=4)
         return cls(2, 4, 4, ngram_branch=4)
 
     @classmethod

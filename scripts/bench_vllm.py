@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ours", action="store_true", help="also run our bench on the same prompts")
     ap.add_argument("--ours-tree", nargs="+", default=None, metavar="STEPS TOPK N | default",
                     help="with --ours: also our tree drafting with each head (e.g. 2 4 4); 'default': "
-                    "each run's CPU default (bf16 2/4/6, 2/4/8 on AMX or 1/4/4 without AVX512-BF16, "
+                    "each run's CPU default (bf16 2/4/6, 2/4/8+g6 on AMX or 1/4/4 without AVX512-BF16, "
                     "int8 1/4/3 or 2/4/6 on AMX: TreeConfig.default_for)")
     ap.add_argument("--ours-int8", action="store_true",
                     help="with --ours: also our plain and tree (--ours-tree) decoding with int8 weights")

@@ -506,7 +506,7 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
     assert server.resolve_tree(args, "cpu", "bf16") == server.TreeConfig(2, 4, 6, ngram_branch=4)
     assert server.resolve_tree(int8, "cpu", "bf16") == server.TreeConfig(1, 4, 3, ngram_branch=4)
     monkeypatch.setenv("EAGLE_BF16_DOT", "amx")  # a verify's rows cheap on the tiles (two panels in bf16)
-    assert server.resolve_tree(args, "cpu", "bf16") == server.TreeConfig(2, 4, 8, ngram_branch=4)
+    assert server.resolve_tree(args, "cpu", "bf16") == server.TreeConfig(2, 4, 8, ngram_branch=6)
     assert server.resolve_tree(int8, "cpu", "bf16") == server.TreeConfig(2, 4, 6, ngram_branch=4)
     assert server.resolve_tree(int8, "cpu", "fp32") == server.TreeConfig(1, 4, 3, ngram_branch=4)  # not ours
     monkeypatch.setenv("EAGLE_BF16_DOT", "fma")
