@@ -148,11 +148,11 @@ class TreeConfig:
         interleaved by prompt agreed, 1.10-1.13x against 1.00-1.05x; with draft ahead still
         ahead of 2/4/4).
 
-        On a CPU each tree also takes an n-gram branch of 4 (prompt lookup competing for the same
-        places: no more rows verified). Zen 4, 2 of each MT-bench category (16 prompts),
-        interleaved: bf16 2/4/6+g4 146.8 tokens/s against 2/4/6 128.9 (τ 2.135 against 1.836;
-        2/4/4+g4 137.1, 1/4/3+g4 130.9); int8 1/4/3+g4 232.8 against 1/4/3 208.9 (τ 1.742
-        against 1.529; 2/4/4+g4 225.3). A GPU keeps none until measured there.
+        On a CPU each tree also takes an n-gram branch of 4 (6 in bf16 on AMX, below; prompt
+        lookup competing for the same places: no more rows verified). Zen 4, 2 of each MT-bench
+        category (16 prompts), interleaved: bf16 2/4/6+g4 146.8 tokens/s against 2/4/6 128.9 (τ
+        2.135 against 1.836; 2/4/4+g4 137.1, 1/4/3+g4 130.9); int8 1/4/3+g4 232.8 against 1/4/3
+        208.9 (τ 1.742 against 1.529; 2/4/4+g4 225.3). A GPU keeps none until measured there.
 
         On a CPU with AMX (the bf16 kernel on the tiles) bigger trees raise τ but the draft steps
         and attention still grow with them: 2/4/6+g4 was level with 2/4/8+g4, 2/4/10+g4 and
@@ -165,11 +165,11 @@ class TreeConfig:
         time"). Its n-gram branch is 6 long: of 8 places a longer lookup chain wins more often,
         +1.1 to +3.4% in 4 of 4 interleaved rounds on the same 16 prompts (either order; τ
         2.359 against 2.326) and +3.9% on 8 long prompts (118.2 against 113.8 tokens/s, τ
-        3.771 against 3.317). With int8 weights (one panel at a time) 2/4/6+g4: 16 prompts, 2 rounds, 160.4
-        tokens/s against 145.9 for 1/4/3+g4 (τ 2.291 against 1.795; 2/4/4+g4 147.1), and
-        again after the bf16 change 286 against 283 for 2/4/8+g4 and 279 for 2/4/10+g4. The
-        multiply is known before the model loads ($EAGLE_BF16_DOT, else the CPU:
-        bf16_linear.multiply_default).
+        3.771 against 3.317). With int8 weights (one panel at a time) 2/4/6+g4: 16 prompts, 2
+        rounds, 160.4 tokens/s against 145.9 for 1/4/3+g4 (τ 2.291 against 1.795; 2/4/4+g4
+        147.1), and again after the bf16 change 286 against 283 for 2/4/8+g4 and 279 for
+        2/4/10+g4 (g6 level with g4 there). The multiply is known before the model loads
+        ($EAGLE_BF16_DOT, else the CPU: bf16_linear.multiply_default).
 
         On an AVX2 CPU without AVX512-BF16 (the bf16 kernel's AVX2 build), since its tiles take k
         in chunks (a verify's Linears at 4 / 6 / 8 rows 1.11 / 1.21 / 1.57x a one-row step's),
