@@ -20,9 +20,8 @@ Methods: `plain` (eagle_infer.generate; with `--temperature` it samples with the
 as the speculative runs), `hf` (transformers `generate`, greedy) and `hf_assisted`
 (transformers prompt-lookup decoding, `prompt_lookup_num_tokens=10`), then speculative decoding
 with a draft head (tree settings with SGLang's names; those not given take the device's
-default tree, as the server's do: on a CPU 2/4/6 in bf16 (2/4/8+g6 on AMX, 1/4/4 without
-AVX512-BF16), 2/4/4 in fp32, 1/4/3 with int8 weights (2/4/6 on AMX, 1/4/2 without AVX512-BF16),
-each with an n-gram branch of 4; 5/4/16 on a GPU)
+default tree, as the server's do: 5/4/16 on a GPU, on a CPU by dtype, weights and kernel, a few
+nodes with an n-gram branch (TreeConfig.default_for; `--help` lists them))
 and its acceptance statistics: tau (accepted drafts + the bonus token per round), acceptance per
 draft position, and the time per round spent drafting, verifying and on the rest. `plain` and
 the main tree are timed interleaved, batch by batch in alternating order, so that a machine
@@ -775,9 +774,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--draft", default=None, help="draft head folder (default: the reference EAGLE-3 head)")
     sp.add_argument("--no-spec", action="store_true", help="plain and transformers only")
     tree_help = ("draft tree (SGLang's names); each one not given takes the device's default, the "
-                 "server's: 5/4/16 on a GPU; on a CPU 2/4/6 in bf16 (2/4/8+g6 on AMX, 1/4/4 without "
-                 "AVX512-BF16), 2/4/4 in fp32, 1/4/3 with int8 weights (2/4/6 on AMX, 1/4/2 without "
-                 "AVX512-BF16), where every verified node costs time")
+                 f"server's: 5/4/16 on a GPU; {TreeConfig.cpu_defaults_text()}, where every verified "
+                 "node costs time")
     sp.add_argument("--num-steps", type=int, default=None, help=tree_help)
     sp.add_argument("--eagle-topk", type=int, default=None, help=tree_help)
     sp.add_argument("--num-draft-tokens", type=int, default=None, help=tree_help)

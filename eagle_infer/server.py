@@ -749,10 +749,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "default: EAGLE3 with the reference head when it is present, else NONE")
     ap.add_argument("--speculative-draft-model-path", default=None,
                     help=f"draft head folder (default: {DEFAULT_HEAD})")
-    tree_help = ("default: 5/4/16 (steps/topk/draft tokens) on a GPU; on a CPU 2/4/6 in bf16 "
-                 "(2/4/8 on CPUs with AMX, 1/4/4 without AVX512-BF16), 2/4/4 in fp32, "
-                 "1/4/3 with int8 weights (2/4/6 on CPUs with AMX, 1/4/2 without AVX512-BF16); each with an "
-                 "n-gram branch of 4 on a CPU (6 for bf16's 2/4/8 on AMX)")
+    tree_help = (f"default: 5/4/16 (steps/topk/draft tokens) on a GPU; {TreeConfig.cpu_defaults_text()} "
+                 "(+gK: an n-gram branch of K)")
     ap.add_argument("--speculative-num-steps", type=int, default=None, help=tree_help)
     ap.add_argument("--speculative-eagle-topk", type=int, default=None, help=tree_help)
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=None, help=tree_help)

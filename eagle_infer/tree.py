@@ -186,18 +186,38 @@ class TreeConfig:
             return cls()
         from eagle_infer.kernels.bf16_linear import avx512_bf16_supported, multiply_default
 
+        if not avx512_bf16_supported():
+            kernel = "avx2"
+        else:  # known before the model loads; fp32 never asks (a bad $EAGLE_BF16_DOT stays quiet)
+            kernel = multiply_default() if dtype == "bf16" else "fma"
+        return cls.cpu_default(dtype, quantization, kernel)
+
+    @classmethod
+    def cpu_default(cls, dtype: str, quantization: str, kernel: str) -> TreeConfig:
+        """The CPU's default tree for a dtype, weights ("none" or "int8") and the bf16 kernel that
+        runs a verify's Linears: "avx2" (its AVX2 build, a CPU without AVX512-BF16), else what it
+        multiplies on ("fma", "vdpbf16ps", "amx"). default_for finds the kernel and says why each."""
+        g4 = {"ngram_branch": 4}
         if quantization == "int8":
-            if dtype == "bf16" and not avx512_bf16_supported():  # our kernel's AVX2 build
-                return cls(1, 4, 2, ngram_branch=4)
-            on_tiles = dtype == "bf16" and multiply_default() == "amx"  # fp32 int8 is torch's kernel
-            return cls(2, 4, 6, ngram_branch=4) if on_tiles else cls(1, 4, 3, ngram_branch=4)
+            if dtype != "bf16":  # fp32 activations: int8 weights run torch's kernel
+                return cls(1, 4, 3, **g4)
+            return {"avx2": cls(1, 4, 2, **g4), "amx": cls(2, 4, 6, **g4)}.get(kernel, cls(1, 4, 3, **g4))
         if dtype == "bf16":
-            if not avx512_bf16_supported():
-                return cls(1, 4, 4, ngram_branch=4)
-            if multiply_default() == "amx":
-                return cls(2, 4, 8, ngram_branch=6)
-            return cls(2, 4, 6, ngram_branch=4)
-        return cls(2, 4, 4, ngram_branch=4)
+            amx = cls(2, 4, 8, ngram_branch=6)
+            return {"avx2": cls(1, 4, 4, **g4), "amx": amx}.get(kernel, cls(2, 4, 6, **g4))
+        return cls(2, 4, 4, **g4)
+
+    @classmethod
+    def cpu_defaults_text(cls) -> str:
+        """cpu_default's trees in a line, for --help texts."""
+        def trees(dtype: str, quantization: str) -> str:
+            base = cls.cpu_default(dtype, quantization, "fma").label()
+            others = [f"{label} {where}" for kernel, where in (("amx", "on AMX"), ("avx2", "on AVX2 only"))
+                      if (label := cls.cpu_default(dtype, quantization, kernel).label()) != base]
+            return base + (f" ({', '.join(others)})" if others else "")
+
+        return (f"on a CPU bf16 {trees('bf16', 'none')}, fp32 {trees('fp32', 'none')}, "
+                f"int8 weights in bf16 {trees('bf16', 'int8')}")
 
     @classmethod
     def from_flags(cls, num_steps: int | None, eagle_topk: int | None, num_draft_tokens: int | None,

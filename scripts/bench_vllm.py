@@ -194,8 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ours", action="store_true", help="also run our bench on the same prompts")
     ap.add_argument("--ours-tree", nargs="+", default=None, metavar="STEPS TOPK N | default",
                     help="with --ours: also our tree drafting with each head (e.g. 2 4 4); 'default': "
-                    "each run's CPU default (bf16 2/4/6, 2/4/8+g6 on AMX or 1/4/4 without AVX512-BF16, "
-                    "int8 1/4/3 or 2/4/6 on AMX: TreeConfig.default_for)")
+                    "each run's CPU default (TreeConfig.default_for; `python -m eagle_infer.bench --help` "
+                    "lists them)")
     ap.add_argument("--ours-int8", action="store_true",
                     help="with --ours: also our plain and tree (--ours-tree) decoding with int8 weights")
     ap.add_argument("--llamacpp", action="store_true",

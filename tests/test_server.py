@@ -509,6 +509,12 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
     assert server.resolve_tree(args, "cpu", "bf16") == server.TreeConfig(2, 4, 8, ngram_branch=6)
     assert server.resolve_tree(int8, "cpu", "bf16") == server.TreeConfig(2, 4, 6, ngram_branch=4)
     assert server.resolve_tree(int8, "cpu", "fp32") == server.TreeConfig(1, 4, 3, ngram_branch=4)  # not ours
+    # --help names every default (TreeConfig.cpu_defaults_text, from the same table)
+    help_text = " ".join(server.build_parser().format_help().split())
+    assert "2/4/6+g4 (2/4/8+g6 on AMX, 1/4/4+g4 on AVX2 only)" in help_text
+    for kernel in ("fma", "vdpbf16ps", "amx", "avx2"):
+        for dtype, quantization in (("bf16", "none"), ("fp32", "none"), ("bf16", "int8")):
+            assert server.TreeConfig.cpu_default(dtype, quantization, kernel).label() in help_text
     monkeypatch.setenv("EAGLE_BF16_DOT", "fma")
     one = server.build_parser().parse_args(["--speculative-num-draft-tokens", "8"])
     assert server.resolve_tree(one, "cpu") == server.TreeConfig(2, 4, 8, ngram_branch=4)
