@@ -625,6 +625,8 @@ def machine_info(dtype: str, device: str) -> dict:
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name()
     else:  # dtype auto is bf16 only where the CPU has these
+        # "AMD EPYC" alone names Zen 1 to Zen 5: the family and model tell them apart
+        info["cpu_family_model"] = f"{cpuinfo_field('cpu family')}/{cpuinfo_field('model')}"
         info["avx512_bf16"] = torch.cpu._is_avx512_bf16_supported()
         info["amx_tile"] = torch.cpu._is_amx_tile_supported()
     return info

@@ -26,11 +26,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def cpuinfo_field(name: str) -> str:
-    """The value of /proc/cpuinfo's first `name` line ("model name", "vendor_id"), or "" where
-    there is none (no such file, no such line)."""
+    """The value of /proc/cpuinfo's first `name` line ("model name", "vendor_id", "cpu family",
+    "model": the key whole, so "model" is not "model name"), or "" where there is none (no such
+    file, no such line)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith(name)), "")
+            return next((value.strip() for key, sep, value in (ln.partition(":") for ln in f)
+                         if sep and key.strip() == name), "")
     except OSError:
         return ""
 

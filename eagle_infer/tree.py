@@ -181,13 +181,20 @@ class TreeConfig:
         (results/ab_trees_bf16_amd_avx2_chunks.json). With int8 weights each tile converts the
         weights again (compute-bound from 3 rows): 1/4/2+g4, 1.08x plain against 1.00x for
         1/4/3+g4 and 0.89x for 2/4/4+g4 (results/ab_trees_int8_amd_avx2_chunks.json; the same
-        order before the chunks: results/ab_trees_int8_amd_avx2_madd.json)."""
+        order before the chunks: results/ab_trees_int8_amd_avx2_madd.json).
+
+        On AMD Zen 1 (AVX2 on 128-bit FMA units: bf16_linear.fma_halves) every row past the first
+        costs more (the lm_head at 2 / 3 / 4 rows 1.09 / 1.30 / 1.78x one row), so 1/4/2+g4 in
+        bf16 too: 16 MT-bench prompts, 2 rounds interleaved, 70.1 tokens/s (1.15x plain, τ 1.53)
+        against 68.0 for 1/4/3+g4, 66.7 for 2/1/3+g4 and 2/2/3+g4, 58.2 (0.95x) for 1/4/4+g4,
+        in that order in both rounds (results/ab_trees_bf16_amd_zen1.json); 1/1/2+g4 level, the
+        n-gram branch +5% (results/ab_two_row_trees_bf16_amd_zen1.json)."""
         if device_type != "cpu":
             return cls()
-        from eagle_infer.kernels.bf16_linear import avx512_bf16_supported, multiply_default
+        from eagle_infer.kernels.bf16_linear import avx512_bf16_supported, fma_halves, multiply_default
 
         if not avx512_bf16_supported():
-            kernel = "avx2"
+            kernel = "avx2_128" if fma_halves() else "avx2"
         else:  # known before the model loads; fp32 never asks (a bad $EAGLE_BF16_DOT stays quiet)
             kernel = multiply_default() if dtype == "bf16" else "fma"
         return cls.cpu_default(dtype, quantization, kernel)
@@ -195,26 +202,32 @@ class TreeConfig:
     @classmethod
     def cpu_default(cls, dtype: str, quantization: str, kernel: str) -> TreeConfig:
         """The CPU's default tree for a dtype, weights ("none" or "int8") and the bf16 kernel that
-        runs a verify's Linears: "avx2" (its AVX2 build, a CPU without AVX512-BF16), else what it
-        multiplies on ("fma", "vdpbf16ps", "amx"). default_for finds the kernel and says why each."""
+        runs a verify's Linears: "avx2" (its AVX2 build, a CPU without AVX512-BF16), "avx2_128"
+        (the same on 128-bit FMA units: AMD Zen 1), else what it multiplies on ("fma",
+        "vdpbf16ps", "amx"). default_for finds the kernel and says why each."""
         g4 = {"ngram_branch": 4}
+        two_rows = cls(1, 4, 2, **g4)
         if quantization == "int8":
             if dtype != "bf16":  # fp32 activations: int8 weights run torch's kernel
                 return cls(1, 4, 3, **g4)
-            return {"avx2": cls(1, 4, 2, **g4), "amx": cls(2, 4, 6, **g4)}.get(kernel, cls(1, 4, 3, **g4))
+            return {"avx2": two_rows, "avx2_128": two_rows, "amx": cls(2, 4, 6, **g4)}.get(
+                kernel, cls(1, 4, 3, **g4))
         if dtype == "bf16":
-            amx = cls(2, 4, 8, ngram_branch=6)
-            return {"avx2": cls(1, 4, 4, **g4), "amx": amx}.get(kernel, cls(2, 4, 6, **g4))
+            by_kernel = {"avx2": cls(1, 4, 4, **g4), "avx2_128": two_rows,
+                         "amx": cls(2, 4, 8, ngram_branch=6)}
+            return by_kernel.get(kernel, cls(2, 4, 6, **g4))
         return cls(2, 4, 4, **g4)
 
     @classmethod
     def cpu_defaults_text(cls) -> str:
         """cpu_default's trees in a line, for --help texts."""
         def trees(dtype: str, quantization: str) -> str:
-            base = cls.cpu_default(dtype, quantization, "fma").label()
-            others = [f"{label} {where}" for kernel, where in (("amx", "on AMX"), ("avx2", "on AVX2 only"))
-                      if (label := cls.cpu_default(dtype, quantization, kernel).label()) != base]
-            return base + (f" ({', '.join(others)})" if others else "")
+            seen = [cls.cpu_default(dtype, quantization, "fma").label()]
+            for kernel, where in (("amx", "on AMX"), ("avx2", "on AVX2 only"), ("avx2_128", "on AMD Zen 1")):
+                label = cls.cpu_default(dtype, quantization, kernel).label()
+                if label not in (seen[0], seen[-1].split(" ")[0]):  # Zen 1's only where not AVX2's
+                    seen.append(f"{label} {where}")
+            return seen[0] + (f" ({', '.join(seen[1:])})" if len(seen) > 1 else "")
 
         return (f"on a CPU bf16 {trees('bf16', 'none')}, fp32 {trees('fp32', 'none')}, "
                 f"int8 weights in bf16 {trees('bf16', 'int8')}")

@@ -121,14 +121,12 @@ def summarize(raw: dict, k: int, batch_size: int = 1) -> dict:
 
 
 def cpu_info() -> dict:
-    flags = ""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        pass
-    name = next((line.split(":", 1)[1].strip() for line in flags.splitlines()
-                 if line.startswith("model name")), platform.processor())
-    return {"cpu": name, "cpu_count": os.cpu_count(), "avx512f": " avx512f" in flags,
+    from eagle_infer.loader import cpuinfo_field
+
+    flags = cpuinfo_field("flags")
+    return {"cpu": cpuinfo_field("model name") or platform.processor(), "cpu_count": os.cpu_count(),
+            "cpu_family_model": f"{cpuinfo_field('cpu family')}/{cpuinfo_field('model')}",
+            "avx512f": " avx512f" in flags,
             "avx512_bf16": " avx512_bf16" in flags, "amx_bf16": " amx_bf16" in flags,
             "python": platform.python_version()}
 

@@ -249,3 +249,24 @@ def test_auto_dtype_is_bf16_wherever_the_kernel_runs(monkeypatch):
     monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: True)
     assert loader.resolve_dtype("auto", "cpu") == torch.bfloat16
     assert loader.resolve_dtype("fp32", "cpu") == torch.float32
+
+
+def test_fma_halves_names_zen1_by_family_and_model(monkeypatch):
+    from eagle_infer import loader
+
+    cpus = {  # vendor, family, model -> 256-bit FMAs as two halves
+        ("AuthenticAMD", "23", "1"): True,  # Zen 1 (Naples)
+        ("AuthenticAMD", "23", "8"): True,  # Zen+
+        ("AuthenticAMD", "23", "49"): False,  # Zen 2 (Rome)
+        ("AuthenticAMD", "25", "17"): False,  # Zen 4 (Genoa)
+        ("HygonGenuine", "24", "0"): True,  # Dhyana, a Zen 1
+        ("GenuineIntel", "6", "143"): False,
+        ("AuthenticAMD", "", ""): False,  # no fields: not guessed
+    }
+    for (vendor, family, model), halves in cpus.items():
+        fields = {"vendor_id": vendor, "cpu family": family, "model": model}
+        monkeypatch.setattr(loader, "cpuinfo_field", lambda name, f=fields: f.get(name, ""))
+        assert bf16_linear.fma_halves() is halves, (vendor, family, model)
+    monkeypatch.undo()
+    if loader.cpuinfo_field("model name"):  # a Linux x86 machine: the key is matched whole
+        assert loader.cpuinfo_field("model").isdigit()

@@ -496,7 +496,11 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
     from eagle_infer.kernels import bf16_linear
 
     monkeypatch.setattr(bf16_linear, "avx512_bf16_supported", lambda: False)  # AVX2: a verify's rows dearer
+    monkeypatch.setattr(bf16_linear, "fma_halves", lambda: False)
     assert server.resolve_tree(args, "cpu", "bf16") == server.TreeConfig(1, 4, 4, ngram_branch=4)
+    monkeypatch.setattr(bf16_linear, "fma_halves", lambda: True)  # Zen 1: dearer still
+    assert server.resolve_tree(args, "cpu", "bf16") == server.TreeConfig(1, 4, 2, ngram_branch=4)
+    assert server.resolve_tree(args, "cpu", "fp32") == server.TreeConfig(2, 4, 4, ngram_branch=4)
     int8_args = server.build_parser().parse_args(["--quantization", "int8"])
     assert server.resolve_tree(int8_args, "cpu", "bf16") == server.TreeConfig(1, 4, 2, ngram_branch=4)
     assert server.resolve_tree(int8_args, "cpu", "fp32") == server.TreeConfig(1, 4, 3, ngram_branch=4)
@@ -511,8 +515,8 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
     assert server.resolve_tree(int8, "cpu", "fp32") == server.TreeConfig(1, 4, 3, ngram_branch=4)  # not ours
     # --help names every default (TreeConfig.cpu_defaults_text, from the same table)
     help_text = " ".join(server.build_parser().format_help().split())
-    assert "2/4/6+g4 (2/4/8+g6 on AMX, 1/4/4+g4 on AVX2 only)" in help_text
-    for kernel in ("fma", "vdpbf16ps", "amx", "avx2"):
+    assert "2/4/6+g4 (2/4/8+g6 on AMX, 1/4/4+g4 on AVX2 only, 1/4/2+g4 on AMD Zen 1)" in help_text
+    for kernel in ("fma", "vdpbf16ps", "amx", "avx2", "avx2_128"):
         for dtype, quantization in (("bf16", "none"), ("fp32", "none"), ("bf16", "int8")):
             assert server.TreeConfig.cpu_default(dtype, quantization, kernel).label() in help_text
     monkeypatch.setenv("EAGLE_BF16_DOT", "fma")

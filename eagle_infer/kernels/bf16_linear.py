@@ -48,6 +48,23 @@ def cpu_vendor() -> str:
     return cpuinfo_field("vendor_id")
 
 
+def fma_halves() -> bool:
+    """Whether the CPU runs each 256-bit FMA as two 128-bit halves: AMD Zen 1 / Zen+ (family 0x17,
+    models below 0x30) and Hygon Dhyana (family 0x18, a Zen 1), one 8-float FMA a cycle a core
+    where Zen 2 runs two. The AVX2 build's rows past the first cost more there: the lm_head at 2 /
+    3 / 4 rows 1.09 / 1.30 / 1.78x one row (Zen 2: 4 rows 1.11x), so a smaller tree wins
+    (TreeConfig.default_for; results/probe_bf16_linear_amd_zen1.json)."""
+    from eagle_infer.loader import cpuinfo_field
+
+    try:
+        family, model = int(cpuinfo_field("cpu family")), int(cpuinfo_field("model"))
+    except ValueError:  # no /proc/cpuinfo, or not x86's fields
+        return False
+    vendor = cpu_vendor()
+    return ((vendor == "AuthenticAMD" and family == 0x17 and model < 0x30)
+            or (vendor == "HygonGenuine" and family == 0x18))
+
+
 def multiply_default() -> str:
     """What the kernel multiplies on: "amx" (AMX tiles, TDPBF16PS), "vdpbf16ps" or "fma" (fp32 FMAs
     on the bf16 weights): $EAGLE_BF16_DOT, where "auto" = amx on AMX CPUs, vdpbf16ps on AMD ones,
