@@ -222,12 +222,14 @@ class TreeConfig:
     def cpu_defaults_text(cls) -> str:
         """cpu_default's trees in a line, for --help texts."""
         def trees(dtype: str, quantization: str) -> str:
-            seen = [cls.cpu_default(dtype, quantization, "fma").label()]
+            base = previous = cls.cpu_default(dtype, quantization, "fma").label()
+            others = []
             for kernel, where in (("amx", "on AMX"), ("avx2", "on AVX2 only"), ("avx2_128", "on AMD Zen 1")):
                 label = cls.cpu_default(dtype, quantization, kernel).label()
-                if label not in (seen[0], seen[-1].split(" ")[0]):  # Zen 1's only where not AVX2's
-                    seen.append(f"{label} {where}")
-            return seen[0] + (f" ({', '.join(seen[1:])})" if len(seen) > 1 else "")
+                if label not in (base, previous):  # Zen 1's only where it is not AVX2's
+                    others.append(f"{label} {where}")
+                previous = label
+            return base + (f" ({', '.join(others)})" if others else "")
 
         return (f"on a CPU bf16 {trees('bf16', 'none')}, fp32 {trees('fp32', 'none')}, "
                 f"int8 weights in bf16 {trees('bf16', 'int8')}")
