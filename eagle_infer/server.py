@@ -96,11 +96,12 @@ class Job:
     right there. Text is released only once it can no longer turn into a stop string or an
     incomplete UTF-8 character; a matched stop string and what follows it are cut. logprobs
     travel with the text of their tokens. Everything but `cancel` runs on the engine thread.
+    A job that does not stream pushes its answer once, at the end (see update).
     """
 
     def __init__(self, prompt: list[int], params: SamplingParams, max_tokens: int, stops: list[str],
                  eos: set[int], tokenizer, loop: asyncio.AbstractEventLoop, logprobs: int | None = None,
-                 tokens_as_ids: bool = False):
+                 tokens_as_ids: bool = False, stream: bool = True):
         self.id = uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.arrival = time.perf_counter()
@@ -109,6 +110,7 @@ class Job:
         self.metrics: Metrics | None = None  # the engine's, set by submit
         self.recorded = False  # counted in the finished-request metrics
         self.stops, self.tok, self.loop, self.tokens_as_ids = stops, tokenizer, loop, tokens_as_ids
+        self.stream = stream
         self.seq = Sequence_(prompt, params, max_tokens, eos, on_token=self._on_token, tag=self,
                              logprobs=logprobs)
         self.detok = IncrementalDetokenizer(tokenizer)
@@ -155,8 +157,10 @@ class Job:
             pass
 
     def update(self) -> None:
-        """Release new text; at the end, the rest with the finish reason and usage."""
-        if self.finished:
+        """Release new text; at the end, the rest with the finish reason and usage. Without
+        streaming only the end (vLLM's FINAL_ONLY outputs): a handler waiting for the whole answer
+        has no use for the pieces, and each push wakes the event loop's thread mid-round."""
+        if self.finished or not (self.stream or self.seq.done or self.failure is not None):
             return
         try:
             if self.failure is not None:
@@ -569,7 +573,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             param = next((p for p in ("top_p", "top_k") if p in str(e)), None)
             raise ApiError(400, str(e), param=param, code="invalid_value") from None
         return Job(prompt, params, max_tokens, stops, set() if req.ignore_eos else eos, engine.tokenizer,
-                   asyncio.get_running_loop(), logprobs, req.return_tokens_as_token_ids)
+                   asyncio.get_running_loop(), logprobs, req.return_tokens_as_token_ids, req.stream)
 
     async def run(request: Request, job: Job, kind: str, stream: bool, include_usage: bool) -> Response:
         engine.submit(job)

@@ -473,6 +473,31 @@ def test_joining_requests_share_one_prefill_and_a_failing_one_fails_alone():
     assert joined[:2] == [1, 1] and outcomes == ["def", "error", "fgh"]
 
 
+def test_a_job_that_does_not_stream_pushes_its_answer_once():
+    """Without streaming the engine thread pushes one event, the whole answer (each push wakes the
+    event loop mid-round); streaming, a piece per token, the same text."""
+    from eagle_infer.server import Engine, Job, Metrics
+
+    async def serve(stream: bool) -> list[dict]:
+        engine = Engine(FakeDecoder(max_batch=2), FakeTokenizer(), Metrics(1), speculative=True)
+        job = Job([1, 2], SamplingParams(), 3, [], {999}, FakeTokenizer(), asyncio.get_running_loop(),
+                  stream=stream)
+        engine.submit(job)
+        engine.start()
+        try:
+            events = [await asyncio.wait_for(job.events.get(), 10)]
+            while "finish_reason" not in events[-1]:
+                events.append(await asyncio.wait_for(job.events.get(), 10))
+        finally:
+            engine.stop()
+        return events
+
+    streamed, whole = asyncio.run(serve(True)), asyncio.run(serve(False))
+    assert len(streamed) > 1 and len(whole) == 1, (streamed, whole)
+    assert "".join(e["delta"] for e in streamed) == whole[0]["delta"] == "def"
+    assert whole[0]["usage"]["completion_tokens"] == 3
+
+
 def test_stop_prefix_len():
     from eagle_infer.server import stop_prefix_len
 
