@@ -139,9 +139,11 @@ def check_decoders_at_batch_buckets(device: str, mode: str | None) -> None:
     batch size, prompt length and sampling compile nothing new, and the warm-up's rounds are not
     in the statistics. Batches of 3 run padded to the bucket of 4 (the padding rows write only
     to rows no sequence holds), 1 and 2 at their own; output equals plain greedy decoding at
-    every batch size the steps went through. A bucket over max_bs runs eagerly. So with rounds
-    without drafts above batch 1 (their target step, and the head's deferred catch-up, which
-    warm_up runs long enough to reach)."""
+    every batch size the steps went through. A bucket over max_bs runs eagerly: the plain decoder
+    again at max_bs 2, the speculative ones with rounds without drafts above batch 1 (their
+    target step, and the head's deferred catch-up, which warm_up runs long enough to reach) and
+    with a batch tree from 2 compiled up to bucket 2 only (a cold graph of this tree costs ~30 s
+    on a 2-core AMD Zen 1: bucket 4 is the plain and the speculative decoder's)."""
     from torch._dynamo.utils import counters
 
     from eagle_infer.engine import warm_up
@@ -150,21 +152,24 @@ def check_decoders_at_batch_buckets(device: str, mode: str | None) -> None:
     prompts = prompts_for(target.config.vocab_size, lens=(5, 90, 3, 40))
     jobs = list(zip(prompts, (6, 14, 10, 18)))  # finishing apart: batches 3, 2, 1 and back
     ref = [generate(target, [p], n)[0] for p, n in jobs]
-    for make in (lambda: PlainDecoder(target, **SHAPES), lambda: SpecDecoder(target, head, TREE, **SHAPES),
-                 lambda: SpecDecoder(target, head, TREE, disable_by_batch_size=1, **SHAPES),
-                 lambda: SpecDecoder(target, head, TREE, batch_tree=(2, TreeConfig(1, 2, 3)), **SHAPES)):
+    small = (2, TreeConfig(1, 2, 3))  # the batch tree from 2 sequences
+    for make, max_bs in ((lambda: PlainDecoder(target, **SHAPES), None),
+                         (lambda: SpecDecoder(target, head, TREE, **SHAPES), None),
+                         (lambda: SpecDecoder(target, head, TREE, disable_by_batch_size=1, **SHAPES), 2),
+                         (lambda: SpecDecoder(target, head, TREE, batch_tree=small, **SHAPES), 2)):
         counters.clear()
-        dec = make().compile(mode)
-        assert dec.max_bs == 4 and target.cache.kv.shape[2] == 4  # cache rows for the padded bucket
-        assert warm_up(dec) == [1, 2, 3] and dec.stats.rounds == 0 and not dec.seqs
+        dec = make().compile(mode, max_bs=max_bs)
+        # cache rows for the padded bucket of 4 where it is compiled, else one a sequence
+        assert dec.max_bs == (max_bs or 4) and target.cache.kv.shape[2] == (4 if dec.max_bs == 4 else 3)
+        assert warm_up(dec) == [1, 2, 3][:dec.max_bs] and dec.stats.rounds == 0 and not dec.seqs
         graphs = counters["stats"]["unique_graphs"]
         # buckets 1, 2, 4; spec: draft phase, greedy verify..catch-up, sampled verify and catch-up
         # (over batch 1 without drafts: the target's step and the deferred catch-up, where Dynamo
         # makes shapes that changed dynamic: fewer graphs, and none new below)
         if mode is None and getattr(dec, "disable_by_batch_size", None) is None:
-            # with a batch tree (from 2): buckets 2 and 4 on its tree; bucket 1's graphs on TREE
-            # are the second decoder's (Dynamo's cache is the functions', shared by decoders)
-            buckets = 2 if getattr(dec, "batch_tree", None) else 3
+            # with a batch tree (from 2): bucket 2 on its tree; bucket 1's graphs on TREE are the
+            # second decoder's (Dynamo's cache is the functions', shared by decoders)
+            buckets = 1 if getattr(dec, "batch_tree", None) else 3
             assert graphs == (1 if isinstance(dec, PlainDecoder) else 4) * buckets, dict(counters["stats"])
         out, batches = serve_all(dec, jobs)
         assert out == ref and {1, 2, 3} <= set(batches), batches
@@ -175,11 +180,11 @@ def check_decoders_at_batch_buckets(device: str, mode: str | None) -> None:
         if mode == CUDA_GRAPHS:  # the same jobs again replay the graphs recorded above
             assert_no_cudagraph_skips()
             check_replayed(dec, jobs, ref)
-        counters.clear()
-        eager_over = make().compile(mode, max_bs=2)  # batches of 3 (bucket 4) run eagerly
-        assert serve_all(eager_over, jobs)[0] == ref
-        steps = 1 if isinstance(dec, PlainDecoder) else 2  # plain: decode; greedy spec: 2 graphs
-        assert counters["stats"]["unique_graphs"] <= 2 * steps  # buckets 1 and 2 only
+        if isinstance(dec, PlainDecoder):
+            counters.clear()
+            eager_over = make().compile(mode, max_bs=2)  # batches of 3 (bucket 4) run eagerly
+            assert serve_all(eager_over, jobs)[0] == ref
+            assert counters["stats"]["unique_graphs"] <= 2  # buckets 1 and 2 only
 
 
 def test_inductor_steps_one_graph_per_batch_bucket_across_kv_lengths():
