@@ -142,7 +142,7 @@ def check_decoders_at_batch_buckets(device: str, mode: str | None) -> None:
     every batch size the steps went through. A bucket over max_bs runs eagerly: the plain decoder
     again at max_bs 2, the speculative ones with rounds without drafts above batch 1 (their
     target step, and the head's deferred catch-up, which warm_up runs long enough to reach) and
-    with a batch tree from 2 compiled up to bucket 2 only (a cold graph of this tree costs ~30 s
+    with a batch tree from 2 compiled up to bucket 2 only (a cold graph costs 15-30 s
     on a 2-core AMD Zen 1: bucket 4 is the plain and the speculative decoder's)."""
     from torch._dynamo.utils import counters
 
