@@ -578,21 +578,16 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
     async def run(request: Request, job: Job, kind: str, stream: bool, include_usage: bool) -> Response:
         engine.submit(job)
         gone = asyncio.ensure_future(_client_gone(request))
-        try:
-            events: list[dict[str, Any]] = []
-            while True:  # the whole answer, or (streaming) its first event
-                get = asyncio.ensure_future(job.events.get())
-                done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if get not in done:
-                    get.cancel()
-                    engine.cancel(job)
-                    return Response(status_code=499)
-                ev = get.result()
-                if "error" in ev:
-                    return error_response(ev["error"])
-                events.append(ev)
-                if stream or "finish_reason" in ev:
-                    break
+        try:  # the first event: streaming, the first piece; else the whole answer (Job.update)
+            get = asyncio.ensure_future(job.events.get())
+            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:
+                get.cancel()
+                engine.cancel(job)
+                return Response(status_code=499)
+            ev = get.result()
+            if "error" in ev:
+                return error_response(ev["error"])
         except BaseException:  # this handler was cancelled (e.g. shutdown): so is the job
             engine.cancel(job)
             raise
@@ -602,9 +597,9 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         if stream:
             # sse-starlette frames the events, pings, and cancels the generator when the client
             # disconnects or the server shuts down (its finally cancels the job).
-            return EventSourceResponse(sse_stream(job, kind, events[0], include_usage), sep="\n",
+            return EventSourceResponse(sse_stream(job, kind, ev, include_usage), sep="\n",
                                        headers={"Cache-Control": "no-cache"})
-        return JSONResponse(full_response(job, kind, events))
+        return JSONResponse(full_response(job, kind, ev))
 
     def logprobs_obj(kind: str, entries: list[LogprobEntry], offsets: list[int],
                      base: int) -> dict[str, Any]:
@@ -612,13 +607,12 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             return chat_logprobs(entries)
         return completion_logprobs(entries, [base + o for o in offsets])
 
-    def full_response(job: Job, kind: str, events: list[dict[str, Any]]) -> dict[str, Any]:
-        text = "".join(e["delta"] for e in events)
-        last = events[-1]
+    def full_response(job: Job, kind: str, last: dict[str, Any]) -> dict[str, Any]:
+        """The answer of a request that did not stream, from its one event (Job.update)."""
+        text = last["delta"]
         lp = None
         if job.seq.logprobs is not None:
-            entries = [x for e in events for x in e["logprobs"]]
-            lp = logprobs_obj(kind, entries, [o for e in events for o in e["offsets"]], 0)
+            lp = logprobs_obj(kind, last["logprobs"], last["offsets"], 0)
         if kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                       "finish_reason": last["finish_reason"]}
