@@ -21,6 +21,13 @@ records its graphs at first use; `--server-arg=--disable-torch-compile` for eage
 by default (`ignore_eos`) so every request produces --max-tokens tokens. Throughput is the sum
 of `usage.completion_tokens` over the level's wall time; latency is per request, from
 send to the complete response. Writes JSON (--out) and prints a markdown table.
+
+`--direct` (concurrency 1, our servers) measures what the server costs over the bench's way of
+decoding: this process builds the decoder the server builds from the same flags and decodes each
+request on it too, taking turns with the server request by request (the same prompt, the same
+greedy text, checked), so the VM's drift weighs on both alike:
+
+    python scripts/bench_server.py --concurrency 1 --num-requests 10 --direct
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -88,14 +96,79 @@ def one_request(http: httpx.Client, url: str, body: dict[str, Any]) -> dict[str,
     latency = time.perf_counter() - t0
     if r.status_code != 200:
         return {"error": f"{r.status_code}: {r.text[:200]}", "latency": latency}
-    usage = r.json()["usage"]
+    out = r.json()
+    usage = out["usage"]
     spec = usage.get("speculative") or {}
     return {"latency": latency, "tokens": usage["completion_tokens"], "rounds": spec.get("rounds", 0),
-            "accepted": spec.get("accepted_tokens", 0)}
+            "accepted": spec.get("accepted_tokens", 0), "prompt_tokens": usage["prompt_tokens"],
+            "text": out["choices"][0]["message"]["content"]}
+
+
+# A request body -> (prompt tokens, the completion's text, its tokens), decoded in this process.
+DirectDecode = Callable[[dict[str, Any]], tuple[int, str, int]]
+
+
+def direct_decoding(mode: str, args: argparse.Namespace, max_concurrency: int) -> DirectDecode:
+    """--direct: what our server loads from the same flags (eagle_infer.server.build_engine: target,
+    dtype, head, tree, compiled steps), in this process, decoding as the bench does: speculative,
+    generate_speculative's loop on the server's decoder (add the prompt, step until it ends);
+    plain, eagle_infer.generate.generate (the bench's plain, compiled where the server compiles).
+    No HTTP, no engine thread, no text per token. Graphs compile at the first requests (the warm-up)."""
+    from eagle_infer import server as srv
+    from eagle_infer.generate import chat_prompt_ids, generate
+    from eagle_infer.sampling import SamplingParams
+    from eagle_infer.speculative import Sequence_
+
+    _, flags, _ = server_command(mode, args, max_concurrency)
+    engine, tok, eos, _ = srv.build_engine(srv.build_parser().parse_args(flags))
+    dec = engine.dec  # the engine's thread never starts: only this process's calls use the model
+
+    def decode(body: dict[str, Any]) -> tuple[int, str, int]:
+        prompt = chat_prompt_ids(tok, body["messages"])
+        stop = set() if body["ignore_eos"] else eos
+        if mode == "none":
+            out = generate(dec.target, [prompt], body["max_tokens"], eos_token_ids=list(stop),
+                           compile=dec.compiled)[0]
+        else:
+            seq = Sequence_(prompt, SamplingParams(), body["max_tokens"], stop)
+            dec.add_many([seq])
+            while dec.seqs:
+                dec.step()
+            out = seq.output
+        return len(prompt), tok.decode(out, skip_special_tokens=True), len(out)
+
+    return decode
+
+
+def alternate(http: httpx.Client, url: str, bodies: list[dict[str, Any]],
+              direct: DirectDecode) -> tuple[list[dict[str, Any]], float, int]:
+    """Each request through the server and decoded directly, one after the other, in alternating
+    order (the VM's drift weighs on both alike): the server's results, and the direct side's
+    seconds and tokens. The two must see the same prompt and, greedy, write the same text."""
+    results, seconds, tokens = [], 0.0, 0
+    for i, body in enumerate(bodies):
+        for side in ("server", "direct")[:: 1 if i % 2 == 0 else -1]:
+            if side == "server":
+                results.append(one_request(http, url, body))
+                continue
+            t0 = time.perf_counter()
+            n_prompt, text, n = direct(body)
+            seconds += time.perf_counter() - t0
+            tokens += n
+        server = results[-1]
+        if "error" not in server and (server["prompt_tokens"], server["text"]) != (n_prompt, text):
+            sys.exit(f"error: request {i}: the server's prompt has {server['prompt_tokens']} tokens and "
+                     f"its answer {server['text'][:80]!r}, this process's {n_prompt} and {text[:80]!r}: "
+                     "--direct compares the same decoding only")
+    return results, seconds, tokens
 
 
 def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency: int, n_requests: int,
-              max_tokens: int, ignore_eos: bool, timeout: float) -> dict[str, Any]:
+              max_tokens: int, ignore_eos: bool, timeout: float,
+              direct: DirectDecode | None = None) -> dict[str, Any]:
+    """One concurrency level; with `direct` (concurrency 1), each request also decoded in this
+    process, alternating with the server (`alternate`): the server's tokens/s over the time of its
+    requests alone, the direct side's beside it (`direct_tok_per_s`, `server_vs_direct`)."""
     limits = httpx.Limits(max_connections=concurrency + 1)
     with httpx.Client(headers=headers, timeout=timeout, limits=limits) as http:
         model = http.get(url + "/v1/models").json()["data"][0]["id"]  # vLLM names it in requests
@@ -111,11 +184,18 @@ def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency
             with ThreadPoolExecutor(concurrency) as pool:
                 list(pool.map(lambda b: one_request(http, url, b), [body] * concurrency))
         warmup = time.perf_counter() - t0
+        if direct is not None:
+            for body in (by_len[0], by_len[-1]):
+                direct(body)
         before = spec_counters(http, url)
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(concurrency) as pool:
-            results = list(pool.map(lambda b: one_request(http, url, b), bodies))
-        wall = time.perf_counter() - t0
+        if direct is not None:
+            results, direct_s, direct_tokens = alternate(http, url, bodies, direct)
+            wall = sum(r["latency"] for r in results)  # one at a time: the server's share of the time
+        else:
+            with ThreadPoolExecutor(concurrency) as pool:
+                results = list(pool.map(lambda b: one_request(http, url, b), bodies))
+            wall = time.perf_counter() - t0
         drafts, accepted = (a - b for a, b in zip(spec_counters(http, url), before))
     ok = [r for r in results if "error" not in r]
     lat = [r["latency"] for r in ok]
@@ -125,7 +205,7 @@ def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency
         rounds, accepted_total = drafts, accepted
     else:
         accepted_total = sum(r["accepted"] for r in ok)
-    return {
+    row = {
         "concurrency": concurrency, "requests": n_requests, "errors": len(results) - len(ok),
         "first_error": next((r["error"] for r in results if "error" in r), None),
         "output_tokens": tokens, "wall_s": round(wall, 3), "warmup_s": round(warmup, 3),
@@ -135,17 +215,27 @@ def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency
         "latency_p90_s": round(percentile(lat, 90), 3) if lat else None,
         "acceptance_length": round(1 + accepted_total / rounds, 3) if rounds else None,
     }
+    if direct is not None:
+        row["direct_tok_per_s"] = round(direct_tokens / direct_s, 2)
+        row["server_vs_direct"] = round(row["output_tok_per_s"] / row["direct_tok_per_s"], 3)
+    return row
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
+    direct = any("direct_tok_per_s" in r for r in rows)
     head = ("| mode | concurrency | requests | output tok/s | latency mean (s) | p50 (s) | p90 (s) "
-            "| accept len | errors |")
-    lines = [head, "|" + "---|" * 9]
+            "| accept len | errors |" + (" direct tok/s | server / direct |" if direct else ""))
+    lines = [head, "|" + "---|" * (11 if direct else 9)]
     for r in rows:
         acc = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
-        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['requests']} | {r['output_tok_per_s']:.1f} "
-                     f"| {r['latency_mean_s']} | {r['latency_p50_s']} | {r['latency_p90_s']} | {acc} "
-                     f"| {r['errors']} |")
+        line = (f"| {r['mode']} | {r['concurrency']} | {r['requests']} | {r['output_tok_per_s']:.1f} "
+                f"| {r['latency_mean_s']} | {r['latency_p50_s']} | {r['latency_p90_s']} | {acc} "
+                f"| {r['errors']} |")
+        if direct and "direct_tok_per_s" in r:
+            line += f" {r['direct_tok_per_s']:.1f} | {r['server_vs_direct']:.3f} |"
+        elif direct:
+            line += " - | - |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -176,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="extra flag of vLLM's server, e.g. --vllm-arg=--enforce-eager (repeatable)")
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--timeout", type=float, default=1800, help="per request (s)")
+    ap.add_argument("--direct", action="store_true",
+                    help="at concurrency 1, also decode each request in this process on the decoder our "
+                         "server builds from the same flags, alternating with the server: its tokens/s "
+                         "against the bench's way of decoding, in one sitting (modes spec and none)")
     ap.add_argument("--out", default="bench_server.json")
     return ap
 
@@ -225,12 +319,21 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict[str, Any]] = []
     envs: dict[str, dict[str, str]] = {}
 
+    if args.direct and (args.url or 1 not in levels or not {"spec", "none"} & set(args.modes)):
+        sys.exit("error: --direct needs concurrency 1 and a server this script starts (modes spec, none)")
+
     def bench(mode: str, url: str) -> None:
+        direct = None
+        if args.direct and mode in ("spec", "none"):
+            direct = direct_decoding(mode, args, max(levels))
         for c in levels:
             row = {"mode": mode} | run_level(url, headers, prompts, c, max(args.num_requests, c),
-                                             args.max_tokens, not args.stop_at_eos, args.timeout)
+                                             args.max_tokens, not args.stop_at_eos, args.timeout,
+                                             direct if c == 1 else None)
+            beside = (f", direct {row['direct_tok_per_s']} tok/s ({row['server_vs_direct']}x)"
+                      if "direct_tok_per_s" in row else "")
             print(f"{mode} c={c}: {row['output_tok_per_s']} tok/s, p50 {row['latency_p50_s']} s, "
-                  f"errors {row['errors']}", file=sys.stderr)
+                  f"errors {row['errors']}{beside}", file=sys.stderr)
             rows.append(row)
 
     if args.url:

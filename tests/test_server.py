@@ -27,6 +27,8 @@ from eagle_infer.model import ModelConfig, Transformer
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import Sequence_, SpecStats
 
+REPO = Path(__file__).resolve().parents[1]
+
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
 # A small tree (still branching) keeps rounds cheap on a busy CPU; eager steps, since compiling
@@ -83,6 +85,7 @@ def server(default_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server")
     head = random_eagle3_head(default_model_dir, tmp / "head")
     srv = Server(SERVER_FLAGS + ["--speculative-draft-model-path", str(head)], tmp / "server.log")
+    srv.head = head
     try:
         srv.wait_ready()
         yield srv
@@ -313,6 +316,31 @@ def test_start_up_objects_are_frozen_out_of_garbage_collection(server):
     found = re.search(r"(\d+) start-up objects frozen", server.log.read_text())
     assert found, "the server did not freeze its start-up objects"
     assert int(found.group(1)) > 50_000  # torch, transformers and the model, not a handful
+
+
+def test_bench_server_direct_decodes_each_request_beside_the_server(server):
+    """scripts/bench_server.py --direct: this process builds the decoder the server built from the
+    same flags and decodes each request on it too, taking turns with the server; prompts and
+    greedy texts agree (the script stops where they do not), and the row gives both speeds."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_server", REPO / "scripts/bench_server.py")
+    bs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bs)
+    args = bs.build_parser().parse_args(["--direct", "--draft", str(server.head),
+                                         *(f"--server-arg={f}" for f in SERVER_FLAGS)])
+    direct = bs.direct_decoding("spec", args, 8)
+    prompts, headers = bs.mtbench_prompts()[:3], {"Authorization": f"Bearer {API_KEY}"}
+    row = bs.run_level(server.url, headers, prompts, 1, 3, 6, True, 300, direct)
+    assert row["errors"] == 0 and row["output_tokens"] == 18, row
+    assert row["direct_tok_per_s"] > 0
+    assert row["server_vs_direct"] == round(row["output_tok_per_s"] / row["direct_tok_per_s"], 3)
+    garbled = lambda body: (lambda n, text, k: (n, text + "!", k))(*direct(body))  # noqa: E731
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompts[0]}], "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True}
+    with httpx.Client(headers=headers, timeout=300) as http:
+        with pytest.raises(SystemExit, match="the same decoding only"):
+            bs.alternate(http, server.url, [body], garbled)
 
 
 def test_sigterm_exits_cleanly(server):
