@@ -20,14 +20,16 @@ compiles its batch buckets at start-up, but under CUDA graphs each power-of-two 
 records its graphs at first use; `--server-arg=--disable-torch-compile` for eager CPU steps). EOS is ignored
 by default (`ignore_eos`) so every request produces --max-tokens tokens. Throughput is the sum
 of `usage.completion_tokens` over the level's wall time; latency is per request, from
-send to the complete response. Writes JSON (--out) and prints a markdown table.
+send to the complete response. `--stream` streams them (SSE) and adds vLLM benchmark_serving's
+TTFT, TPOT and ITL (mean, median, p99 in ms: `latency_stats`). Writes JSON (--out) and prints a
+markdown table.
 
 `--direct` (concurrency 1, our servers) measures what the server costs over the bench's way of
 decoding: this process builds the decoder the server builds from the same flags and decodes each
 request on it too, taking turns with the server request by request (the same prompt, the same
 greedy text, checked), so the VM's drift weighs on both alike:
 
-    python scripts/bench_server.py --concurrency 1 --num-requests 10 --direct
+    python scripts/bench_server.py --concurrency 1 --num-requests 10 --direct [--stream]
 """
 
 from __future__ import annotations
@@ -91,17 +93,72 @@ def spec_counters(http: httpx.Client, url: str) -> tuple[float, float]:
 
 
 def one_request(http: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One chat request: latency, usage and text; streamed (body["stream"]) also the time to the
+    first text (ttft) and between texts (itl), as the client sees them."""
+    if body.get("stream"):
+        return one_streamed_request(http, url, body)
     t0 = time.perf_counter()
     r = http.post(url + "/v1/chat/completions", json=body)
     latency = time.perf_counter() - t0
     if r.status_code != 200:
         return {"error": f"{r.status_code}: {r.text[:200]}", "latency": latency}
     out = r.json()
-    usage = out["usage"]
+    return summary(latency, out["usage"], out["choices"][0]["message"]["content"])
+
+
+def summary(latency: float, usage: dict[str, Any], text: str) -> dict[str, Any]:
     spec = usage.get("speculative") or {}
     return {"latency": latency, "tokens": usage["completion_tokens"], "rounds": spec.get("rounds", 0),
-            "accepted": spec.get("accepted_tokens", 0), "prompt_tokens": usage["prompt_tokens"],
-            "text": out["choices"][0]["message"]["content"]}
+            "accepted": spec.get("accepted_tokens", 0), "prompt_tokens": usage["prompt_tokens"], "text": text}
+
+
+def one_streamed_request(http: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A streamed chat request (SSE, the usage in the last chunk): ttft, the time to the first
+    chunk with text (the prefill and the first token; a chat stream's first chunk, the role, has
+    none), and itl, the gaps between chunks with text (vLLM's benchmark_serving measures these;
+    a speculative round's tokens arrive in one chunk)."""
+    t0 = time.perf_counter()
+    ttft, last, itl, pieces, usage = None, 0.0, [], [], None
+    failed = lambda why: {"error": why, "latency": time.perf_counter() - t0}  # noqa: E731
+    with http.stream("POST", url + "/v1/chat/completions",
+                     json=body | {"stream_options": {"include_usage": True}}) as r:
+        if r.status_code != 200:
+            return failed(f"{r.status_code}: {r.read().decode()[:200]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return failed(f"in the stream: {json.dumps(event)[:200]}")
+            usage = event.get("usage") or usage
+            piece = "".join(c["delta"].get("content") or "" for c in event.get("choices", []))
+            if piece:
+                now = time.perf_counter()
+                if ttft is None:
+                    ttft = now - t0
+                else:
+                    itl.append(now - last)
+                last = now
+                pieces.append(piece)
+    if usage is None:
+        return failed("the stream ended without usage")
+    return summary(time.perf_counter() - t0, usage, "".join(pieces)) | {"ttft": ttft, "itl": itl}
+
+
+def latency_stats(results: list[dict[str, Any]]) -> dict[str, float | None]:
+    """vLLM benchmark_serving's TTFT, TPOT and ITL in ms, mean / median / p99 over streamed
+    requests: TPOT is a request's time after its first text per further token, (latency - ttft) /
+    (tokens - 1); ITL every gap between chunks with text."""
+    ttft = [r["ttft"] for r in results if r.get("ttft") is not None]
+    tpot = [(r["latency"] - r["ttft"]) / (r["tokens"] - 1) for r in results
+            if r.get("ttft") is not None and r["tokens"] > 1]
+    itl = [gap for r in results for gap in r.get("itl", [])]
+    out: dict[str, float | None] = {}
+    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        out[f"mean_{name}_ms"] = round(1000 * sum(xs) / len(xs), 2) if xs else None
+        out[f"median_{name}_ms"] = round(1000 * percentile(xs, 50), 2) if xs else None
+        out[f"p99_{name}_ms"] = round(1000 * percentile(xs, 99), 2) if xs else None
+    return out
 
 
 # A request body -> (prompt tokens, the completion's text, its tokens), decoded in this process.
@@ -165,15 +222,16 @@ def alternate(http: httpx.Client, url: str, bodies: list[dict[str, Any]],
 
 def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency: int, n_requests: int,
               max_tokens: int, ignore_eos: bool, timeout: float,
-              direct: DirectDecode | None = None) -> dict[str, Any]:
+              direct: DirectDecode | None = None, stream: bool = False) -> dict[str, Any]:
     """One concurrency level; with `direct` (concurrency 1), each request also decoded in this
     process, alternating with the server (`alternate`): the server's tokens/s over the time of its
-    requests alone, the direct side's beside it (`direct_tok_per_s`, `server_vs_direct`)."""
+    requests alone, the direct side's beside it (`direct_tok_per_s`, `server_vs_direct`).
+    stream: the requests stream, and the row has TTFT, TPOT and ITL (latency_stats)."""
     limits = httpx.Limits(max_connections=concurrency + 1)
     with httpx.Client(headers=headers, timeout=timeout, limits=limits) as http:
         model = http.get(url + "/v1/models").json()["data"][0]["id"]  # vLLM names it in requests
         bodies = [{"model": model, "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
-                   "max_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos}
+                   "max_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos, "stream": stream}
                   for i in range(n_requests)]
         # Warm-up: the level's shortest and longest prompts at full length, `concurrency` copies
         # at once, so a compiled server meets its batch bucket (and, under CUDA graphs, its
@@ -215,6 +273,8 @@ def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency
         "latency_p90_s": round(percentile(lat, 90), 3) if lat else None,
         "acceptance_length": round(1 + accepted_total / rounds, 3) if rounds else None,
     }
+    if stream:
+        row |= latency_stats(ok)
     if direct is not None:
         row["direct_tok_per_s"] = round(direct_tokens / direct_s, 2)
         row["server_vs_direct"] = round(row["output_tok_per_s"] / row["direct_tok_per_s"], 3)
@@ -223,14 +283,19 @@ def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     direct = any("direct_tok_per_s" in r for r in rows)
+    streamed = any("median_ttft_ms" in r for r in rows)
     head = ("| mode | concurrency | requests | output tok/s | latency mean (s) | p50 (s) | p90 (s) "
-            "| accept len | errors |" + (" direct tok/s | server / direct |" if direct else ""))
-    lines = [head, "|" + "---|" * (11 if direct else 9)]
+            "| accept len | errors |")
+    head += " TTFT p50 (ms) | TPOT p50 (ms) | ITL p50 (ms) |" if streamed else ""
+    head += " direct tok/s | server / direct |" if direct else ""
+    lines = [head, "|" + "---|" * (9 + 3 * streamed + 2 * direct)]
     for r in rows:
         acc = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
         line = (f"| {r['mode']} | {r['concurrency']} | {r['requests']} | {r['output_tok_per_s']:.1f} "
                 f"| {r['latency_mean_s']} | {r['latency_p50_s']} | {r['latency_p90_s']} | {acc} "
                 f"| {r['errors']} |")
+        if streamed:
+            line += "".join(f" {r.get(f'median_{k}_ms')} |" for k in ("ttft", "tpot", "itl"))
         if direct and "direct_tok_per_s" in r:
             line += f" {r['direct_tok_per_s']:.1f} | {r['server_vs_direct']:.3f} |"
         elif direct:
@@ -266,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="extra flag of vLLM's server, e.g. --vllm-arg=--enforce-eager (repeatable)")
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--timeout", type=float, default=1800, help="per request (s)")
+    ap.add_argument("--stream", action="store_true",
+                    help="stream the requests (SSE) and report vLLM benchmark_serving's TTFT, TPOT and ITL")
     ap.add_argument("--direct", action="store_true",
                     help="at concurrency 1, also decode each request in this process on the decoder our "
                          "server builds from the same flags, alternating with the server: its tokens/s "
@@ -329,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
         for c in levels:
             row = {"mode": mode} | run_level(url, headers, prompts, c, max(args.num_requests, c),
                                              args.max_tokens, not args.stop_at_eos, args.timeout,
-                                             direct if c == 1 else None)
+                                             direct if c == 1 else None, args.stream)
             beside = (f", direct {row['direct_tok_per_s']} tok/s ({row['server_vs_direct']}x)"
                       if "direct_tok_per_s" in row else "")
             print(f"{mode} c={c}: {row['output_tok_per_s']} tok/s, p50 {row['latency_p50_s']} s, "

@@ -321,7 +321,8 @@ def test_start_up_objects_are_frozen_out_of_garbage_collection(server):
 def test_bench_server_direct_decodes_each_request_beside_the_server(server):
     """scripts/bench_server.py --direct: this process builds the decoder the server built from the
     same flags and decodes each request on it too, taking turns with the server; prompts and
-    greedy texts agree (the script stops where they do not), and the row gives both speeds."""
+    greedy texts agree (the script stops where they do not), and the row gives both speeds.
+    --stream: the streamed chunks' text is the answer, the row has TTFT, TPOT and ITL."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_server", REPO / "scripts/bench_server.py")
@@ -335,6 +336,16 @@ def test_bench_server_direct_decodes_each_request_beside_the_server(server):
     assert row["errors"] == 0 and row["output_tokens"] == 18, row
     assert row["direct_tok_per_s"] > 0
     assert row["server_vs_direct"] == round(row["output_tok_per_s"] / row["direct_tok_per_s"], 3)
+    assert "median_ttft_ms" not in row
+    # streamed (--stream): the chunks' text is the whole answer, and vLLM's TTFT / TPOT / ITL
+    row = bs.run_level(server.url, headers, prompts[:2], 1, 2, 6, True, 300, direct, stream=True)
+    assert row["errors"] == 0 and row["output_tokens"] == 12, row
+    assert 0 < row["median_ttft_ms"] <= row["p99_ttft_ms"] < 1000 * row["latency_p90_s"], row
+    assert 0 < row["median_tpot_ms"] and 0 < row["median_itl_ms"] <= row["p99_itl_ms"], row
+    one = {"latency": 1.0, "ttft": 0.2, "tokens": 5, "itl": [0.1, 0.3, 0.4]}  # 3 chunks after the first
+    assert bs.latency_stats([one]) == {"mean_ttft_ms": 200.0, "median_ttft_ms": 200.0, "p99_ttft_ms": 200.0,
+                                       "mean_tpot_ms": 200.0, "median_tpot_ms": 200.0, "p99_tpot_ms": 200.0,
+                                       "mean_itl_ms": 266.67, "median_itl_ms": 300.0, "p99_itl_ms": 398.0}
     garbled = lambda body: (lambda n, text, k: (n, text + "!", k))(*direct(body))  # noqa: E731
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompts[0]}], "max_tokens": 6,
             "temperature": 0, "ignore_eos": True}
@@ -503,13 +514,14 @@ def test_joining_requests_share_one_prefill_and_a_failing_one_fails_alone():
 
 def test_a_job_that_does_not_stream_pushes_its_answer_once():
     """Without streaming the engine thread pushes one event, the whole answer (each push wakes the
-    event loop mid-round); streaming, a piece per token, the same text."""
+    event loop mid-round); streaming, a piece per token, the same text; with --stream-interval N
+    the first token's piece at once, then a piece every N tokens, and the rest at the end."""
     from eagle_infer.server import Engine, Job, Metrics
 
-    async def serve(stream: bool) -> list[dict]:
+    async def serve(stream: bool, interval: int = 1) -> list[dict]:
         engine = Engine(FakeDecoder(max_batch=2), FakeTokenizer(), Metrics(1), speculative=True)
-        job = Job([1, 2], SamplingParams(), 3, [], {999}, FakeTokenizer(), asyncio.get_running_loop(),
-                  stream=stream)
+        job = Job([1, 2], SamplingParams(), 8, [], {999}, FakeTokenizer(), asyncio.get_running_loop(),
+                  stream=stream, stream_interval=interval)
         engine.submit(job)
         engine.start()
         try:
@@ -521,9 +533,11 @@ def test_a_job_that_does_not_stream_pushes_its_answer_once():
         return events
 
     streamed, whole = asyncio.run(serve(True)), asyncio.run(serve(False))
-    assert len(streamed) > 1 and len(whole) == 1, (streamed, whole)
-    assert "".join(e["delta"] for e in streamed) == whole[0]["delta"] == "def"
-    assert whole[0]["usage"]["completion_tokens"] == 3
+    assert [e["delta"] for e in streamed] == list("defghijk") and len(whole) == 1, (streamed, whole)
+    assert whole[0]["delta"] == "defghijk" and whole[0]["usage"]["completion_tokens"] == 8
+    every3 = asyncio.run(serve(True, 3))
+    assert [e["delta"] for e in every3] == ["d", "efg", "hij", "k"], every3
+    assert every3[-1]["usage"]["completion_tokens"] == 8
 
 
 def test_stop_prefix_len():
