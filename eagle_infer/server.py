@@ -163,9 +163,9 @@ class Job:
         has no use for the pieces, and each push wakes the event loop's thread mid-round.
         Streaming, the first token's text at once and then text every stream_interval tokens
         (SGLang's and vLLM's --stream-interval): fewer, larger chunks, fewer wake-ups."""
-        if self.finished or not (self.stream or self.seq.done or self.failure is not None):
-            return
         end = self.seq.done or self.failure is not None
+        if self.finished or not (self.stream or end):
+            return
         if not end and self.streamed_at and len(self.seq.output) - self.streamed_at < self.stream_interval:
             return  # --stream-interval: the first token at once, then every stream_interval tokens
         self.streamed_at = len(self.seq.output)

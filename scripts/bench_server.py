@@ -92,6 +92,13 @@ def spec_counters(http: httpx.Client, url: str) -> tuple[float, float]:
     return drafts, accepted
 
 
+def chat_body(model: str, prompt: str, max_tokens: int, ignore_eos: bool,
+              stream: bool = False) -> dict[str, Any]:
+    """A greedy chat request of one user message."""
+    return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": ignore_eos, "stream": stream}
+
+
 def one_request(http: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any]:
     """One chat request: latency, usage and text; streamed (body["stream"]) also the time to the
     first text (ttft) and between texts (itl), as the client sees them."""
@@ -230,8 +237,7 @@ def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency
     limits = httpx.Limits(max_connections=concurrency + 1)
     with httpx.Client(headers=headers, timeout=timeout, limits=limits) as http:
         model = http.get(url + "/v1/models").json()["data"][0]["id"]  # vLLM names it in requests
-        bodies = [{"model": model, "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
-                   "max_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos, "stream": stream}
+        bodies = [chat_body(model, prompts[i % len(prompts)], max_tokens, ignore_eos, stream)
                   for i in range(n_requests)]
         # Warm-up: the level's shortest and longest prompts at full length, `concurrency` copies
         # at once, so a compiled server meets its batch bucket (and, under CUDA graphs, its

@@ -347,11 +347,9 @@ def test_bench_server_direct_decodes_each_request_beside_the_server(server):
                                        "mean_tpot_ms": 200.0, "median_tpot_ms": 200.0, "p99_tpot_ms": 200.0,
                                        "mean_itl_ms": 266.67, "median_itl_ms": 300.0, "p99_itl_ms": 398.0}
     garbled = lambda body: (lambda n, text, k: (n, text + "!", k))(*direct(body))  # noqa: E731
-    body = {"model": MODEL, "messages": [{"role": "user", "content": prompts[0]}], "max_tokens": 6,
-            "temperature": 0, "ignore_eos": True}
     with httpx.Client(headers=headers, timeout=300) as http:
         with pytest.raises(SystemExit, match="the same decoding only"):
-            bs.alternate(http, server.url, [body], garbled)
+            bs.alternate(http, server.url, [bs.chat_body(MODEL, prompts[0], 6, True)], garbled)
 
 
 def test_sigterm_exits_cleanly(server):
