@@ -610,18 +610,19 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                                        headers={"Cache-Control": "no-cache"})
         return JSONResponse(full_response(job, kind, ev))
 
-    def logprobs_obj(kind: str, entries: list[LogprobEntry], offsets: list[int],
-                     base: int) -> dict[str, Any]:
+    def logprobs_obj(kind: str, entries: list[LogprobEntry], offsets: list[int]) -> dict[str, Any]:
+        """offsets: where each token's text starts in the whole completion (detokenize), which is
+        what a streamed chunk's text_offset reports too."""
         if kind == "chat":
             return chat_logprobs(entries)
-        return completion_logprobs(entries, [base + o for o in offsets])
+        return completion_logprobs(entries, offsets)
 
     def full_response(job: Job, kind: str, last: dict[str, Any]) -> dict[str, Any]:
         """The answer of a request that did not stream, from its one event (Job.update)."""
         text = last["delta"]
         lp = None
         if job.seq.logprobs is not None:
-            lp = logprobs_obj(kind, last["logprobs"], last["offsets"], 0)
+            lp = logprobs_obj(kind, last["logprobs"], last["offsets"])
         if kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                       "finish_reason": last["finish_reason"]}
@@ -645,7 +646,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             text = ev["delta"] if ev else None
             lp = None
             if ev and job.seq.logprobs is not None:
-                lp = logprobs_obj(kind, ev["logprobs"], ev["offsets"], 0)
+                lp = logprobs_obj(kind, ev["logprobs"], ev["offsets"])
             if chat:
                 delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
                 if text is not None:

@@ -100,6 +100,11 @@ def complete(client: openai.OpenAI, prompt, stream: bool = False, **kw) -> dict:
         for c in ch.choices:
             out["text"] += c.text
             out["finish"] = c.finish_reason or out["finish"]
+            if c.logprobs is not None:  # the chunks' lists, joined
+                lp = out["logprobs"] = out["logprobs"] or {"tokens": [], "token_logprobs": [],
+                                                           "text_offset": []}
+                for k in lp:
+                    lp[k] += getattr(c.logprobs, k)
     return out
 
 
@@ -194,6 +199,7 @@ def test_logprobs_are_the_raw_target_log_probabilities(clients, tokenizer, refer
         "plain": lambda: chat(clients["plain"], CHATS[1], logprobs=True, extra_body=ids),
         "completion": lambda: complete(clients["eagle3"], prompt, logprobs=3, extra_body=ids),
         "completion-text": lambda: complete(clients["eagle3"], COMPLETION, logprobs=2),
+        "completion-stream": lambda: complete(clients["eagle3"], COMPLETION, stream=True, logprobs=2),
     })
     for key in ("greedy", "sampled", "eagle2", "plain"):
         entries = got[key]["logprobs"]
@@ -228,6 +234,10 @@ def test_logprobs_are_the_raw_target_log_probabilities(clients, tokenizer, refer
     tokens = c.tokens[: None if got["completion-text"]["finish"] == "length" else -1]  # no EOS
     assert "".join(tokens) == got["completion-text"]["text"]
     assert c.text_offset == [sum(len(t) for t in c.tokens[:i]) for i in range(len(c.tokens))]
+    # Streamed, each chunk's text_offset counts from the start of the completion, not of the chunk.
+    s = got["completion-stream"]["logprobs"]
+    assert s["tokens"] == c.tokens and s["text_offset"] == c.text_offset
+    assert s["token_logprobs"] == pytest.approx(c.token_logprobs, abs=LOGPROB_TOL)
 
 
 def test_invalid_requests_answer_400_in_openai_shape_and_usage_null_in_chunks(servers, clients):
