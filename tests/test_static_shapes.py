@@ -153,8 +153,9 @@ def check_decoders_at_batch_buckets(device: str, mode: str | None) -> None:
     jobs = list(zip(prompts, (6, 14, 10, 18)))  # finishing apart: batches 3, 2, 1 and back
     ref = [generate(target, [p], n)[0] for p, n in jobs]
     small = (2, TreeConfig(1, 2, 3))  # the batch tree from 2 sequences
-    # Up to bucket 2, four rows: the caches of the decoders above, so that their batch-1 graphs
-    # serve these too (Dynamo's cache is the functions', shared by decoders of the same shapes)
+    # The decoders compiled up to bucket 2 only get four cache rows, the shape of the ones compiled
+    # to bucket 4, whose batch-1 graphs then serve them too (Dynamo's cache is the functions',
+    # shared by decoders of the same shapes)
     four = dict(SHAPES, max_batch=4)
     for make, max_bs in ((lambda: PlainDecoder(target, **SHAPES), None),
                          (lambda: SpecDecoder(target, head, TREE, **SHAPES), None),
@@ -167,17 +168,16 @@ def check_decoders_at_batch_buckets(device: str, mode: str | None) -> None:
         assert dec.max_bs == (max_bs or 4) and target.cache.kv.shape[2] == rows
         assert warm_up(dec) == [1, 2, 3][:dec.max_bs] and dec.stats.rounds == 0 and not dec.seqs
         graphs = counters["stats"]["unique_graphs"]
-        # buckets 1, 2, 4; spec: draft phase, greedy verify..catch-up, sampled verify and catch-up
+        # spec: draft phase, greedy verify..catch-up, sampled verify and catch-up, a bucket each
         if mode is None:
-            # up to bucket 2, bucket 1's graphs on TREE are the second decoder's; over batch 1
-            # without drafts, bucket 2 runs the target's step and the deferred catch-up (3 graphs:
-            # Dynamo makes shapes that changed dynamic), with a batch tree (from 2) bucket 2 its tree
             if isinstance(dec, PlainDecoder):
-                want = 3
-            elif dec.disable_by_batch_size or dec.batch_tree:
-                want = 3 if dec.disable_by_batch_size else 4
+                want = 3  # buckets 1, 2, 4
+            elif dec.disable_by_batch_size:
+                want = 3  # bucket 2 without drafts: the target's step, the deferred catch-up
+            elif dec.batch_tree:
+                want = 4  # bucket 2 on its tree
             else:
-                want = 4 * 3
+                want = 4 * 3  # buckets 1, 2, 4
             assert graphs == want, dict(counters["stats"])
         out, batches = serve_all(dec, jobs)
         assert out == ref and {1, 2, 3} <= set(batches), batches
