@@ -126,7 +126,10 @@ def one_streamed_request(http: httpx.Client, url: str, body: dict[str, Any]) -> 
     a speculative round's tokens arrive in one chunk)."""
     t0 = time.perf_counter()
     ttft, last, itl, pieces, usage = None, 0.0, [], [], None
-    failed = lambda why: {"error": why, "latency": time.perf_counter() - t0}  # noqa: E731
+
+    def failed(why: str) -> dict[str, Any]:
+        return {"error": why, "latency": time.perf_counter() - t0}
+
     with http.stream("POST", url + "/v1/chat/completions",
                      json=body | {"stream_options": {"include_usage": True}}) as r:
         if r.status_code != 200:

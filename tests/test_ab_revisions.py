@@ -3,19 +3,13 @@ medians per revision are what it reports; the worktrees it made are gone afterwa
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 from pathlib import Path
 
+from script_module import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("ab_revisions", ROOT / "scripts" / "ab_revisions.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def worktrees() -> list[str]:
@@ -24,7 +18,7 @@ def worktrees() -> list[str]:
 
 
 def test_alternates_checkouts_and_reports_medians(tmp_path, monkeypatch):
-    ab = load_script()
+    ab = load_script("ab_revisions")
     calls = []
     speeds = iter([70.0, 80.0, 60.0, 90.0, 75.0, 100.0])  # HEAD, WORKTREE; WORKTREE, HEAD; ...
 

@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "average_heads.py"
+from script_module import load_script
 
 
 def _average():
-    spec = importlib.util.spec_from_file_location("average_heads", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.average
+    return load_script("average_heads").average
 
 
 def test_average_interpolates_floats_and_keeps_equal_maps():

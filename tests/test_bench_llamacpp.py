@@ -4,13 +4,10 @@ A stand-in llama_cpp module plays llama.cpp (the real one builds for ~10 minutes
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from script_module import load_script
 
 FAKE = '''
 import time
@@ -44,10 +41,7 @@ class Llama:
 
 @pytest.fixture
 def bench_llamacpp():
-    spec = importlib.util.spec_from_file_location("bench_llamacpp", ROOT / "scripts" / "bench_llamacpp.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_llamacpp")
 
 
 def test_worker_decodes_each_prompt_from_an_empty_cache(bench_llamacpp, tmp_path, monkeypatch):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import copy
 import json
 import warnings
-from pathlib import Path
 
 import pytest
+from script_module import load_script
 
 from eagle_infer.errors import UserError
 from eagle_train.data import (
@@ -297,13 +297,9 @@ def test_segment_prompts_interleave_spreads_each_source_evenly(tmp_path):
     """scripts/segment_prompts.py --mix: another file's prompts spread evenly among a segment's,
     each kind in its own order, so a capture cut short holds both in proportion; the file is read
     plain or xz'd."""
-    import importlib.util
     import lzma
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "segment_prompts.py"
-    spec = importlib.util.spec_from_file_location("segment_prompts", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("segment_prompts")
     assert mod.interleave(["a1", "a2", "a3", "a4"], ["b1", "b2"]) == ["a1", "b1", "a2", "a3", "b2", "a4"]
     assert mod.interleave([], ["b1"]) == ["b1"] and mod.interleave(["a1"], []) == ["a1"]
     mixed = mod.interleave(list(range(300)), [-i for i in range(1, 101)])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import lzma
 import os
@@ -10,14 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from script_module import load_script
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "magpie_prompts.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("magpie_prompts", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("magpie_prompts")
 
 
 def test_pre_query_template_is_where_a_real_prompt_puts_its_user_message(tokenizer):

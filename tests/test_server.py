@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 import torch
+from script_module import load_script
 
 from eagle_infer.generate import generate
 from eagle_infer.launch import ServerProcess
@@ -26,8 +27,6 @@ from eagle_infer.metrics import parse_metrics
 from eagle_infer.model import ModelConfig, Transformer
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import Sequence_, SpecStats
-
-REPO = Path(__file__).resolve().parents[1]
 
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
@@ -323,11 +322,7 @@ def test_bench_server_direct_decodes_each_request_beside_the_server(server):
     same flags and decodes each request on it too, taking turns with the server; prompts and
     greedy texts agree (the script stops where they do not), and the row gives both speeds.
     --stream: the streamed chunks' text is the answer, the row has TTFT, TPOT and ITL."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_server", REPO / "scripts/bench_server.py")
-    bs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bs)
+    bs = load_script("bench_server")
     args = bs.build_parser().parse_args(["--direct", "--draft", str(server.head),
                                          *(f"--server-arg={f}" for f in SERVER_FLAGS)])
     direct = bs.direct_decoding("spec", args, 8)
@@ -346,7 +341,10 @@ def test_bench_server_direct_decodes_each_request_beside_the_server(server):
     assert bs.latency_stats([one]) == {"mean_ttft_ms": 200.0, "median_ttft_ms": 200.0, "p99_ttft_ms": 200.0,
                                        "mean_tpot_ms": 200.0, "median_tpot_ms": 200.0, "p99_tpot_ms": 200.0,
                                        "mean_itl_ms": 266.67, "median_itl_ms": 300.0, "p99_itl_ms": 398.0}
-    garbled = lambda body: (lambda n, text, k: (n, text + "!", k))(*direct(body))  # noqa: E731
+    def garbled(body: dict) -> tuple[int, str, int]:  # the direct side's text, one character off
+        n_prompt, text, n = direct(body)
+        return n_prompt, text + "!", n
+
     with httpx.Client(headers=headers, timeout=300) as http:
         with pytest.raises(SystemExit, match="the same decoding only"):
             bs.alternate(http, server.url, [bs.chat_body(MODEL, prompts[0], 6, True)], garbled)

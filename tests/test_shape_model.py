@@ -3,26 +3,16 @@ those models (head size, query/key norms, biases, rope), and a random head that 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
+from script_module import load_script
 
 from eagle_infer.model import ModelConfig
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _shape_model():
-    spec = importlib.util.spec_from_file_location("shape_model", ROOT / "scripts" / "shape_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 def test_shapes_read_as_the_models_they_copy():
-    sm = _shape_model()
+    sm = load_script("shape_model")
     got = {name: ModelConfig.from_hf(sm.hf_config(name).to_dict()) for name in sm.SHAPES}
     q3, q25, ll = got["qwen3-0.6b"], got["qwen2.5-0.5b"], got["llama-3.2-1b"]
     assert (q3.head_dim, q3.qk_norm, q3.attention_bias, q3.vocab_size) == (128, True, False, 151936)
@@ -37,7 +27,7 @@ def test_a_random_head_loads_for_its_target(tmp_path, monkeypatch, tiny_model_di
     from eagle_infer.heads import load_head_for
     from eagle_infer.loader import load_model
 
-    sm = _shape_model()
+    sm = load_script("shape_model")
     target_dir = tiny_model_dir("qwen3")
     sm.write_head(target_dir, tmp_path / "head", draft_vocab_size=64)
     cfg = json.loads((tmp_path / "head" / "config.json").read_text())

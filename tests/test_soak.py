@@ -7,23 +7,11 @@ counters agree with what the clients saw. Ends by itself (--max-seconds bounds t
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def load_driver():
-    spec = importlib.util.spec_from_file_location("soak_server", REPO / "scripts/soak_server.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["soak_server"] = module
-    spec.loader.exec_module(module)
-    return module
+from script_module import load_script
 
 
 def test_soak_32_clients_mixed_traffic(tmp_path):
-    soak = load_driver()
+    soak = load_script("soak_server")
     # ~40 s of sending on the loaded 2-core machine; the bound stops it on a slower one. Eager
     # steps: a compiled server's start-up compile (warm_up) would add minutes on one thread.
     report = soak.run_soak(requests=96, clients=32, max_tokens=6, algorithm="EAGLE3", max_seconds=150,

@@ -12,11 +12,11 @@ profiling batch. On the 2-core AMD EPYC (AVX2) that took an engine's start from 
 
 from __future__ import annotations
 
-import importlib.util
 import platform
 from pathlib import Path
 
 import pytest
+from script_module import load_script
 
 from eagle_infer.generate import chat_prompt_ids
 from eagle_infer.head_formats import export_head
@@ -25,7 +25,6 @@ from eagle_infer.shipped import shipped_dir
 from eagle_infer.speculative import SpecStats, generate_speculative
 from eagle_infer.tree import TreeConfig
 
-ROOT = Path(__file__).resolve().parent.parent
 K = 3  # draft tokens per round: vLLM chains them; ours drafts the same chain (3 steps, topk 1)
 NUM_PROMPTS, MAX_NEW = 4, 64
 
@@ -44,10 +43,7 @@ def _fast_start_env():
 
 
 def _bench_vllm():
-    spec = importlib.util.spec_from_file_location("bench_vllm", ROOT / "scripts" / "bench_vllm.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_vllm")
 
 
 @pytest.fixture(scope="module")
