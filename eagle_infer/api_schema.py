@@ -31,6 +31,19 @@ def engine_error(message: str) -> ApiError:
     return ApiError(503, message, code="engine_error")
 
 
+# OpenAI's and vLLM's request fields that change the answer and that this server does not
+# implement, with the values that change nothing (a client may send those): any other value is
+# refused with a 400 naming the field, where answering as if it were absent would mislead.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "min_p": (None, 0, 0.0), "min_tokens": (None, 0), "best_of": (None, 1), "echo": (None, False),
+    "suffix": (None, ""), "use_beam_search": (None, False), "stop_token_ids": (None, []),
+    "bad_words": (None, []), "allowed_token_ids": (None,), "prompt_logprobs": (None,),
+    "response_format": (None, {"type": "text"}), "tools": (None, []), "functions": (None, []),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "length_penalty": (None, 1, 1.0),
+}
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -60,8 +73,19 @@ class Generation(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # extension (SGLang / vLLM)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     ignore_eos: bool = False  # extension (SGLang / vLLM), for benchmarks
     return_tokens_as_token_ids: bool = False  # extension (vLLM): logprobs tokens as "token_id:{id}"
+
+    def unsupported_field(self) -> str | None:
+        """The first field this server would otherwise ignore although it changes the answer
+        (UNSUPPORTED: set to other than its no-op values); unknown fields stay ignored, as
+        vLLM's."""
+        extra = self.model_extra or {}
+        return next((k for k, noop in UNSUPPORTED.items() if k in extra and extra[k] not in noop), None)
 
     def top_logprobs_asked(self) -> int | None:
         """None: no logprobs; k: the emitted token's log-prob and k alternatives."""

@@ -790,6 +790,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     sp.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0")
     sp.add_argument("--top-k", type=int, default=0, help="with --temperature > 0 (0 = off)")
+    for name, default in (("presence", 0.0), ("frequency", 0.0), ("repetition", 1.0)):
+        sp.add_argument(f"--{name}-penalty", type=float, default=default,
+                        help="greedy or sampled (the server's request field): plain and speculative "
+                             "decoding both apply it")
     sp.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the decode step (plain) and the draft and verify steps "
                          "(speculative); compile time goes to warmup_s. "
@@ -864,8 +868,10 @@ def main(argv: list[str] | None = None) -> dict:
         head = load_head_for(args.draft or default_head_path("eagle3"), model)
     compile_steps = compile_default(device) if args.compile is None else args.compile
     B = args.batch_size
-    params = (SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=0)
-              if args.temperature > 0 else None)
+    params = SamplingParams(args.temperature, args.top_p, args.top_k, 0, args.presence_penalty,
+                            args.frequency_penalty, args.repetition_penalty)
+    params = params if args.temperature > 0 or params.penalized else None  # None: plain greedy
+    greedy = params is None or params.greedy  # spec and plain outputs then compare
     if head is not None and args.token_map:
         from eagle_train.tokenmap import load_token_map
 
@@ -977,18 +983,21 @@ def main(argv: list[str] | None = None) -> dict:
             "speedup_vs_hf": round(spec_tps / tps("hf"), 3) if tps("hf") else None,
             # Sampled runs draw different random streams than plain, so only greedy compares.
             "greedy_identical": (main_run.result.outputs == by_name["plain"].outputs)
-            if params is None else None,
+            if greedy else None,
             # In bf16 the verify pass (many tokens at once) rounds differently from a one-token
             # step, so a near-tie can flip, as between plain decoding and transformers.
             "greedy_agreement_spec_vs_plain": greedy_agreement(by_name["plain"], main_run.result,
                                                                model.config.eos_token_ids)
-            if params is None else None,
+            if greedy else None,
             "overhead_efficiency": round(spec_tps / plain_tps / main_run.stats.acceptance_length(), 3)
             if plain_tps else None,
             "draft": str(args.draft or "reference eagle3"),
             "temperature": args.temperature,
             "top_p": args.top_p,
             "top_k": args.top_k,
+            "presence_penalty": args.presence_penalty,
+            "frequency_penalty": args.frequency_penalty,
+            "repetition_penalty": args.repetition_penalty,
         })
         if args.sweep:
             report["sweep"] = [r.to_json(plain_ms)

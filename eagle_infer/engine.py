@@ -36,6 +36,7 @@ from eagle_infer.speculative import (
     SpecDecoder,
     SpecStats,
     check_admissible,
+    penalize_seqs,
     prefill_rows,
 )
 
@@ -120,7 +121,8 @@ class PlainDecoder:
             logits, _ = self.target(self.last[:B, None], L[:, None], L[:, None], mask)
             greedy = None
         params, gens = [s.params for s in self.seqs], [s.generator for s in self.seqs]
-        nxt = pick_tokens(logits[:, 0], params, gens, greedy)
+        picked = penalize_seqs(logits, self.seqs)
+        nxt = pick_tokens(picked[:, 0], params, gens, greedy if picked is logits else None)
         self.L[:B] += 1
         self.last[:B] = nxt
         results = []

@@ -29,7 +29,7 @@ from eagle_infer.cpu_linears import (
 )
 from eagle_infer.errors import UserError, cli_errors
 from eagle_infer.model import Transformer, causal_mask
-from eagle_infer.sampling import SamplingParams, greedy_tokens, logits_to_probs, sample
+from eagle_infer.sampling import SamplingParams, greedy_tokens, logits_to_probs, penalize, sample
 
 # Called with (sequence index, token id); returning True stops that sequence (stop strings).
 TokenCallback = Callable[[int, int], bool]
@@ -381,6 +381,8 @@ def generate(
     outputs: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     for _ in range(max_new_tokens):
+        if any(p.penalized for p in params):
+            logits, greedy = penalize(logits[:, None], params, prompts, outputs)[:, 0], None
         nxt = pick_tokens(logits, params, generators, greedy)  # [B]
         for b, t in enumerate(nxt.tolist()):  # the step's one host read
             if done[b]:
@@ -456,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--presence-penalty", type=float, default=0.0)
+    ap.add_argument("--frequency-penalty", type=float, default=0.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                     help="auto = bf16 where the hardware runs it fast, else fp32")
     ap.add_argument("--quantization", default="none", choices=["none", "int8"],
@@ -472,7 +477,8 @@ def main(argv: list[str] | None = None) -> None:
     from eagle_infer.loader import load_model, load_tokenizer
 
     args = build_parser().parse_args(argv)
-    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed, args.presence_penalty,
+                            args.frequency_penalty, args.repetition_penalty)
     tok = load_tokenizer(args.model_path)
     if args.messages:
         prompts = [chat_prompt_ids(tok, parse_messages(args.messages))]

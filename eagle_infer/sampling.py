@@ -1,14 +1,14 @@
-"""Sampling settings and the one function that turns logits into a sampling distribution.
+"""Sampling settings and the functions that turn logits into a sampling distribution.
 
-Plain decoding and speculative verification both call `logits_to_probs`, so "the target's
-distribution" means the same thing in both: that is what makes rejection sampling lossless.
-Greedy rows (temperature 0) become a one-hot distribution on the argmax.
+Plain decoding and speculative verification both call `penalize` and `logits_to_probs`, so "the
+target's distribution" means the same thing in both: that is what makes rejection sampling
+lossless. Greedy rows (temperature 0) become a one-hot distribution on the argmax.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -22,6 +22,14 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
+    # OpenAI's penalties on the tokens generated so far (a logit minus frequency x its count minus
+    # presence if it occurred), vLLM's and SGLang's repetition_penalty on the prompt's and the
+    # generated tokens (a seen token's logit / p where > 0, else x p), and logit_bias (token id ->
+    # added to its logit): see `penalize`.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
@@ -30,10 +38,30 @@ class SamplingParams:
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise UserError(f"top_k must be >= 0, got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):  # OpenAI's range
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise UserError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:  # vLLM's range
+            raise UserError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or token < 0 or not -100.0 <= bias <= 100.0:
+                raise UserError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got "
+                                f"{token}: {bias}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether `penalize` changes this sequence's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
+
+    @property
+    def raw_argmax(self) -> bool:
+        """Greedy on the raw logits: the token the decoders' greedy graphs compute in-graph."""
+        return self.greedy and not self.penalized
 
     def generator(self, device: str | torch.device = "cpu") -> torch.Generator | None:
         if self.seed is None:
@@ -57,6 +85,41 @@ def greedy_tokens(logits: Tensor) -> Tensor:
     index = torch.arange(logits.shape[-1], dtype=torch.int32, device=logits.device)
     hit = (logits == top) | (logits != logits)
     return torch.where(hit, index, logits.shape[-1]).amin(-1).long()
+
+
+def penalize(logits: Tensor, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
+             outputs: Sequence[Sequence[int]], tree_tokens: Tensor | None = None,
+             tree_mask: Tensor | None = None) -> Tensor:
+    """logits [B, N, V] of N tree nodes a row (N = 1: a plain step) -> fp32 logits after each
+    row's logit_bias, repetition, frequency and presence penalties, in vLLM's order. A row's
+    output is what it emitted so far; a tree's root (node 0) is its last token, and node j's
+    history adds the drafted tokens on its path (tree_mask [B, N, N], ancestor-or-self; tokens
+    [B, N]), so each node is penalized as plain decoding would be had that path been emitted and
+    speculation stays lossless (SGLang's verify penalizes every node by the round's start alone).
+    Returns logits itself when no row has a setting; the others' rows are copied unchanged."""
+    rows = [b for b, p in enumerate(params) if p.penalized]
+    if not rows:
+        return logits
+    out = logits.to(torch.float32, copy=True)
+    B, N, V = out.shape
+    dev = out.device
+    for b in rows:
+        p, x = params[b], out[b]  # x [N, V]: a view, changed in place
+        counts = torch.bincount(torch.tensor(outputs[b], dtype=torch.long), minlength=V)
+        counts = counts.to(dev, torch.float32).expand(N, V).contiguous()  # [N, V]
+        if N > 1:  # each node's path below the root
+            counts.scatter_add_(1, tree_tokens[b, 1:].expand(N, N - 1), tree_mask[b, :, 1:].float())
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=dev)
+            x[:, ids] += torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=dev)
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            seen[:, torch.tensor(prompts[b], dtype=torch.long, device=dev)] = True
+            r = p.repetition_penalty
+            x.copy_(torch.where(seen, torch.where(x > 0, x / r, x * r), x))
+        if p.frequency_penalty or p.presence_penalty:
+            x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    return out
 
 
 def logits_to_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> Tensor:
@@ -132,7 +195,7 @@ def sample(probs: Tensor,
 
 
 def next_token(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token for one sequence from its logits [V]."""
+    """One token for one sequence from its logits [V] (penalized already)."""
     if params.greedy:
         return int(logits.argmax())
     probs = logits_to_probs(logits[None], params.temperature, params.top_p, params.top_k)

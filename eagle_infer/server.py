@@ -473,6 +473,8 @@ class RequestCounter:
 def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> FastAPI:
     """The FastAPI app. `tokenizer` encodes prompts on the event loop; the engine decodes with
     its own instance (a HF fast tokenizer must not be used from two threads at once)."""
+    vocab = cfg.vocab_size or len(tokenizer)  # the token ids a request may name
+
     @asynccontextmanager
     async def lifespan(app):
         if not engine.thread.is_alive():
@@ -575,10 +577,22 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                            code="invalid_value")
         logprobs = req.top_logprobs_asked()
         check_logprobs(logprobs, "top_logprobs" if isinstance(req, ChatRequest) else "logprobs")
+        field = req.unsupported_field()
+        if field is not None:
+            raise ApiError(400, f"{field} is not supported by this server", param=field,
+                           code="unsupported_parameter")
+        bias = {}
+        for token, value in (req.logit_bias or {}).items():
+            if not (token.isascii() and token.isdigit()) or int(token) >= vocab:
+                raise ApiError(400, f"logit_bias: {token!r} is not a token id of this model (0 to "
+                                    f"{vocab - 1})", param="logit_bias", code="invalid_value")
+            bias[int(token)] = value
         try:
-            params = SamplingParams(req.temperature, req.top_p, max(req.top_k, 0), req.seed)
+            params = SamplingParams(req.temperature, req.top_p, max(req.top_k, 0), req.seed,
+                                    req.presence_penalty, req.frequency_penalty, req.repetition_penalty, bias)
         except UserError as e:
-            param = next((p for p in ("top_p", "top_k") if p in str(e)), None)
+            param = next((p for p in ("top_p", "top_k", "presence_penalty", "frequency_penalty",
+                                      "repetition_penalty", "logit_bias") if p in str(e)), None)
             raise ApiError(400, str(e), param=param, code="invalid_value") from None
         return Job(prompt, params, max_tokens, stops, set() if req.ignore_eos else eos, engine.tokenizer,
                    asyncio.get_running_loop(), logprobs, req.return_tokens_as_token_ids, req.stream,
@@ -706,7 +720,6 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         if isinstance(p, str):
             prompt = list(tokenizer(p)["input_ids"])
         else:
-            vocab = cfg.vocab_size or len(tokenizer)
             if any(not 0 <= t < vocab for t in p):
                 raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt",
                                code="invalid_value")

@@ -52,7 +52,7 @@ from eagle_infer.generate import (
 from eagle_infer.heads import DraftHead
 from eagle_infer.kernels.tree_accept import kernel_available
 from eagle_infer.model import Transformer, build_attn_mask, causal_mask
-from eagle_infer.sampling import SamplingParams, greedy_tokens, next_token
+from eagle_infer.sampling import SamplingParams, greedy_tokens, next_token, penalize
 from eagle_infer.tree import (
     Acceptance,
     DraftTree,
@@ -239,7 +239,15 @@ def prefill_rows(target: Transformer, seqs: Sequence[Sequence_], row0: int, kv_l
     logits, hidden = prefill(target, [s.prompt for s in seqs], hidden_layers, row0=row0, kv_len=kv_len)
     for i, s in enumerate(seqs):
         s.set_logits(logits[i:i + 1])  # logprobs of the first token
-    return [next_token(logits[i], s.params, s.generator) for i, s in enumerate(seqs)], hidden
+    picked = penalize_seqs(logits[:, None], seqs)[:, 0]
+    return [next_token(picked[i], s.params, s.generator) for i, s in enumerate(seqs)], hidden
+
+
+def penalize_seqs(logits: Tensor, seqs: Sequence[Sequence_], tree: DraftTree | None = None) -> Tensor:
+    """sampling.penalize for the decoders' rows: logits [B, N, V] of each sequence's tree (or its
+    last token, N = 1)."""
+    return penalize(logits, [s.params for s in seqs], [s.prompt for s in seqs], [s.output for s in seqs],
+                    None if tree is None else tree.tokens, None if tree is None else tree.mask)
 
 
 def disable_by_batch_size_for(given: int | None, device_type: str, quantization: str = "none",
@@ -585,7 +593,7 @@ class SpecDecoder:
         T = depth + 1
         drafted = cfg.num_steps * cfg.eagle_topk  # draft cache slots a draft phase writes past L
         params = [s.params for s in self.seqs]
-        greedy = all(p.greedy for p in params)
+        greedy = all(p.raw_argmax for p in params)  # the round's one graph
         ahead = self.draft_ahead
         t0 = time.perf_counter()
         if ahead and all(s.ahead for s in self.seqs):
@@ -614,7 +622,7 @@ class SpecDecoder:
                 logits, hidden = self.verify_fn(tree.tokens, pos, slots, mask)
             t2 = time.perf_counter()
             with record_function("spec.sampling_inputs"):  # eager: per-request settings, generators
-                probs = sampling_probs(logits, params)
+                probs = sampling_probs(penalize_seqs(logits, self.seqs, tree), params)
                 # compiled, the walk is traced as torch ops (its graph), so draw for those
                 u = sampling_uniforms([s.generator for s in self.seqs], depth, N, probs,
                                       fused=kernel_available(probs) and not self.compiled)
@@ -673,7 +681,7 @@ class SpecDecoder:
         kv = self.kv_len(max(s.cached for s in self.seqs) + 1)
         params = [s.params for s in self.seqs]
         with record_function("spec.plain_round"):
-            if all(p.greedy for p in params):
+            if all(p.raw_argmax for p in params):
                 kv_ref = torch.empty(B, kv, dtype=torch.bool, device=dev)
                 logits, bonus, feat = self.plain_round_fn(self.root[:B, None], L, kv_ref)
             else:  # the root alone as a tree: the bonus drawn from the target as in any round
@@ -681,7 +689,8 @@ class SpecDecoder:
                 one = torch.ones(B, 1, 1, dtype=torch.bool, device=dev)
                 tree = DraftTree(self.root[:B, None], zero, zero, one)
                 logits, hidden = self.verify_fn(tree.tokens, L[:, None], L[:, None], causal_mask(L, 1, kv))
-                bonus = accept_sampling(tree, logits, params, [s.generator for s in self.seqs], 0).bonus
+                bonus = accept_sampling(tree, penalize_seqs(logits, self.seqs), params,
+                                        [s.generator for s in self.seqs], 0).bonus
                 feat = self.head.project(hidden)[:, 0]
             n, rows = self.pending_n[:B], torch.arange(B, device=dev)
             self.pending_tokens[rows, n], self.pending_feats[rows, n] = bonus, feat

@@ -149,3 +149,17 @@ def test_bench_sampled_plain_samples_too(tmp_path, default_model_fp32):
     sampled = plain_decode_fn(default_model_fp32, 8, params=params)(prompt, lambda i, t: False)
     assert sampled == generate(default_model_fp32, prompt, 8, params, eos_token_ids=[])
     assert sampled != plain_decode_fn(default_model_fp32, 8)(prompt, lambda i, t: False)
+
+
+def test_bench_penalized_greedy_is_compared_with_penalized_plain(tmp_path, default_model_fp32):
+    """--frequency-penalty / --presence-penalty / --repetition-penalty: greedy runs with them on
+    both sides, so speculative output is still compared with plain output (identical in fp32),
+    and the settings are reported."""
+    save_random_head(default_model_fp32, tmp_path / "head")
+    main(["--num-prompts", "1", "--max-new-tokens", "8", "--dtype", "fp32", "--no-hf", "--no-compile",
+          "--draft", str(tmp_path / "head"), "--num-steps", "2", "--eagle-topk", "2",
+          "--num-draft-tokens", "3", "--frequency-penalty", "1.0", "--presence-penalty", "0.5",
+          "--repetition-penalty", "1.3", "--json", str(tmp_path / "p.json")])
+    r = json.loads((tmp_path / "p.json").read_text())
+    assert (r["frequency_penalty"], r["presence_penalty"], r["repetition_penalty"]) == (1.0, 0.5, 1.3)
+    assert r["temperature"] == 0.0 and r["greedy_identical"] is True

@@ -270,9 +270,43 @@ def test_sample_draws_each_row_from_its_distribution():
 
 
 def test_bad_sampling_params():
-    for kwargs in ({"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -2}):
-        with pytest.raises(UserError):
+    for kwargs in ({"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -2},
+                   {"frequency_penalty": 2.5}, {"presence_penalty": -3.0}, {"repetition_penalty": 0.0},
+                   {"repetition_penalty": 2.5}, {"logit_bias": {5: 101.0}}, {"logit_bias": {-1: 1.0}}):
+        with pytest.raises(UserError, match=next(iter(kwargs))):
             SamplingParams(**kwargs)
+
+
+def test_penalize_is_vllms_and_transformers_penalties():
+    """penalize on one step's logits: repetition_penalty as transformers' processor over prompt +
+    output, frequency and presence penalties as OpenAI's formula over the output only, logit_bias
+    added first (vLLM's order); a row without settings keeps its logits, and with none at all
+    the tensor itself comes back."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from eagle_infer.sampling import penalize
+
+    V = 50
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 1, V, generator=g) * 3
+    prompts = [[1, 2, 3, 3], [4, 5], [6], [7, 8, 9]]
+    outputs = [[10, 11, 10, 2], [5, 12, 12, 12, 4], [], [13]]
+    params = [SamplingParams(repetition_penalty=1.7),
+              SamplingParams(frequency_penalty=0.6, presence_penalty=-0.4),
+              SamplingParams(logit_bias={0: 5.0, 49: -100.0}, repetition_penalty=0.5),
+              SamplingParams(top_k=3)]
+    out = penalize(logits, params, prompts, outputs)
+    assert out.shape == logits.shape and out.dtype == torch.float32
+    hf = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompts[0] + outputs[0]]), logits[0].clone())
+    torch.testing.assert_close(out[0], hf)
+    counts = torch.bincount(torch.tensor(outputs[1]), minlength=V).float()  # not the prompt's 4, 5
+    torch.testing.assert_close(out[1, 0], logits[1, 0] - 0.6 * counts + 0.4 * (counts > 0).float())
+    biased = logits[2].clone()
+    biased[0, 0] += 5.0
+    biased[0, 49] -= 100.0
+    torch.testing.assert_close(out[2], RepetitionPenaltyLogitsProcessor(0.5)(torch.tensor([[6]]), biased))
+    assert torch.equal(out[3], logits[3])
+    assert penalize(logits, [SamplingParams(top_k=3)] * 4, prompts, outputs) is logits
 
 
 # ---------------------------------------------------------------------------------------

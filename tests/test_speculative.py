@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chisquare
+from scipy.stats import binomtest, chisquare
 
 from eagle_infer.bench import tree_tag
 from eagle_infer.errors import UserError
 from eagle_infer.generate import generate
 from eagle_infer.heads import DraftHead, HeadConfig
 from eagle_infer.model import ModelConfig, Transformer
-from eagle_infer.sampling import SamplingParams, logits_to_probs
+from eagle_infer.sampling import SamplingParams, logits_to_probs, penalize
 from eagle_infer.speculative import SpecDecoder, SpecStats, generate_speculative
 from eagle_infer.tree import DraftTree, TreeConfig, accept_greedy, ancestor_mask, draft_tree, ngram_lookup
 
@@ -310,6 +310,66 @@ def test_ngram_branch_is_lossless_and_accepts_loops():
     assert stats.accepted_hist[4] > 0  # whole chains, deeper than the draft's two steps
 
 
+def test_penalized_tree_nodes_see_their_paths_as_emitted():
+    """sampling.penalize over a verify's tree: each node's logits are penalized as one plain
+    step's would be after the row's output and the drafted tokens on that node's path (a token
+    the path repeats counts twice; a sibling's token does not count)."""
+    from eagle_infer.sampling import penalize
+
+    V = 30
+    parent = torch.tensor([[0, 0, 0, 1, 1, 3, 5], [0, 0, 1, 2, 3, 0, 5]])
+    tokens = torch.tensor([[7, 3, 4, 3, 9, 3, 4], [2, 2, 2, 5, 2, 8, 7]])
+    mask = ancestor_mask(parent, 6)
+    logits = torch.randn(2, 7, V, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(frequency_penalty=0.7, presence_penalty=0.3, repetition_penalty=1.4),
+              SamplingParams(frequency_penalty=-0.5, logit_bias={2: 1.5})]
+    prompts, outputs = [[1, 2, 3], [4]], [[5, 7], [2]]  # each output ends with its tree's root
+    out = penalize(logits, params, prompts, outputs, tokens, mask)
+    for b in range(2):
+        for j in range(7):
+            path, k = [], j
+            while k:
+                path.insert(0, int(tokens[b, k]))
+                k = int(parent[b, k])
+            one = penalize(logits[b:b + 1, j:j + 1], params[b:b + 1], prompts[b:b + 1], [outputs[b] + path])
+            torch.testing.assert_close(out[b, j], one[0, 0], msg=f"row {b} node {j} path {path}")
+
+
+PENALTIES = [SamplingParams(frequency_penalty=1.2, presence_penalty=0.4),
+             SamplingParams(repetition_penalty=1.6), SamplingParams(logit_bias={5: 2.0, 53: -100.0}),
+             SamplingParams(frequency_penalty=-0.8, repetition_penalty=0.7)]
+
+
+@pytest.mark.parametrize("tree", [TreeConfig(4, 3, 10, ngram_branch=3), TreeConfig.chain(4)], ids=tree_id)
+def test_penalized_greedy_is_plain_penalized_greedy(tree):
+    """Penalties and logit_bias are lossless under speculation: greedy speculative decoding with
+    them equals plain greedy decoding with them, token for token, each row with its own settings
+    (one without), where rounds accept several tokens (a noisy oracle head), so a node's penalties
+    count the drafted tokens before it; the server's plain decoder and rounds without drafts
+    agree too. The settings change the output (else the test would prove nothing)."""
+    from eagle_infer.engine import PlainDecoder
+    from eagle_infer.speculative import Sequence_
+
+    target = tiny_target(layers=1, silent=True)
+    head = oracle_head(target, noise=0.3)
+    prompts = prompts_for(target.config.vocab_size)
+    unpenalized = generate(target, prompts, 40)
+    params = PENALTIES[:3] + [SamplingParams()]
+    plain = generate(target, prompts, 40, params)
+    assert all(a != b for a, b in zip(plain[:3], unpenalized[:3])) and plain[3] == unpenalized[3]
+    spec, stats = generate_speculative(target, head, prompts, 40, params, tree=tree)
+    assert spec == plain and sum(stats.accepted_hist[2:]) > 0  # rounds that accepted 2+ drafts
+    for p, ref in zip(prompts, generate(target, prompts, 40, PENALTIES[3])):  # batch 1
+        assert generate_speculative(target, head, [p], 40, PENALTIES[3], tree=tree)[0][0] == ref
+    for dec in (PlainDecoder(target, max_batch=4, max_seq_len=128),
+                SpecDecoder(target, head, tree, max_batch=4, max_seq_len=128, disable_by_batch_size=0)):
+        seqs = [Sequence_(p, s, 40, set()) for p, s in zip(prompts, params)]
+        dec.add_many(seqs)
+        while dec.seqs:
+            dec.step()
+        assert [s.output for s in seqs] == plain, type(dec).__name__
+
+
 def test_tree_config_refuses_impossible_sizes():
     with pytest.raises(UserError, match="num_draft_tokens"):
         TreeConfig(num_steps=2, eagle_topk=1, num_draft_tokens=8)
@@ -466,19 +526,27 @@ def test_plain_rounds_defer_the_heads_catch_up():
     assert [s.output for s in seqs] == plain
 
 
-@pytest.mark.parametrize("settings,disable,ngram", [
-    (dict(temperature=1.0), None, 0), (dict(temperature=0.8, top_k=5), None, 0),
-    (dict(temperature=1.2, top_p=0.7), None, 0), (dict(temperature=1.0), 0, 0),
-    (dict(temperature=1.0), None, 3),
-], ids=["t1", "topk", "topp", "t1-plain", "t1-ngram"])
-def test_sampling_matches_target_distribution(settings, disable, ngram):
+@pytest.mark.parametrize("settings,disable,ngram,repeating", [
+    (dict(temperature=1.0), None, 0, False), (dict(temperature=0.8, top_k=5), None, 0, False),
+    (dict(temperature=1.2, top_p=0.7), None, 0, False), (dict(temperature=1.0), 0, 0, False),
+    (dict(temperature=1.0), None, 3, False),
+    (dict(temperature=1.0, frequency_penalty=2.0, presence_penalty=2.0, repetition_penalty=2.0),
+     None, 3, True),
+], ids=["t1", "topk", "topp", "t1-plain", "t1-ngram", "t1-penalties"])
+def test_sampling_matches_target_distribution(settings, disable, ngram, repeating):
     """The 2nd and 3rd tokens (the first produced by tree verification) follow the target's
-    exact marginal distribution (chi-square, p > 0.01); also where every round is a plain round
-    (disable_by_batch_size 0: the root alone, its bonus drawn from the target), and with an
-    n-gram branch (the prompt's tokens recur in 12: its chain, a deterministic draft too, often
-    repeats a token of the draft's, a second child of the same token)."""
+    exact marginal distribution (chi-square, p > 0.01), and the 3rd repeats the 2nd as often as
+    the target says (binomial); also where every round is a plain round (disable_by_batch_size 0:
+    the root alone, its bonus drawn from the target), with an n-gram branch (the prompt's tokens
+    recur in 12: its chain, a deterministic draft too, often repeats a token of the draft's, a
+    second child of the same token), and with penalties, on a target that likes to repeat its
+    last token (the 3rd token's node then must count the 2nd, drafted in the same round: counted
+    from the round's start alone, 1,564 repeats in 6,000 where ~100 are right)."""
     V = 12
-    target = tiny_target(vocab=V, layers=1, seed=5)
+    target = tiny_target(vocab=V, layers=1, seed=5, silent=repeating)
+    if repeating:  # the next token depends on the last alone, and most likely repeats it
+        with torch.no_grad():
+            target.lm_head.weight.copy_(0.15 * target.embed_tokens.weight)
     head = oracle_head(target, noise=0.5)
     prompt = [1, 4, 7]
     n = 6000  # 1500 was one fixed draw whose top-k case sat at p = 0.008 (40k draws per root: exact)
@@ -496,11 +564,13 @@ def test_sampling_matches_target_distribution(settings, disable, ngram):
 
     def dist(ctx):
         logits, _ = target_logits(target, ctx)
+        logits = penalize(logits[None, None], params[:1], [prompt], [ctx[len(prompt):]])[0, 0]
         return logits_to_probs(logits, **p)
 
     p1 = dist(prompt)
     p2 = torch.zeros(V)
     p3 = torch.zeros(V)
+    repeat = 0.0  # P(t3 = t2): where a round accepted t2, its node's logits gave t3
     for a in range(V):
         if p1[a] == 0:
             continue
@@ -508,7 +578,11 @@ def test_sampling_matches_target_distribution(settings, disable, ngram):
         p2 += p1[a] * pa
         for b in range(V):
             if pa[b] > 0:
-                p3 += p1[a] * pa[b] * dist(prompt + [a, b])
+                pab = dist(prompt + [a, b])
+                p3 += p1[a] * pa[b] * pab
+                repeat += float(p1[a] * pa[b] * pab[b])
+    repeats = sum(o[1] == o[2] for o in outs)
+    assert binomtest(repeats, n, repeat).pvalue > 0.01, (repeats, n * repeat)
     for pos, expect in ((1, p2), (2, p3)):
         counts = torch.bincount(torch.tensor([o[pos] for o in outs]), minlength=V).double()
         keep = expect > 0
