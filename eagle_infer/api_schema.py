@@ -35,7 +35,7 @@ def engine_error(message: str) -> ApiError:
 # implement, with the values that change nothing (a client may send those): any other value is
 # refused with a 400 naming the field, where answering as if it were absent would mislead.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "min_p": (None, 0, 0.0), "min_tokens": (None, 0), "best_of": (None, 1), "echo": (None, False),
+    "min_tokens": (None, 0), "best_of": (None, 1), "echo": (None, False),
     "suffix": (None, ""), "use_beam_search": (None, False), "stop_token_ids": (None, []),
     "bad_words": (None, []), "allowed_token_ids": (None,), "prompt_logprobs": (None,),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "functions": (None, []),
@@ -68,6 +68,7 @@ class Generation(_Body):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # extension (SGLang / vLLM); -1 or 0 = off
+    min_p: float = 0.0  # extension (SGLang / vLLM); 0 = off
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False

@@ -790,6 +790,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     sp.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0")
     sp.add_argument("--top-k", type=int, default=0, help="with --temperature > 0 (0 = off)")
+    sp.add_argument("--min-p", type=float, default=0.0, help="with --temperature > 0 (0 = off)")
     for name, default in (("presence", 0.0), ("frequency", 0.0), ("repetition", 1.0)):
         sp.add_argument(f"--{name}-penalty", type=float, default=default,
                         help="greedy or sampled (the server's request field): plain and speculative "
@@ -868,7 +869,7 @@ def main(argv: list[str] | None = None) -> dict:
         head = load_head_for(args.draft or default_head_path("eagle3"), model)
     compile_steps = compile_default(device) if args.compile is None else args.compile
     B = args.batch_size
-    params = SamplingParams(args.temperature, args.top_p, args.top_k, 0, args.presence_penalty,
+    params = SamplingParams(args.temperature, args.top_p, args.top_k, 0, args.min_p, args.presence_penalty,
                             args.frequency_penalty, args.repetition_penalty)
     params = params if args.temperature > 0 or params.penalized else None  # None: plain greedy
     greedy = params is None or params.greedy  # spec and plain outputs then compare
@@ -995,6 +996,7 @@ def main(argv: list[str] | None = None) -> dict:
             "temperature": args.temperature,
             "top_p": args.top_p,
             "top_k": args.top_k,
+            "min_p": args.min_p,
             "presence_penalty": args.presence_penalty,
             "frequency_penalty": args.frequency_penalty,
             "repetition_penalty": args.repetition_penalty,

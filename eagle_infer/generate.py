@@ -132,10 +132,10 @@ def pick_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
     groups: dict[tuple[float, float, int], list[int]] = {}
     for b, p in enumerate(params):
         if not p.greedy:
-            groups.setdefault((p.temperature, p.top_p, p.top_k), []).append(b)
-    for (temperature, top_p, top_k), rows in groups.items():
+            groups.setdefault(p.distribution, []).append(b)
+    for setting, rows in groups.items():
         idx = torch.tensor(rows, device=logits.device)
-        probs = logits_to_probs(logits[idx], temperature, top_p, top_k)  # [len(rows), V]
+        probs = logits_to_probs(logits[idx], *setting)  # [len(rows), V]
         out[idx] = sample(probs, [generators[b] for b in rows])
     return out
 
@@ -458,6 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--min-p", type=float, default=0.0)
     ap.add_argument("--presence-penalty", type=float, default=0.0)
     ap.add_argument("--frequency-penalty", type=float, default=0.0)
     ap.add_argument("--repetition-penalty", type=float, default=1.0)
@@ -477,8 +478,8 @@ def main(argv: list[str] | None = None) -> None:
     from eagle_infer.loader import load_model, load_tokenizer
 
     args = build_parser().parse_args(argv)
-    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed, args.presence_penalty,
-                            args.frequency_penalty, args.repetition_penalty)
+    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed, args.min_p,
+                            args.presence_penalty, args.frequency_penalty, args.repetition_penalty)
     tok = load_tokenizer(args.model_path)
     if args.messages:
         prompts = [chat_prompt_ids(tok, parse_messages(args.messages))]

@@ -7,6 +7,7 @@ lossless. Greedy rows (temperature 0) become a one-hot distribution on the argma
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
+    min_p: float = 0.0  # 0 = off; see logits_to_probs
     # OpenAI's penalties on the tokens generated so far (a logit minus frequency x its count minus
     # presence if it occurred), vLLM's and SGLang's repetition_penalty on the prompt's and the
     # generated tokens (a seen token's logit / p where > 0, else x p), and logit_bias (token id ->
@@ -38,6 +40,8 @@ class SamplingParams:
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise UserError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise UserError(f"min_p must be in [0, 1], got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):  # OpenAI's range
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise UserError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -51,6 +55,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def distribution(self) -> tuple[float, float, int, float]:
+        """logits_to_probs's settings (temperature, top_p, top_k, min_p): rows alike share a call."""
+        return self.temperature, self.top_p, self.top_k, self.min_p
 
     @property
     def penalized(self) -> bool:
@@ -122,12 +131,17 @@ def penalize(logits: Tensor, params: Sequence[SamplingParams], prompts: Sequence
     return out
 
 
-def logits_to_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> Tensor:
-    """logits [..., V] -> fp32 probabilities [..., V] after temperature, top-k and top-p."""
+def logits_to_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,
+                    min_p: float = 0.0) -> Tensor:
+    """logits [..., V] -> fp32 probabilities [..., V] after temperature, min-p, top-k and top-p
+    (vLLM's order). min-p drops the tokens less likely than min_p x the most likely one."""
     logits = logits.float()
     if temperature == 0.0:
         return torch.nn.functional.one_hot(greedy_tokens(logits), logits.shape[-1]).float()
     logits = logits / temperature
+    if min_p > 0.0:  # p < min_p * p_max  <=>  logit < logit_max + log(min_p)
+        floor = logits.amax(-1, keepdim=True) + math.log(min_p)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -198,5 +212,5 @@ def next_token(logits: Tensor, params: SamplingParams, generator: torch.Generato
     """One token for one sequence from its logits [V] (penalized already)."""
     if params.greedy:
         return int(logits.argmax())
-    probs = logits_to_probs(logits[None], params.temperature, params.top_p, params.top_k)
+    probs = logits_to_probs(logits[None], *params.distribution)
     return int(sample(probs, generator)[0])

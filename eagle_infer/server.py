@@ -588,10 +588,10 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                                     f"{vocab - 1})", param="logit_bias", code="invalid_value")
             bias[int(token)] = value
         try:
-            params = SamplingParams(req.temperature, req.top_p, max(req.top_k, 0), req.seed,
+            params = SamplingParams(req.temperature, req.top_p, max(req.top_k, 0), req.seed, req.min_p,
                                     req.presence_penalty, req.frequency_penalty, req.repetition_penalty, bias)
         except UserError as e:
-            param = next((p for p in ("top_p", "top_k", "presence_penalty", "frequency_penalty",
+            param = next((p for p in ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                                       "repetition_penalty", "logit_bias") if p in str(e)), None)
             raise ApiError(400, str(e), param=param, code="invalid_value") from None
         return Job(prompt, params, max_tokens, stops, set() if req.ignore_eos else eos, engine.tokenizer,

@@ -475,13 +475,13 @@ def sampling_probs(target_logits: Tensor, params: Sequence[SamplingParams]) -> T
     logits_to_probs per distinct setting."""
     by_setting: dict[tuple, list[int]] = {}
     for b, p in enumerate(params):
-        by_setting.setdefault((p.temperature, p.top_p, p.top_k), []).append(b)
+        by_setting.setdefault(p.distribution, []).append(b)
     if len(by_setting) == 1:  # every row alike (the usual case): no gather, no scatter
         return logits_to_probs(target_logits, *next(iter(by_setting)))
     probs = torch.empty(target_logits.shape, dtype=torch.float32, device=target_logits.device)
-    for (temp, top_p, top_k), rows in by_setting.items():
+    for setting, rows in by_setting.items():
         idx = torch.tensor(rows, device=target_logits.device)
-        probs[idx] = logits_to_probs(target_logits[idx], temp, top_p, top_k)
+        probs[idx] = logits_to_probs(target_logits[idx], *setting)
     return probs
 
 

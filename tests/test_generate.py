@@ -243,6 +243,20 @@ def test_top_p_from_candidates_equals_a_full_sort():
         assert torch.equal(top_p_mask(probs, tp), expected), tp
 
 
+@pytest.mark.parametrize("min_p", [0.05, 0.3, 1.0])
+def test_min_p_keeps_tokens_at_least_min_p_of_the_most_likely(min_p):
+    """vLLM's min-p after temperature: a token stays iff its probability is at least min_p x the
+    most likely one's (1.0: the maxima alone), the rest renormalised; then top-k as usual."""
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(1)) * 2
+    full = torch.softmax(logits / 0.8, -1)
+    keep = full >= min_p * full.amax(-1, keepdim=True)
+    expect = torch.where(keep, full, 0.0)
+    expect /= expect.sum(-1, keepdim=True)
+    torch.testing.assert_close(logits_to_probs(logits, 0.8, min_p=min_p), expect)
+    both = logits_to_probs(logits, 0.8, top_k=2, min_p=min_p)
+    assert ((both > 0).sum(-1) == torch.minimum(keep.sum(-1), torch.tensor(2))).all()
+
+
 def test_top_k_then_top_p():
     # top-p applies to the distribution left after top-k (the transformers order).
     logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
@@ -270,7 +284,7 @@ def test_sample_draws_each_row_from_its_distribution():
 
 
 def test_bad_sampling_params():
-    for kwargs in ({"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -2},
+    for kwargs in ({"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -2}, {"min_p": 1.5},
                    {"frequency_penalty": 2.5}, {"presence_penalty": -3.0}, {"repetition_penalty": 0.0},
                    {"repetition_penalty": 2.5}, {"logit_bias": {5: 101.0}}, {"logit_bias": {-1: 1.0}}):
         with pytest.raises(UserError, match=next(iter(kwargs))):

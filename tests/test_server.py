@@ -200,7 +200,8 @@ def test_bad_requests_get_openai_errors_and_the_server_survives(server, client):
         ({"messages": msgs, "logit_bias": {"\u00b2": 5}}, auth, 400, "invalid_value"),  # int() refuses it
         ({"messages": msgs, "logit_bias": {"5": 150}}, auth, 400, "invalid_value"),
         ({"messages": msgs, "logit_bias": {"999999": 1}}, auth, 400, "invalid_value"),
-        ({"messages": msgs, "min_p": 0.1}, auth, 400, "unsupported_parameter"),
+        ({"messages": msgs, "min_p": 1.5}, auth, 400, "invalid_value"),
+        ({"messages": msgs, "min_tokens": 4}, auth, 400, "unsupported_parameter"),
         ({"messages": msgs, "response_format": {"type": "json_object"}}, auth, 400, "unsupported_parameter"),
         ({"messages": msgs}, {"Authorization": "Bearer wrong"}, 401, "invalid_api_key"),
         ({"messages": msgs}, {}, 401, "invalid_api_key"),

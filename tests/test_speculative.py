@@ -529,10 +529,10 @@ def test_plain_rounds_defer_the_heads_catch_up():
 @pytest.mark.parametrize("settings,disable,ngram,repeating", [
     (dict(temperature=1.0), None, 0, False), (dict(temperature=0.8, top_k=5), None, 0, False),
     (dict(temperature=1.2, top_p=0.7), None, 0, False), (dict(temperature=1.0), 0, 0, False),
-    (dict(temperature=1.0), None, 3, False),
+    (dict(temperature=1.0), None, 3, False), (dict(temperature=0.9, min_p=0.15), None, 0, False),
     (dict(temperature=1.0, frequency_penalty=2.0, presence_penalty=2.0, repetition_penalty=2.0),
      None, 3, True),
-], ids=["t1", "topk", "topp", "t1-plain", "t1-ngram", "t1-penalties"])
+], ids=["t1", "topk", "topp", "t1-plain", "t1-ngram", "minp", "t1-penalties"])
 def test_sampling_matches_target_distribution(settings, disable, ngram, repeating):
     """The 2nd and 3rd tokens (the first produced by tree verification) follow the target's
     exact marginal distribution (chi-square, p > 0.01), and the 3rd repeats the 2nd as often as
@@ -560,7 +560,7 @@ def test_sampling_matches_target_distribution(settings, disable, ngram, repeatin
                                      tree=dec.tree, decoder=dec)[0]
     # Exact marginals from the target: p(t1) p(t2|t1) p(t3|t1,t2).
     p = dict(temperature=settings["temperature"], top_p=settings.get("top_p", 1.0),
-             top_k=settings.get("top_k", 0))
+             top_k=settings.get("top_k", 0), min_p=settings.get("min_p", 0.0))
 
     def dist(ctx):
         logits, _ = target_logits(target, ctx)
