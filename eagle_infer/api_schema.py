@@ -35,8 +35,7 @@ def engine_error(message: str) -> ApiError:
 # implement, with the values that change nothing (a client may send those): any other value is
 # refused with a 400 naming the field, where answering as if it were absent would mislead.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "min_tokens": (None, 0), "best_of": (None, 1), "echo": (None, False),
-    "suffix": (None, ""), "use_beam_search": (None, False), "stop_token_ids": (None, []),
+    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "use_beam_search": (None, False),
     "bad_words": (None, []), "allowed_token_ids": (None,), "prompt_logprobs": (None,),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "functions": (None, []),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
@@ -78,6 +77,8 @@ class Generation(_Body):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # extension (SGLang / vLLM)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    min_tokens: int = 0  # extension (vLLM): EOS and stop_token_ids barred before then
+    stop_token_ids: list[int] | None = None  # extension (vLLM / SGLang): tokens that end the answer
     ignore_eos: bool = False  # extension (SGLang / vLLM), for benchmarks
     return_tokens_as_token_ids: bool = False  # extension (vLLM): logprobs tokens as "token_id:{id}"
 

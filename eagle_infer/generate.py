@@ -382,7 +382,7 @@ def generate(
     done = [False] * B
     for _ in range(max_new_tokens):
         if any(p.penalized for p in params):
-            logits, greedy = penalize(logits[:, None], params, prompts, outputs)[:, 0], None
+            logits, greedy = penalize(logits[:, None], params, prompts, outputs, [eos] * B)[:, 0], None
         nxt = pick_tokens(logits, params, generators, greedy)  # [B]
         for b, t in enumerate(nxt.tolist()):  # the step's one host read
             if done[b]:

@@ -8,7 +8,7 @@ lossless. Greedy rows (temperature 0) become a one-hot distribution on the argma
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +32,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0  # vLLM's: the row's stop tokens (EOS, stop_token_ids) are barred before then
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
@@ -47,6 +48,8 @@ class SamplingParams:
                 raise UserError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0.0 < self.repetition_penalty <= 2.0:  # vLLM's range
             raise UserError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if self.min_tokens < 0:
+            raise UserError(f"min_tokens must be >= 0, got {self.min_tokens}")
         for token, bias in self.logit_bias.items():
             if not isinstance(token, int) or token < 0 or not -100.0 <= bias <= 100.0:
                 raise UserError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got "
@@ -65,7 +68,7 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether `penalize` changes this sequence's logits."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def raw_argmax(self) -> bool:
@@ -97,15 +100,17 @@ def greedy_tokens(logits: Tensor) -> Tensor:
 
 
 def penalize(logits: Tensor, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
-             outputs: Sequence[Sequence[int]], tree_tokens: Tensor | None = None,
-             tree_mask: Tensor | None = None) -> Tensor:
+             outputs: Sequence[Sequence[int]], stops: Sequence[Collection[int]],
+             tree_tokens: Tensor | None = None, tree_mask: Tensor | None = None) -> Tensor:
     """logits [B, N, V] of N tree nodes a row (N = 1: a plain step) -> fp32 logits after each
-    row's logit_bias, repetition, frequency and presence penalties, in vLLM's order. A row's
-    output is what it emitted so far; a tree's root (node 0) is its last token, and node j's
-    history adds the drafted tokens on its path (tree_mask [B, N, N], ancestor-or-self; tokens
-    [B, N]), so each node is penalized as plain decoding would be had that path been emitted and
-    speculation stays lossless (SGLang's verify penalizes every node by the round's start alone).
-    Returns logits itself when no row has a setting; the others' rows are copied unchanged."""
+    row's min_tokens (its stop tokens barred), logit_bias, repetition, frequency and presence
+    penalties, in vLLM's order. A row's output is what it emitted so far; a tree's root (node 0)
+    is its last token, and node j's history adds the drafted tokens on its path (tree_mask [B, N,
+    N], ancestor-or-self; tokens [B, N]), so each node is penalized as plain decoding would be had
+    that path been emitted and speculation stays lossless (SGLang's verify penalizes every node
+    by the round's start alone). stops: the tokens that end each row (EOS unless ignored, stop
+    token ids). Returns logits itself when no row has a setting; the others' rows are copied
+    unchanged."""
     rows = [b for b, p in enumerate(params) if p.penalized]
     if not rows:
         return logits
@@ -118,6 +123,11 @@ def penalize(logits: Tensor, params: Sequence[SamplingParams], prompts: Sequence
         counts = counts.to(dev, torch.float32).expand(N, V).contiguous()  # [N, V]
         if N > 1:  # each node's path below the root
             counts.scatter_add_(1, tree_tokens[b, 1:].expand(N, N - 1), tree_mask[b, :, 1:].float())
+        if p.min_tokens and stops[b]:  # node j's next token is the row's len(output) + depth_j + 1st
+            depth = tree_mask[b, :, 1:].sum(-1) if N > 1 else torch.zeros(N, dtype=torch.long, device=dev)
+            early = (len(outputs[b]) + depth < p.min_tokens)[:, None]  # [N, 1]
+            ids = torch.tensor(sorted(stops[b]), dtype=torch.long, device=dev)
+            x[:, ids] = x[:, ids].masked_fill(early, float("-inf"))
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=dev)
             x[:, ids] += torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=dev)

@@ -581,6 +581,12 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         if field is not None:
             raise ApiError(400, f"{field} is not supported by this server", param=field,
                            code="unsupported_parameter")
+        if any(not 0 <= t < vocab for t in req.stop_token_ids or []):
+            raise ApiError(400, f"stop_token_ids must be token ids of this model (0 to {vocab - 1})",
+                           param="stop_token_ids", code="invalid_value")
+        if req.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens={req.min_tokens} is more than max_tokens={max_tokens}",
+                           param="min_tokens", code="invalid_value")
         bias = {}
         for token, value in (req.logit_bias or {}).items():
             if not (token.isascii() and token.isdigit()) or int(token) >= vocab:
@@ -589,12 +595,14 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             bias[int(token)] = value
         try:
             params = SamplingParams(req.temperature, req.top_p, max(req.top_k, 0), req.seed, req.min_p,
-                                    req.presence_penalty, req.frequency_penalty, req.repetition_penalty, bias)
+                                    req.presence_penalty, req.frequency_penalty, req.repetition_penalty, bias,
+                                    req.min_tokens)
         except UserError as e:
             param = next((p for p in ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                                      "repetition_penalty", "logit_bias") if p in str(e)), None)
+                                      "repetition_penalty", "logit_bias", "min_tokens") if p in str(e)), None)
             raise ApiError(400, str(e), param=param, code="invalid_value") from None
-        return Job(prompt, params, max_tokens, stops, set() if req.ignore_eos else eos, engine.tokenizer,
+        ends = (set() if req.ignore_eos else eos) | set(req.stop_token_ids or [])
+        return Job(prompt, params, max_tokens, stops, ends, engine.tokenizer,
                    asyncio.get_running_loop(), logprobs, req.return_tokens_as_token_ids, req.stream,
                    cfg.stream_interval)
 

@@ -247,7 +247,8 @@ def penalize_seqs(logits: Tensor, seqs: Sequence[Sequence_], tree: DraftTree | N
     """sampling.penalize for the decoders' rows: logits [B, N, V] of each sequence's tree (or its
     last token, N = 1)."""
     return penalize(logits, [s.params for s in seqs], [s.prompt for s in seqs], [s.output for s in seqs],
-                    None if tree is None else tree.tokens, None if tree is None else tree.mask)
+                    [s.eos for s in seqs], None if tree is None else tree.tokens,
+                    None if tree is None else tree.mask)
 
 
 def disable_by_batch_size_for(given: int | None, device_type: str, quantization: str = "none",

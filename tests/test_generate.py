@@ -286,7 +286,8 @@ def test_sample_draws_each_row_from_its_distribution():
 def test_bad_sampling_params():
     for kwargs in ({"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -2}, {"min_p": 1.5},
                    {"frequency_penalty": 2.5}, {"presence_penalty": -3.0}, {"repetition_penalty": 0.0},
-                   {"repetition_penalty": 2.5}, {"logit_bias": {5: 101.0}}, {"logit_bias": {-1: 1.0}}):
+                   {"repetition_penalty": 2.5}, {"logit_bias": {5: 101.0}}, {"logit_bias": {-1: 1.0}},
+                   {"min_tokens": -1}):
         with pytest.raises(UserError, match=next(iter(kwargs))):
             SamplingParams(**kwargs)
 
@@ -309,7 +310,7 @@ def test_penalize_is_vllms_and_transformers_penalties():
               SamplingParams(frequency_penalty=0.6, presence_penalty=-0.4),
               SamplingParams(logit_bias={0: 5.0, 49: -100.0}, repetition_penalty=0.5),
               SamplingParams(top_k=3)]
-    out = penalize(logits, params, prompts, outputs)
+    out = penalize(logits, params, prompts, outputs, [{49}] * 4)
     assert out.shape == logits.shape and out.dtype == torch.float32
     hf = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompts[0] + outputs[0]]), logits[0].clone())
     torch.testing.assert_close(out[0], hf)
@@ -320,7 +321,12 @@ def test_penalize_is_vllms_and_transformers_penalties():
     biased[0, 49] -= 100.0
     torch.testing.assert_close(out[2], RepetitionPenaltyLogitsProcessor(0.5)(torch.tensor([[6]]), biased))
     assert torch.equal(out[3], logits[3])
-    assert penalize(logits, [SamplingParams(top_k=3)] * 4, prompts, outputs) is logits
+    assert penalize(logits, [SamplingParams(top_k=3)] * 4, prompts, outputs, [{49}] * 4) is logits
+    # min_tokens: the row's stop tokens barred while its output is shorter (outputs: 4, 5, 0, 1 tokens)
+    barred = penalize(logits, [SamplingParams(min_tokens=5)] * 4, prompts, outputs, [{3, 7}, {3}, {3}, set()])
+    assert barred[0, 0, [3, 7]].isneginf().all() and barred[2, 0, 3].isneginf()
+    assert torch.equal(barred[1], logits[1]) and torch.equal(barred[3], logits[3])
+    assert not barred[0, 0, :3].isinf().any()
 
 
 # ---------------------------------------------------------------------------------------

@@ -201,7 +201,9 @@ def test_bad_requests_get_openai_errors_and_the_server_survives(server, client):
         ({"messages": msgs, "logit_bias": {"5": 150}}, auth, 400, "invalid_value"),
         ({"messages": msgs, "logit_bias": {"999999": 1}}, auth, 400, "invalid_value"),
         ({"messages": msgs, "min_p": 1.5}, auth, 400, "invalid_value"),
-        ({"messages": msgs, "min_tokens": 4}, auth, 400, "unsupported_parameter"),
+        ({"messages": msgs, "best_of": 3}, auth, 400, "unsupported_parameter"),
+        ({"messages": msgs, "max_tokens": 4, "min_tokens": 5}, auth, 400, "invalid_value"),
+        ({"messages": msgs, "stop_token_ids": [-1]}, auth, 400, "invalid_value"),
         ({"messages": msgs, "response_format": {"type": "json_object"}}, auth, 400, "unsupported_parameter"),
         ({"messages": msgs}, {"Authorization": "Bearer wrong"}, 401, "invalid_api_key"),
         ({"messages": msgs}, {}, 401, "invalid_api_key"),
@@ -242,11 +244,12 @@ def test_bad_requests_get_openai_errors_and_the_server_survives(server, client):
     assert m['eagle:http_requests_total{status="400"}'] >= 16
 
 
-def test_penalties_and_logit_bias_answer_as_plain_decoding(server, client, default_model_fp32, tokenizer):
+def test_penalties_logit_bias_and_stop_tokens_answer_as_plain_decoding(server, client, default_model_fp32,
+                                                                        tokenizer):
     """OpenAI's frequency and presence penalties, vLLM's repetition_penalty and logit_bias reach
     the decoder: the speculative server's greedy answer is plain greedy decoding's with the same
     settings (generate, in this process), not the answer without them; a +100 bias on one token
-    makes it every token."""
+    makes it every token; stop_token_ids and min_tokens too."""
     prompt = "List the days of the week, then list them again:"
     ids = list(tokenizer(prompt)["input_ids"])
     text = complete(client, prompt, 24, frequency_penalty=1.0, presence_penalty=0.5,
@@ -258,6 +261,16 @@ def test_penalties_and_logit_bias_answer_as_plain_decoding(server, client, defau
     (token,) = tokenizer(" blue")["input_ids"]
     text, _, _ = chat(client, "Name a color.", 4, logit_bias={str(token): 100})
     assert text == tokenizer.decode([token] * 4)
+    # stop_token_ids end the answer at that token (kept, as vLLM does); min_tokens bars them until then
+    free = generate(default_model_fp32, [ids], 24, SamplingParams())[0]
+    stop = free[5]
+    first = free.index(stop)
+    text, finish, usage = complete(client, prompt, 24, extra_body={"stop_token_ids": [stop]})
+    assert (text, finish, usage.completion_tokens) == (tokenizer.decode(free[:first + 1]), "stop", first + 1)
+    ends, m = list(default_model_fp32.config.eos_token_ids) + [stop], first + 3
+    later = generate(default_model_fp32, [ids], 24, SamplingParams(min_tokens=m), eos_token_ids=ends)[0]
+    text, _, usage = complete(client, prompt, 24, extra_body={"stop_token_ids": [stop], "min_tokens": m})
+    assert usage.completion_tokens == len(later) >= m and text == tokenizer.decode(later)
 
 
 # ---------------------------------------------------------------------------------------

@@ -321,17 +321,20 @@ def test_penalized_tree_nodes_see_their_paths_as_emitted():
     tokens = torch.tensor([[7, 3, 4, 3, 9, 3, 4], [2, 2, 2, 5, 2, 8, 7]])
     mask = ancestor_mask(parent, 6)
     logits = torch.randn(2, 7, V, generator=torch.Generator().manual_seed(0))
-    params = [SamplingParams(frequency_penalty=0.7, presence_penalty=0.3, repetition_penalty=1.4),
-              SamplingParams(frequency_penalty=-0.5, logit_bias={2: 1.5})]
+    params = [SamplingParams(frequency_penalty=0.7, presence_penalty=0.3, repetition_penalty=1.4,
+                             min_tokens=4), SamplingParams(frequency_penalty=-0.5, logit_bias={2: 1.5})]
     prompts, outputs = [[1, 2, 3], [4]], [[5, 7], [2]]  # each output ends with its tree's root
-    out = penalize(logits, params, prompts, outputs, tokens, mask)
+    stops = [{0, 9}, {0}]  # row 0's stop tokens barred at depths 0 and 1 (2 + depth < 4 tokens)
+    out = penalize(logits, params, prompts, outputs, stops, tokens, mask)
+    assert out[0, :, 9].isneginf().tolist() == [True, True, True, False, False, False, False]
     for b in range(2):
         for j in range(7):
             path, k = [], j
             while k:
                 path.insert(0, int(tokens[b, k]))
                 k = int(parent[b, k])
-            one = penalize(logits[b:b + 1, j:j + 1], params[b:b + 1], prompts[b:b + 1], [outputs[b] + path])
+            one = penalize(logits[b:b + 1, j:j + 1], params[b:b + 1], prompts[b:b + 1], [outputs[b] + path],
+                           stops[b:b + 1])
             torch.testing.assert_close(out[b, j], one[0, 0], msg=f"row {b} node {j} path {path}")
 
 
@@ -368,6 +371,24 @@ def test_penalized_greedy_is_plain_penalized_greedy(tree):
         while dec.seqs:
             dec.step()
         assert [s.output for s in seqs] == plain, type(dec).__name__
+
+
+def test_min_tokens_bar_the_stop_tokens_until_then_under_speculation_too():
+    """min_tokens: a stop token cannot end a row before it has that many tokens, in plain and
+    speculative decoding alike (greedy, the same tokens), though the rounds accept several
+    tokens at once (a node's depth counts)."""
+    target = tiny_target(layers=1, silent=True)
+    head = oracle_head(target, noise=0.3)
+    prompts = prompts_for(target.config.vocab_size)
+    stop = [53]  # in the loop the target falls into (test_penalized_greedy_is_plain_penalized_greedy)
+    free = generate(target, prompts, 40, eos_token_ids=stop)
+    assert all(out[-1] == 53 and len(out) < 20 for out in free), free
+    params = SamplingParams(min_tokens=20)
+    plain = generate(target, prompts, 40, params, eos_token_ids=stop)
+    assert all(len(out) >= 20 and 53 not in out[:19] for out in plain), plain
+    tree = TreeConfig(4, 3, 10, ngram_branch=3)
+    spec, stats = generate_speculative(target, head, prompts, 40, params, tree=tree, eos_token_ids=stop)
+    assert spec == plain and sum(stats.accepted_hist[2:]) > 0
 
 
 def test_tree_config_refuses_impossible_sizes():
@@ -564,7 +585,7 @@ def test_sampling_matches_target_distribution(settings, disable, ngram, repeatin
 
     def dist(ctx):
         logits, _ = target_logits(target, ctx)
-        logits = penalize(logits[None, None], params[:1], [prompt], [ctx[len(prompt):]])[0, 0]
+        logits = penalize(logits[None, None], params[:1], [prompt], [ctx[len(prompt):]], [set()])[0, 0]
         return logits_to_probs(logits, **p)
 
     p1 = dist(prompt)
