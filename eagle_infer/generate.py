@@ -129,7 +129,7 @@ def pick_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
     # a row cost ~14 ATen ops a step (scripts/probe_capture_ops.py), ~3,600 launches a step for a
     # GPU capture of 256 sampled answers. Each row still draws its uniform from its own
     # generator, so its token is the one it would get alone.
-    groups: dict[tuple[float, float, int], list[int]] = {}
+    groups: dict[tuple[float, float, int, float], list[int]] = {}  # SamplingParams.distribution
     for b, p in enumerate(params):
         if not p.greedy:
             groups.setdefault(p.distribution, []).append(b)
