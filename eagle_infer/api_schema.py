@@ -36,7 +36,7 @@ def engine_error(message: str) -> ApiError:
 # refused with a 400 naming the field, where answering as if it were absent would mislead.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "use_beam_search": (None, False),
-    "bad_words": (None, []), "allowed_token_ids": (None,), "prompt_logprobs": (None,),
+    "prompt_logprobs": (None,),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "functions": (None, []),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "structured_outputs": (None,), "length_penalty": (None, 1, 1.0),
@@ -79,6 +79,8 @@ class Generation(_Body):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     min_tokens: int = 0  # extension (vLLM): EOS and stop_token_ids barred before then
     stop_token_ids: list[int] | None = None  # extension (vLLM / SGLang): tokens that end the answer
+    allowed_token_ids: list[int] | None = None  # extension (vLLM): the only tokens the answer may use
+    bad_words: list[str] | None = None  # extension (vLLM): words the answer may not contain
     ignore_eos: bool = False  # extension (SGLang / vLLM), for benchmarks
     return_tokens_as_token_ids: bool = False  # extension (vLLM): logprobs tokens as "token_id:{id}"
 
@@ -108,8 +110,9 @@ class ChatRequest(Generation):
 
 
 class CompletionRequest(Generation):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt or a batch
     logprobs: int | None = None  # the legacy API: an int, the number of alternatives
+    echo: bool = False  # the prompt's text (and with logprobs its tokens') ahead of the answer
 
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
@@ -125,7 +128,7 @@ def check_logprobs(k: int | None, param: str) -> None:
 # logprobs in the answer. `entries`: per token (token id, text, log-prob, [(id, text, log-prob)])
 
 
-LogprobEntry = tuple[int, str, float, list[tuple[int, str, float]]]
+LogprobEntry = tuple[int, str, float | None, list[tuple[int, str, float]] | None]  # None: echo's first
 
 
 def chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
@@ -142,5 +145,5 @@ def completion_logprobs(entries: list[LogprobEntry], offsets: list[int]) -> dict
     """{"tokens", "token_logprobs", "top_logprobs": [{text: lp}], "text_offset"} (legacy completions)."""
     return {"tokens": [text for _, text, _, _ in entries],
             "token_logprobs": [lp for _, _, lp, _ in entries],
-            "top_logprobs": [{t: v for _, t, v in top} for _, _, _, top in entries],
+            "top_logprobs": [None if top is None else {t: v for _, t, v in top} for _, _, _, top in entries],
             "text_offset": offsets}

@@ -33,6 +33,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0  # vLLM's: the row's stop tokens (EOS, stop_token_ids) are barred before then
+    # vLLM's: only these tokens may be sampled (None: any)
+    allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words, tokenized: a word's last token is barred where the output ends with the rest
+    bad_words: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
@@ -50,6 +54,11 @@ class SamplingParams:
             raise UserError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if self.min_tokens < 0:
             raise UserError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
+            raise UserError("allowed_token_ids must be a non-empty list of token ids >= 0")
+        if any(not word or min(word) < 0 for word in self.bad_words):
+            raise UserError("bad_words must be non-empty token id sequences (ids >= 0)")
         for token, bias in self.logit_bias.items():
             if not isinstance(token, int) or token < 0 or not -100.0 <= bias <= 100.0:
                 raise UserError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got "
@@ -68,7 +77,8 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether `penalize` changes this sequence's logits."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None
+                    or self.bad_words)
 
     @property
     def raw_argmax(self) -> bool:
@@ -102,15 +112,15 @@ def greedy_tokens(logits: Tensor) -> Tensor:
 def penalize(logits: Tensor, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
              outputs: Sequence[Sequence[int]], stops: Sequence[Collection[int]],
              tree_tokens: Tensor | None = None, tree_mask: Tensor | None = None) -> Tensor:
-    """logits [B, N, V] of N tree nodes a row (N = 1: a plain step) -> fp32 logits after each
-    row's min_tokens (its stop tokens barred), logit_bias, repetition, frequency and presence
-    penalties, in vLLM's order. A row's output is what it emitted so far; a tree's root (node 0)
-    is its last token, and node j's history adds the drafted tokens on its path (tree_mask [B, N,
-    N], ancestor-or-self; tokens [B, N]), so each node is penalized as plain decoding would be had
-    that path been emitted and speculation stays lossless (SGLang's verify penalizes every node
-    by the round's start alone). stops: the tokens that end each row (EOS unless ignored, stop
-    token ids). Returns logits itself when no row has a setting; the others' rows are copied
-    unchanged."""
+    """logits [B, N, V] of N tree nodes a row (N = 1: a plain step) -> fp32 logits after each row's
+    allowed_token_ids, bad_words, min_tokens (its stop tokens barred), logit_bias, repetition,
+    frequency and presence penalties, in vLLM's order. A row's output is what it emitted so far; a
+    tree's root (node 0) is its last token, and node j's history adds the drafted tokens on its path
+    (tree_mask [B, N, N], ancestor-or-self; tokens [B, N]), so each node is penalized as plain
+    decoding would be had that path been emitted and speculation stays lossless (SGLang's verify
+    penalizes every node by the round's start alone). stops: the tokens that end each row (EOS
+    unless ignored, stop token ids). Returns logits itself when no row has a setting; the others'
+    rows are copied unchanged."""
     rows = [b for b, p in enumerate(params) if p.penalized]
     if not rows:
         return logits
@@ -123,6 +133,15 @@ def penalize(logits: Tensor, params: Sequence[SamplingParams], prompts: Sequence
         counts = counts.to(dev, torch.float32).expand(N, V).contiguous()  # [N, V]
         if N > 1:  # each node's path below the root
             counts.scatter_add_(1, tree_tokens[b, 1:].expand(N, N - 1), tree_mask[b, :, 1:].float())
+        if p.allowed_token_ids is not None:
+            allowed = torch.zeros(V, dtype=torch.bool, device=dev)
+            allowed[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=dev)] = True
+            x.masked_fill_(~allowed, float("-inf"))
+        if p.bad_words:
+            for j, history in enumerate(node_histories(outputs[b], tree_tokens, tree_mask, b, N)):
+                barred = [w[-1] for w in p.bad_words
+                          if len(w) <= len(history) + 1 and history[len(history) - len(w) + 1:] == w[:-1]]
+                x[j, barred] = float("-inf")
         if p.min_tokens and stops[b]:  # node j's next token is the row's len(output) + depth_j + 1st
             depth = tree_mask[b, :, 1:].sum(-1) if N > 1 else torch.zeros(N, dtype=torch.long, device=dev)
             early = (len(outputs[b]) + depth < p.min_tokens)[:, None]  # [N, 1]
@@ -139,6 +158,19 @@ def penalize(logits: Tensor, params: Sequence[SamplingParams], prompts: Sequence
         if p.frequency_penalty or p.presence_penalty:
             x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
     return out
+
+
+def node_histories(output: Sequence[int], tree_tokens: Tensor | None, tree_mask: Tensor | None, b: int,
+                   N: int) -> list[list[int]]:
+    """Row b's tokens before each of its N tree nodes' next token: the output, then the drafted
+    tokens on the node's path below the root (by depth), as if that path had been emitted."""
+    if N == 1:
+        return [list(output)]
+    mask = tree_mask[b, :, 1:].cpu()  # [N, N - 1] ancestor-or-self below the root
+    depth, tokens = mask.sum(-1), tree_tokens[b, 1:].tolist()
+    return [list(output) + [tokens[i] for i in sorted(mask[j].nonzero().flatten().tolist(),
+                                                       key=lambda i: int(depth[i + 1]))]
+            for j in range(N)]
 
 
 def logits_to_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,

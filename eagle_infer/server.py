@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,7 @@ from eagle_infer.errors import UserError, cli_errors
 from eagle_infer.generate import CUDA_GRAPHS, chat_prompt_ids
 from eagle_infer.metrics import CONTENT_TYPE, Metrics
 from eagle_infer.sampling import SamplingParams
-from eagle_infer.speculative import Sequence_
+from eagle_infer.speculative import Sequence_, TokenLogprob
 from eagle_infer.tree import TreeConfig
 
 log = logging.getLogger("eagle_infer.server")
@@ -69,6 +69,8 @@ DEFAULT_HEAD = default_head_path("eagle3")
 MAX_BODY_BYTES = 1 << 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOPS = 16
+MAX_CHOICES = 128  # n x prompts of one request (OpenAI's limit on n)
+MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 128, 1024  # after tokenization (vLLM's defaults)
 
 
 # ---------------------------------------------------------------------------------------
@@ -89,20 +91,22 @@ def stop_prefix_len(text: str, stops: list[str]) -> int:
 class Job:
     """A request's sequence, its text so far, and the queue its handler reads events from.
 
-    Events: {"delta": str, "logprobs": [...]} while decoding; with "finish_reason" and "usage"
-    at the end; {"error": ApiError} on failure. The engine thread detokenizes each token as it
-    is emitted (incrementally, IncrementalDetokenizer) and checks stop strings on the new text
-    only, so a stop string that straddles tokens of one speculative round stops the sequence
-    right there. Text is released only once it can no longer turn into a stop string or an
-    incomplete UTF-8 character; a matched stop string and what follows it are cut. logprobs
-    travel with the text of their tokens. Everything but `cancel` runs on the engine thread.
-    A job that does not stream pushes its answer once, at the end (see update).
+    Events: {"delta": str, "logprobs": [...]} while decoding; with "finish_reason" and "usage" at the
+    end; {"error": ApiError} on failure; each with the job's choice "index" (a request's choices share
+    one queue). The engine thread detokenizes each token as it is emitted (incrementally,
+    IncrementalDetokenizer) and checks stop strings on the new text only, so a stop string that
+    straddles tokens of one speculative round stops the sequence right there. Text is released only once
+    it can no longer turn into a stop string or an incomplete UTF-8 character; a matched stop string and
+    what follows it are cut. logprobs travel with the text of their tokens. Everything but `cancel` runs
+    on the engine thread. A job that does not stream pushes its answer once, at the end (see update).
     """
 
     def __init__(self, prompt: list[int], params: SamplingParams, max_tokens: int, stops: list[str],
                  eos: set[int], tokenizer, loop: asyncio.AbstractEventLoop, logprobs: int | None = None,
-                 tokens_as_ids: bool = False, stream: bool = True, stream_interval: int = 1):
+                 tokens_as_ids: bool = False, stream: bool = True, stream_interval: int = 1,
+                 index: int = 0, events: asyncio.Queue | None = None, echo: bool = False):
         self.id = uuid.uuid4().hex[:24]
+        self.index = index  # the answer's choice (a request's choices share one events queue)
         self.created = int(time.time())
         self.arrival = time.perf_counter()
         self.first_token_at: float | None = None
@@ -113,9 +117,10 @@ class Job:
         self.stream, self.stream_interval = stream, stream_interval
         self.streamed_at = 0  # output tokens when text was last released
         self.seq = Sequence_(prompt, params, max_tokens, eos, on_token=self._on_token, tag=self,
-                             logprobs=logprobs)
+                             logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
+        self.echo_pending, self.echo_len = echo, 0  # completions' echo: the prompt's text leads
         self.detok = IncrementalDetokenizer(tokenizer)
-        self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue() if events is None else events
         self.sent = 0  # characters already released
         self.lp_sent = 0  # tokens whose logprobs were released
         self.cut: str | None = None  # the final text when a stop string matched
@@ -152,6 +157,7 @@ class Job:
         return usage
 
     def push(self, event: dict[str, Any]) -> None:
+        event["index"] = self.index
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop is gone (shutdown)
@@ -177,25 +183,45 @@ class Job:
             log.exception("detokenizing request %s failed", self.id)
             self.fail(engine_error(f"decoding the output failed: {type(e).__name__}: {e}"))
 
+    def _piece(self, token: int) -> str:
+        if self.tokens_as_ids:
+            return f"token_id:{token}"
+        return self.tok.decode([token], skip_special_tokens=False)
+
+    def _entry(self, token: int, scored: TokenLogprob | None) -> LogprobEntry:
+        if scored is None:  # a prompt's first token: nothing before it to score it by
+            return token, self._piece(token), None, None
+        lp, top_ids, top_lps = scored
+        return token, self._piece(token), lp, [(a, self._piece(a), v) for a, v in zip(top_ids, top_lps)]
+
     def _logprob_entries(self, end: int) -> tuple[list[LogprobEntry], list[int]]:
         """Tokens lp_sent..end-1 as (id, text, log-prob, top alternatives), and their text offsets."""
         if self.seq.logprobs is None or end <= self.lp_sent:
             return [], []
-        if self.tokens_as_ids:
-            piece = lambda t: f"token_id:{t}"
-        else:
-            piece = lambda t: self.tok.decode([t], skip_special_tokens=False)
-        out = []
-        for i in range(self.lp_sent, end):
-            lp, top_ids, top_lps = self.seq.token_logprobs[i]
-            t = self.seq.output[i]
-            out.append((t, piece(t), lp, [(a, piece(a), v) for a, v in zip(top_ids, top_lps)]))
-        offsets = self.detok.offsets[self.lp_sent:end]
+        out = [self._entry(self.seq.output[i], self.seq.token_logprobs[i]) for i in range(self.lp_sent, end)]
+        offsets = [self.echo_len + o for o in self.detok.offsets[self.lp_sent:end]]
         self.lp_sent = end
         return out, offsets
 
+    def _echo(self) -> tuple[str, list[LogprobEntry], list[int]]:
+        """With echo, once, ahead of the first release: the prompt's text and, with logprobs, its
+        tokens' entries (the prefill scored them: Sequence_.score_prompt) and offsets."""
+        if not self.echo_pending:
+            return "", [], []
+        self.echo_pending = False
+        d = IncrementalDetokenizer(self.tok)
+        for t in self.seq.prompt:
+            d.add(t)
+        d.flush()
+        self.echo_len = len(d.text)
+        if self.seq.logprobs is None:
+            return d.text, [], []
+        scored = [None, *self.seq.prompt_token_logprobs]
+        return d.text, [self._entry(t, s) for t, s in zip(self.seq.prompt, scored)], d.offsets
+
     def _release(self) -> None:
         d = self.detok
+        echo, echo_entries, echo_offsets = self._echo()
         if self.seq.done:
             if self.cut is None:
                 d.flush()
@@ -206,8 +232,9 @@ class Job:
             self.finished = True  # before the push: a handler that sees the end must not cancel
             if self.metrics is not None:  # counted before the client can see the end (and scrape)
                 self.metrics.finish(self, self.seq.finish_reason or "stop", time.perf_counter())
-            self.push({"delta": text[self.sent:], "logprobs": entries, "offsets": offsets,
-                       "finish_reason": self.seq.finish_reason, "usage": self.usage()})
+            self.push({"delta": echo + text[self.sent:], "logprobs": echo_entries + entries,
+                       "offsets": echo_offsets + offsets, "finish_reason": self.seq.finish_reason,
+                       "usage": self.usage()})
             return
         end = len(d.text) - stop_prefix_len(d.text, self.stops)
         # Tokens the detokenizer has read whose text ends within what is released.
@@ -215,14 +242,51 @@ class Job:
         while n < d.read and (d.offsets[n + 1] if n + 1 < len(d.offsets) else len(d.text)) <= end:
             n += 1
         entries, offsets = self._logprob_entries(n)
-        if end > self.sent or entries:
-            self.push({"delta": d.text[self.sent:end], "logprobs": entries, "offsets": offsets})
+        if end > self.sent or entries or echo:
+            self.push({"delta": echo + d.text[self.sent:end], "logprobs": echo_entries + entries,
+                       "offsets": echo_offsets + offsets})
             self.sent = max(self.sent, end)
 
     def fail(self, err: ApiError) -> None:
         if not self.finished:
             self.finished = self.failed = True
             self.push({"error": err})
+
+
+def merged_usage(usages: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """One request's usage from its choices' (Job.usage, by choice index, n a prompt): each
+    prompt's tokens once however many choices it has (vLLM's count), every choice's output
+    tokens and rounds."""
+    if len(usages) == 1:
+        return usages[0]
+    n_prompt = sum(u["prompt_tokens"] for u in usages[::n])
+    n_out = sum(u["completion_tokens"] for u in usages)
+    usage: dict[str, Any] = {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+                             "total_tokens": n_prompt + n_out}
+    spec = [u["speculative"] for u in usages if "speculative" in u]
+    if spec:
+        rounds, acc = sum(s["rounds"] for s in spec), sum(s["accepted_tokens"] for s in spec)
+        usage["speculative"] = {"rounds": rounds, "accepted_tokens": acc,
+                                "acceptance_length": round(1 + acc / rounds, 4)}
+    return usage
+
+
+def bad_words_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's tokenization of bad_words: each word as it starts a text and, where that is another
+    token sequence of the same length, after a space (mid-text), so both are barred."""
+    ids: list[list[int]] = []
+    for word in words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not alone:
+            raise ApiError(400, f"bad_words: {word!r} is no token", param="bad_words", code="invalid_value")
+        ids.append(alone)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            ids.append(spaced)
+    if len(ids) > MAX_BAD_WORDS or sum(map(len, ids)) > MAX_BAD_WORD_TOKENS:
+        raise ApiError(400, f"bad_words: at most {MAX_BAD_WORDS} token sequences of {MAX_BAD_WORD_TOKENS} "
+                            f"tokens in all", param="bad_words", code="invalid_value")
+    return ids
 
 
 # ---------------------------------------------------------------------------------------
@@ -250,12 +314,14 @@ class Engine:
     def alive(self) -> bool:
         return self.thread.is_alive() and not self.stopping
 
-    def submit(self, job: Job) -> None:
+    def submit(self, *jobs: Job) -> None:
+        """Queue jobs (a request's choices together: they join one prefill where rows are free)."""
         with self.cond:
             if self.stopping:
                 raise ApiError(503, "the server is shutting down", code="shutting_down")
-            job.metrics = self.metrics
-            self.pending.append(job)
+            for job in jobs:
+                job.metrics = self.metrics
+                self.pending.append(job)
             self.metrics.waiting.set(len(self.pending))
             self.cond.notify()
 
@@ -545,9 +611,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                                 f"'{cfg.model_names[0]}'", param="model", code="model_not_found")
         return req
 
-    def make_job(req: Generation, prompt: list[int], prompt_param: str, default_max: int | None) -> Job:
-        if req.n != 1:
-            raise ApiError(400, "only n=1 is supported", param="n", code="invalid_value")
+    def max_tokens_for(req: Generation, prompt: list[int], prompt_param: str, default_max: int | None) -> int:
         if not prompt:
             raise ApiError(400, "the prompt is empty", param=prompt_param, code="invalid_value")
         if len(prompt) >= cfg.context:
@@ -566,15 +630,50 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             raise ApiError(400, f"max_tokens={max_tokens} + {len(prompt)} prompt tokens exceeds the "
                                 f"context of {cfg.context} tokens", param="max_tokens",
                            code="context_length_exceeded")
+        if req.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens={req.min_tokens} is more than max_tokens={max_tokens}",
+                           param="min_tokens", code="invalid_value")
+        return max_tokens
+
+    def sampling_params(req: Generation) -> SamplingParams:
+        if req.temperature < 0:
+            raise ApiError(400, f"temperature must be >= 0, got {req.temperature}", param="temperature",
+                           code="invalid_value")
+        bias = {}
+        for token, value in (req.logit_bias or {}).items():
+            if not (token.isascii() and token.isdigit()) or int(token) >= vocab:
+                raise ApiError(400, f"logit_bias: {token!r} is not a token id of this model (0 to "
+                                    f"{vocab - 1})", param="logit_bias", code="invalid_value")
+            bias[int(token)] = value
+        allowed = req.allowed_token_ids
+        if allowed is not None and (not allowed or not all(0 <= t < vocab for t in allowed)):
+            raise ApiError(400, f"allowed_token_ids must be a non-empty list of token ids of this model "
+                                f"(0 to {vocab - 1})", param="allowed_token_ids", code="invalid_value")
+        try:
+            return SamplingParams(req.temperature, req.top_p, max(req.top_k, 0), req.seed, req.min_p,
+                                  req.presence_penalty, req.frequency_penalty, req.repetition_penalty, bias,
+                                  req.min_tokens, allowed, bad_words_ids(tokenizer, req.bad_words or []))
+        except UserError as e:
+            param = next((p for p in ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                                      "repetition_penalty", "logit_bias", "min_tokens", "bad_words")
+                          if p in str(e)), None)
+            raise ApiError(400, str(e), param=param, code="invalid_value") from None
+
+    def make_jobs(req: Generation, prompts: list[list[int]], prompt_param: str,
+                  default_max: int | None) -> list[Job]:
+        """A request's jobs: `n` choices for each prompt, choice index prompt x n + i (vLLM's),
+        sampled alike but for the seed: choice i of a seeded request has seed + i, as vLLM's
+        parallel sampling, so a choice is the answer of one request with that seed."""
+        if not 1 <= req.n <= MAX_CHOICES or req.n * len(prompts) > MAX_CHOICES:
+            raise ApiError(400, f"n x prompts must be in [1, {MAX_CHOICES}], got {req.n} x {len(prompts)}",
+                           param="n", code="invalid_value")
+        max_tokens = [max_tokens_for(req, p, prompt_param, default_max) for p in prompts]
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(not s for s in stops) or len(stops) > MAX_STOPS:
             raise ApiError(400, f"stop takes up to {MAX_STOPS} non-empty strings", param="stop",
                            code="invalid_value")
-        if req.seed is not None and not -(2**63) <= req.seed < 2**64:
-            raise ApiError(400, "seed must fit in 64 bits", param="seed", code="invalid_value")
-        if req.temperature < 0:
-            raise ApiError(400, f"temperature must be >= 0, got {req.temperature}", param="temperature",
-                           code="invalid_value")
+        if req.seed is not None and not -(2**63) <= req.seed <= 2**64 - req.n:
+            raise ApiError(400, "seed (+ n - 1) must fit in 64 bits", param="seed", code="invalid_value")
         logprobs = req.top_logprobs_asked()
         check_logprobs(logprobs, "top_logprobs" if isinstance(req, ChatRequest) else "logprobs")
         field = req.unsupported_field()
@@ -584,53 +683,65 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         if any(not 0 <= t < vocab for t in req.stop_token_ids or []):
             raise ApiError(400, f"stop_token_ids must be token ids of this model (0 to {vocab - 1})",
                            param="stop_token_ids", code="invalid_value")
-        if req.min_tokens > max_tokens:
-            raise ApiError(400, f"min_tokens={req.min_tokens} is more than max_tokens={max_tokens}",
-                           param="min_tokens", code="invalid_value")
-        bias = {}
-        for token, value in (req.logit_bias or {}).items():
-            if not (token.isascii() and token.isdigit()) or int(token) >= vocab:
-                raise ApiError(400, f"logit_bias: {token!r} is not a token id of this model (0 to "
-                                    f"{vocab - 1})", param="logit_bias", code="invalid_value")
-            bias[int(token)] = value
-        try:
-            params = SamplingParams(req.temperature, req.top_p, max(req.top_k, 0), req.seed, req.min_p,
-                                    req.presence_penalty, req.frequency_penalty, req.repetition_penalty, bias,
-                                    req.min_tokens)
-        except UserError as e:
-            param = next((p for p in ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                                      "repetition_penalty", "logit_bias", "min_tokens") if p in str(e)), None)
-            raise ApiError(400, str(e), param=param, code="invalid_value") from None
+        params = sampling_params(req)
         ends = (set() if req.ignore_eos else eos) | set(req.stop_token_ids or [])
-        return Job(prompt, params, max_tokens, stops, ends, engine.tokenizer,
-                   asyncio.get_running_loop(), logprobs, req.return_tokens_as_token_ids, req.stream,
-                   cfg.stream_interval)
+        events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        loop, jobs = asyncio.get_running_loop(), []
+        for p, (prompt, most) in enumerate(zip(prompts, max_tokens)):
+            for i in range(req.n):
+                child = params if params.seed is None else replace(params, seed=params.seed + i)
+                jobs.append(Job(prompt, child, most, stops, ends, engine.tokenizer, loop, logprobs,
+                                req.return_tokens_as_token_ids, req.stream, cfg.stream_interval,
+                                index=p * req.n + i, events=events,
+                                echo=isinstance(req, CompletionRequest) and req.echo))
+        return jobs
 
-    async def run(request: Request, job: Job, kind: str, stream: bool, include_usage: bool) -> Response:
-        engine.submit(job)
-        gone = asyncio.ensure_future(_client_gone(request))
-        try:  # the first event: streaming, the first piece; else the whole answer (Job.update)
-            get = asyncio.ensure_future(job.events.get())
-            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if get not in done:
-                get.cancel()
-                engine.cancel(job)
-                return Response(status_code=499)
-            ev = get.result()
-            if "error" in ev:
-                return error_response(ev["error"])
-        except BaseException:  # this handler was cancelled (e.g. shutdown): so is the job
+    def cancel_all(jobs: list[Job]) -> None:
+        for job in jobs:
             engine.cancel(job)
+
+    async def next_event(events: asyncio.Queue, gone: asyncio.Future) -> dict[str, Any] | None:
+        """The next event of a request's jobs, or None once the client has disconnected."""
+        get = asyncio.ensure_future(events.get())
+        done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if get not in done:
+            get.cancel()
+            return None
+        return get.result()
+
+    async def run(request: Request, jobs: list[Job], req: Generation, kind: str) -> Response:
+        """Answer a request from its jobs (make_jobs): streamed as their events come, else whole."""
+        stream = req.stream
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        engine.submit(*jobs)
+        events, finals = jobs[0].events, {}
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:  # streaming, the first piece of any choice; else each choice's whole answer (Job.update)
+            while True:
+                ev = await next_event(events, gone)
+                if ev is None:
+                    cancel_all(jobs)
+                    return Response(status_code=499)
+                if "error" in ev:
+                    cancel_all(jobs)
+                    return error_response(ev["error"])
+                if stream:
+                    break
+                finals[ev["index"]] = ev
+                if len(finals) == len(jobs):
+                    break
+        except BaseException:  # this handler was cancelled (e.g. shutdown): so are the jobs
+            cancel_all(jobs)
             raise
         finally:
             gone.cancel()
             await asyncio.gather(gone, return_exceptions=True)
         if stream:
             # sse-starlette frames the events, pings, and cancels the generator when the client
-            # disconnects or the server shuts down (its finally cancels the job).
-            return EventSourceResponse(sse_stream(job, kind, ev, include_usage), sep="\n",
+            # disconnects or the server shuts down (its finally cancels the jobs).
+            return EventSourceResponse(sse_stream(jobs, kind, ev, include_usage, req.n), sep="\n",
                                        headers={"Cache-Control": "no-cache"})
-        return JSONResponse(full_response(job, kind, ev))
+        return JSONResponse(full_response(jobs, kind, finals, req.n))
 
     def logprobs_obj(kind: str, entries: list[LogprobEntry], offsets: list[int]) -> dict[str, Any]:
         """offsets: where each token's text starts in the whole completion (detokenize), which is
@@ -639,64 +750,75 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             return chat_logprobs(entries)
         return completion_logprobs(entries, offsets)
 
-    def full_response(job: Job, kind: str, last: dict[str, Any]) -> dict[str, Any]:
-        """The answer of a request that did not stream, from its one event (Job.update)."""
-        text = last["delta"]
-        lp = None
-        if job.seq.logprobs is not None:
-            lp = logprobs_obj(kind, last["logprobs"], last["offsets"])
-        if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                      "finish_reason": last["finish_reason"]}
-            obj, prefix = "chat.completion", "chatcmpl-"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": last["finish_reason"]}
-            obj, prefix = "text_completion", "cmpl-"
-        return {"id": prefix + job.id, "object": obj, "created": job.created, "model": cfg.model_names[0],
-                "choices": [choice], "usage": last["usage"]}
+    def full_response(jobs: list[Job], kind: str, finals: dict[int, dict[str, Any]],
+                      n: int) -> dict[str, Any]:
+        """The answer of a request that did not stream, from each choice's one event (Job.update)."""
+        choices = []
+        for job in jobs:
+            last = finals[job.index]
+            lp = None
+            if job.seq.logprobs is not None:
+                lp = logprobs_obj(kind, last["logprobs"], last["offsets"])
+            if kind == "chat":
+                message = {"role": "assistant", "content": last["delta"]}
+                choices.append({"index": job.index, "message": message, "logprobs": lp,
+                                "finish_reason": last["finish_reason"]})
+            else:
+                choices.append({"index": job.index, "text": last["delta"], "logprobs": lp,
+                                "finish_reason": last["finish_reason"]})
+        obj, prefix = ("chat.completion", "chatcmpl-") if kind == "chat" else ("text_completion", "cmpl-")
+        return {"id": prefix + jobs[0].id, "object": obj, "created": jobs[0].created,
+                "model": cfg.model_names[0], "choices": choices,
+                "usage": merged_usage([finals[job.index]["usage"] for job in jobs], n)}
 
-    async def sse_stream(job: Job, kind: str, first: dict[str, Any],
-                         include_usage: bool) -> AsyncIterator[str]:
+    async def sse_stream(jobs: list[Job], kind: str, first: dict[str, Any], include_usage: bool,
+                         n: int) -> AsyncIterator[str]:
         chat = kind == "chat"
-        head = {"id": ("chatcmpl-" if chat else "cmpl-") + job.id,
+        head = {"id": ("chatcmpl-" if chat else "cmpl-") + jobs[0].id,
                 "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": job.created, "model": cfg.model_names[0]}
+                "created": jobs[0].created, "model": cfg.model_names[0]}
         # OpenAI: with include_usage every chunk carries "usage": null, the extra last one the usage.
         tail = {"usage": None} if include_usage else {}
+        with_logprobs = jobs[0].seq.logprobs is not None
 
-        def chunk(ev: dict[str, Any] | None, finish: str | None = None, role: bool = False) -> str:
+        def chunk(index: int, ev: dict[str, Any] | None, finish: str | None = None,
+                  role: bool = False) -> str:
             text = ev["delta"] if ev else None
             lp = None
-            if ev and job.seq.logprobs is not None:
+            if ev and with_logprobs:
                 lp = logprobs_obj(kind, ev["logprobs"], ev["offsets"])
             if chat:
                 delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
                 if text is not None:
                     delta["content"] = text
-                choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+                choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
+                choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
             return _json(head | {"choices": [choice]} | tail)
 
         try:
             if chat:
-                yield chunk(None, role=True)
-            ev = first
+                for job in jobs:
+                    yield chunk(job.index, None, role=True)
+            ev, usages = first, {}
             while True:
                 if "error" in ev:
                     yield _json(ev["error"].body())
                     break
                 if ev["delta"] or ev["logprobs"]:
-                    yield chunk(ev)
+                    yield chunk(ev["index"], ev)
                 if "finish_reason" in ev:
-                    yield chunk(None, ev["finish_reason"])
-                    if include_usage:
-                        yield _json(head | {"choices": [], "usage": ev["usage"]})
-                    break
-                ev = await job.events.get()
+                    yield chunk(ev["index"], None, ev["finish_reason"])
+                    usages[ev["index"]] = ev["usage"]
+                    if len(usages) == len(jobs):
+                        if include_usage:
+                            usage = merged_usage([usages[job.index] for job in jobs], n)
+                            yield _json(head | {"choices": [], "usage": usage})
+                        break
+                ev = await jobs[0].events.get()
             yield "[DONE]"
         finally:  # also when the client disconnects mid-stream (sse-starlette cancels us)
-            engine.cancel(job)
+            cancel_all(jobs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -711,30 +833,26 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         except Exception as e:
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages",
                            code="invalid_value") from None
-        job = make_job(req, prompt, "messages", None)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await run(request, job, "chat", req.stream, include_usage)
+        return await run(request, make_jobs(req, [prompt], "messages", None), req, "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = await parse(request, CompletionRequest)
         assert isinstance(req, CompletionRequest)
         p = req.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str):
-            if len(p) != 1:
-                raise ApiError(400, "only one prompt per request is supported", param="prompt",
-                               code="invalid_value")
-            p = p[0]
-        if isinstance(p, str):
-            prompt = list(tokenizer(p)["input_ids"])
-        else:
-            if any(not 0 <= t < vocab for t in p):
+        # one prompt (text or token ids) or a batch of them (vLLM's and OpenAI's list forms)
+        batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        prompts = []
+        for one in batch:
+            if isinstance(one, str):
+                prompts.append(list(tokenizer(one)["input_ids"]))
+                continue
+            if any(not 0 <= t < vocab for t in one):
                 raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt",
                                code="invalid_value")
-            prompt = list(p)
-        job = make_job(req, prompt, "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await run(request, job, "completion", req.stream, include_usage)
+            prompts.append(list(one))
+        jobs = make_jobs(req, prompts, "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS)
+        return await run(request, jobs, req, "completion")
 
     def model_card(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": 0, "owned_by": "eagle-spec",

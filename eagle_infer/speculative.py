@@ -65,6 +65,8 @@ from eagle_infer.tree import (
     walk_sampling,
 )
 
+TokenLogprob = tuple[float, list[int], list[float]]  # a token's log-prob, the top ids, their log-probs
+
 
 @dataclass
 class Sequence_:
@@ -88,7 +90,11 @@ class Sequence_:
     # under the raw target distribution and the k most likely alternatives. The decoders hand
     # emit() the target logits they already computed (set_logits); no extra forward.
     logprobs: int | None = None
-    token_logprobs: list[tuple[float, list[int], list[float]]] = field(default_factory=list)
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # prompt logprobs (the server's echo with logprobs, as lm-eval's loglikelihood asks): k = each
+    # prompt token's but the first, from the prefill's final states (score_prompt)
+    prompt_logprobs: int | None = None
+    prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)
     _logits: Tensor | None = field(default=None, repr=False)
 
     def set_logits(self, logits: Tensor) -> None:
@@ -110,14 +116,28 @@ class Sequence_:
             elif len(self.output) >= self.max_new_tokens:
                 self.done, self.finish_reason = True, "length"
         if self._logits is not None and out:  # logprobs
-            lp = torch.log_softmax(self._logits[: len(out)].float(), -1)
-            chosen = lp.gather(1, torch.tensor(out, device=lp.device)[:, None])[:, 0].tolist()
-            top = lp.topk(self.logprobs, -1) if self.logprobs else None
-            for i, c in enumerate(chosen):
-                self.token_logprobs.append((c, top.indices[i].tolist() if top else [],
-                                            top.values[i].tolist() if top else []))
+            self.token_logprobs += logprob_rows(self._logits[: len(out)], out, self.logprobs)
         self._logits = None
         return out
+
+    def score_prompt(self, lm_head: Callable[[Tensor], Tensor], states: Tensor, chunk: int = 256) -> None:
+        """prompt_logprobs from the target's final (normed) states [P, H] of the prompt: the
+        log-prob of each prompt token after the first, and the k most likely alternatives. Logits
+        [chunk, V] at a time: a long prompt's [P, V] in fp32 would be hundreds of MB."""
+        for i in range(0, len(self.prompt) - 1, chunk):
+            nxt = self.prompt[i + 1:i + 1 + chunk]
+            self.prompt_token_logprobs += logprob_rows(lm_head(states[i:i + len(nxt)]), nxt,
+                                                       self.prompt_logprobs)
+
+
+def logprob_rows(logits: Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprob]:
+    """logits [n, V] in front of n tokens -> per token (its log-prob, the k most likely ids, their
+    log-probs), from one log_softmax, so a greedy token's log-prob equals the top one's exactly."""
+    lp = torch.log_softmax(logits.float(), -1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    top = lp.topk(k, -1) if k else None
+    return [(c, top.indices[i].tolist() if top else [], top.values[i].tolist() if top else [])
+            for i, c in enumerate(chosen)]
 
 
 @dataclass
@@ -236,7 +256,14 @@ def prefill_rows(target: Transformer, seqs: Sequence[Sequence_], row0: int, kv_l
     dev = target.embed_tokens.weight.device
     for seq in seqs:
         seq.generator = seq.params.generator(dev)
-    logits, hidden = prefill(target, [s.prompt for s in seqs], hidden_layers, row0=row0, kv_len=kv_len)
+    final = len(target.layers)  # the normed final states, lm_head's input: prompt logprobs
+    scored = [s.prompt_logprobs is not None for s in seqs]
+    layers = list(hidden_layers) + ([final] if any(scored) and final not in hidden_layers else [])
+    logits, hidden = prefill(target, [s.prompt for s in seqs], layers, row0=row0, kv_len=kv_len)
+    for i, s in enumerate(seqs):
+        if scored[i]:
+            s.score_prompt(target.lm_head, hidden[layers.index(final)][i, :len(s.prompt) - 1])
+    hidden = hidden[:len(hidden_layers)]
     for i, s in enumerate(seqs):
         s.set_logits(logits[i:i + 1])  # logprobs of the first token
     picked = penalize_seqs(logits[:, None], seqs)[:, 0]

@@ -1,5 +1,6 @@
 """Do penalties survive speculative decoding? Greedy decoding with OpenAI's frequency and presence
-penalties and vLLM's repetition_penalty, plain and speculative, in vLLM for CPU (with our EAGLE-3
+penalties and vLLM's repetition_penalty (and, apart, vLLM's bad_words and allowed_token_ids),
+plain and speculative, in vLLM for CPU (with our EAGLE-3
 head, k draft tokens) and in ours (the device's default tree), fp32, on the same MT-bench prompts.
 Lossless means each engine's speculative output equals its own plain output with the same
 settings; the penalized outputs must also differ from the unpenalized ones (the settings took
@@ -21,7 +22,23 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 SETTINGS = {"none": {}, "penalties": {"frequency_penalty": 1.0, "presence_penalty": 0.5,
-                                      "repetition_penalty": 1.2}}
+                                      "repetition_penalty": 1.2},
+            # vLLM tokenizes bad_words itself (ours: the server's bad_words_ids); allowed: all
+            # but the tokens of these marks
+            "words": {"bad_words": ["the", "is", "and"], "allowed_token_ids": [".", ",", "\n"]}}
+
+
+def ours(settings: dict, tokenizer) -> dict:
+    """SETTINGS in our SamplingParams' terms (and the allowed ids in vLLM's)."""
+    from eagle_infer.server import bad_words_ids
+
+    s = dict(settings)
+    if "bad_words" in s:
+        s["bad_words"] = bad_words_ids(tokenizer, s["bad_words"])
+    if "allowed_token_ids" in s:
+        marks = {t for m in s["allowed_token_ids"] for t in tokenizer.encode(m, add_special_tokens=False)}
+        s["allowed_token_ids"] = [t for t in range(len(tokenizer)) if t not in marks]
+    return s
 
 
 def same(a: list[list[int]], b: list[list[int]]) -> int:
@@ -50,7 +67,8 @@ def main() -> None:
 
     folder = resolve_model_path("default")
     head_dir = Path(args.head) if args.head else default_head_path("eagle3")
-    prompts = load_prompts(None, args.num_prompts, load_tokenizer(folder))
+    tokenizer = load_tokenizer(folder)
+    prompts = load_prompts(None, args.num_prompts, tokenizer)
     T = args.max_new_tokens
     model = load_model(folder, "fp32", "cpu")
     head = load_head_for(head_dir, model)
@@ -59,7 +77,7 @@ def main() -> None:
                                                   "vllm spec": {}}
     taus: dict[str, float] = {}
     for name, s in SETTINGS.items():
-        params = SamplingParams(**s)
+        params = SamplingParams(**ours(s, tokenizer))
         out["ours plain"][name] = generate(model, prompts, T, params, eos_token_ids=[])
         out["ours spec"][name], stats = generate_speculative(model, head, prompts, T, params, tree=tree,
                                                              eos_token_ids=[])
@@ -73,20 +91,22 @@ def main() -> None:
         with VLLMEngine(folder, dtype="float32", speculative_config=spec, max_model_len=max_len) as llm:
             for name, s in SETTINGS.items():
                 params = {"temperature": 0.0, "max_tokens": T, "ignore_eos": True, **s}
+                if "allowed_token_ids" in s:  # ids, not marks
+                    params["allowed_token_ids"] = ours(s, tokenizer)["allowed_token_ids"]
                 out[engine][name] = llm.generate(prompts, [params] * len(prompts))[0]
         print(f"{engine}: done", file=sys.stderr)
 
     n = len(prompts)
     report = {
-        "prompts": n, "max_new_tokens": T, "dtype": "fp32", "settings": SETTINGS["penalties"],
+        "prompts": n, "max_new_tokens": T, "dtype": "fp32", "settings": SETTINGS,
         "our_tree": tree.label(), "vllm_num_speculative_tokens": args.num_speculative_tokens,
         "head": str(head_dir), "tau": taus,
         # lossless: speculative = plain, each engine, with the same settings
         "spec_equals_plain": {f"{e} {name}": same(out[f"{e} spec"][name], out[f"{e} plain"][name])
                               for e in ("ours", "vllm") for name in SETTINGS},
-        # the penalties took effect: penalized plain output differs from unpenalized
-        "penalized_differs": {e: n - same(out[f"{e} plain"]["penalties"], out[f"{e} plain"]["none"])
-                              for e in ("ours", "vllm")},
+        # the settings took effect: their plain output differs from the unpenalized one
+        "penalized_differs": {f"{e} {name}": n - same(out[f"{e} plain"][name], out[f"{e} plain"]["none"])
+                              for e in ("ours", "vllm") for name in SETTINGS if name != "none"},
         # the two engines' plain decoding of the same settings (fp32 kernels differ: near-ties may flip)
         "ours_plain_equals_vllm_plain": {name: same(out["ours plain"][name], out["vllm plain"][name])
                                          for name in SETTINGS},

@@ -55,7 +55,7 @@ BAD = [
     ("chat", {"messages": [{"role": "user", "content": "word " * 600}], "max_tokens": 4}, 400),
     ("chat", {"messages": [{"role": "user", "content": "Hi"}], "model": "gpt-4"}, 404),
     ("completion", {"prompt": [10**9]}, 400), ("completion", {"prompt": "Hi", "temperature": -1}, 400),
-    ("completion", {"prompt": "Hi", "n": 3}, 400), ("auth", {"prompt": "Hi"}, 401),
+    ("completion", {"prompt": "Hi", "n": 0}, 400), ("auth", {"prompt": "Hi"}, 401),
 ]
 
 

@@ -26,6 +26,7 @@ from eagle_infer.launch import ServerProcess
 from eagle_infer.metrics import parse_metrics
 from eagle_infer.model import ModelConfig, Transformer
 from eagle_infer.sampling import SamplingParams
+from eagle_infer.server import bad_words_ids
 from eagle_infer.speculative import Sequence_, SpecStats
 
 API_KEY = "test-key"
@@ -205,6 +206,10 @@ def test_bad_requests_get_openai_errors_and_the_server_survives(server, client):
         ({"messages": msgs, "max_tokens": 4, "min_tokens": 5}, auth, 400, "invalid_value"),
         ({"messages": msgs, "stop_token_ids": [-1]}, auth, 400, "invalid_value"),
         ({"messages": msgs, "response_format": {"type": "json_object"}}, auth, 400, "unsupported_parameter"),
+        ({"messages": msgs, "n": 0}, auth, 400, "invalid_value"),
+        ({"messages": msgs, "echo": True}, auth, 400, "unsupported_parameter"),  # chat's echo is another
+        ({"messages": msgs, "n": 129}, auth, 400, "invalid_value"),
+        ({"messages": msgs, "n": 2, "seed": 2**64 - 1}, auth, 400, "invalid_value"),  # seed + 1 overflows
         ({"messages": msgs}, {"Authorization": "Bearer wrong"}, 401, "invalid_api_key"),
         ({"messages": msgs}, {}, 401, "invalid_api_key"),
     ]
@@ -227,6 +232,11 @@ def test_bad_requests_get_openai_errors_and_the_server_survives(server, client):
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
         r = http.post(server.url + "/v1/completions", json={"prompt": [10**9]}, headers=auth)
         assert r.status_code == 400
+        # a batch of prompts: each is checked, and n x prompts has OpenAI's cap on n
+        for prompt, n in ((["Hi", ""], 1), ([[5, 6], [10**9]], 1), (["Hi", "Ho"], 65)):
+            r = http.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2, "n": n},
+                          headers=auth)
+            assert r.status_code == 400 and r.json()["error"]["param"] in ("prompt", "n"), r.text
         assert http.get(server.url + "/v1/nowhere", headers=auth).status_code == 404
         assert http.get(url, headers=auth).status_code == 405
     with pytest.raises(openai.AuthenticationError):
@@ -249,7 +259,7 @@ def test_penalties_logit_bias_and_stop_tokens_answer_as_plain_decoding(server, c
     """OpenAI's frequency and presence penalties, vLLM's repetition_penalty and logit_bias reach
     the decoder: the speculative server's greedy answer is plain greedy decoding's with the same
     settings (generate, in this process), not the answer without them; a +100 bias on one token
-    makes it every token; stop_token_ids and min_tokens too."""
+    makes it every token; stop_token_ids, min_tokens, bad_words and allowed_token_ids too."""
     prompt = "List the days of the week, then list them again:"
     ids = list(tokenizer(prompt)["input_ids"])
     text = complete(client, prompt, 24, frequency_penalty=1.0, presence_penalty=0.5,
@@ -271,10 +281,95 @@ def test_penalties_logit_bias_and_stop_tokens_answer_as_plain_decoding(server, c
     later = generate(default_model_fp32, [ids], 24, SamplingParams(min_tokens=m), eos_token_ids=ends)[0]
     text, _, usage = complete(client, prompt, 24, extra_body={"stop_token_ids": [stop], "min_tokens": m})
     assert usage.completion_tokens == len(later) >= m and text == tokenizer.decode(later)
+    # vLLM's bad_words (a word of the free answer, barred as a text's start and mid-text) and
+    # allowed_token_ids (the free answer's tokens but its first)
+    word = tokenizer.decode(free[:3]).split()[-1]
+    barred = bad_words_ids(tokenizer, [word])
+    assert len(barred) == 2 and barred[1] == tokenizer(" " + word)["input_ids"]
+    allowed = sorted(set(free) - {free[0]})
+    for extra, params in (({"bad_words": [word]}, SamplingParams(bad_words=barred)),
+                          ({"allowed_token_ids": allowed}, SamplingParams(allowed_token_ids=allowed))):
+        plain = generate(default_model_fp32, [ids], 24, params)[0]
+        text, _, _ = complete(client, prompt, 24, extra_body=extra)
+        assert text == tokenizer.decode(plain, skip_special_tokens=True) != tokenizer.decode(free), extra
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(server, client, default_model_fp32, tokenizer):
+    """Completions' echo (lm-eval's loglikelihood request: a batch of token-id prompts, echo,
+    logprobs 1, max_tokens 1): each choice's text is the prompt's and then the answer's; its
+    logprobs cover the prompt (the first token None) and the answer, the prompt's those of a
+    plain forward of the target; where a prompt token is the target's greedy choice its log-prob
+    equals the top alternative's exactly (lm-eval's is_greedy). Streamed, the prompt leads."""
+    from eagle_infer.generate import prefill
+
+    model = default_model_fp32
+    head = list(tokenizer("The capital of France is")["input_ids"])
+    prompts = [head + generate(model, [head], 3)[0], list(tokenizer("Once upon a")["input_ids"])]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=1, temperature=0, logprobs=1,
+                                  echo=True)
+    model.setup_cache(1, 64)
+    for p, c in zip(prompts, sorted(r.choices, key=lambda c: c.index)):
+        answer = client.completions.create(model=MODEL, prompt=p, max_tokens=1, temperature=0).choices[0].text
+        assert c.text == tokenizer.decode(p) + answer
+        lp = c.logprobs
+        assert lp.tokens == [tokenizer.decode([t]) for t in p] + [answer]
+        assert len(lp.token_logprobs) == len(lp.top_logprobs) == len(p) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.text_offset[len(p)] == len(tokenizer.decode(p)) and lp.text_offset == sorted(lp.text_offset)
+        _, (states,) = prefill(model, [p], [len(model.layers)])
+        ref = torch.log_softmax(model.lm_head(states[0]).float(), -1)
+        want = [float(ref[t, p[t + 1]]) for t in range(len(p) - 1)]
+        assert lp.token_logprobs[1:len(p)] == pytest.approx(want, abs=1e-4)
+    greedy = r.choices[0].logprobs  # the first prompt ends with three greedy tokens
+    assert all(greedy.token_logprobs[i] == max(greedy.top_logprobs[i].values()) for i in (-4, -3, -2))
+    assert greedy.token_logprobs[1] < max(greedy.top_logprobs[1].values())
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0, echo=True, stream=True))
+    assert text == "The capital of France is" + complete(client, "The capital of France is", 4)[0]
 
 
 # ---------------------------------------------------------------------------------------
 # Continuous batching
+
+
+def test_n_choices_and_prompt_batches_answer_as_single_requests(server, client):
+    """`n` choices of a seeded sampled request are the single requests with seeds seed + i (vLLM's
+    parallel sampling), streamed or not; a completions batch answers each prompt as a request of
+    its own, choice index prompt x n + i; usage counts each prompt once and every choice's tokens."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=8,
+              temperature=0.9)
+    single = [client.chat.completions.create(seed=5 + i, **kw) for i in range(3)]
+    r = client.chat.completions.create(seed=5, n=3, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.message.content for c in r.choices] == [s.choices[0].message.content for s in single]
+    assert len({c.message.content for c in r.choices}) > 1  # other seeds, other samples
+    assert r.usage.prompt_tokens == single[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in single)
+    texts: dict[int, str] = {}
+    finishes, roles, usage = {}, [], None
+    for c in client.chat.completions.create(seed=5, n=3, stream=True, stream_options={"include_usage": True},
+                                            **kw):
+        usage = c.usage or usage
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+            roles += [ch.index] if ch.delta.role else []
+            finishes[ch.index] = ch.finish_reason or finishes.get(ch.index)
+    assert roles == [0, 1, 2]  # a role chunk for each choice first
+    assert texts == {c.index: c.message.content for c in r.choices}
+    assert finishes == {c.index: c.finish_reason for c in r.choices}
+    assert usage.completion_tokens == r.usage.completion_tokens
+
+    prompts = ["The sky is", "def add(a, b):"]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0) for p in prompts]
+    texts = {}
+    for c in client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2,
+                                       stream=True, stream_options={"include_usage": True}):
+        usage = c.usage or usage
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+    assert texts == {2 * p + i: alone[p].choices[0].text for p in range(2) for i in range(2)}
+    assert usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
 
 
 LOAD_REQUESTS = [("chat", "Name three colors.", 8), ("chat", "What is the capital of France?", 10),

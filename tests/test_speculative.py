@@ -10,6 +10,8 @@ shared lm_head have the same argmax (RMSNorm only rescales). It predicts every g
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from scipy.stats import binomtest, chisquare
@@ -321,12 +323,17 @@ def test_penalized_tree_nodes_see_their_paths_as_emitted():
     tokens = torch.tensor([[7, 3, 4, 3, 9, 3, 4], [2, 2, 2, 5, 2, 8, 7]])
     mask = ancestor_mask(parent, 6)
     logits = torch.randn(2, 7, V, generator=torch.Generator().manual_seed(0))
+    # bad words: 4 after 3, and 3 after 7 3 (the output's last token, then node 1's)
     params = [SamplingParams(frequency_penalty=0.7, presence_penalty=0.3, repetition_penalty=1.4,
-                             min_tokens=4), SamplingParams(frequency_penalty=-0.5, logit_bias={2: 1.5})]
+                             min_tokens=4, bad_words=[[3, 4], [7, 3, 3], [11]]),
+              SamplingParams(frequency_penalty=-0.5, logit_bias={2: 1.5}, allowed_token_ids=[2, 5, 8, 20])]
     prompts, outputs = [[1, 2, 3], [4]], [[5, 7], [2]]  # each output ends with its tree's root
     stops = [{0, 9}, {0}]  # row 0's stop tokens barred at depths 0 and 1 (2 + depth < 4 tokens)
     out = penalize(logits, params, prompts, outputs, stops, tokens, mask)
     assert out[0, :, 9].isneginf().tolist() == [True, True, True, False, False, False, False]
+    assert out[0, :, 4].isneginf().tolist() == [False, True, False, True, False, True, False]
+    assert out[0, :, 3].isneginf().tolist() == [False, True, False, False, False, False, False]
+    assert out[0, :, 11].isneginf().all() and out[1].isfinite().sum(-1).tolist() == [4] * 7
     for b in range(2):
         for j in range(7):
             path, k = [], j
@@ -358,8 +365,17 @@ def test_penalized_greedy_is_plain_penalized_greedy(tree):
     prompts = prompts_for(target.config.vocab_size)
     unpenalized = generate(target, prompts, 40)
     params = PENALTIES[:3] + [SamplingParams()]
+    # vLLM's allowed_token_ids and bad_words on the third row too: a token its output uses left
+    # out, then a bigram of the new output barred (each changes the output)
+    before = generate(target, prompts[2:3], 40, params[2])[0]
+    vocab = range(target.config.vocab_size)
+    params[2] = replace(params[2], allowed_token_ids=[t for t in vocab if t != before[2]])
+    allowed = generate(target, prompts[2:3], 40, params[2])[0]
+    params[2] = replace(params[2], bad_words=[allowed[10:12]])
     plain = generate(target, prompts, 40, params)
     assert all(a != b for a, b in zip(plain[:3], unpenalized[:3])) and plain[3] == unpenalized[3]
+    assert before[2] not in allowed and plain[2] != allowed and plain[2].count(allowed[10]) >= 3
+    assert not any(plain[2][i:i + 2] == allowed[10:12] for i in range(39))
     spec, stats = generate_speculative(target, head, prompts, 40, params, tree=tree)
     assert spec == plain and sum(stats.accepted_hist[2:]) > 0  # rounds that accepted 2+ drafts
     for p, ref in zip(prompts, generate(target, prompts, 40, PENALTIES[3])):  # batch 1
@@ -553,7 +569,9 @@ def test_plain_rounds_defer_the_heads_catch_up():
     (dict(temperature=1.0), None, 3, False), (dict(temperature=0.9, min_p=0.15), None, 0, False),
     (dict(temperature=1.0, frequency_penalty=2.0, presence_penalty=2.0, repetition_penalty=2.0),
      None, 3, True),
-], ids=["t1", "topk", "topp", "t1-plain", "t1-ngram", "minp", "t1-penalties"])
+    (dict(temperature=1.0, allowed_token_ids=list(range(1, 12)), bad_words=[[t, t] for t in range(12)]),
+     None, 3, True),
+], ids=["t1", "topk", "topp", "t1-plain", "t1-ngram", "minp", "t1-penalties", "t1-bad-words"])
 def test_sampling_matches_target_distribution(settings, disable, ngram, repeating):
     """The 2nd and 3rd tokens (the first produced by tree verification) follow the target's
     exact marginal distribution (chi-square, p > 0.01), and the 3rd repeats the 2nd as often as
@@ -562,7 +580,8 @@ def test_sampling_matches_target_distribution(settings, disable, ngram, repeatin
     recur in 12: its chain, a deterministic draft too, often repeats a token of the draft's, a
     second child of the same token), and with penalties, on a target that likes to repeat its
     last token (the 3rd token's node then must count the 2nd, drafted in the same round: counted
-    from the round's start alone, 1,564 repeats in 6,000 where ~100 are right)."""
+    from the round's start alone, 1,564 repeats in 6,000 where ~100 are right), and with vLLM's
+    allowed_token_ids and bad_words there (every repeat barred: none may happen)."""
     V = 12
     target = tiny_target(vocab=V, layers=1, seed=5, silent=repeating)
     if repeating:  # the next token depends on the last alone, and most likely repeats it
