@@ -36,11 +36,17 @@ def engine_error(message: str) -> ApiError:
 # refused with a 400 naming the field, where answering as if it were absent would mislead.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "use_beam_search": (None, False),
-    "prompt_logprobs": (None,),
-    "response_format": (None, {"type": "text"}), "tools": (None, []), "functions": (None, []),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structured_outputs": (None,), "length_penalty": (None, 1, 1.0),
+    "prompt_logprobs": (None,), "tools": (None, []), "functions": (None, []),
+    "length_penalty": (None, 1, 1.0),
 }
+
+
+# vLLM's structured_outputs keys: what they ask for (grammar.KINDS), and options that tune its
+# own backends' whitespace or fallback (accepted, without effect here)
+STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                    "json_object": "json"}
+STRUCTURED_OPTIONS = {"disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                      "whitespace_pattern", "backend"}
 
 
 class _Body(BaseModel):
@@ -81,6 +87,15 @@ class Generation(_Body):
     stop_token_ids: list[int] | None = None  # extension (vLLM / SGLang): tokens that end the answer
     allowed_token_ids: list[int] | None = None  # extension (vLLM): the only tokens the answer may use
     bad_words: list[str] | None = None  # extension (vLLM): words the answer may not contain
+    # structured outputs: OpenAI's response_format ({"type": "text" | "json_object" | "json_schema",
+    # "json_schema": {"schema": ...}}), vLLM's structured_outputs ({"json" | "regex" | "choice" |
+    # "grammar": ...}) and its older guided_* fields; one of them at a time (structured())
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     ignore_eos: bool = False  # extension (SGLang / vLLM), for benchmarks
     return_tokens_as_token_ids: bool = False  # extension (vLLM): logprobs tokens as "token_id:{id}"
 
@@ -94,6 +109,41 @@ class Generation(_Body):
     def top_logprobs_asked(self) -> int | None:
         """None: no logprobs; k: the emitted token's log-prob and k alternatives."""
         raise NotImplementedError
+
+    def structured(self) -> tuple[str, str, Any] | None:
+        """The structured output asked for, as (field, kind, source) with kind one of
+        grammar.KINDS, or None (response_format text is none)."""
+        asked = []
+        rf = self.response_format
+        if rf is not None and rf.get("type") != "text":
+            schema = (rf.get("json_schema") or {}).get("schema") if rf.get("type") == "json_schema" else None
+            if rf.get("type") == "json_object":
+                asked.append(("response_format", "json", None))
+            elif isinstance(schema, dict):
+                asked.append(("response_format", "json_schema", schema))
+            else:
+                raise ApiError(400, "response_format: type text, json_object, or json_schema with "
+                                    "json_schema.schema an object", param="response_format",
+                               code="invalid_value")
+        so = {k: v for k, v in (self.structured_outputs or {}).items() if v is not None}
+        for key, value in so.items():
+            if key in STRUCTURED_OPTIONS:
+                continue
+            kind = STRUCTURED_KINDS.get(key)
+            if kind is None:
+                raise ApiError(400, f"structured_outputs.{key} is not supported (one of "
+                                    f"{', '.join(STRUCTURED_KINDS)})", param="structured_outputs",
+                               code="unsupported_parameter")
+            if key != "json_object" or value:
+                asked.append(("structured_outputs", kind, value))
+        for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"),
+                           ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                asked.append((name, kind, getattr(self, name)))
+        if len(asked) > 1:
+            raise ApiError(400, f"one structured output at a time, got {', '.join(a[0] for a in asked)}",
+                           param=asked[1][0], code="invalid_value")
+        return asked[0] if asked else None
 
 
 class ChatRequest(Generation):

@@ -795,6 +795,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument(f"--{name}-penalty", type=float, default=default,
                         help="greedy or sampled (the server's request field): plain and speculative "
                              "decoding both apply it")
+    sp.add_argument("--structured-output", default=None, metavar="json | regex:PATTERN | json_schema:FILE",
+                    help="decode under a grammar (the server's response_format / structured_outputs), "
+                         "plain and speculative alike")
     sp.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the decode step (plain) and the draft and verify steps "
                          "(speculative); compile time goes to warmup_s. "
@@ -869,8 +872,16 @@ def main(argv: list[str] | None = None) -> dict:
         head = load_head_for(args.draft or default_head_path("eagle3"), model)
     compile_steps = compile_default(device) if args.compile is None else args.compile
     B = args.batch_size
+    grammar = None
+    if args.structured_output:
+        from eagle_infer.grammar import Grammars
+
+        kind, _, source = args.structured_output.partition(":")
+        source = json.loads(Path(source).read_text()) if kind == "json_schema" else source or None
+        grammars = Grammars.for_tokenizer(tok, model.config.vocab_size, model.config.eos_token_ids)
+        grammar = grammars.compile(kind, source)
     params = SamplingParams(args.temperature, args.top_p, args.top_k, 0, args.min_p, args.presence_penalty,
-                            args.frequency_penalty, args.repetition_penalty)
+                            args.frequency_penalty, args.repetition_penalty, grammar=grammar)
     params = params if args.temperature > 0 or params.penalized else None  # None: plain greedy
     greedy = params is None or params.greedy  # spec and plain outputs then compare
     if head is not None and args.token_map:
@@ -1000,6 +1011,7 @@ def main(argv: list[str] | None = None) -> dict:
             "presence_penalty": args.presence_penalty,
             "frequency_penalty": args.frequency_penalty,
             "repetition_penalty": args.repetition_penalty,
+            "structured_output": args.structured_output,
         })
         if args.sweep:
             report["sweep"] = [r.to_json(plain_ms)

@@ -373,6 +373,11 @@ def generate(
     dev = model.embed_tokens.weight.device
     step = compiled_decode(model, compile_mode_for(dev)) if compile else None
     generators = [p.generator(dev) for p in params]
+    matchers: list = [None] * B  # structured outputs: each grammar's matcher follows its output
+    if any(p.grammar is not None for p in params):
+        from eagle_infer.grammar import new_matcher  # xgrammar, only where asked
+
+        matchers = [None if p.grammar is None else new_matcher(p.grammar) for p in params]
 
     logits = torch.cat([prefill(model, prompts[g[0]:g[-1] + 1], row0=g[0])[0] for g in join_groups(lens)])
     cur = torch.tensor(lens, device=dev)  # [B] tokens in the cache so far
@@ -382,13 +387,17 @@ def generate(
     done = [False] * B
     for _ in range(max_new_tokens):
         if any(p.penalized for p in params):
-            logits, greedy = penalize(logits[:, None], params, prompts, outputs, [eos] * B)[:, 0], None
+            logits, greedy = penalize(logits[:, None], params, prompts, outputs, [eos] * B,
+                                      matchers=matchers)[:, 0], None
         nxt = pick_tokens(logits, params, generators, greedy)  # [B]
         for b, t in enumerate(nxt.tolist()):  # the step's one host read
             if done[b]:
                 continue
             outputs[b].append(t)
             stop = on_token(order[b], t) if on_token else False
+            if matchers[b] is not None:  # as Sequence_.emit: the grammar's end ends it
+                matchers[b].accept_token(t)
+                stop = stop or matchers[b].is_terminated()
             if t in eos or stop or len(outputs[b]) >= max_new_tokens:
                 done[b] = True
         if all(done):

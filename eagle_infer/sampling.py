@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,6 +38,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # vLLM's bad_words, tokenized: a word's last token is barred where the output ends with the rest
     bad_words: list[list[int]] = field(default_factory=list)
+    # structured outputs: a compiled grammar (eagle_infer.grammar); its sequence's matcher follows
+    # the output (Sequence_.matcher), and penalize bars what it forbids
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
@@ -78,7 +82,7 @@ class SamplingParams:
         """Whether `penalize` changes this sequence's logits."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None
-                    or self.bad_words)
+                    or self.bad_words or self.grammar is not None)
 
     @property
     def raw_argmax(self) -> bool:
@@ -111,7 +115,8 @@ def greedy_tokens(logits: Tensor) -> Tensor:
 
 def penalize(logits: Tensor, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
              outputs: Sequence[Sequence[int]], stops: Sequence[Collection[int]],
-             tree_tokens: Tensor | None = None, tree_mask: Tensor | None = None) -> Tensor:
+             tree_tokens: Tensor | None = None, tree_mask: Tensor | None = None,
+             matchers: Sequence[Any] | None = None) -> Tensor:
     """logits [B, N, V] of N tree nodes a row (N = 1: a plain step) -> fp32 logits after each row's
     allowed_token_ids, bad_words, min_tokens (its stop tokens barred), logit_bias, repetition,
     frequency and presence penalties, in vLLM's order. A row's output is what it emitted so far; a
@@ -120,7 +125,9 @@ def penalize(logits: Tensor, params: Sequence[SamplingParams], prompts: Sequence
     decoding would be had that path been emitted and speculation stays lossless (SGLang's verify
     penalizes every node by the round's start alone). stops: the tokens that end each row (EOS
     unless ignored, stop token ids). Returns logits itself when no row has a setting; the others'
-    rows are copied unchanged."""
+    rows are copied unchanged. A row with a grammar first has what it forbids barred, from its
+    matcher's state (the output) after each node's path (grammar.allowed_after), as vLLM applies
+    its grammar's bitmask before the other settings."""
     rows = [b for b, p in enumerate(params) if p.penalized]
     if not rows:
         return logits
@@ -133,6 +140,12 @@ def penalize(logits: Tensor, params: Sequence[SamplingParams], prompts: Sequence
         counts = counts.to(dev, torch.float32).expand(N, V).contiguous()  # [N, V]
         if N > 1:  # each node's path below the root
             counts.scatter_add_(1, tree_tokens[b, 1:].expand(N, N - 1), tree_mask[b, :, 1:].float())
+        if p.grammar is not None:
+            from eagle_infer.grammar import allowed_after, apply_bitmask
+
+            if matchers is None or matchers[b] is None:
+                raise ValueError("a row with a grammar needs its matcher (Sequence_.matcher)")
+            apply_bitmask(x, allowed_after(matchers[b], node_paths(tree_tokens, tree_mask, b, N), V))
         if p.allowed_token_ids is not None:
             allowed = torch.zeros(V, dtype=torch.bool, device=dev)
             allowed[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=dev)] = True
@@ -160,17 +173,22 @@ def penalize(logits: Tensor, params: Sequence[SamplingParams], prompts: Sequence
     return out
 
 
-def node_histories(output: Sequence[int], tree_tokens: Tensor | None, tree_mask: Tensor | None, b: int,
-                   N: int) -> list[list[int]]:
-    """Row b's tokens before each of its N tree nodes' next token: the output, then the drafted
-    tokens on the node's path below the root (by depth), as if that path had been emitted."""
+def node_paths(tree_tokens: Tensor | None, tree_mask: Tensor | None, b: int, N: int) -> list[list[int]]:
+    """The drafted tokens on the path from row b's tree root to each of its N nodes (by depth;
+    the root's own, the last emitted token, not included): what the node's logits come after."""
     if N == 1:
-        return [list(output)]
+        return [[]]
     mask = tree_mask[b, :, 1:].cpu()  # [N, N - 1] ancestor-or-self below the root
     depth, tokens = mask.sum(-1), tree_tokens[b, 1:].tolist()
-    return [list(output) + [tokens[i] for i in sorted(mask[j].nonzero().flatten().tolist(),
-                                                       key=lambda i: int(depth[i + 1]))]
+    return [[tokens[i] for i in sorted(mask[j].nonzero().flatten().tolist(), key=lambda i: int(depth[i + 1]))]
             for j in range(N)]
+
+
+def node_histories(output: Sequence[int], tree_tokens: Tensor | None, tree_mask: Tensor | None, b: int,
+                   N: int) -> list[list[int]]:
+    """Row b's tokens before each of its N tree nodes' next token: the output, then the node's
+    path, as if that path had been emitted."""
+    return [list(output) + path for path in node_paths(tree_tokens, tree_mask, b, N)]
 
 
 def logits_to_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,

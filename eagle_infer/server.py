@@ -635,6 +635,23 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                            param="min_tokens", code="invalid_value")
         return max_tokens
 
+    grammars: list = []  # the Grammars, made at the first structured request (xgrammar reads the vocabulary)
+
+    def compile_grammar(req: Generation) -> Any:
+        """The request's structured output compiled (None without one); a bad one is a 400."""
+        asked = req.structured()
+        if asked is None:
+            return None
+        field, kind, source = asked
+        if not grammars:
+            from eagle_infer.grammar import Grammars
+
+            grammars.append(Grammars.for_tokenizer(tokenizer, vocab, eos))
+        try:
+            return grammars[0].compile(kind, source)
+        except UserError as e:
+            raise ApiError(400, str(e), param=field, code="invalid_value") from None
+
     def sampling_params(req: Generation) -> SamplingParams:
         if req.temperature < 0:
             raise ApiError(400, f"temperature must be >= 0, got {req.temperature}", param="temperature",
@@ -652,7 +669,8 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         try:
             return SamplingParams(req.temperature, req.top_p, max(req.top_k, 0), req.seed, req.min_p,
                                   req.presence_penalty, req.frequency_penalty, req.repetition_penalty, bias,
-                                  req.min_tokens, allowed, bad_words_ids(tokenizer, req.bad_words or []))
+                                  req.min_tokens, allowed, bad_words_ids(tokenizer, req.bad_words or []),
+                                  compile_grammar(req))
         except UserError as e:
             param = next((p for p in ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                                       "repetition_penalty", "logit_bias", "min_tokens", "bad_words")

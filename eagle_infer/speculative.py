@@ -30,6 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -95,6 +96,7 @@ class Sequence_:
     # prompt token's but the first, from the prefill's final states (score_prompt)
     prompt_logprobs: int | None = None
     prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    matcher: Any = None  # the grammar's matcher (params.grammar: structured outputs), made at prefill
     _logits: Tensor | None = field(default=None, repr=False)
 
     def set_logits(self, logits: Tensor) -> None:
@@ -111,6 +113,9 @@ class Sequence_:
             self.output.append(t)
             out.append(t)
             stop = self.on_token(t) if self.on_token else False
+            if self.matcher is not None:  # the grammar's end (its stop token accepted) ends it too
+                self.matcher.accept_token(t)
+                stop = stop or self.matcher.is_terminated()
             if t in self.eos or stop:
                 self.done, self.finish_reason = True, "stop"
             elif len(self.output) >= self.max_new_tokens:
@@ -256,6 +261,10 @@ def prefill_rows(target: Transformer, seqs: Sequence[Sequence_], row0: int, kv_l
     dev = target.embed_tokens.weight.device
     for seq in seqs:
         seq.generator = seq.params.generator(dev)
+        if seq.params.grammar is not None:
+            from eagle_infer.grammar import new_matcher
+
+            seq.matcher = new_matcher(seq.params.grammar)
     final = len(target.layers)  # the normed final states, lm_head's input: prompt logprobs
     scored = [s.prompt_logprobs is not None for s in seqs]
     layers = list(hidden_layers) + ([final] if any(scored) and final not in hidden_layers else [])
@@ -275,7 +284,7 @@ def penalize_seqs(logits: Tensor, seqs: Sequence[Sequence_], tree: DraftTree | N
     last token, N = 1)."""
     return penalize(logits, [s.params for s in seqs], [s.prompt for s in seqs], [s.output for s in seqs],
                     [s.eos for s in seqs], None if tree is None else tree.tokens,
-                    None if tree is None else tree.mask)
+                    None if tree is None else tree.mask, [s.matcher for s in seqs])
 
 
 def disable_by_batch_size_for(given: int | None, device_type: str, quantization: str = "none",

@@ -51,6 +51,7 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
 
     t0 = time.perf_counter()
     llm = LLM(**json.loads(sys.argv[1]))
@@ -63,7 +64,9 @@ def main() -> None:
             answer = spec_counts(llm)
         elif req["cmd"] == "generate":
             prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
-            params = [SamplingParams(**p) for p in req["params"]]
+            # structured_outputs came as a dict (JSON): vLLM's own type
+            params = [SamplingParams(**{k: StructuredOutputsParams(**v) if k == "structured_outputs" else v
+                                        for k, v in p.items()}) for p in req["params"]]
             t = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             answer = {"outputs": [list(o.outputs[0].token_ids) for o in outs],

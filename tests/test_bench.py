@@ -163,3 +163,10 @@ def test_bench_penalized_greedy_is_compared_with_penalized_plain(tmp_path, defau
     r = json.loads((tmp_path / "p.json").read_text())
     assert (r["frequency_penalty"], r["presence_penalty"], r["repetition_penalty"]) == (1.0, 0.5, 1.3)
     assert r["temperature"] == 0.0 and r["greedy_identical"] is True
+    # --structured-output: both sides decode under the grammar (a phone number, then EOS, ends it)
+    main(["--num-prompts", "1", "--max-new-tokens", "16", "--dtype", "fp32", "--no-hf", "--no-compile",
+          "--draft", str(tmp_path / "head"), "--num-steps", "2", "--eagle-topk", "2",
+          "--num-draft-tokens", "3", "--structured-output", "regex:[0-9]{3}-[0-9]{4}",
+          "--json", str(tmp_path / "g.json")])
+    r = json.loads((tmp_path / "g.json").read_text())
+    assert r["structured_output"] == "regex:[0-9]{3}-[0-9]{4}" and r["greedy_identical"] is True

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import threading
 import time
@@ -205,7 +206,7 @@ def test_bad_requests_get_openai_errors_and_the_server_survives(server, client):
         ({"messages": msgs, "best_of": 3}, auth, 400, "unsupported_parameter"),
         ({"messages": msgs, "max_tokens": 4, "min_tokens": 5}, auth, 400, "invalid_value"),
         ({"messages": msgs, "stop_token_ids": [-1]}, auth, 400, "invalid_value"),
-        ({"messages": msgs, "response_format": {"type": "json_object"}}, auth, 400, "unsupported_parameter"),
+        ({"messages": msgs, "tools": [{"type": "function"}]}, auth, 400, "unsupported_parameter"),
         ({"messages": msgs, "n": 0}, auth, 400, "invalid_value"),
         ({"messages": msgs, "echo": True}, auth, 400, "unsupported_parameter"),  # chat's echo is another
         ({"messages": msgs, "n": 129}, auth, 400, "invalid_value"),
@@ -326,6 +327,56 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(server, client, de
     text = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0, echo=True, stream=True))
     assert text == "The capital of France is" + complete(client, "The capital of France is", 4)[0]
+
+
+def test_structured_outputs_answer_as_plain_decoding_with_the_grammar(server, client, default_model_fp32,
+                                                                       tokenizer):
+    """OpenAI's response_format (json_schema, json_object) and vLLM's structured_outputs /
+    guided_regex: the speculative server's greedy answer keeps the grammar and is the plain
+    decoder's with the same grammar (in this process), token for token."""
+    from eagle_infer.engine import PlainDecoder
+    from eagle_infer.generate import chat_prompt_ids
+    from eagle_infer.grammar import Grammars
+
+    model = default_model_fp32
+    eos = set(model.config.eos_token_ids)
+    grammars = Grammars.for_tokenizer(tokenizer, model.config.vocab_size, eos)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    phone, choices = "[0-9]{3}-[0-9]{4}", ["yes", "no"]
+    person_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    cases = [("Describe a person as JSON with name and age.", ("json_schema", schema),
+              {"response_format": person_format}),
+             ("Give a JSON object describing a cat.", ("json", None),
+              {"response_format": {"type": "json_object"}}),
+             ("Is the sky blue?", ("choice", choices),
+              {"extra_body": {"structured_outputs": {"choice": choices}}}),
+             ("Give a phone number.", ("regex", phone), {"extra_body": {"guided_regex": phone}})]
+    texts = []
+    for question, (kind, source), kw in cases:
+        text, finish, _ = chat(client, question, 40, **kw)
+        seq = Sequence_(chat_prompt_ids(tokenizer, [{"role": "user", "content": question}]),
+                        SamplingParams(grammar=grammars.compile(kind, source)), 40, eos)
+        dec = PlainDecoder(model, max_batch=1, max_seq_len=256)
+        dec.add(seq)
+        while dec.seqs:
+            dec.step()
+        want = tokenizer.decode(seq.output, skip_special_tokens=True)
+        assert (text, finish) == (want, seq.finish_reason), kind
+        texts.append(text)
+    person = json.loads(texts[0])
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+    assert texts[1].startswith("{") and texts[2] in choices and re.fullmatch(phone, texts[3])
+    msgs = [{"role": "user", "content": "Hi"}]
+    for body, param in (({"guided_regex": "("}, "guided_regex"),
+                        ({"guided_choice": ["a"], "response_format": {"type": "json_object"}},
+                         "guided_choice"),
+                        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+                        ({"response_format": {"type": "json_schema"}}, "response_format")):
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, **body},
+                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 # ---------------------------------------------------------------------------------------

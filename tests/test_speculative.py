@@ -407,6 +407,90 @@ def test_min_tokens_bar_the_stop_tokens_until_then_under_speculation_too():
     assert spec == plain and sum(stats.accepted_hist[2:]) > 0
 
 
+def pair_grammar(vocab: int, stop: int, regex: str = "([0-4][5-9])+"):
+    """A grammar over a vocabulary whose tokens 0-9 are the digits (the rest other text): pairs of
+    a digit 0-4 then 5-9, at least one, then the stop token. What may follow a token depends on
+    the token before it, so a tree node's mask depends on its drafted path."""
+    import xgrammar as xgr
+
+    from eagle_infer.grammar import Grammars
+
+    text = [str(i) for i in range(10)] + [f"<{i}>" for i in range(10, vocab)]
+    return Grammars(xgr.TokenizerInfo(text, vocab_size=vocab, stop_token_ids=[stop])).compile("regex", regex)
+
+
+def test_grammar_masks_each_tree_node_after_its_path():
+    """penalize with a grammar: each node's allowed tokens are the grammar's after the output and
+    the node's drafted path (a node under a forbidden token is unreachable: all allowed), and the
+    matcher keeps the output's state."""
+    from eagle_infer.grammar import new_matcher
+
+    V, stop = 12, 11
+    grammar = pair_grammar(V, stop)
+    matcher = new_matcher(grammar)
+    assert matcher.accept_token(2)  # the output so far: "2"
+    parent = torch.tensor([[0, 0, 0, 1, 1, 3]])
+    tokens = torch.tensor([[2, 7, 3, 1, 8, 6]])  # node 2 (3 after 2) and 4 (8 after 7) are forbidden
+    logits = torch.zeros(1, 6, V)
+    params = [SamplingParams(grammar=grammar)]
+    out = penalize(logits, params, [[0]], [[2]], [{stop}], tokens, ancestor_mask(parent, 5), [matcher])
+    low, high, everything = set(range(5)) | {stop}, set(range(5, 10)), set(range(V))
+    assert [set(out[0, j].isfinite().nonzero().flatten().tolist()) for j in range(6)] == [
+        high, low, everything, high, everything, low]
+    again = penalize(logits[:, :1], params, [[0]], [[2]], [{stop}], matchers=[matcher])
+    assert set(again[0, 0].isfinite().nonzero().flatten().tolist()) == high
+
+
+def test_grammar_greedy_is_plain_grammar_greedy():
+    """Structured outputs are lossless under speculation: greedy speculative decoding with a
+    grammar writes plain decoding's tokens with it (the server's plain decoder), rows with and
+    without a grammar in one batch, where rounds accept several drafts (a node's mask follows its
+    path), and generate()'s; the output keeps the grammar, ending with its stop token, and differs
+    from the free output."""
+    import re
+
+    from eagle_infer.engine import PlainDecoder
+    from eagle_infer.speculative import Sequence_
+
+    target = tiny_target(layers=1, silent=True)
+    # The digits' next token, by the last alone: the pairs 0 5 1 6 2 7 ..., but 7 after 7 (the
+    # grammar's 3 second): drafts (the oracle's raw argmax) chain through the pairs and break at 7
+    with torch.no_grad():
+        q = torch.linalg.qr(torch.randn(32, 32, generator=torch.Generator().manual_seed(0)))[0]
+        digit = target.embed_tokens.weight[:10] = q[:10] * 32 ** 0.5  # orthogonal, RMS 1
+        lm_head = target.lm_head.weight
+        lm_head[:10] = 0
+        for d in range(10):
+            lm_head[7 if d == 7 else d + 5 if d < 5 else d - 5 + 1 if d < 9 else 0] += digit[d]
+        lm_head[3] += 0.5 * digit[7]
+    V, stop = target.config.vocab_size, 95
+    head = oracle_head(target, noise=0.3)
+    params = [SamplingParams(grammar=pair_grammar(V, stop))] * 3 + [SamplingParams()]
+    prompts = prompts_for(V)
+    outs = {}
+    for dec in (PlainDecoder(target, max_batch=4, max_seq_len=128),
+                SpecDecoder(target, head, TreeConfig(4, 3, 10, ngram_branch=3), max_batch=4, max_seq_len=128,
+                            disable_by_batch_size=8)):
+        seqs = [Sequence_(p, s, 30, {stop}) for p, s in zip(prompts, params)]
+        dec.add_many(seqs)
+        while dec.seqs:
+            dec.step()
+        outs[type(dec).__name__] = [s.output for s in seqs]
+    plain, spec = outs["PlainDecoder"], outs["SpecDecoder"]
+    assert spec == plain and sum(dec.stats.accepted_hist[2:]) > 0  # rounds that accepted 2+ drafts
+    for out in plain[:3]:
+        body = out[:-1] if out[-1] == stop else out
+        assert re.fullmatch("([0-4][5-9])*[0-4]?", "".join(map(str, body))), out
+        assert len(out) == 30 or out[-1] == stop and len(body) % 2 == 0
+    assert plain == generate(target, prompts, 30, params, eos_token_ids=[stop])  # generate() too
+    # a grammar that ends (one pair, then its stop token) while the batch goes on
+    one_pair = [SamplingParams(grammar=pair_grammar(V, stop, "[0-4][5-9]")), SamplingParams()]
+    ends = generate(target, prompts[:2], 30, one_pair, eos_token_ids=[])
+    assert [len(o) for o in ends] == [3, 30] and ends[0][-1] == stop
+    assert generate_speculative(target, head, prompts[:2], 30, one_pair, eos_token_ids=[])[0] == ends
+    assert plain[:3] != generate(target, prompts[:3], 30) and plain[3] == generate(target, prompts[3:], 30)[0]
+
+
 def test_tree_config_refuses_impossible_sizes():
     with pytest.raises(UserError, match="num_draft_tokens"):
         TreeConfig(num_steps=2, eagle_topk=1, num_draft_tokens=8)
@@ -571,7 +655,8 @@ def test_plain_rounds_defer_the_heads_catch_up():
      None, 3, True),
     (dict(temperature=1.0, allowed_token_ids=list(range(1, 12)), bad_words=[[t, t] for t in range(12)]),
      None, 3, True),
-], ids=["t1", "topk", "topp", "t1-plain", "t1-ngram", "minp", "t1-penalties", "t1-bad-words"])
+    (dict(temperature=1.0, grammar="pairs"), None, 3, True),
+], ids=["t1", "topk", "topp", "t1-plain", "t1-ngram", "minp", "t1-penalties", "t1-bad-words", "t1-grammar"])
 def test_sampling_matches_target_distribution(settings, disable, ngram, repeating):
     """The 2nd and 3rd tokens (the first produced by tree verification) follow the target's
     exact marginal distribution (chi-square, p > 0.01), and the 3rd repeats the 2nd as often as
@@ -581,8 +666,11 @@ def test_sampling_matches_target_distribution(settings, disable, ngram, repeatin
     second child of the same token), and with penalties, on a target that likes to repeat its
     last token (the 3rd token's node then must count the 2nd, drafted in the same round: counted
     from the round's start alone, 1,564 repeats in 6,000 where ~100 are right), and with vLLM's
-    allowed_token_ids and bad_words there (every repeat barred: none may happen)."""
+    allowed_token_ids and bad_words there (every repeat barred: none may happen), and with a
+    grammar whose next token depends on the last (pair_grammar: no repeats either)."""
     V = 12
+    settings = dict(settings)
+    grammar = pair_grammar(V, V - 1) if settings.pop("grammar", None) else None
     target = tiny_target(vocab=V, layers=1, seed=5, silent=repeating)
     if repeating:  # the next token depends on the last alone, and most likely repeats it
         with torch.no_grad():
@@ -590,7 +678,7 @@ def test_sampling_matches_target_distribution(settings, disable, ngram, repeatin
     head = oracle_head(target, noise=0.5)
     prompt = [1, 4, 7]
     n = 6000  # 1500 was one fixed draw whose top-k case sat at p = 0.008 (40k draws per root: exact)
-    params = [SamplingParams(seed=1000 + i, **settings) for i in range(n)]
+    params = [SamplingParams(seed=1000 + i, grammar=grammar, **settings) for i in range(n)]
     outs = []
     batch = 250
     dec = SpecDecoder(target, head, TreeConfig(3, 3, 8, ngram), max_batch=batch, max_seq_len=64,
@@ -604,7 +692,14 @@ def test_sampling_matches_target_distribution(settings, disable, ngram, repeatin
 
     def dist(ctx):
         logits, _ = target_logits(target, ctx)
-        logits = penalize(logits[None, None], params[:1], [prompt], [ctx[len(prompt):]], [set()])[0, 0]
+        matcher = None
+        if grammar is not None:
+            from eagle_infer.grammar import new_matcher
+
+            matcher = new_matcher(grammar)
+            assert all(matcher.accept_token(t) for t in ctx[len(prompt):])
+        logits = penalize(logits[None, None], params[:1], [prompt], [ctx[len(prompt):]], [set()],
+                          matchers=[matcher])[0, 0]
         return logits_to_probs(logits, **p)
 
     p1 = dist(prompt)
