@@ -140,18 +140,20 @@ def penalize(logits: Tensor, params: Sequence[SamplingParams], prompts: Sequence
         counts = counts.to(dev, torch.float32).expand(N, V).contiguous()  # [N, V]
         if N > 1:  # each node's path below the root
             counts.scatter_add_(1, tree_tokens[b, 1:].expand(N, N - 1), tree_mask[b, :, 1:].float())
+        # each node's drafted path, for the settings that read the tokens before it
+        paths = node_paths(tree_tokens, tree_mask, b, N) if p.grammar is not None or p.bad_words else []
         if p.grammar is not None:
             from eagle_infer.grammar import allowed_after, apply_bitmask
 
             if matchers is None or matchers[b] is None:
                 raise ValueError("a row with a grammar needs its matcher (Sequence_.matcher)")
-            apply_bitmask(x, allowed_after(matchers[b], node_paths(tree_tokens, tree_mask, b, N), V))
+            apply_bitmask(x, allowed_after(matchers[b], paths, V))
         if p.allowed_token_ids is not None:
             allowed = torch.zeros(V, dtype=torch.bool, device=dev)
             allowed[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=dev)] = True
             x.masked_fill_(~allowed, float("-inf"))
-        if p.bad_words:
-            for j, history in enumerate(node_histories(outputs[b], tree_tokens, tree_mask, b, N)):
+        if p.bad_words:  # a node's history: the output, then its path, as if that had been emitted
+            for j, history in enumerate([*outputs[b], *path] for path in paths):
                 barred = [w[-1] for w in p.bad_words
                           if len(w) <= len(history) + 1 and history[len(history) - len(w) + 1:] == w[:-1]]
                 x[j, barred] = float("-inf")
@@ -182,13 +184,6 @@ def node_paths(tree_tokens: Tensor | None, tree_mask: Tensor | None, b: int, N: 
     depth, tokens = mask.sum(-1), tree_tokens[b, 1:].tolist()
     return [[tokens[i] for i in sorted(mask[j].nonzero().flatten().tolist(), key=lambda i: int(depth[i + 1]))]
             for j in range(N)]
-
-
-def node_histories(output: Sequence[int], tree_tokens: Tensor | None, tree_mask: Tensor | None, b: int,
-                   N: int) -> list[list[int]]:
-    """Row b's tokens before each of its N tree nodes' next token: the output, then the node's
-    path, as if that path had been emitted."""
-    return [list(output) + path for path in node_paths(tree_tokens, tree_mask, b, N)]
 
 
 def logits_to_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,

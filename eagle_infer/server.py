@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import functools
 import gc
 import hmac
 import json
@@ -146,15 +147,8 @@ class Job:
         return False
 
     def usage(self) -> dict[str, Any]:
-        n_prompt, n_out = len(self.seq.prompt), len(self.seq.output)
-        usage: dict[str, Any] = {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-                                 "total_tokens": n_prompt + n_out}
-        rounds = len(self.seq.accepted)
-        if rounds:
-            acc = sum(self.seq.accepted)
-            usage["speculative"] = {"rounds": rounds, "accepted_tokens": acc,
-                                    "acceptance_length": round(1 + acc / rounds, 4)}
-        return usage
+        return usage_of(len(self.seq.prompt), len(self.seq.output), len(self.seq.accepted),
+                        sum(self.seq.accepted))
 
     def push(self, event: dict[str, Any]) -> None:
         event["index"] = self.index
@@ -253,22 +247,25 @@ class Job:
             self.push({"error": err})
 
 
+def usage_of(n_prompt: int, n_out: int, rounds: int, accepted: int) -> dict[str, Any]:
+    """OpenAI's usage, and `speculative` (our extension) where rounds drafted."""
+    usage: dict[str, Any] = {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+                             "total_tokens": n_prompt + n_out}
+    if rounds:
+        usage["speculative"] = {"rounds": rounds, "accepted_tokens": accepted,
+                                "acceptance_length": round(1 + accepted / rounds, 4)}
+    return usage
+
+
 def merged_usage(usages: list[dict[str, Any]], n: int) -> dict[str, Any]:
     """One request's usage from its choices' (Job.usage, by choice index, n a prompt): each
     prompt's tokens once however many choices it has (vLLM's count), every choice's output
     tokens and rounds."""
     if len(usages) == 1:
         return usages[0]
-    n_prompt = sum(u["prompt_tokens"] for u in usages[::n])
-    n_out = sum(u["completion_tokens"] for u in usages)
-    usage: dict[str, Any] = {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-                             "total_tokens": n_prompt + n_out}
     spec = [u["speculative"] for u in usages if "speculative" in u]
-    if spec:
-        rounds, acc = sum(s["rounds"] for s in spec), sum(s["accepted_tokens"] for s in spec)
-        usage["speculative"] = {"rounds": rounds, "accepted_tokens": acc,
-                                "acceptance_length": round(1 + acc / rounds, 4)}
-    return usage
+    return usage_of(sum(u["prompt_tokens"] for u in usages[::n]), sum(u["completion_tokens"] for u in usages),
+                    sum(s["rounds"] for s in spec), sum(s["accepted_tokens"] for s in spec))
 
 
 def bad_words_ids(tokenizer, words: list[str]) -> list[list[int]]:
@@ -635,7 +632,11 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                            param="min_tokens", code="invalid_value")
         return max_tokens
 
-    grammars: list = []  # the Grammars, made at the first structured request (xgrammar reads the vocabulary)
+    @functools.cache
+    def grammars():  # made at the first structured request: xgrammar reads the whole vocabulary
+        from eagle_infer.grammar import Grammars
+
+        return Grammars.for_tokenizer(tokenizer, vocab, eos)
 
     def compile_grammar(req: Generation) -> Any:
         """The request's structured output compiled (None without one); a bad one is a 400."""
@@ -643,12 +644,8 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         if asked is None:
             return None
         field, kind, source = asked
-        if not grammars:
-            from eagle_infer.grammar import Grammars
-
-            grammars.append(Grammars.for_tokenizer(tokenizer, vocab, eos))
         try:
-            return grammars[0].compile(kind, source)
+            return grammars().compile(kind, source)
         except UserError as e:
             raise ApiError(400, str(e), param=field, code="invalid_value") from None
 
