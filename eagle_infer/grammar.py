@@ -21,7 +21,7 @@ from torch import Tensor
 
 from eagle_infer.errors import UserError
 
-KINDS = ("json", "json_schema", "regex", "choice", "grammar")
+KINDS = ("json", "json_schema", "regex", "choice", "grammar", "structural_tag")
 
 
 class Grammars:
@@ -39,7 +39,9 @@ class Grammars:
 
     def compile(self, kind: str, source: Any = None) -> xgr.CompiledGrammar:
         """kind json (any JSON value; source ignored), json_schema (a schema, dict or JSON text),
-        regex, choice (a list of strings: the answer is one of them) or grammar (EBNF / GBNF)."""
+        regex, choice (a list of strings: the answer is one of them), grammar (EBNF / GBNF) or
+        structural_tag (xgrammar's, dict or JSON text: vLLM's structured_outputs.structural_tag,
+        and forced tool calls in a parser's envelope)."""
         try:
             if kind == "json":
                 return self.compiler.compile_builtin_json_grammar()
@@ -55,6 +57,9 @@ class Grammars:
                 return self.compiler.compile_grammar(f"root ::= {alternatives}")
             if kind == "grammar":
                 return self.compiler.compile_grammar(source)
+            if kind == "structural_tag":
+                text = source if isinstance(source, str) else json.dumps(source)
+                return self.compiler.compile_structural_tag(text)
         except UserError:
             raise
         except Exception as e:  # xgrammar's parse errors: the request's mistake
@@ -69,7 +74,9 @@ def new_matcher(grammar: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
 def allowed_after(matcher: xgr.GrammarMatcher, paths: Sequence[Sequence[int]], vocab_size: int) -> Tensor:
     """The grammar's bitmask [len(paths), ceil(V / 32)] int32 of the next token after each path
     of tokens from the matcher's state (which it keeps: every path is rolled back). A finished
-    grammar (its stop token accepted: the row is done, as generate() still steps it) bars nothing."""
+    grammar (its stop token accepted: the row is done, as generate() still steps it) bars nothing,
+    nor does a path that ends it (a drafted stop token: nothing after it is ever accepted) or that
+    it rejects (its first forbidden token is barred at its parent)."""
     bitmask = xgr.allocate_token_bitmask(len(paths), vocab_size)  # all allowed
     if matcher.is_terminated():
         return bitmask
@@ -79,7 +86,7 @@ def allowed_after(matcher: xgr.GrammarMatcher, paths: Sequence[Sequence[int]], v
             if not matcher.accept_token(token):
                 break
             taken += 1
-        if taken == len(path):
+        if taken == len(path) and not matcher.is_terminated():
             matcher.fill_next_token_bitmask(bitmask, j)
         if taken:
             matcher.rollback(taken)

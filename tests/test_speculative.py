@@ -439,6 +439,13 @@ def test_grammar_masks_each_tree_node_after_its_path():
         high, low, everything, high, everything, low]
     again = penalize(logits[:, :1], params, [[0]], [[2]], [{stop}], matchers=[matcher])
     assert set(again[0, 0].isfinite().nonzero().flatten().tolist()) == high
+    # a drafted stop token the grammar accepts ends it: the node after it is unreachable (the
+    # answer ends there), all allowed, and the matcher is not asked for a mask past its end
+    ended = penalize(logits[:, :3], params, [[0]], [[2]], [{stop}], torch.tensor([[2, 7, stop]]),
+                     ancestor_mask(torch.tensor([[0, 0, 1]]), 5), [matcher])
+    allowed = [set(ended[0, j].isfinite().nonzero().flatten().tolist()) for j in range(3)]
+    assert allowed == [high, low, everything]
+    assert not matcher.is_terminated()
 
 
 def test_grammar_greedy_is_plain_grammar_greedy():
