@@ -3,9 +3,12 @@ ignored), the error body, and the logprobs objects of chat and completions answe
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
+
+from eagle_infer.tool_calls import Parser, ToolPlan
 
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs (vLLM's default max_logprobs is 20 too)
 
@@ -44,7 +47,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 # vLLM's structured_outputs keys: what they ask for (grammar.KINDS), and options that tune its
 # own backends' whitespace or fallback (accepted, without effect here)
 STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
-                    "json_object": "json"}
+                    "json_object": "json", "structural_tag": "structural_tag"}
 STRUCTURED_OPTIONS = {"disable_fallback", "disable_any_whitespace", "disable_additional_properties",
                       "whitespace_pattern", "backend"}
 
@@ -60,7 +63,61 @@ class TextPart(_Body):
 
 class Message(_Body):
     role: str
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # None: an assistant turn that only called tools
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls (OpenAI's shape)
+    tool_call_id: str | None = None  # a "tool" turn: the call it answers
+    name: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: content a string, and a call's arguments an
+        object where the API sends JSON text (vLLM's and transformers' convention; arguments
+        that are not a JSON object become {}, so a bad turn in the history does not fail every
+        later request)."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ApiError(400, "messages: content is required (an assistant's turn with tool_calls may "
+                                "leave it out)", param="messages", code="missing_field")
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        msg: dict[str, Any] = {"role": self.role, "content": text}
+        if self.tool_calls:
+            calls = []
+            for call in self.tool_calls:
+                fn = call.get("function")
+                if call.get("type", "function") != "function" or not isinstance(fn, dict) or "name" not in fn:
+                    raise ApiError(400, "an assistant's tool_calls entry must be {\"type\": \"function\", "
+                                        "\"function\": {\"name\", \"arguments\"}}", param="messages",
+                                   code="invalid_value")
+                args = fn.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        args = {}
+                calls.append(call | {"function": fn | {"arguments": args if isinstance(args, dict) else {}}})
+            msg["tool_calls"] = calls
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                msg[key] = getattr(self, key)
+        return msg
+
+
+class ToolFunction(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class ToolChoiceFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class StreamOptions(_Body):
@@ -151,6 +208,53 @@ class ChatRequest(Generation):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # the chat template's inputs (vLLM's extensions): extra variables (e.g. enable_thinking),
+    # and whether the prompt opens the assistant's turn or continues the last message
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def tool_plan(self, parser: Parser | None, auto: bool) -> ToolPlan | None:
+        """How the answer becomes tool calls (tool_calls.ToolPlan), None for a plain answer.
+        parser: the server's --tool-call-parser; auto: --enable-auto-tool-choice, without which
+        (or a parser) "auto" is refused, as vLLM refuses it. tools without tool_choice mean
+        "auto" (OpenAI's)."""
+        if self.tools is not None and not self.tools:
+            raise ApiError(400, "tools must not be an empty array (leave it out)", param="tools",
+                           code="invalid_value")
+        choice = self.tool_choice
+        if choice is None:
+            choice = "auto" if self.tools else "none"
+        if choice == "none":
+            return None
+        if not self.tools:
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice", code="invalid_value")
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools]
+            if choice.function.name not in names:
+                raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not one of the "
+                                    f"tools ({', '.join(names)})", param="tool_choice", code="invalid_value")
+            plan = ToolPlan("named", name=choice.function.name, parser=parser)
+        elif choice == "required":
+            plan = ToolPlan("required", parser=parser)
+        else:
+            if parser is None or not auto:
+                raise ApiError(400, 'tool_choice "auto" needs the server started with '
+                                    "--enable-auto-tool-choice and --tool-call-parser (a named function "
+                                    'or "required" work without)',
+                               param="tool_choice", code="invalid_value")
+            plan = ToolPlan("auto", parser=parser)
+        if plan.mode != "auto" and self.structured() is not None:
+            raise ApiError(400, f"a forced tool call is a structured output already: leave out "
+                                f"{self.structured()[0]} or set tool_choice to auto or none",
+                           param=self.structured()[0], code="invalid_value")
+        return plan
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools]
 
     def top_logprobs_asked(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -419,9 +420,16 @@ def generate(
 # Command line
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of the chat template applied to messages, ready for the assistant turn."""
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                    chat_template: str | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, **template_kwargs: Any) -> list[int]:
+    """Token ids of the chat template (the tokenizer's, or chat_template) applied to messages,
+    ready for the assistant turn (or continuing the last message); tools are shown to the
+    template, template_kwargs are its extra variables."""
+    out = tokenizer.apply_chat_template(messages, tools=tools, chat_template=chat_template,
+                                        add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message, tokenize=True,
+                                        **template_kwargs)
     if hasattr(out, "keys"):  # transformers >= 5 returns a BatchEncoding
         out = out["input_ids"]
     return list(out)

@@ -5,9 +5,9 @@
     python -m eagle_infer.server --model-path /m/llama --speculative-algorithm EAGLE \\
         --speculative-draft-model-path /m/eagle2-head --speculative-token-map /m/freq_32k.pt
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions (both with `stream`, `logprobs`),
-GET /v1/models, GET /health, GET /metrics (Prometheus, vLLM's names under `eagle:`, see
-metrics.py). Flags follow SGLang's names.
+Endpoints: POST /v1/chat/completions (with `tools`: tool_calls.py), POST /v1/completions (both
+with `stream`, `logprobs`), GET /v1/models, GET /health, GET /metrics (Prometheus, vLLM's names
+under `eagle:`, see metrics.py). Flags follow SGLang's names (vLLM's where SGLang has none).
 
 One engine thread owns the decoder (SpecDecoder, or PlainDecoder for NONE). Between rounds it
 drops cancelled requests and admits queued ones into free rows (up to --max-running-requests);
@@ -24,6 +24,7 @@ import collections
 import functools
 import gc
 import hmac
+import inspect
 import json
 import logging
 import signal
@@ -62,6 +63,7 @@ from eagle_infer.generate import CUDA_GRAPHS, chat_prompt_ids
 from eagle_infer.metrics import CONTENT_TYPE, Metrics
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import Sequence_, TokenLogprob
+from eagle_infer.tool_calls import PARSERS, ToolPlan, ToolStream
 from eagle_infer.tree import TreeConfig
 
 log = logging.getLogger("eagle_infer.server")
@@ -484,6 +486,9 @@ class ServerConfig:
     context: int  # tokens (prompt + max_tokens) a request may use
     vocab_size: int | None = None  # the target's, for prompts given as token ids
     stream_interval: int = 1  # a streamed request's text every this many tokens (Job.update)
+    tool_parser: str | None = None  # --tool-call-parser: the format of tool calls (tool_calls.PARSERS)
+    auto_tools: bool = False  # --enable-auto-tool-choice: tool_choice "auto" answered
+    chat_template: str | None = None  # --chat-template (None: the tokenizer's)
 
 
 def _is_type_tag(loc: int | str) -> bool:
@@ -638,9 +643,10 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
 
         return Grammars.for_tokenizer(tokenizer, vocab, eos)
 
-    def compile_grammar(req: Generation) -> Any:
-        """The request's structured output compiled (None without one); a bad one is a 400."""
-        asked = req.structured()
+    def compile_grammar(req: Generation, tool_grammar: tuple[str, Any] | None = None) -> Any:
+        """The request's structured output compiled (None without one), or a forced tool call's
+        grammar (ToolPlan.grammar); a bad one is a 400."""
+        asked = req.structured() if tool_grammar is None else ("tools", *tool_grammar)
         if asked is None:
             return None
         field, kind, source = asked
@@ -649,7 +655,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         except UserError as e:
             raise ApiError(400, str(e), param=field, code="invalid_value") from None
 
-    def sampling_params(req: Generation) -> SamplingParams:
+    def sampling_params(req: Generation, tool_grammar: tuple[str, Any] | None = None) -> SamplingParams:
         if req.temperature < 0:
             raise ApiError(400, f"temperature must be >= 0, got {req.temperature}", param="temperature",
                            code="invalid_value")
@@ -667,7 +673,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             return SamplingParams(req.temperature, req.top_p, max(req.top_k, 0), req.seed, req.min_p,
                                   req.presence_penalty, req.frequency_penalty, req.repetition_penalty, bias,
                                   req.min_tokens, allowed, bad_words_ids(tokenizer, req.bad_words or []),
-                                  compile_grammar(req))
+                                  compile_grammar(req, tool_grammar))
         except UserError as e:
             param = next((p for p in ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                                       "repetition_penalty", "logit_bias", "min_tokens", "bad_words")
@@ -675,7 +681,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             raise ApiError(400, str(e), param=param, code="invalid_value") from None
 
     def make_jobs(req: Generation, prompts: list[list[int]], prompt_param: str,
-                  default_max: int | None) -> list[Job]:
+                  default_max: int | None, tool_grammar: tuple[str, Any] | None = None) -> list[Job]:
         """A request's jobs: `n` choices for each prompt, choice index prompt x n + i (vLLM's),
         sampled alike but for the seed: choice i of a seeded request has seed + i, as vLLM's
         parallel sampling, so a choice is the answer of one request with that seed."""
@@ -698,7 +704,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         if any(not 0 <= t < vocab for t in req.stop_token_ids or []):
             raise ApiError(400, f"stop_token_ids must be token ids of this model (0 to {vocab - 1})",
                            param="stop_token_ids", code="invalid_value")
-        params = sampling_params(req)
+        params = sampling_params(req, tool_grammar)
         ends = (set() if req.ignore_eos else eos) | set(req.stop_token_ids or [])
         events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         loop, jobs = asyncio.get_running_loop(), []
@@ -724,8 +730,10 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             return None
         return get.result()
 
-    async def run(request: Request, jobs: list[Job], req: Generation, kind: str) -> Response:
-        """Answer a request from its jobs (make_jobs): streamed as their events come, else whole."""
+    async def run(request: Request, jobs: list[Job], req: Generation, kind: str,
+                  tools: ToolPlan | None = None) -> Response:
+        """Answer a request from its jobs (make_jobs): streamed as their events come, else whole;
+        with tools, a chat answer's text becomes tool calls (ToolPlan)."""
         stream = req.stream
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         engine.submit(*jobs)
@@ -754,9 +762,9 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         if stream:
             # sse-starlette frames the events, pings, and cancels the generator when the client
             # disconnects or the server shuts down (its finally cancels the jobs).
-            return EventSourceResponse(sse_stream(jobs, kind, ev, include_usage, req.n), sep="\n",
+            return EventSourceResponse(sse_stream(jobs, kind, ev, include_usage, req.n, tools), sep="\n",
                                        headers={"Cache-Control": "no-cache"})
-        return JSONResponse(full_response(jobs, kind, finals, req.n))
+        return JSONResponse(full_response(jobs, kind, finals, req.n, tools))
 
     def logprobs_obj(kind: str, entries: list[LogprobEntry], offsets: list[int]) -> dict[str, Any]:
         """offsets: where each token's text starts in the whole completion (detokenize), which is
@@ -766,7 +774,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         return completion_logprobs(entries, offsets)
 
     def full_response(jobs: list[Job], kind: str, finals: dict[int, dict[str, Any]],
-                      n: int) -> dict[str, Any]:
+                      n: int, tools: ToolPlan | None = None) -> dict[str, Any]:
         """The answer of a request that did not stream, from each choice's one event (Job.update)."""
         choices = []
         for job in jobs:
@@ -775,9 +783,12 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             if job.seq.logprobs is not None:
                 lp = logprobs_obj(kind, last["logprobs"], last["offsets"])
             if kind == "chat":
-                message = {"role": "assistant", "content": last["delta"]}
+                message, finish = {"role": "assistant", "content": last["delta"]}, last["finish_reason"]
+                if tools is not None:
+                    fields, finish = tools.message(last["delta"], finish)
+                    message |= fields
                 choices.append({"index": job.index, "message": message, "logprobs": lp,
-                                "finish_reason": last["finish_reason"]})
+                                "finish_reason": finish})
             else:
                 choices.append({"index": job.index, "text": last["delta"], "logprobs": lp,
                                 "finish_reason": last["finish_reason"]})
@@ -787,8 +798,10 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                 "usage": merged_usage([finals[job.index]["usage"] for job in jobs], n)}
 
     async def sse_stream(jobs: list[Job], kind: str, first: dict[str, Any], include_usage: bool,
-                         n: int) -> AsyncIterator[str]:
+                         n: int, tools: ToolPlan | None = None) -> AsyncIterator[str]:
         chat = kind == "chat"
+        # with tools, each choice's text goes through its ToolStream (content / tool-call deltas)
+        tool_streams: dict[int, ToolStream] = {job.index: tools.stream() for job in jobs} if tools else {}
         head = {"id": ("chatcmpl-" if chat else "cmpl-") + jobs[0].id,
                 "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": jobs[0].created, "model": cfg.model_names[0]}
@@ -797,15 +810,22 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         with_logprobs = jobs[0].seq.logprobs is not None
 
         def chunk(index: int, ev: dict[str, Any] | None, finish: str | None = None,
-                  role: bool = False) -> str:
+                  role: bool = False) -> str | None:
             text = ev["delta"] if ev else None
             lp = None
             if ev and with_logprobs:
                 lp = logprobs_obj(kind, ev["logprobs"], ev["offsets"])
             if chat:
                 delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-                if text is not None:
+                if index in tool_streams:
+                    delta |= (tool_streams[index].feed(text) or {}) if text else {}
+                    if finish is not None:
+                        last, finish = tool_streams[index].end(finish)
+                        delta |= last or {}
+                elif text is not None:
                     delta["content"] = text
+                if not (delta or lp or finish):  # text a ToolStream holds back
+                    return None
                 choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
                 choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
@@ -820,8 +840,8 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                 if "error" in ev:
                     yield _json(ev["error"].body())
                     break
-                if ev["delta"] or ev["logprobs"]:
-                    yield chunk(ev["index"], ev)
+                if (ev["delta"] or ev["logprobs"]) and (piece := chunk(ev["index"], ev)) is not None:
+                    yield piece
                 if "finish_reason" in ev:
                     yield chunk(ev["index"], None, ev["finish_reason"])
                     usages[ev["index"]] = ev["usage"]
@@ -841,14 +861,34 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         assert isinstance(req, ChatRequest)
         if not req.messages:
             raise ApiError(400, "messages must not be empty", param="messages", code="invalid_value")
-        msgs = [{"role": m.role, "content": m.content if isinstance(m.content, str)
-                 else "".join(p.text for p in m.content)} for m in req.messages]
+        if req.add_generation_prompt and req.continue_final_message:
+            raise ApiError(400, "continue_final_message needs add_generation_prompt: false",
+                           param="continue_final_message", code="invalid_value")
+        tools = req.tool_plan(PARSERS[cfg.tool_parser] if cfg.tool_parser else None, cfg.auto_tools)
+        tool_dicts = req.tool_dicts()
         try:
-            prompt = chat_prompt_ids(tokenizer, msgs)
+            parallel = req.parallel_tool_calls is not False
+            # "auto" with a structured output: that output's grammar alone (vLLM's)
+            auto_free = tools is None or (tools.mode == "auto" and req.structured() is not None)
+            tool_grammar = None if auto_free else tools.grammar(tool_dicts or [], parallel)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="tools", code="invalid_value") from None
+        msgs = [m.for_template() for m in req.messages]
+        clash = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
+        clash &= set(req.chat_template_kwargs or {})
+        if clash:
+            raise ApiError(400, f"chat_template_kwargs: {', '.join(sorted(clash))} is a parameter of "
+                                "apply_chat_template, not a template variable",
+                           param="chat_template_kwargs", code="invalid_value")
+        try:
+            prompt = chat_prompt_ids(tokenizer, msgs, tool_dicts, cfg.chat_template,
+                                     req.add_generation_prompt, req.continue_final_message,
+                                     **(req.chat_template_kwargs or {}))
         except Exception as e:
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages",
                            code="invalid_value") from None
-        return await run(request, make_jobs(req, [prompt], "messages", None), req, "chat")
+        jobs = make_jobs(req, [prompt], "messages", None, tool_grammar)
+        return await run(request, jobs, req, "chat", tools)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -972,6 +1012,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a streamed request's text every N tokens (the first token's at once): fewer, "
                          "larger chunks (SGLang's and vLLM's flag; a speculative round's tokens share a "
                          "chunk anyway)")
+    ap.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                    help="a Jinja chat template (a file, or the template itself) in place of the "
+                         "tokenizer's, e.g. one that shows tools to a model whose own template does not")
+    ap.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help='tool_choice "auto" (the default with tools): the model decides whether to call '
+                         "tools, --tool-call-parser finds the calls in its answer (vLLM's flags). A named "
+                         'function and "required" work without: their answers are decoded under the '
+                         "tools' JSON schemas")
+    ap.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                    help="the format the model writes its tool calls in: hermes "
+                         "(<tool_call>{...}</tool_call>, Hermes / Qwen), llama3_json (Llama 3.x's JSON)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--api-key", default=None)
@@ -1131,7 +1182,28 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     metrics = Metrics(depth, model_name=name)
     engine = Engine(decoder, load_tokenizer(folder), metrics, tree is not None)
     return engine, tokenizer, eos, ServerConfig(names, args.api_key, usable, target.config.vocab_size,
-                                                args.stream_interval)
+                                                args.stream_interval, tool_parser_of(args),
+                                                args.enable_auto_tool_choice,
+                                                chat_template_of(args.chat_template))
+
+
+def tool_parser_of(args: argparse.Namespace) -> str | None:
+    """--tool-call-parser; --enable-auto-tool-choice needs one (vLLM's rule)."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise UserError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(sorted(PARSERS))})")
+    return args.tool_call_parser
+
+
+def chat_template_of(given: str | None) -> str | None:
+    """--chat-template: a file's text, else the text given (a template has braces; a name without
+    them is a missing file)."""
+    if given is None:
+        return None
+    if Path(given).is_file():
+        return Path(given).read_text()
+    if "{" not in given:
+        raise UserError(f"--chat-template {given}: no such file (nor a Jinja template)")
+    return given
 
 
 def in_own_thread(fn: Callable[..., Any], *args: Any) -> Any:

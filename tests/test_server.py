@@ -31,6 +31,7 @@ from eagle_infer.server import bad_words_ids
 from eagle_infer.speculative import Sequence_, SpecStats
 
 API_KEY = "test-key"
+TOOLS_TEMPLATE = Path(__file__).resolve().parents[1] / "conf" / "chat_templates" / "smollm2_tools.jinja"
 MODEL = "SmolLM2-135M-Instruct"
 # A small tree (still branching) keeps rounds cheap on a busy CPU; eager steps, since compiling
 # them at start-up would add minutes on one thread (the compiled path: test_compile_flags_*,
@@ -39,7 +40,10 @@ MODEL = "SmolLM2-135M-Instruct"
 SERVER_FLAGS = ["--dtype", "fp32", "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "2",
                 "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "3",
                 "--context-length", "512", "--max-running-requests", "8", "--api-key", API_KEY,
-                "--disable-torch-compile", "--speculative-disable-by-batch-size", "8"]
+                "--disable-torch-compile", "--speculative-disable-by-batch-size", "8",
+                # tools: the shipped template is SmolLM2's own without them (test_tool_calls.py)
+                "--chat-template", str(TOOLS_TEMPLATE), "--enable-auto-tool-choice",
+                "--tool-call-parser", "hermes"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -206,7 +210,11 @@ def test_bad_requests_get_openai_errors_and_the_server_survives(server, client):
         ({"messages": msgs, "best_of": 3}, auth, 400, "unsupported_parameter"),
         ({"messages": msgs, "max_tokens": 4, "min_tokens": 5}, auth, 400, "invalid_value"),
         ({"messages": msgs, "stop_token_ids": [-1]}, auth, 400, "invalid_value"),
-        ({"messages": msgs, "tools": [{"type": "function"}]}, auth, 400, "unsupported_parameter"),
+        ({"messages": msgs, "tools": [{"type": "function"}]}, auth, 400, "missing_field"),
+        ({"messages": msgs, "tools": []}, auth, 400, "invalid_value"),  # OpenAI's and vLLM's rule
+        ({"messages": msgs, "tool_choice": "sometimes"}, auth, 400, "invalid_type"),
+        ({"messages": msgs, "chat_template_kwargs": {"tokenize": False}}, auth, 400, "invalid_value"),
+        ({"messages": msgs, "continue_final_message": True}, auth, 400, "invalid_value"),  # and a new turn
         ({"messages": msgs, "n": 0}, auth, 400, "invalid_value"),
         ({"messages": msgs, "echo": True}, auth, 400, "unsupported_parameter"),  # chat's echo is another
         ({"messages": msgs, "n": 129}, auth, 400, "invalid_value"),
@@ -223,10 +231,10 @@ def test_bad_requests_get_openai_errors_and_the_server_survives(server, client):
             assert set(err) == {"message", "type", "param", "code"} and err["message"], err
             assert err["code"] == code, (body, err)
         # fields this server does not implement: named, unless they ask for nothing (clients send those)
-        tools = [{"type": "function"}]
-        r = http.post(url, json={"messages": msgs, "max_tokens": 2, "tools": tools}, headers=auth)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
-        noop = {"min_p": 0, "best_of": 1, "echo": False, "response_format": {"type": "text"}, "tools": []}
+        functions = [{"name": "f"}]  # the legacy form of tools
+        r = http.post(url, json={"messages": msgs, "max_tokens": 2, "functions": functions}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "functions", r.text
+        noop = {"min_p": 0, "best_of": 1, "echo": False, "response_format": {"type": "text"}, "functions": []}
         r = http.post(url, json={"messages": msgs, "max_tokens": 2, **noop}, headers=auth)
         assert r.status_code == 200, r.text
         r = http.post(server.url + "/v1/completions", json={"prompt": "", "max_tokens": 4}, headers=auth)
@@ -329,12 +337,23 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(server, client, de
     assert text == "The capital of France is" + complete(client, "The capital of France is", 4)[0]
 
 
+def plain_answer(model, tokenizer, prompt: list[int], grammar, max_tokens: int) -> tuple[str, str]:
+    """(text, finish_reason) of the plain decoder's greedy answer under a grammar, in this process."""
+    from eagle_infer.engine import PlainDecoder
+
+    seq = Sequence_(prompt, SamplingParams(grammar=grammar), max_tokens, set(model.config.eos_token_ids))
+    dec = PlainDecoder(model, max_batch=1, max_seq_len=512)
+    dec.add(seq)
+    while dec.seqs:
+        dec.step()
+    return tokenizer.decode(seq.output, skip_special_tokens=True), seq.finish_reason
+
+
 def test_structured_outputs_answer_as_plain_decoding_with_the_grammar(server, client, default_model_fp32,
                                                                        tokenizer):
     """OpenAI's response_format (json_schema, json_object) and vLLM's structured_outputs /
     guided_regex: the speculative server's greedy answer keeps the grammar and is the plain
     decoder's with the same grammar (in this process), token for token."""
-    from eagle_infer.engine import PlainDecoder
     from eagle_infer.generate import chat_prompt_ids
     from eagle_infer.grammar import Grammars
 
@@ -356,14 +375,9 @@ def test_structured_outputs_answer_as_plain_decoding_with_the_grammar(server, cl
     texts = []
     for question, (kind, source), kw in cases:
         text, finish, _ = chat(client, question, 40, **kw)
-        seq = Sequence_(chat_prompt_ids(tokenizer, [{"role": "user", "content": question}]),
-                        SamplingParams(grammar=grammars.compile(kind, source)), 40, eos)
-        dec = PlainDecoder(model, max_batch=1, max_seq_len=256)
-        dec.add(seq)
-        while dec.seqs:
-            dec.step()
-        want = tokenizer.decode(seq.output, skip_special_tokens=True)
-        assert (text, finish) == (want, seq.finish_reason), kind
+        prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": question}])
+        want = plain_answer(model, tokenizer, prompt, grammars.compile(kind, source), 40)
+        assert (text, finish) == want, kind
         texts.append(text)
     person = json.loads(texts[0])
     assert set(person) == {"name", "age"} and isinstance(person["age"], int)
@@ -377,6 +391,113 @@ def test_structured_outputs_answer_as_plain_decoding_with_the_grammar(server, cl
         r = httpx.post(server.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, **body},
                        headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+WEATHER_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}, "required": ["zone"],
+        "additionalProperties": False}}}]
+
+
+def tool_answer(client, msgs: list[dict], stream: bool, max_tokens: int = 60, **kw) -> tuple:
+    """(content, [(name, arguments)], finish_reason) of one greedy chat request with WEATHER_TOOLS,
+    streamed deltas put together (each call's id and name in its first delta only)."""
+    args = dict(model=MODEL, messages=msgs, tools=WEATHER_TOOLS, max_tokens=max_tokens, temperature=0) | kw
+    if not stream:
+        r = client.chat.completions.create(**args)
+        m = r.choices[0].message
+        assert all(c.id.startswith("chatcmpl-tool-") and c.type == "function" for c in m.tool_calls or [])
+        return m.content, [(c.function.name, c.function.arguments) for c in m.tool_calls or []], \
+            r.choices[0].finish_reason
+    content, calls, finish = None, {}, None
+    for c in client.chat.completions.create(stream=True, **args):
+        for ch in c.choices:
+            if ch.delta.content is not None:
+                content = (content or "") + ch.delta.content
+            for call in ch.delta.tool_calls or []:
+                if call.index not in calls:
+                    assert call.id.startswith("chatcmpl-tool-") and call.function.name
+                    calls[call.index] = [call.function.name, ""]
+                else:
+                    assert call.id is None and call.function.name is None
+                calls[call.index][1] += call.function.arguments or ""
+            finish = ch.finish_reason or finish
+    return content or None, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+def test_tool_calls_forced_and_parsed_answer_as_plain_decoding(server, client, default_model_fp32, tokenizer):
+    """tools with tool_choice a named function and "required" (one call, and parallel): the
+    speculative server's calls are the plain decoder's greedy answer under their grammar (in this
+    process; the hermes envelope around each tool's schema), streamed or not; "auto" parses hermes
+    calls out of the answer (here forced by a regex) and leaves other answers as content; a
+    history with calls and their results renders through the template; a malformed call in the
+    history is a 400."""
+    from eagle_infer.generate import chat_prompt_ids
+    from eagle_infer.grammar import Grammars
+    from eagle_infer.tool_calls import PARSERS, ToolPlan
+
+    model = default_model_fp32
+    grammars = Grammars.for_tokenizer(tokenizer, model.config.vocab_size, set(model.config.eos_token_ids))
+    template = TOOLS_TEMPLATE.read_text()
+    msgs = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+    prompt = chat_prompt_ids(tokenizer, msgs, WEATHER_TOOLS, template)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    hermes = PARSERS["hermes"]
+    cases = [(named, ToolPlan("named", "get_weather", hermes), True, {}),
+             ("required", ToolPlan("required", parser=hermes), False, {"parallel_tool_calls": False}),
+             ("required", ToolPlan("required", parser=hermes), True, {})]
+    for choice, plan, parallel, kw in cases:
+        got = tool_answer(client, msgs, False, 90, tool_choice=choice, **kw)
+        grammar = grammars.compile(*plan.grammar(WEATHER_TOOLS, parallel))
+        text, finish = plain_answer(model, tokenizer, prompt, grammar, 90)
+        content, calls = plan.parse(text)
+        want = ("", calls, "tool_calls" if plan.mode == "required" and finish == "stop" else finish)
+        assert got == want, (choice, text)
+        assert got[1] and all(n in ("get_weather", "get_time") and json.loads(a) for n, a in got[1])
+        assert tool_answer(client, msgs, True, 90, tool_choice=choice, **kw)[1:] == got[1:], choice
+        if not parallel:
+            assert len(got[1]) == 1
+    assert got[2] == "tool_calls"  # "required" answers that ended
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+    regex = "Checking\\. " + call.replace("{", "\\{").replace("}", "\\}")
+    for stream in (False, True):
+        forced = tool_answer(client, msgs, stream, 60, extra_body={"structured_outputs": {"regex": regex}})
+        assert forced == ("Checking. ", [("get_time", '{"zone": "CET"}')], "tool_calls"), stream
+        free = tool_answer(client, msgs, stream, 24)  # "auto" by default; this model writes text
+        assert free[0] and not free[1] and free[2] == "length"
+    # a strict tool: "auto" answers under a grammar (free text; calls, once begun, in the envelope)
+    strict = [{"type": "function", "function": WEATHER_TOOLS[0]["function"] | {"strict": True}}]
+    got = tool_answer(client, msgs, False, 24, tools=strict)
+    grammar = grammars.compile(*ToolPlan("auto", parser=hermes).grammar(strict, True))
+    assert got == (plain_answer(model, tokenizer, chat_prompt_ids(tokenizer, msgs, strict, template), grammar,
+                                24)[0], [], "length")
+    history = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call-1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "21 C and sunny"}]
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=WEATHER_TOOLS, tool_choice="none",
+                                       max_tokens=8, temperature=0)
+    with_results = chat_prompt_ids(tokenizer, [msgs[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call-1", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]},
+        history[2]], WEATHER_TOOLS, template)
+    assert r.usage.prompt_tokens == len(with_results) and r.choices[0].message.tool_calls is None
+    # vLLM's template fields: a variable the template ignores, and continuing the last message
+    partial = msgs + [{"role": "assistant", "content": "The weather in Paris is"}]
+    fields = {"add_generation_prompt": False, "continue_final_message": True,
+              "chat_template_kwargs": {"enable_thinking": False}}
+    r = client.chat.completions.create(model=MODEL, messages=partial, max_tokens=4, temperature=0,
+                                       extra_body=fields)
+    assert r.usage.prompt_tokens == len(chat_prompt_ids(tokenizer, partial, None, template, False, True))
+    bad = history[:1] + [{"role": "assistant", "tool_calls": [{"type": "code", "code": "x"}]}]
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": bad, "max_tokens": 4},
+                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert chat(client, "Hi", 4)[0]
 
 
 # ---------------------------------------------------------------------------------------

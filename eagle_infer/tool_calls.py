@@ -1,0 +1,274 @@
+"""Tool calling in chat completions: OpenAI's `tools` and `tool_choice`, answered as vLLM does.
+
+- a named function (`tool_choice: {"type": "function", "function": {"name": ...}}`): one call of
+  it (finish_reason "stop", as OpenAI's and vLLM's);
+- "required": one or more calls of any of the tools (one with `parallel_tool_calls: false`;
+  finish_reason "tool_calls");
+- "auto": the model decides; a tool-call parser (`--tool-call-parser`, vLLM's hermes or
+  llama3_json format) finds the calls in its text, what comes before them is the content;
+- "none": tools are only shown to the chat template.
+
+Forced calls (named, "required") are decoded under a grammar (grammar.py), so they are exact
+under speculation like any other structured output. With a parser whose format has an envelope
+(hermes), the model writes them in it, as vLLM 0.32 has it write them: `<tool_call>{"name":
+"f", "arguments": ...}</tool_call>` tags (xgrammar's structural tag, vLLM's two forms); without,
+as vLLM did before: a named call's arguments as bare JSON, "required" as a JSON list of {"name",
+"parameters"} (`required_schema`). Either way the arguments follow the function's `parameters`
+schema unless the tool says `"strict": false` (vLLM 0.32 pins them only for `"strict": true`).
+Where a tool says `"strict": true`, "auto" answers are decoded under a grammar too (vLLM 0.32's):
+free text, but a call, once its envelope begins, in the envelope around its tool's schema.
+Streaming, a bare named call's arguments stream as the text does; other forced calls come whole at
+the end; an "auto" answer streams its content up to where a call starts and its calls at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+# (content or None, [(name, arguments as JSON text)]); no calls: the whole text as content
+Parsed = tuple[str | None, list[tuple[str, str]]]
+
+HERMES_START = "<tool_call>"
+HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+LLAMA_TAG = "<|python_tag|>"
+
+
+def parse_hermes(text: str) -> Parsed:
+    """Hermes / Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one or more (the
+    last may lack its closing tag); the content is the text before the first. A call that does
+    not parse leaves the whole text as content (vLLM's hermes parser)."""
+    if HERMES_START not in text:
+        return text, []
+    try:
+        calls = []
+        for m in HERMES_CALL.finditer(text):
+            obj = json.loads(m[1] if m[1] is not None else m[2])
+            calls.append((obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)))
+    except (ValueError, KeyError, TypeError):
+        return text, []
+    return text[: text.find(HERMES_START)] or None, calls
+
+
+def parse_llama3_json(text: str) -> Parsed:
+    """Llama 3.x JSON tool calls: `{"name": ..., "parameters": {...}}` objects (or "arguments"),
+    optionally after `<|python_tag|>`, several separated by `;`; calls leave no content. Any
+    object that does not parse, or lacks a name, leaves the whole text as content (vLLM's
+    llama3_json parser)."""
+    if LLAMA_TAG not in text and "{" not in text:
+        return text, []
+    decoder, calls, end = json.JSONDecoder(), [], -1
+    try:
+        for m in re.finditer(r"\{", text):
+            if m.start() <= end:  # inside an object already read
+                continue
+            obj, length = decoder.raw_decode(text[m.start():])
+            end = m.start() + length
+            args = obj["arguments"] if "arguments" in obj else obj["parameters"]
+            calls.append((obj["name"], json.dumps(args, ensure_ascii=False)))
+    except (ValueError, KeyError, TypeError):
+        return text, []
+    return (None, calls) if calls else (text, [])
+
+
+def hermes_content_end(text: str) -> int:
+    """Streaming: how much of `text` is content for certain: up to a call's start tag, less an
+    end that could still grow into one."""
+    at = text.find(HERMES_START)
+    if at >= 0:
+        return at
+    for k in range(min(len(HERMES_START) - 1, len(text)), 0, -1):
+        if text.endswith(HERMES_START[:k]):
+            return len(text) - k
+    return len(text)
+
+
+def llama3_content_end(text: str) -> int:
+    """Streaming: an answer that starts as a call (`{` or the python tag, after whitespace) may be
+    all calls, so none of it is content until it ends; any other answer is content."""
+    head = text.lstrip()
+    if not head:
+        return 0
+    if head.startswith("{") or head.startswith(LLAMA_TAG) or LLAMA_TAG.startswith(head):
+        return 0
+    return len(text)
+
+
+@dataclass(frozen=True)
+class Parser:
+    parse: Callable[[str], Parsed]
+    content_end: Callable[[str], int]
+    # the forms of one call, (text before the function's name, text after its arguments), a
+    # forced call is written in; none: forced calls are bare JSON
+    envelope: tuple[tuple[str, str], ...] = ()
+
+
+ARGUMENTS_AFTER_NAME = '", "arguments": '
+HERMES_ENVELOPE = (('<tool_call>\n{"name": "', "}\n</tool_call>"), ('<tool_call>{"name": "', "}</tool_call>"))
+PARSERS = {"hermes": Parser(parse_hermes, hermes_content_end, HERMES_ENVELOPE),
+           "llama3_json": Parser(parse_llama3_json, llama3_content_end)}
+
+
+def tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def call_object(name: str, arguments: str, index: int | None = None) -> dict[str, Any]:
+    """A message's tool call; with index, a streamed delta's (OpenAI's shapes)."""
+    call = {"id": tool_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+    return call if index is None else {"index": index} | call
+
+
+def parameters_schema(fn: dict[str, Any]) -> dict[str, Any]:
+    """What a function's arguments must be: its parameters schema (vLLM's stand-in where it has
+    none), any object where the tool says "strict": false."""
+    if fn.get("strict") is False:
+        return {"type": "object"}
+    return fn.get("parameters") or {"type": "object", "properties": {}}
+
+
+def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """vLLM's schema of a "required" answer: a non-empty list of {"name", "parameters"} objects,
+    each one of the tools' (their `$defs` gathered at the top)."""
+    defs: dict[str, Any] = {}
+    items = []
+    for tool in tools:
+        fn = tool["function"]
+        params = dict(parameters_schema(fn))
+        for name, schema in (params.pop("$defs", None) or {}).items():
+            if defs.setdefault(name, schema) != schema:
+                raise ValueError(f"tools: the definition {name!r} has two different schemas")
+        items.append({"properties": {"name": {"type": "string", "enum": [fn["name"]]}, "parameters": params},
+                      "required": ["name", "parameters"]})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def parse_required(text: str) -> Parsed:
+    """A "required" answer's calls (its grammar made it a list of {"name", "parameters"}; one cut
+    short by max_tokens gives none)."""
+    try:
+        items = json.loads(text)
+        return None, [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in items]
+    except (ValueError, KeyError, TypeError):
+        return None, []
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How a request's answers become tool calls: mode "named" (function `name`), "required" or
+    "auto"; `parser`: the server's (--tool-call-parser), which "auto" needs."""
+
+    mode: str
+    name: str | None = None
+    parser: Parser | None = None
+
+    @property
+    def enveloped(self) -> bool:
+        """Forced calls written in the parser's envelope (else bare JSON)."""
+        return self.mode != "auto" and self.parser is not None and bool(self.parser.envelope)
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> tuple[str, dict[str, Any]] | None:
+        """(grammar.KINDS kind, source) the answer is decoded under: a forced call's, or "auto"'s
+        where a tool is strict and the parser has an envelope (else None: decoded freely)."""
+        fns = [t["function"] for t in tools if self.mode != "named" or t["function"]["name"] == self.name]
+        envelope = self.parser.envelope if self.parser is not None else ()
+        tags = [{"type": "tag", "begin": begin + fn["name"] + ARGUMENTS_AFTER_NAME, "end": end,
+                 "content": {"type": "json_schema", "json_schema": parameters_schema(fn)}}
+                for fn in fns for begin, end in envelope]
+        if self.mode == "auto":
+            if not envelope or not any(fn.get("strict") is True for fn in fns):
+                return None
+            trigger = os.path.commonprefix([begin for begin, _ in envelope])
+            return "structural_tag", {"type": "structural_tag", "format": {
+                "type": "triggered_tags", "triggers": [trigger], "tags": tags}}
+        if self.enveloped:
+            return "structural_tag", {"type": "structural_tag", "format": {
+                "type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True,
+                "stop_after_first": self.mode == "named" or not parallel}}
+        if self.mode == "named":
+            return "json_schema", parameters_schema(fns[0])
+        return "json_schema", required_schema(tools, parallel)
+
+    def parse(self, text: str) -> Parsed:
+        if self.enveloped:
+            assert self.parser is not None
+            return None, self.parser.parse(text)[1]
+        if self.mode == "named":
+            return (None, [(self.name, text)]) if text.strip() else (None, [])
+        if self.mode == "required":
+            return parse_required(text)
+        assert self.parser is not None
+        return self.parser.parse(text)
+
+    def message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """A whole answer's message fields (content, tool_calls) and finish reason: "tool_calls"
+        where "auto" found calls or a "required" answer ended (vLLM's)."""
+        content, calls = self.parse(text)
+        if self.mode == "auto":
+            if not calls:
+                return {"content": text}, finish
+            return {"content": content, "tool_calls": [call_object(n, a) for n, a in calls]}, "tool_calls"
+        fields = {"content": "", "tool_calls": [call_object(n, a) for n, a in calls]}
+        return fields, ("tool_calls" if self.mode == "required" and finish == "stop" else finish)
+
+    def stream(self) -> ToolStream:
+        return ToolStream(self)
+
+
+@dataclass
+class ToolStream:
+    """One streamed choice's deltas under a ToolPlan: feed() the text as it is released, end()
+    once it is whole."""
+
+    plan: ToolPlan
+    text: str = ""
+    sent: int = 0  # content (auto) or arguments (named) already sent
+    call_id: str | None = field(default=None)
+
+    def feed(self, delta: str) -> dict[str, Any] | None:
+        """The delta fields for newly released text, or None while there is nothing to send."""
+        self.text += delta
+        if self.plan.mode == "named" and not self.plan.enveloped:
+            return self._named_arguments()
+        if self.plan.mode == "auto":
+            assert self.plan.parser is not None
+            end = self.plan.parser.content_end(self.text)
+            if end > self.sent:
+                piece, self.sent = self.text[self.sent:end], end
+                return {"content": piece}
+        return None
+
+    def _named_arguments(self) -> dict[str, Any] | None:
+        piece, self.sent = self.text[self.sent:], len(self.text)
+        if self.call_id is None:
+            if not piece:
+                return None
+            self.call_id = tool_call_id()
+            return {"tool_calls": [{"index": 0, "id": self.call_id, "type": "function",
+                                    "function": {"name": self.plan.name, "arguments": piece}}]}
+        return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]} if piece else None
+
+    def end(self, finish: str | None) -> tuple[dict[str, Any] | None, str | None]:
+        """The last delta (what was held back) and the finish reason, once the answer is whole."""
+        if self.plan.mode == "named" and not self.plan.enveloped:
+            return self._named_arguments(), finish
+        fields, finish = self.plan.message(self.text, finish)
+        calls = fields.get("tool_calls") or []
+        delta: dict[str, Any] = {}
+        if self.plan.mode == "auto":
+            content = (fields["content"] or "") if calls else self.text
+            if len(content) > self.sent:
+                delta["content"] = content[self.sent:]
+        if calls:
+            delta["tool_calls"] = [{"index": i} | c for i, c in enumerate(calls)]
+        return delta or None, finish

@@ -1,0 +1,115 @@
+"""Tool calls against vLLM's: the same chat requests with `tools` (a named function, "required"
+with and without parallel calls, "auto" and "none") to our server (speculative with the shipped
+EAGLE-3 head, and plain) and to vLLM for CPU's OpenAI server, plain, all fp32, greedy, with the
+same chat template (conf/chat_templates/smollm2_tools.jinja) and tool-call parser (hermes).
+Each answer is compared as (content, [(name, arguments)], finish_reason); call ids are random.
+The tools say "strict": true, so that vLLM 0.32 pins their arguments to their schemas as we do
+(without, it constrains only the call's envelope); forced calls are then written under the same
+grammar in both: the hermes envelope around each tool's schema.
+
+    python scripts/probe_vllm_tools.py --json results/vllm_tools_zen1.json
+
+vLLM runs in its own environment (scripts/vllm_env.sh), as in scripts/bench_server.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MODEL = "SmolLM2-135M-Instruct"
+TEMPLATE = ROOT / "conf" / "chat_templates" / "smollm2_tools.jinja"
+TOOLS = [{"type": "function", "function": {
+             "name": "get_weather", "description": "The current weather in a city", "strict": True,
+             "parameters": {"type": "object", "properties": {
+                 "city": {"type": "string", "maxLength": 24},
+                 "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                 "required": ["city", "unit"], "additionalProperties": False}}},
+         {"type": "function", "function": {
+             "name": "search_web", "description": "Search the web", "strict": True,
+             "parameters": {"type": "object", "properties": {"query": {"type": "string", "maxLength": 40}},
+                            "required": ["query"], "additionalProperties": False}}}]
+QUESTIONS = ["What's the weather like in Paris today?", "Is it going to rain in Tokyo?",
+             "Find recent news about electric cars.", "Who won the last football world cup?",
+             "How warm is it in Cairo, in fahrenheit?", "Tell me a joke about cats."]
+CHOICES: dict[str, Any] = {"named": {"type": "function", "function": {"name": "get_weather"}},
+                           "required": "required", "required-single": "required", "auto": "auto",
+                           "none": "none"}
+
+
+def answer(url: str, model: str, question: str, setting: str, max_tokens: int) -> dict[str, Any]:
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "tools": TOOLS,
+            "tool_choice": CHOICES[setting], "max_tokens": max_tokens, "temperature": 0}
+    if setting == "required-single":
+        body["parallel_tool_calls"] = False
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
+    if r.status_code != 200:
+        return {"status": r.status_code, "error": r.text[:300]}
+    choice = r.json()["choices"][0]
+    msg = choice["message"]
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls") or []]
+    return {"content": msg.get("content") or "", "calls": calls, "finish_reason": choice["finish_reason"]}
+
+
+def servers(args: argparse.Namespace) -> list[tuple[str, list[str] | None, list[str], dict[str, str]]]:
+    from eagle_infer.default_model import resolve_model_path
+    from eagle_infer.vllm_client import vllm_cpu_env, vllm_python
+
+    tools = ["--chat-template", str(TEMPLATE), "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    ours = ["--dtype", "fp32", "--context-length", "2048"] + tools
+    python = vllm_python()
+    model = str(resolve_model_path("default"))
+    vllm = ([python, "-m", "vllm.entrypoints.openai.api_server", "--model", model],
+            ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "4",
+             "--served-model-name", MODEL] + tools,
+            # a KV cache of 4 GiB, not most of the machine (its default), which other processes share
+            vllm_cpu_env(python) | {"VLLM_CPU_KVCACHE_SPACE": "4"})
+    return [("ours-spec", None, ours + ["--speculative-algorithm", "EAGLE3"], {}),
+            ("ours-plain", None, ours + ["--speculative-algorithm", "NONE"], {}),
+            ("vllm", *vllm)][: None if args.vllm else 2]
+
+
+def main() -> None:
+    from eagle_infer.launch import ServerProcess
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default="results/vllm_tools.json")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--no-vllm", dest="vllm", action="store_false", help="ours only (spec against plain)")
+    args = ap.parse_args()
+    out: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for name, program, flags, env in servers(args):
+        server = ServerProcess(flags, Path(args.json).with_suffix(f".{name}.log"), env=env, program=program)
+        t0 = time.time()
+        try:
+            server.wait_ready(900)
+            print(f"{name}: ready in {time.time() - t0:.0f} s", file=sys.stderr)
+            out[name] = {s: [answer(server.url, MODEL, q, s, args.max_tokens) for q in QUESTIONS]
+                         for s in CHOICES}
+        finally:
+            server.stop()
+    names = list(out)
+    summary = {}
+    for s in CHOICES:
+        row = {f"{a}=={b}": sum(x == y for x, y in zip(out[a][s], out[b][s]))
+               for i, a in enumerate(names) for b in names[i + 1:]}
+        row["calls"] = [len(x.get("calls", [])) for x in out[names[0]][s]]
+        summary[s] = row
+        print(s, row, file=sys.stderr)
+    Path(args.json).write_text(json.dumps({"questions": QUESTIONS, "tools": TOOLS, "settings": CHOICES,
+                                           "max_tokens": args.max_tokens, "summary": summary,
+                                           "answers": out}, indent=1) + "\n")
+    print(f"written: {args.json}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
