@@ -28,7 +28,7 @@ import os
 import re
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # (content or None, [(name, arguments as JSON text)]); no calls: the whole text as content
@@ -118,10 +118,9 @@ def tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def call_object(name: str, arguments: str, index: int | None = None) -> dict[str, Any]:
-    """A message's tool call; with index, a streamed delta's (OpenAI's shapes)."""
-    call = {"id": tool_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
-    return call if index is None else {"index": index} | call
+def call_object(name: str, arguments: str) -> dict[str, Any]:
+    """A message's tool call (OpenAI's shape; a streamed delta's adds its "index")."""
+    return {"id": tool_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def parameters_schema(fn: dict[str, Any]) -> dict[str, Any]:
@@ -233,7 +232,7 @@ class ToolStream:
     plan: ToolPlan
     text: str = ""
     sent: int = 0  # content (auto) or arguments (named) already sent
-    call_id: str | None = field(default=None)
+    call_id: str | None = None
 
     def feed(self, delta: str) -> dict[str, Any] | None:
         """The delta fields for newly released text, or None while there is nothing to send."""
