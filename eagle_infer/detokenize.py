@@ -25,9 +25,13 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, end: int) -> str:
         return self.tok.decode(self.ids[start:end], skip_special_tokens=self.skip)
 
-    def add(self, token: int) -> str:
-        """Take one token; returns the text it completes ("" while held back)."""
+    def add(self, token: int, render: bool = True) -> str:
+        """Take one token; returns the text it completes ("" while held back). render False: the
+        token has its place (an offset) but no text (the stop token that ends an answer: vLLM
+        leaves its text out); only the last token may be one."""
         self.offsets.append(len(self.text))
+        if not render:
+            return ""
         self.ids.append(token)
         new_text = self._decode(self.prefix, len(self.ids))
         if len(new_text) <= len(self.prefix_text) or new_text.endswith("\ufffd"):

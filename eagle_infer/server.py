@@ -107,7 +107,8 @@ class Job:
     def __init__(self, prompt: list[int], params: SamplingParams, max_tokens: int, stops: list[str],
                  eos: set[int], tokenizer, loop: asyncio.AbstractEventLoop, logprobs: int | None = None,
                  tokens_as_ids: bool = False, stream: bool = True, stream_interval: int = 1,
-                 index: int = 0, events: asyncio.Queue | None = None, echo: bool = False):
+                 index: int = 0, events: asyncio.Queue | None = None, echo: bool = False,
+                 skip_special_tokens: bool = True):
         self.id = uuid.uuid4().hex[:24]
         self.index = index  # the answer's choice (a request's choices share one events queue)
         self.created = int(time.time())
@@ -122,7 +123,8 @@ class Job:
         self.seq = Sequence_(prompt, params, max_tokens, eos, on_token=self._on_token, tag=self,
                              logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
         self.echo_pending, self.echo_len = echo, 0  # completions' echo: the prompt's text leads
-        self.detok = IncrementalDetokenizer(tokenizer)
+        self.ends = eos  # EOS and stop_token_ids: the token that ends the answer has no text (vLLM's)
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue() if events is None else events
         self.sent = 0  # characters already released
         self.lp_sent = 0  # tokens whose logprobs were released
@@ -136,7 +138,7 @@ class Job:
         """Called by Sequence_.emit after each token: True stops the sequence."""
         try:
             before = len(self.detok.text)
-            if not self.detok.add(token) or not self.stops:
+            if not self.detok.add(token, render=token not in self.ends) or not self.stops:
                 return False
         except Exception as e:  # never let one request break the round of all of them
             self.failure = e
@@ -706,6 +708,9 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                            param="stop_token_ids", code="invalid_value")
         params = sampling_params(req, tool_grammar)
         ends = (set() if req.ignore_eos else eos) | set(req.stop_token_ids or [])
+        # tool calls keep special tokens in the text, for the parser (a <tool_call> may be one: vLLM's)
+        tools = isinstance(req, ChatRequest) and bool(req.tools) and req.tool_choice != "none"
+        skip_special = req.skip_special_tokens and not tools
         events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         loop, jobs = asyncio.get_running_loop(), []
         for p, (prompt, most) in enumerate(zip(prompts, max_tokens)):
@@ -714,7 +719,8 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                 jobs.append(Job(prompt, child, most, stops, ends, engine.tokenizer, loop, logprobs,
                                 req.return_tokens_as_token_ids, req.stream, cfg.stream_interval,
                                 index=p * req.n + i, events=events,
-                                echo=isinstance(req, CompletionRequest) and req.echo))
+                                echo=isinstance(req, CompletionRequest) and req.echo,
+                                skip_special_tokens=skip_special))
         return jobs
 
     def cancel_all(jobs: list[Job]) -> None:

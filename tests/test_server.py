@@ -280,16 +280,29 @@ def test_penalties_logit_bias_and_stop_tokens_answer_as_plain_decoding(server, c
     (token,) = tokenizer(" blue")["input_ids"]
     text, _, _ = chat(client, "Name a color.", 4, logit_bias={str(token): 100})
     assert text == tokenizer.decode([token] * 4)
-    # stop_token_ids end the answer at that token (kept, as vLLM does); min_tokens bars them until then
+    # stop_token_ids end the answer at that token (counted, its text left out, as vLLM 0.32 does);
+    # min_tokens bars them until then
     free = generate(default_model_fp32, [ids], 24, SamplingParams())[0]
     stop = free[5]
     first = free.index(stop)
     text, finish, usage = complete(client, prompt, 24, extra_body={"stop_token_ids": [stop]})
-    assert (text, finish, usage.completion_tokens) == (tokenizer.decode(free[:first + 1]), "stop", first + 1)
+    assert (text, finish, usage.completion_tokens) == (tokenizer.decode(free[:first]), "stop", first + 1)
     ends, m = list(default_model_fp32.config.eos_token_ids) + [stop], first + 3
     later = generate(default_model_fp32, [ids], 24, SamplingParams(min_tokens=m), eos_token_ids=ends)[0]
     text, _, usage = complete(client, prompt, 24, extra_body={"stop_token_ids": [stop], "min_tokens": m})
-    assert usage.completion_tokens == len(later) >= m and text == tokenizer.decode(later)
+    assert usage.completion_tokens == len(later) >= m
+    assert text == tokenizer.decode(later[:-1] if later[-1] in ends else later)
+    # vLLM's skip_special_tokens: false keeps a special token's text (here <|im_start|>, forced),
+    # but never the EOS that ends the answer
+    special, eos = tokenizer.convert_tokens_to_ids("<|im_start|>"), default_model_fp32.config.eos_token_ids[0]
+    for skip, want in ((True, ""), (False, "<|im_start|>" * 3)):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                      logit_bias={str(special): 100},
+                                      extra_body={"skip_special_tokens": skip})
+        assert r.choices[0].text == want, skip
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                  logit_bias={str(eos): 100}, extra_body={"skip_special_tokens": False})
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == ("", "stop", 1)
     # vLLM's bad_words (a word of the free answer, barred as a text's start and mid-text) and
     # allowed_token_ids (the free answer's tokens but its first)
     word = tokenizer.decode(free[:3]).split()[-1]
@@ -458,8 +471,9 @@ def test_tool_calls_forced_and_parsed_answer_as_plain_decoding(server, client, d
         want = ("", calls, "tool_calls" if plan.mode == "required" and finish == "stop" else finish)
         assert got == want, (choice, text)
         assert got[1] and all(n in ("get_weather", "get_time") and json.loads(a) for n, a in got[1])
-        assert tool_answer(client, msgs, True, 90, tool_choice=choice, **kw)[1:] == got[1:], choice
-        if not parallel:
+        if parallel:  # streamed: named, and "required"'s several calls
+            assert tool_answer(client, msgs, True, 90, tool_choice=choice, **kw)[1:] == got[1:], choice
+        else:
             assert len(got[1]) == 1
     assert got[2] == "tool_calls"  # "required" answers that ended
     call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
