@@ -8,6 +8,7 @@ The tools say "strict": true, so that vLLM 0.32 pins their arguments to their sc
 grammar in both: the hermes envelope around each tool's schema.
 
     python scripts/probe_vllm_tools.py --json results/vllm_tools_zen1.json
+    python scripts/probe_vllm_tools.py --no-vllm --json results/tools_tau_zen1.json  # and τ per setting
 
 vLLM runs in its own environment (scripts/vllm_env.sh), as in scripts/bench_server.py.
 """
@@ -57,7 +58,14 @@ def answer(url: str, model: str, question: str, setting: str, max_tokens: int) -
     choice = r.json()["choices"][0]
     msg = choice["message"]
     calls = [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls") or []]
-    return {"content": msg.get("content") or "", "calls": calls, "finish_reason": choice["finish_reason"]}
+    spec = r.json()["usage"].get("speculative")  # ours: rounds and accepted drafts
+    return {"content": msg.get("content") or "", "calls": calls, "finish_reason": choice["finish_reason"],
+            **({"speculative": spec} if spec else {})}
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Answers alike: content, calls and finish reason (not the speculative statistics)."""
+    return all(a.get(k) == b.get(k) for k in ("content", "calls", "finish_reason", "status"))
 
 
 def servers(args: argparse.Namespace) -> list[tuple[str, list[str] | None, list[str], dict[str, str]]]:
@@ -100,9 +108,13 @@ def main() -> None:
     names = list(out)
     summary = {}
     for s in CHOICES:
-        row = {f"{a}=={b}": sum(x == y for x, y in zip(out[a][s], out[b][s]))
+        row = {f"{a}=={b}": sum(same(x, y) for x, y in zip(out[a][s], out[b][s]))
                for i, a in enumerate(names) for b in names[i + 1:]}
         row["calls"] = [len(x.get("calls", [])) for x in out[names[0]][s]]
+        rounds = [x["speculative"] for x in out[names[0]][s] if "speculative" in x]
+        if rounds:  # the speculative server's acceptance length over the setting's answers
+            accepted, n = sum(x["accepted_tokens"] for x in rounds), sum(x["rounds"] for x in rounds)
+            row["tau"] = round(1 + accepted / n, 3)
         summary[s] = row
         print(s, row, file=sys.stderr)
     Path(args.json).write_text(json.dumps({"questions": QUESTIONS, "tools": TOOLS, "settings": CHOICES,
