@@ -248,10 +248,11 @@ class ChatRequest(Generation):
                                     'or "required" work without)',
                                param="tool_choice", code="invalid_value")
             plan = ToolPlan("auto", parser=parser)
-        if plan.mode != "auto" and self.structured() is not None:
+        asked = self.structured() if plan.mode != "auto" else None
+        if asked is not None:
             raise ApiError(400, f"a forced tool call is a structured output already: leave out "
-                                f"{self.structured()[0]} or set tool_choice to auto or none",
-                           param=self.structured()[0], code="invalid_value")
+                                f"{asked[0]} or set tool_choice to auto or none",
+                           param=asked[0], code="invalid_value")
         return plan
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:

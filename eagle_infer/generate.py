@@ -30,7 +30,14 @@ from eagle_infer.cpu_linears import (
 )
 from eagle_infer.errors import UserError, cli_errors
 from eagle_infer.model import Transformer, causal_mask
-from eagle_infer.sampling import SamplingParams, greedy_tokens, logits_to_probs, penalize, sample
+from eagle_infer.sampling import (
+    SamplingParams,
+    grammar_step,
+    greedy_tokens,
+    logits_to_probs,
+    penalize,
+    sample,
+)
 
 # Called with (sequence index, token id); returning True stops that sequence (stop strings).
 TokenCallback = Callable[[int, int], bool]
@@ -374,11 +381,7 @@ def generate(
     dev = model.embed_tokens.weight.device
     step = compiled_decode(model, compile_mode_for(dev)) if compile else None
     generators = [p.generator(dev) for p in params]
-    matchers: list = [None] * B  # structured outputs: each grammar's matcher follows its output
-    if any(p.grammar is not None for p in params):
-        from eagle_infer.grammar import new_matcher  # xgrammar, only where asked
-
-        matchers = [None if p.grammar is None else new_matcher(p.grammar) for p in params]
+    matchers = [p.new_matcher() for p in params]  # structured outputs: each follows its output
 
     logits = torch.cat([prefill(model, prompts[g[0]:g[-1] + 1], row0=g[0])[0] for g in join_groups(lens)])
     cur = torch.tensor(lens, device=dev)  # [B] tokens in the cache so far
@@ -397,8 +400,7 @@ def generate(
             outputs[b].append(t)
             stop = on_token(order[b], t) if on_token else False
             if matchers[b] is not None:  # as Sequence_.emit: the grammar's end ends it
-                matchers[b].accept_token(t)
-                stop = stop or matchers[b].is_terminated()
+                stop = grammar_step(matchers[b], t) or stop
             if t in eos or stop or len(outputs[b]) >= max_new_tokens:
                 done[b] = True
         if all(done):

@@ -77,6 +77,14 @@ class SamplingParams:
         """logits_to_probs's settings (temperature, top_p, top_k, min_p): rows alike share a call."""
         return self.temperature, self.top_p, self.top_k, self.min_p
 
+    def new_matcher(self) -> Any:
+        """A matcher that follows one sequence's output under the grammar (None without one)."""
+        if self.grammar is None:
+            return None
+        from eagle_infer.grammar import new_matcher  # xgrammar (seconds to import), only where asked
+
+        return new_matcher(self.grammar)
+
     @property
     def penalized(self) -> bool:
         """Whether `penalize` changes this sequence's logits."""
@@ -95,6 +103,13 @@ class SamplingParams:
         g = torch.Generator(device=device)
         g.manual_seed(self.seed)
         return g
+
+
+def grammar_step(matcher: Any, token: int) -> bool:
+    """A sequence's grammar matcher takes the token it emitted; True where that ended the grammar
+    (its stop token accepted), which ends the sequence."""
+    matcher.accept_token(token)
+    return matcher.is_terminated()
 
 
 def greedy_tokens(logits: Tensor) -> Tensor:

@@ -640,6 +640,10 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         return max_tokens
 
     @functools.cache
+    def template_parameters() -> frozenset[str]:  # apply_chat_template's own: not template variables
+        return frozenset(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
+
+    @functools.cache
     def grammars():  # made at the first structured request: xgrammar reads the whole vocabulary
         from eagle_infer.grammar import Grammars
 
@@ -682,11 +686,12 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                           if p in str(e)), None)
             raise ApiError(400, str(e), param=param, code="invalid_value") from None
 
-    def make_jobs(req: Generation, prompts: list[list[int]], prompt_param: str,
-                  default_max: int | None, tool_grammar: tuple[str, Any] | None = None) -> list[Job]:
+    def make_jobs(req: Generation, prompts: list[list[int]], prompt_param: str, default_max: int | None,
+                  tools: ToolPlan | None = None, tool_grammar: tuple[str, Any] | None = None) -> list[Job]:
         """A request's jobs: `n` choices for each prompt, choice index prompt x n + i (vLLM's),
         sampled alike but for the seed: choice i of a seeded request has seed + i, as vLLM's
-        parallel sampling, so a choice is the answer of one request with that seed."""
+        parallel sampling, so a choice is the answer of one request with that seed. tools: a chat
+        request's ToolPlan (ChatRequest.tool_plan), tool_grammar its grammar (ToolPlan.grammar)."""
         if not 1 <= req.n <= MAX_CHOICES or req.n * len(prompts) > MAX_CHOICES:
             raise ApiError(400, f"n x prompts must be in [1, {MAX_CHOICES}], got {req.n} x {len(prompts)}",
                            param="n", code="invalid_value")
@@ -709,8 +714,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         params = sampling_params(req, tool_grammar)
         ends = (set() if req.ignore_eos else eos) | set(req.stop_token_ids or [])
         # tool calls keep special tokens in the text, for the parser (a <tool_call> may be one: vLLM's)
-        tools = isinstance(req, ChatRequest) and bool(req.tools) and req.tool_choice != "none"
-        skip_special = req.skip_special_tokens and not tools
+        skip_special = req.skip_special_tokens and tools is None
         events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         loop, jobs = asyncio.get_running_loop(), []
         for p, (prompt, most) in enumerate(zip(prompts, max_tokens)):
@@ -880,8 +884,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         except ValueError as e:
             raise ApiError(400, str(e), param="tools", code="invalid_value") from None
         msgs = [m.for_template() for m in req.messages]
-        clash = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
-        clash &= set(req.chat_template_kwargs or {})
+        clash = template_parameters() & set(req.chat_template_kwargs or {})
         if clash:
             raise ApiError(400, f"chat_template_kwargs: {', '.join(sorted(clash))} is a parameter of "
                                 "apply_chat_template, not a template variable",
@@ -893,7 +896,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         except Exception as e:
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages",
                            code="invalid_value") from None
-        jobs = make_jobs(req, [prompt], "messages", None, tool_grammar)
+        jobs = make_jobs(req, [prompt], "messages", None, tools, tool_grammar)
         return await run(request, jobs, req, "chat", tools)
 
     @app.post("/v1/completions")

@@ -53,7 +53,7 @@ from eagle_infer.generate import (
 from eagle_infer.heads import DraftHead
 from eagle_infer.kernels.tree_accept import kernel_available
 from eagle_infer.model import Transformer, build_attn_mask, causal_mask
-from eagle_infer.sampling import SamplingParams, greedy_tokens, next_token, penalize
+from eagle_infer.sampling import SamplingParams, grammar_step, greedy_tokens, next_token, penalize
 from eagle_infer.tree import (
     Acceptance,
     DraftTree,
@@ -114,8 +114,7 @@ class Sequence_:
             out.append(t)
             stop = self.on_token(t) if self.on_token else False
             if self.matcher is not None:  # the grammar's end (its stop token accepted) ends it too
-                self.matcher.accept_token(t)
-                stop = stop or self.matcher.is_terminated()
+                stop = grammar_step(self.matcher, t) or stop
             if t in self.eos or stop:
                 self.done, self.finish_reason = True, "stop"
             elif len(self.output) >= self.max_new_tokens:
@@ -261,10 +260,7 @@ def prefill_rows(target: Transformer, seqs: Sequence[Sequence_], row0: int, kv_l
     dev = target.embed_tokens.weight.device
     for seq in seqs:
         seq.generator = seq.params.generator(dev)
-        if seq.params.grammar is not None:
-            from eagle_infer.grammar import new_matcher
-
-            seq.matcher = new_matcher(seq.params.grammar)
+        seq.matcher = seq.params.new_matcher()
     final = len(target.layers)  # the normed final states, lm_head's input: prompt logprobs
     scored = [s.prompt_logprobs is not None for s in seqs]
     layers = list(hidden_layers) + ([final] if any(scored) and final not in hidden_layers else [])
