@@ -520,16 +520,21 @@ def walk_sampling(tree: DraftTree, probs: Tensor, u: Tensor, max_depth: int) -> 
     node = torch.zeros(B, dtype=torch.long, device=dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     rows = torch.arange(B, device=dev)
+    earlier = torch.ones(N, N, dtype=torch.bool, device=dev).tril(-1)  # [r, s]: s < r
     for d in range(max_depth + 1):
         p = torch.cat([probs[rows, node], torch.zeros(B, 1, device=dev)], 1)  # [B, V + 1]
         kids = children[rows, node]  # [B, N]
-        px = torch.gather(p, 1, tokens.gather(1, kids))  # p of each child's token, 0 for dummies
+        kid_tokens = tokens.gather(1, kids)
+        # A sibling repeating an earlier sibling's token (an n-gram branch's) finds p(x) already
+        # zeroed by that one's rejection: p 0, never accepted, not counted twice in the mass tried.
+        repeat = ((kid_tokens[:, :, None] == kid_tokens[:, None, :]) & earlier).any(-1)
+        px = torch.where(repeat, 0.0, torch.gather(p, 1, kid_tokens))  # p(x) of each child, 0 for dummies
         tried = px.cumsum(1) - px  # mass of the children tried before
         ok = (u[:, d * N:(d + 1) * N] * (1 - tried) < px) & (kids < N) & ~done[:, None]
         first = torch.where(ok.any(1), ok.float().argmax(1), -1)
         moved = first >= 0  # never at max_depth: those nodes have no children
         stop = ~done & ~moved  # stays here: the bonus is drawn from this node's residual
-        resid = p.scatter(1, tokens.gather(1, kids), 0.0)[:, :V]  # its tried children zeroed
+        resid = p.scatter(1, kid_tokens, 0.0)[:, :V]  # its tried children zeroed
         if d == 0:
             bonus_p = resid
         else:
