@@ -8,12 +8,18 @@ verify, at every tree node, from the matcher's state after that node's drafted p
 masked, rolled back), so a node is constrained exactly as plain decoding would be after emitting
 that path and speculation stays lossless. A path the grammar rejects can never be accepted (its
 first forbidden token is barred at its parent), so its nodes keep an all-allowed mask.
+
+Where the grammar forces the next text (a tool's name, a schema's keys, a call's closing tag:
+xgrammar's jump-forward string), a speculative round drafts it (`forced_tokens`, as the target's
+tokenizer writes it) ahead of the head, which cannot know it; the verify decides as for any draft.
 """
 
 from __future__ import annotations
 
+import copy
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import xgrammar as xgr
@@ -23,25 +29,44 @@ from eagle_infer.errors import UserError
 
 KINDS = ("json", "json_schema", "regex", "choice", "grammar", "structural_tag")
 
+Encode = Callable[[str], list[int]]  # text -> the target tokenizer's ids, no special tokens added
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled grammar (SamplingParams.grammar) and how the target's tokenizer writes text
+    (encode), with which speculative rounds draft what the grammar forces (None: they do not)."""
+
+    compiled: xgr.CompiledGrammar
+    encode: Encode | None = None
+
 
 class Grammars:
     """Compiles grammars for one target's tokenizer (xgrammar's compiler caches them)."""
 
-    def __init__(self, info: xgr.TokenizerInfo):
+    def __init__(self, info: xgr.TokenizerInfo, encode: Encode | None = None):
         self.compiler = xgr.GrammarCompiler(info)
+        self.encode = encode
 
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> Grammars:
         """vocab_size: the logits' (the model's, which may exceed the tokenizer's); the grammar's
-        end is one of stop_token_ids (the target's EOS)."""
+        end is one of stop_token_ids (the target's EOS). Forced text is encoded by a copy of the
+        tokenizer: the decoder's thread calls it, and a HF fast tokenizer must not run on two
+        threads at once (the server's event loop encodes prompts with the original)."""
+        own = copy.deepcopy(tokenizer)
         return cls(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                      stop_token_ids=sorted(stop_token_ids)))
+                                                      stop_token_ids=sorted(stop_token_ids)),
+                   lambda text: own.encode(text, add_special_tokens=False))
 
-    def compile(self, kind: str, source: Any = None) -> xgr.CompiledGrammar:
+    def compile(self, kind: str, source: Any = None) -> Grammar:
         """kind json (any JSON value; source ignored), json_schema (a schema, dict or JSON text),
         regex, choice (a list of strings: the answer is one of them), grammar (EBNF / GBNF) or
         structural_tag (xgrammar's, dict or JSON text: vLLM's structured_outputs.structural_tag,
         and forced tool calls in a parser's envelope)."""
+        return Grammar(self._compile(kind, source), self.encode)
+
+    def _compile(self, kind: str, source: Any) -> xgr.CompiledGrammar:
         try:
             if kind == "json":
                 return self.compiler.compile_builtin_json_grammar()
@@ -67,8 +92,28 @@ class Grammars:
         raise UserError(f"unknown structured output kind {kind!r} (one of {', '.join(KINDS)})")
 
 
-def new_matcher(grammar: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
-    return xgr.GrammarMatcher(grammar)
+def new_matcher(grammar: Grammar) -> xgr.GrammarMatcher:
+    return xgr.GrammarMatcher(grammar.compiled)
+
+
+def forced_tokens(matcher: xgr.GrammarMatcher, encode: Encode, limit: int) -> list[int]:
+    """The text the grammar forces next from the matcher's state (xgrammar's jump-forward
+    string), as encode writes it, up to `limit` tokens and the first the grammar refuses (a
+    special token's text encoded as that token); the matcher keeps its state. Its last token
+    may still differ from the target's, whose may reach into the free text after it."""
+    if limit < 1 or matcher.is_terminated():
+        return []
+    text = matcher.find_jump_forward_string()
+    if not text:
+        return []
+    tokens = []
+    for token in encode(text)[:limit]:
+        if not matcher.accept_token(token):
+            break
+        tokens.append(token)
+    if tokens:
+        matcher.rollback(len(tokens))
+    return tokens
 
 
 def allowed_after(matcher: xgr.GrammarMatcher, paths: Sequence[Sequence[int]], vocab_size: int) -> Tensor:

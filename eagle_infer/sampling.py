@@ -38,7 +38,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # vLLM's bad_words, tokenized: a word's last token is barred where the output ends with the rest
     bad_words: list[list[int]] = field(default_factory=list)
-    # structured outputs: a compiled grammar (eagle_infer.grammar); its sequence's matcher follows
+    # structured outputs: a grammar.Grammar (compiled); its sequence's matcher follows
     # the output (Sequence_.matcher), and penalize bars what it forbids
     grammar: Any = None
 

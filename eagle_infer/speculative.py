@@ -61,6 +61,7 @@ from eagle_infer.tree import (
     accept_greedy,
     accept_sampling,
     draft_tree,
+    graft_chains,
     sampling_probs,
     sampling_uniforms,
     walk_sampling,
@@ -638,6 +639,8 @@ class SpecDecoder:
                 tree = DraftTree(*self.draft_tree_fn(self.root[:B], self.root_logp[:B], self.root_g[:B], L,
                                                      history))
             drafts = cfg.num_steps - 1
+        if not greedy and any(s.matcher is not None for s in self.seqs):
+            tree = self._with_forced(tree, cfg)
         t1 = time.perf_counter()
         # verify's and catch-up's kv, the next round's draft phase's (from L + n + 1 <= L + T), and
         # the history's next root at L + n + 1
@@ -690,6 +693,19 @@ class SpecDecoder:
         self.stats.other_s += (t3 - t2) + (t5 - t4)
         self.stats.draft_calls += drafts
         return results
+
+    def _with_forced(self, tree: DraftTree, cfg: TreeConfig) -> DraftTree:
+        """The round's tree with what each row's grammar forces next (grammar.forced_tokens) as
+        its first branch (tree.graft_chains): a tool's name, a schema's keys, the closing tags,
+        which the head cannot know. The verify decides as for any draft."""
+        from eagle_infer.grammar import forced_tokens
+
+        chains = {}
+        for b, s in enumerate(self.seqs):
+            encode = s.params.grammar.encode if s.matcher is not None else None
+            if encode is not None and (chain := forced_tokens(s.matcher, encode, cfg.max_depth)):
+                chains[b] = chain
+        return graft_chains(tree, chains, cfg.max_depth) if chains else tree
 
     def tree_for(self, B: int) -> TreeConfig:
         """The tree a round of B sequences drafts and verifies (batch_tree)."""

@@ -418,6 +418,37 @@ def ngram_candidates(length: int, history: Tensor, prefix_len: Tensor, scores: l
     depths.append((idx + 1).expand(B, length))
 
 
+def graft_chains(tree: DraftTree, chains: dict[int, list[int]], max_depth: int) -> DraftTree:
+    """The tree with chains[b], tokens known to follow row b's root (what its grammar forces),
+    as row b's first branch: nodes 1..k (k <= max_depth), then the drafted nodes below its end
+    (drafted along the same tokens), then the other drafted nodes, parents before children, as
+    many as the row holds; a drafted node of the chain's own tokens becomes the chain's node.
+    Other rows are kept. On the host: a round's tree is a few nodes a row."""
+    tokens, parent, depth = (t.clone() for t in (tree.tokens, tree.parent, tree.depth))
+    N = tokens.shape[1]
+    for b, chain in chains.items():
+        chain = chain[:min(max_depth, N - 1)]
+        k = len(chain)
+        drafted, up = tokens[b].tolist(), parent[b].tolist()
+        new_tokens, new_parent, new_depth = drafted[:1] + chain, [0, *range(k)], list(range(k + 1))
+        where = {0: 0}  # drafted node -> its node in the new tree (the chain's are 0..k)
+        for i in range(1, N):
+            p = where.get(up[i])
+            if p is not None and p < k and drafted[i] == chain[p]:
+                where[i] = p + 1
+        for below_chain in (True, False):
+            for i in range(1, N):
+                p = where.get(up[i])
+                if i in where or p is None or (below_chain and p < k) or len(new_tokens) == N:
+                    continue
+                where[i] = len(new_tokens)
+                new_tokens.append(drafted[i])
+                new_parent.append(p)
+                new_depth.append(new_depth[p] + 1)
+        tokens[b], parent[b], depth[b] = (torch.tensor(v) for v in (new_tokens, new_parent, new_depth))
+    return DraftTree(tokens, parent, depth, ancestor_mask(parent, max_depth))
+
+
 @dataclass
 class Acceptance:
     path: Tensor  # [B, max_depth + 1] accepted node indices from the root, padded with the last

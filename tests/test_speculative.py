@@ -498,6 +498,75 @@ def test_grammar_greedy_is_plain_grammar_greedy():
     assert plain[:3] != generate(target, prompts[:3], 30) and plain[3] == generate(target, prompts[3:], 30)[0]
 
 
+def digits(text: str) -> list[int]:
+    """pair_grammar's vocabulary's encode: a digit is its own token."""
+    return [int(c) for c in text]
+
+
+def test_forced_tokens_are_what_the_grammar_forces_next():
+    """grammar.forced_tokens: the jump-forward string from the matcher's state, encoded, cut at
+    the limit and at the first token the grammar refuses; the matcher keeps its state."""
+    from eagle_infer.grammar import forced_tokens, new_matcher
+
+    matcher = new_matcher(pair_grammar(12, 11, "(0123456789[0-4])+"))
+    assert matcher.accept_token(0) and matcher.accept_token(1)
+    assert forced_tokens(matcher, digits, 4) == [2, 3, 4, 5]
+    assert forced_tokens(matcher, digits, 20) == list(range(2, 10))
+    assert forced_tokens(matcher, lambda text: [2, 3, 7, 5], 4) == [2, 3]  # 7 is not what follows 3
+    assert forced_tokens(matcher, digits, 0) == []
+    assert not matcher.accept_token(3) and matcher.accept_token(2)  # its state: after "01"
+    for t in range(3, 10):
+        assert matcher.accept_token(t)
+    assert forced_tokens(matcher, digits, 4) == []  # a free digit 0-4 next
+
+
+def test_graft_chains_puts_the_forced_tokens_first():
+    """graft_chains: a row's chain takes nodes 1..k; a drafted node of the chain's tokens becomes
+    its node, drafted nodes below the chain's end come next, then the others, parents before
+    children, until the row is full; a chain longer than max_depth is cut; other rows kept."""
+    from eagle_infer.tree import graft_chains
+
+    # drafted: root 50 -> 1 (-> 2 -> 3 -> 4), 9 (-> 8), 7
+    tokens = torch.tensor([[50, 1, 9, 2, 8, 7, 3, 4]] * 2)
+    parent = torch.tensor([[0, 0, 0, 1, 2, 0, 3, 6]] * 2)
+    depth = torch.tensor([[0, 1, 1, 2, 2, 1, 3, 4]] * 2)
+    tree = DraftTree(tokens, parent, depth, ancestor_mask(parent, 4))
+    out = graft_chains(tree, {0: [1, 2, 5, 6, 0]}, max_depth=4)
+    # chain 1 2 5 6 (cut at depth 4); drafted 1 and 2 merge into it; then, none lying below 6,
+    # the others in order: 9, 8 (under 9), 7, 3 (under 2)
+    assert out.tokens[0].tolist() == [50, 1, 2, 5, 6, 9, 8, 7]
+    assert out.parent[0].tolist() == [0, 0, 1, 2, 3, 0, 5, 0]
+    assert out.depth[0].tolist() == [0, 1, 2, 3, 4, 1, 2, 1]
+    assert torch.equal(out.mask, ancestor_mask(out.parent, 4))
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(vars(out).values(), vars(tree).values()))
+    below = graft_chains(tree, {0: [1, 2]}, max_depth=4).tokens[0].tolist()
+    assert below == [50, 1, 2, 3, 4, 9, 8, 7]  # 3 and 4 drafted below the chain's end come first
+
+
+def test_grammar_drafts_what_it_forces_losslessly():
+    """Speculative rounds under a grammar draft what it forces (Grammar.encode given): greedy
+    output unchanged (plain decoding's with the grammar) and far more accepted per round than
+    the head's drafts alone, which cannot know the forced text."""
+    from dataclasses import replace as with_field
+
+    target = tiny_target(layers=1, silent=True)
+    V, stop = target.config.vocab_size, 95
+    head = oracle_head(target, noise=3.0)  # a poor head
+    grammar = pair_grammar(V, stop, "(0123456789[0-4])+")
+    assert grammar.encode is None
+    prompts = prompts_for(V)[:2]
+    tree = TreeConfig(2, 3, 6, ngram_branch=3)
+    plain = generate(target, prompts, 40, SamplingParams(grammar=grammar), eos_token_ids=[stop])
+    taus = []
+    for g in (grammar, with_field(grammar, encode=digits)):
+        out, stats = generate_speculative(target, head, prompts, 40, SamplingParams(grammar=g), tree=tree,
+                                          eos_token_ids=[stop])
+        assert out == plain
+        taus.append(stats.acceptance_length())
+    # up to 3 forced digits (the tree's depth) and the bonus a round, 1 where a free digit is next
+    assert taus[1] > 2.5 and taus[0] < 1.5, taus
+
+
 def test_tree_config_refuses_impossible_sizes():
     with pytest.raises(UserError, match="num_draft_tokens"):
         TreeConfig(num_steps=2, eagle_topk=1, num_draft_tokens=8)
@@ -664,8 +733,9 @@ def test_plain_rounds_defer_the_heads_catch_up():
     (dict(temperature=1.0, allowed_token_ids=list(range(1, 12)), bad_words=[[t, t] for t in range(12)]),
      None, 3, True),
     (dict(temperature=1.0, grammar="pairs"), None, 3, True),
+    (dict(temperature=1.0, grammar="forced"), None, 3, True),
 ], ids=["t1", "topk", "topp", "t1-plain", "t1-ngram", "t1-ngram-repeating", "minp", "t1-penalties",
-        "t1-bad-words", "t1-grammar"])
+        "t1-bad-words", "t1-grammar", "t1-grammar-forced"])
 def test_sampling_matches_target_distribution(settings, disable, ngram, repeating):
     """The 2nd and 3rd tokens (the first produced by tree verification) follow the target's
     exact marginal distribution (chi-square, p > 0.01), and the 3rd repeats the 2nd as often as
@@ -678,10 +748,13 @@ def test_sampling_matches_target_distribution(settings, disable, ngram, repeatin
     last token (the 3rd token's node then must count the 2nd, drafted in the same round: counted
     from the round's start alone, 1,564 repeats in 6,000 where ~100 are right), and with vLLM's
     allowed_token_ids and bad_words there (every repeat barred: none may happen), and with a
-    grammar whose next token depends on the last (pair_grammar: no repeats either)."""
+    grammar whose next token depends on the last (pair_grammar: no repeats either), or that
+    forces "56" after a digit 0-4 (rounds draft it: Grammar.encode)."""
     V = 12
     settings = dict(settings)
-    grammar = pair_grammar(V, V - 1) if settings.pop("grammar", None) else None
+    grammar = {None: None, "pairs": pair_grammar(V, V - 1),
+               "forced": replace(pair_grammar(V, V - 1, "([0-4]56|[5-9][5-9])+"), encode=digits),
+               }[settings.pop("grammar", None)]
     target = tiny_target(vocab=V, layers=1, seed=5, silent=repeating)
     if repeating:  # the next token depends on the last alone, and most likely repeats it
         with torch.no_grad():

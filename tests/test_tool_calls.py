@@ -185,7 +185,7 @@ def test_forced_calls_in_the_parsers_envelope(tokenizer):
     grammar = Grammars.for_tokenizer(tokenizer, len(tokenizer), [tokenizer.eos_token_id]).compile(kind, tag)
 
     def accepts(text: str) -> bool:
-        m = xgr.GrammarMatcher(grammar)
+        m = xgr.GrammarMatcher(grammar.compiled)
         ids = tokenizer.encode(text) + [tokenizer.eos_token_id]
         return all(m.accept_token(t) for t in ids)
 
