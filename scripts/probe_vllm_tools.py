@@ -1,6 +1,6 @@
 """Tool calls against vLLM's: the same chat requests with `tools` (a named function, "required"
 with and without parallel calls, "auto" and "none") to our server (speculative with the shipped
-EAGLE-3 head, and plain) and to vLLM for CPU's OpenAI server, plain, all fp32, greedy, with the
+EAGLE-3 head, and plain) and to vLLM for CPU's OpenAI server, plain, all fp32 (--dtype), greedy, with the
 same chat template (conf/chat_templates/smollm2_tools.jinja) and tool-call parser (hermes).
 Each answer is compared as (content, [(name, arguments)], finish_reason); call ids are random.
 The tools say "strict": true, so that vLLM 0.32 pins their arguments to their schemas as we do
@@ -9,6 +9,7 @@ grammar in both: the hermes envelope around each tool's schema.
 
     python scripts/probe_vllm_tools.py --json results/vllm_tools_zen1.json
     python scripts/probe_vllm_tools.py --no-vllm --json results/tools_tau_zen1.json  # and τ per setting
+    python scripts/probe_vllm_tools.py --no-vllm --dtype bf16 --json results/tools_tau_bf16_zen4.json
 
 vLLM runs in its own environment (scripts/vllm_env.sh), as in scripts/bench_server.py.
 """
@@ -73,11 +74,12 @@ def servers(args: argparse.Namespace) -> list[tuple[str, list[str] | None, list[
     from eagle_infer.vllm_client import vllm_cpu_env, vllm_python
 
     tools = ["--chat-template", str(TEMPLATE), "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-    ours = ["--dtype", "fp32", "--context-length", "2048"] + tools
+    ours = ["--dtype", args.dtype, "--context-length", "2048"] + tools
     python = vllm_python()
     model = str(resolve_model_path("default"))
     vllm = ([python, "-m", "vllm.entrypoints.openai.api_server", "--model", model],
-            ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "4",
+            ["--dtype", {"fp32": "float32", "bf16": "bfloat16"}[args.dtype], "--max-model-len", "2048",
+             "--max-num-seqs", "4",
              "--served-model-name", MODEL] + tools,
             # a KV cache of 4 GiB, not most of the machine (its default), which other processes share
             vllm_cpu_env(python) | {"VLLM_CPU_KVCACHE_SPACE": "4"})
@@ -92,6 +94,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default="results/vllm_tools.json")
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                    help="both servers' (in bf16 answers may differ with the kernels' rounding)")
     ap.add_argument("--no-vllm", dest="vllm", action="store_false", help="ours only (spec against plain)")
     args = ap.parse_args()
     out: dict[str, dict[str, list[dict[str, Any]]]] = {}
