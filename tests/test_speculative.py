@@ -547,8 +547,6 @@ def test_grammar_drafts_what_it_forces_losslessly():
     """Speculative rounds under a grammar draft what it forces (Grammar.encode given): greedy
     output unchanged (plain decoding's with the grammar) and far more accepted per round than
     the head's drafts alone, which cannot know the forced text."""
-    from dataclasses import replace as with_field
-
     target = tiny_target(layers=1, silent=True)
     V, stop = target.config.vocab_size, 95
     head = oracle_head(target, noise=3.0)  # a poor head
@@ -558,7 +556,7 @@ def test_grammar_drafts_what_it_forces_losslessly():
     tree = TreeConfig(2, 3, 6, ngram_branch=3)
     plain = generate(target, prompts, 40, SamplingParams(grammar=grammar), eos_token_ids=[stop])
     taus = []
-    for g in (grammar, with_field(grammar, encode=digits)):
+    for g in (grammar, replace(grammar, encode=digits)):
         out, stats = generate_speculative(target, head, prompts, 40, SamplingParams(grammar=g), tree=tree,
                                           eos_token_ids=[stop])
         assert out == plain
