@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -726,6 +727,15 @@ def plot_sweep(runs: Sequence[SpecRun], plain_tps: float, path: str | os.PathLik
     plt.close(fig)
 
 
+def structured_output_arg(arg: str) -> tuple[str, Any]:
+    """--structured-output's value (json | regex:PATTERN | json_schema:FILE) as grammar.KINDS' kind
+    and its source (the schema read from FILE)."""
+    kind, _, source = arg.partition(":")
+    if kind not in ("json", "regex", "json_schema") or (kind != "json") != bool(source):
+        raise SystemExit(f"--structured-output takes json, regex:PATTERN or json_schema:FILE, not {arg!r}")
+    return kind, json.loads(Path(source).read_text()) if kind == "json_schema" else source or None
+
+
 def compile_default(device: str) -> bool:
     """Whether the bench compiles its steps unless told: on a CPU (Inductor) and on CUDA (CUDA
     graphs, compile_mode_for), yes. CPU: measured on a 2-core Xeon with AVX-512 but no
@@ -876,8 +886,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.structured_output:
         from eagle_infer.grammar import Grammars
 
-        kind, _, source = args.structured_output.partition(":")
-        source = json.loads(Path(source).read_text()) if kind == "json_schema" else source or None
+        kind, source = structured_output_arg(args.structured_output)
         grammars = Grammars.for_tokenizer(tok, model.config.vocab_size, model.config.eos_token_ids)
         grammar = grammars.compile(kind, source)
     params = SamplingParams(args.temperature, args.top_p, args.top_k, 0, args.min_p, args.presence_penalty,

@@ -88,14 +88,24 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         """Whether `penalize` changes this sequence's logits."""
+        return self.grammar is not None or self._penalized_besides_grammar
+
+    @property
+    def _penalized_besides_grammar(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None
-                    or self.bad_words or self.grammar is not None)
+                    or self.bad_words)
 
     @property
     def raw_argmax(self) -> bool:
         """Greedy on the raw logits: the token the decoders' greedy graphs compute in-graph."""
         return self.greedy and not self.penalized
+
+    @property
+    def grammar_argmax(self) -> bool:
+        """Greedy under a grammar and no other setting: the argmax of the logits its bitmask
+        allows, which a speculative decoder's greedy graph takes (masked_greedy_tokens)."""
+        return self.greedy and self.grammar is not None and not self._penalized_besides_grammar
 
     def generator(self, device: str | torch.device = "cpu") -> torch.Generator | None:
         if self.seed is None:
@@ -126,6 +136,16 @@ def greedy_tokens(logits: Tensor) -> Tensor:
     index = torch.arange(logits.shape[-1], dtype=torch.int32, device=logits.device)
     hit = (logits == top) | (logits != logits)
     return torch.where(hit, index, logits.shape[-1]).amin(-1).long()
+
+
+def masked_greedy_tokens(logits: Tensor, bitmask: Tensor) -> Tensor:
+    """greedy_tokens of logits [..., V] among the tokens a grammar's bitmask [..., ceil(V / 32)]
+    int32 allows (xgrammar's: bit t % 32 of word t // 32 set = token t allowed; all bits set:
+    no grammar). Pointwise and a view, so a compiled step fuses it into the argmax's reductions."""
+    V = logits.shape[-1]
+    bit = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask[..., None] >> bit) & 1).flatten(-2)[..., :V]  # [..., V]
+    return greedy_tokens(logits.masked_fill(allowed == 0, float("-inf")))
 
 
 def penalize(logits: Tensor, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],

@@ -53,7 +53,7 @@ from eagle_infer.generate import (
 from eagle_infer.heads import DraftHead
 from eagle_infer.kernels.tree_accept import kernel_available
 from eagle_infer.model import Transformer, build_attn_mask, causal_mask
-from eagle_infer.sampling import SamplingParams, grammar_step, greedy_tokens, next_token, penalize
+from eagle_infer.sampling import SamplingParams, grammar_step, greedy_tokens, next_token, node_paths, penalize
 from eagle_infer.tree import (
     Acceptance,
     DraftTree,
@@ -365,6 +365,9 @@ class SpecDecoder:
         # The next round's tree, drafted by the round before (Sequence_.ahead says whose is ready).
         self.draft_ahead = draft_ahead
         N = max(t.num_draft_tokens for t in trees)
+        # A greedy round's grammar bitmask where no row has a grammar: every token allowed.
+        self.all_allowed = torch.full((max_batch, N, (target.config.vocab_size + 31) // 32), -1,
+                                      dtype=torch.int32, device=dev)
         self.ahead_tree = DraftTree(torch.zeros(max_batch, N, dtype=torch.long, device=dev),
                                     torch.zeros(max_batch, N, dtype=torch.long, device=dev),
                                     torch.zeros(max_batch, N, dtype=torch.long, device=dev),
@@ -437,32 +440,34 @@ class SpecDecoder:
         return start[:, None] + torch.arange(T, device=start.device)[None], causal_mask(start, T, kv_len)
 
     def _verify_commit_greedy(self, tokens: Tensor, parent: Tensor, depth: Tensor, tree_mask: Tensor,
-                              L: Tensor, history: Tensor) -> tuple[Tensor, ...]:
+                              L: Tensor, history: Tensor, bitmask: Tensor) -> tuple[Tensor, ...]:
         """A greedy round after its draft phase: verify, acceptance, commit and the draft's
         catch-up, one graph when compiled (on a GPU the eager glue between verify and catch-up
         was ~40 small launches a round). history [B, kv_len] (as _draft_tree's): its length is the
         verify's and the catch-up's kv length (so the verify's mask is built in the graph, as the
-        plain step's). Returns (logits [B, N, V], path [B, D+1], n [B], bonus [B], path tokens
-        [B, D+1], the next root's draft feature [B, h] and log-probs [B, V'], history (_commit))."""
+        plain step's). bitmask [B, N, ceil(V / 32)]: the tokens each row's grammar allows after
+        each node (_grammar_bitmask; all, for rows without one). Returns (logits [B, N, V], path
+        [B, D+1], n [B], bonus [B], path tokens [B, D+1], the next root's draft feature [B, h] and
+        log-probs [B, V'], history (_commit))."""
         tree, N = DraftTree(tokens, parent, depth, tree_mask), tokens.shape[1]
         mask = build_attn_mask(L, tree_mask, history.shape[-1])  # [B, N, kv_len]
         slots = L[:, None] + torch.arange(N, device=L.device)[None]
         logits, hidden = self._verify(tokens, L[:, None] + depth, slots, mask)
-        acc = accept_greedy(tree, logits, self.round_tree.max_depth)
+        acc = accept_greedy(tree, logits, self.round_tree.max_depth, bitmask)
         next_tokens, feats, path_tokens, history = self._commit(tokens, acc, hidden, L, history)
         pos, catch_mask = self._catch_up_inputs(L, next_tokens.shape[1], mask.shape[-1])
         g_last, logp = self._catch_up(next_tokens, feats, pos, catch_mask, acc.n_accepted + 1)
         return logits, acc.path, acc.n_accepted, acc.bonus, path_tokens, g_last, logp, history
 
     def _greedy_round_ahead(self, tokens: Tensor, parent: Tensor, depth: Tensor, tree_mask: Tensor,
-                            L: Tensor, history: Tensor) -> tuple[Tensor, ...]:
+                            L: Tensor, history: Tensor, bitmask: Tensor) -> tuple[Tensor, ...]:
         """_verify_commit_greedy, then the next round's draft phase from its root (the bonus) at
         L + n + 1, in the same graph when compiled: the head's weights are still in the caches
         from the catch-up (a draft phase of its own ran ~0.4 ms slower after a round than at
         once again), and a round is one call. history's kv length covers the next tree's draft
         slots too.
         Returns _verify_commit_greedy's tensors, then the next tree's (_draft_tree)."""
-        out = self._verify_commit_greedy(tokens, parent, depth, tree_mask, L, history)
+        out = self._verify_commit_greedy(tokens, parent, depth, tree_mask, L, history, bitmask)
         _, _, n, bonus, _, g_last, logp, history = out
         return *out, *self._draft_tree(bonus, logp, g_last, L + n + 1, history)
 
@@ -627,7 +632,8 @@ class SpecDecoder:
         T = depth + 1
         drafted = cfg.num_steps * cfg.eagle_topk  # draft cache slots a draft phase writes past L
         params = [s.params for s in self.seqs]
-        greedy = all(p.raw_argmax for p in params)  # the round's one graph
+        # the round's one graph: greedy on the raw logits, or on those a grammar allows
+        greedy = all(p.raw_argmax or p.grammar_argmax for p in params)
         ahead = self.draft_ahead
         t0 = time.perf_counter()
         if ahead and all(s.ahead for s in self.seqs):
@@ -639,7 +645,7 @@ class SpecDecoder:
                 tree = DraftTree(*self.draft_tree_fn(self.root[:B], self.root_logp[:B], self.root_g[:B], L,
                                                      history))
             drafts = cfg.num_steps - 1
-        if not greedy and any(s.matcher is not None for s in self.seqs):
+        if any(s.matcher is not None for s in self.seqs):
             tree = self._with_forced(tree, cfg)
         t1 = time.perf_counter()
         # verify's and catch-up's kv, the next round's draft phase's (from L + n + 1 <= L + T), and
@@ -649,7 +655,7 @@ class SpecDecoder:
         if greedy:
             with record_function("spec.verify_commit_greedy"):
                 logits, path, n, bonus, path_tokens, g_last, logp, history, *next_tree = self.greedy_round_fn(
-                    tree.tokens, tree.parent, tree.depth, tree.mask, L, history)
+                    tree.tokens, tree.parent, tree.depth, tree.mask, L, history, self._grammar_bitmask(tree))
             t2 = t3 = t4 = time.perf_counter()
         else:
             mask = build_attn_mask(L, tree.mask, kv)
@@ -706,6 +712,22 @@ class SpecDecoder:
             if encode is not None and (chain := forced_tokens(s.matcher, encode, cfg.max_depth)):
                 chains[b] = chain
         return graft_chains(tree, chains, cfg.max_depth) if chains else tree
+
+    def _grammar_bitmask(self, tree: DraftTree) -> Tensor:
+        """[B, N, ceil(V / 32)] int32: the tokens each row's grammar allows after each node of its
+        tree (grammar.allowed_after, from the output so far along the node's path), every token
+        for rows without one. On the host, before the verify: a greedy round's graph takes it."""
+        B, N = tree.tokens.shape
+        bitmask = self.all_allowed[:B, :N]
+        rows = [b for b, s in enumerate(self.seqs) if s.matcher is not None]
+        if not rows:
+            return bitmask
+        from eagle_infer.grammar import allowed_after
+
+        bitmask, V = bitmask.clone(), self.target.config.vocab_size
+        for b in rows:
+            bitmask[b] = allowed_after(self.seqs[b].matcher, node_paths(tree.tokens, tree.mask, b, N), V)
+        return bitmask
 
     def tree_for(self, B: int) -> TreeConfig:
         """The tree a round of B sequences drafts and verifies (batch_tree)."""

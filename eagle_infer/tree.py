@@ -31,7 +31,7 @@ from torch import Tensor
 from eagle_infer.errors import UserError
 from eagle_infer.kernels.tree_accept import fused_accept_greedy, fused_accept_sampling, kernel_available
 from eagle_infer.model import build_attn_mask
-from eagle_infer.sampling import SamplingParams, greedy_tokens, logits_to_probs
+from eagle_infer.sampling import SamplingParams, greedy_tokens, logits_to_probs, masked_greedy_tokens
 
 
 @dataclass(frozen=True)
@@ -470,9 +470,12 @@ def _path_from_leaf(tree: DraftTree, leaf: Tensor, max_depth: int) -> Tensor:
     return torch.where(steps <= n, path, leaf[:, None])
 
 
-def accept_greedy(tree: DraftTree, target_logits: Tensor, max_depth: int) -> Acceptance:
-    """Longest root path whose every token equals the target's argmax after its parent."""
-    pred = greedy_tokens(target_logits)  # [B, N] the target's choice after each node
+def accept_greedy(tree: DraftTree, target_logits: Tensor, max_depth: int,
+                  bitmask: Tensor | None = None) -> Acceptance:
+    """Longest root path whose every token equals the target's argmax after its parent (among
+    the tokens a grammar's bitmask [B, N, ceil(V / 32)] allows after each node, where given)."""
+    # [B, N] the target's choice after each node
+    pred = greedy_tokens(target_logits) if bitmask is None else masked_greedy_tokens(target_logits, bitmask)
     if kernel_available(pred):  # CUDA: the walk in one Triton launch (eagle_infer/kernels)
         return Acceptance(*fused_accept_greedy(tree.tokens, tree.parent, pred, max_depth))
     ok = tree.tokens == torch.gather(pred, 1, tree.parent)

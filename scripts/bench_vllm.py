@@ -18,6 +18,9 @@ per round + 1) and `accept_rate_per_position` from vLLM's own spec-decode counte
 vLLM drafts chains only: k draft tokens per round. `--ours` runs our bench on the same prompts
 in the same sitting (plain, and chain drafting with the same k) and adds its numbers;
 `--llamacpp` adds llama.cpp's plain decoding of the target's Q4_1 GGUF (scripts/bench_llamacpp.py).
+`--structured-output` (as our bench's: json | regex:PATTERN | json_schema:FILE) decodes under that
+grammar in every engine (vLLM's `structured_outputs`: json_object, regex, json; both with
+xgrammar), stopping where the grammar ends (at its stop token, EOS ignored or not).
 `--batch-size B`: B prompts at a time, in order, in every engine (one vLLM `generate` call per
 batch, as our bench's calls; vLLM always drafts, so our chain at B > 1 speculates at every batch
 size too, while our default tree keeps the server's batch defaults).
@@ -55,12 +58,15 @@ def head_method(head_dir: Path) -> str:
 
 def run_vllm(model: str, prompts: list[list[int]], *, head: Path | None, k: int, max_new_tokens: int,
              dtype: str, ignore_eos: bool, enforce_eager: bool, python: str | None = None,
-             llm_args: dict | None = None, one_call: bool = False, batch_size: int = 1) -> dict:
+             llm_args: dict | None = None, one_call: bool = False, batch_size: int = 1,
+             structured_outputs: dict | None = None) -> dict:
     """One vLLM configuration in its own worker process: outputs, timings, spec counters.
     llm_args: more vllm.LLM arguments (the bench leaves vLLM's defaults). one_call: all prompts
     in one batch and no warm-up call, for checks of outputs and acceptance, not of speed (the
     interop tests: 4 prompts x 64 tokens took 21 s one by one on the 2-core EPYC). batch_size:
-    prompts per generate call, in order (the warm-up call has as many); seconds are per call."""
+    prompts per generate call, in order (the warm-up call has as many); seconds are per call.
+    structured_outputs: vLLM's StructuredOutputsParams fields (e.g. {"json": schema}); the grammar's
+    end then stops a sequence, so EOS is not ignored."""
     from eagle_infer.bench import batches
     from eagle_infer.vllm_client import VLLMEngine
 
@@ -69,6 +75,8 @@ def run_vllm(model: str, prompts: list[list[int]], *, head: Path | None, k: int,
         spec = {"method": head_method(head), "model": str(head), "num_speculative_tokens": k}
     max_len = max(256, max(len(p) for p in prompts) + max_new_tokens + k + 8)
     params = {"temperature": 0.0, "max_tokens": max_new_tokens, "ignore_eos": ignore_eos}
+    if structured_outputs:
+        params |= {"structured_outputs": structured_outputs, "ignore_eos": False}
     with VLLMEngine(model, dtype=dtype, speculative_config=spec, enforce_eager=enforce_eager,
                     max_model_len=max_len, python=python, **(llm_args or {})) as llm:
         first = prompts[:batch_size]  # warm-up, as our bench: one call of a batch's size
@@ -169,6 +177,8 @@ def run_ours(args: argparse.Namespace, head: Path | None, tree: tuple[int, int, 
                         "--speculative-batch-tree", "none"]
         if args.stop_at_eos:
             cmd.append("--stop-at-eos")
+        if args.structured_output:
+            cmd += ["--structured-output", args.structured_output]
         subprocess.run(cmd, check=True, cwd=ROOT)
         return json.loads(out.read_text())
 
@@ -187,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--stop-at-eos", action="store_true",
                     help="stop at EOS (default: ignore it, like our bench)")
+    ap.add_argument("--structured-output", default=None, metavar="json | regex:PATTERN | json_schema:FILE",
+                    help="decode under a grammar in all engines (as our bench; vLLM: structured_outputs)")
     ap.add_argument("--enforce-eager", action="store_true", help="skip vLLM's compilation (faster start)")
     ap.add_argument("--no-plain", action="store_true", help="skip vLLM's plain decoding")
     ap.add_argument("--ours", action="store_true", help="also run our bench on the same prompts")
@@ -208,7 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.llamacpp and args.model_path != "default":
         ap.error("--llamacpp runs the embedded default's Q4_1 GGUF only: drop it or --model-path")
 
-    from eagle_infer.bench import load_prompts
+    from eagle_infer.api_schema import STRUCTURED_KINDS
+    from eagle_infer.bench import load_prompts, structured_output_arg
     from eagle_infer.default_model import default_head_path, resolve_model_path
     from eagle_infer.loader import load_tokenizer
 
@@ -219,8 +232,14 @@ def main(argv: list[str] | None = None) -> None:
              else [default_head_path("eagle3")])
     dtype = {"bf16": "bfloat16", "fp32": "float32"}[args.dtype]
     k = args.num_speculative_tokens
+    structured = None
+    if args.structured_output:  # our kind and source as vLLM's field: json_object, regex or json
+        kind, source = structured_output_arg(args.structured_output)
+        field = next(f for f, ours in STRUCTURED_KINDS.items() if ours == kind)
+        structured = {field: True if kind == "json" else source}
     common = dict(max_new_tokens=args.max_new_tokens, dtype=dtype, ignore_eos=not args.stop_at_eos,
-                  enforce_eager=args.enforce_eager, k=k, batch_size=args.batch_size)
+                  enforce_eager=args.enforce_eager, k=k, batch_size=args.batch_size,
+                  structured_outputs=structured)
     methods: dict[str, dict] = {}
     outputs: dict[str, list[list[int]]] = {}
     runs = ([] if args.no_plain else [("vllm plain", None)]) + [(f"vllm {h.name} k{k}", h) for h in heads]
@@ -247,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
                      "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": args.max_new_tokens,
                      "dtype": args.dtype, "batch_size": args.batch_size, "greedy": True,
                      "ignore_eos": not args.stop_at_eos, "num_speculative_tokens": k,
-                     "enforce_eager": args.enforce_eager},
+                     "enforce_eager": args.enforce_eager, "structured_output": args.structured_output},
         "machine": cpu_info(),
         "vllm_env": raw["env"] if runs else {},  # what vllm_cpu_env added (threads bound, OpenMP)
         "methods": methods,

@@ -480,6 +480,8 @@ def test_grammar_greedy_is_plain_grammar_greedy():
                             disable_by_batch_size=8)):
         seqs = [Sequence_(p, s, 30, {stop}) for p, s in zip(prompts, params)]
         dec.add_many(seqs)
+        if isinstance(dec, SpecDecoder):  # greedy under a grammar: the greedy round's graph
+            dec.verify_fn = dec.sampled_tail_fn = None
         while dec.seqs:
             dec.step()
         outs[type(dec).__name__] = [s.output for s in seqs]
@@ -496,6 +498,30 @@ def test_grammar_greedy_is_plain_grammar_greedy():
     assert [len(o) for o in ends] == [3, 30] and ends[0][-1] == stop
     assert generate_speculative(target, head, prompts[:2], 30, one_pair, eos_token_ids=[])[0] == ends
     assert plain[:3] != generate(target, prompts[:3], 30) and plain[3] == generate(target, prompts[3:], 30)[0]
+
+
+def test_masked_greedy_tokens_is_the_argmax_the_bitmask_allows():
+    """masked_greedy_tokens reads xgrammar's bitmask as xgrammar applies it (bit 31 of a word
+    included, a vocabulary not a multiple of 32): the argmax of what is left, the raw argmax
+    under an all-allowed mask."""
+    import xgrammar as xgr
+
+    from eagle_infer.sampling import masked_greedy_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    V = 100
+    logits = torch.randn(3, 5, V, generator=gen)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 5, (V + 31) // 32), generator=gen, dtype=torch.int32)
+    bitmask[0, 0] = 0
+    bitmask[0, 0, 0] = 1 << 3  # one token allowed
+    bitmask[0, 1] = 0
+    bitmask[0, 1, 1] = -2**31  # token 63 alone (bit 31)
+    expected = logits.clone().view(-1, V)
+    xgr.apply_token_bitmask_inplace(expected, bitmask.view(-1, bitmask.shape[-1]))
+    got = masked_greedy_tokens(logits, bitmask)
+    assert torch.equal(got, expected.view(3, 5, V).argmax(-1))
+    assert got[0, 0] == 3 and got[0, 1] == 63 and not torch.equal(got, logits.argmax(-1))
+    assert torch.equal(masked_greedy_tokens(logits, torch.full_like(bitmask, -1)), logits.argmax(-1))
 
 
 def digits(text: str) -> list[int]:
