@@ -718,13 +718,13 @@ class SpecDecoder:
         tree (grammar.allowed_after, from the output so far along the node's path), every token
         for rows without one. On the host, before the verify: a greedy round's graph takes it."""
         B, N = tree.tokens.shape
-        bitmask = self.all_allowed[:B, :N]
+        every = self.all_allowed[:B, :N]
         rows = [b for b, s in enumerate(self.seqs) if s.matcher is not None]
-        if not rows:
-            return bitmask
+        if not rows:  # contiguous: a batch tree's N < the buffer's, and the graph traced these strides
+            return every.contiguous()
         from eagle_infer.grammar import allowed_after
 
-        bitmask, V = bitmask.clone(), self.target.config.vocab_size
+        bitmask, V = every.clone(memory_format=torch.contiguous_format), self.target.config.vocab_size
         for b in rows:
             bitmask[b] = allowed_after(self.seqs[b].matcher, node_paths(tree.tokens, tree.mask, b, N), V)
         return bitmask

@@ -10,6 +10,11 @@ grammar in both: the hermes envelope around each tool's schema.
     python scripts/probe_vllm_tools.py --json results/vllm_tools_zen1.json
     python scripts/probe_vllm_tools.py --no-vllm --json results/tools_tau_zen1.json  # and τ per setting
     python scripts/probe_vllm_tools.py --no-vllm --dtype bf16 --json results/tools_tau_bf16_zen4.json
+    python scripts/probe_vllm_tools.py --dtype bf16 --vllm-head --json results/tools_vs_vllm_bf16_zen4.json
+
+Each server also gets a setting's tokens per second (its answers' completion tokens over their
+wall time, one request at a time, after an untimed request of that setting: xgrammar's import and
+the grammar's compilation are not timed). `--vllm-head` adds vLLM with our EAGLE-3 head (k=3).
 
 vLLM runs in its own environment (scripts/vllm_env.sh), as in scripts/bench_server.py.
 """
@@ -53,7 +58,9 @@ def answer(url: str, model: str, question: str, setting: str, max_tokens: int) -
             "tool_choice": CHOICES[setting], "max_tokens": max_tokens, "temperature": 0}
     if setting == "required-single":
         body["parallel_tool_calls"] = False
+    t0 = time.perf_counter()
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
+    seconds = time.perf_counter() - t0
     if r.status_code != 200:
         return {"status": r.status_code, "error": r.text[:300]}
     choice = r.json()["choices"][0]
@@ -61,6 +68,7 @@ def answer(url: str, model: str, question: str, setting: str, max_tokens: int) -
     calls = [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls") or []]
     spec = r.json()["usage"].get("speculative")  # ours: rounds and accepted drafts
     return {"content": msg.get("content") or "", "calls": calls, "finish_reason": choice["finish_reason"],
+            "tokens": r.json()["usage"]["completion_tokens"], "seconds": round(seconds, 4),
             **({"speculative": spec} if spec else {})}
 
 
@@ -83,9 +91,13 @@ def servers(args: argparse.Namespace) -> list[tuple[str, list[str] | None, list[
              "--served-model-name", MODEL] + tools,
             # a KV cache of 4 GiB, not most of the machine (its default), which other processes share
             vllm_cpu_env(python) | {"VLLM_CPU_KVCACHE_SPACE": "4"})
+    from eagle_infer.default_model import default_head_path
+
+    head = {"method": "eagle3", "model": str(default_head_path("eagle3")), "num_speculative_tokens": 3}
+    vllm_spec = (vllm[0], vllm[1] + ["--speculative-config", json.dumps(head)], vllm[2])
     return [("ours-spec", None, ours + ["--speculative-algorithm", "EAGLE3"], {}),
             ("ours-plain", None, ours + ["--speculative-algorithm", "NONE"], {}),
-            ("vllm", *vllm)][: None if args.vllm else 2]
+            ("vllm", *vllm), ("vllm-spec", *vllm_spec)][: 4 if args.vllm_head else 3 if args.vllm else 2]
 
 
 def main() -> None:
@@ -97,6 +109,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                     help="both servers' (in bf16 answers may differ with the kernels' rounding)")
     ap.add_argument("--no-vllm", dest="vllm", action="store_false", help="ours only (spec against plain)")
+    ap.add_argument("--vllm-head", action="store_true", help="also vLLM with our EAGLE-3 head, k=3")
     args = ap.parse_args()
     out: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for name, program, flags, env in servers(args):
@@ -105,8 +118,10 @@ def main() -> None:
         try:
             server.wait_ready(900)
             print(f"{name}: ready in {time.time() - t0:.0f} s", file=sys.stderr)
-            out[name] = {s: [answer(server.url, MODEL, q, s, args.max_tokens) for q in QUESTIONS]
-                         for s in CHOICES}
+            out[name] = {}
+            for s in CHOICES:
+                answer(server.url, MODEL, QUESTIONS[0], s, 8)  # untimed: imports, the grammar's compilation
+                out[name][s] = [answer(server.url, MODEL, q, s, args.max_tokens) for q in QUESTIONS]
         finally:
             server.stop()
     names = list(out)
@@ -115,6 +130,10 @@ def main() -> None:
         row = {f"{a}=={b}": sum(same(x, y) for x, y in zip(out[a][s], out[b][s]))
                for i, a in enumerate(names) for b in names[i + 1:]}
         row["calls"] = [len(x.get("calls", [])) for x in out[names[0]][s]]
+        for name in names:  # one request at a time: tokens over wall time, as a client sees it
+            done = [x for x in out[name][s] if "tokens" in x]
+            row[f"{name}_tokens_per_s"] = round(sum(x["tokens"] for x in done)
+                                                / max(sum(x["seconds"] for x in done), 1e-9), 2)
         rounds = [x["speculative"] for x in out[names[0]][s] if "speculative" in x]
         if rounds:  # the speculative server's acceptance length over the setting's answers
             accepted, n = sum(x["accepted_tokens"] for x in rounds), sum(x["rounds"] for x in rounds)

@@ -487,6 +487,7 @@ def test_grammar_greedy_is_plain_grammar_greedy():
         outs[type(dec).__name__] = [s.output for s in seqs]
     plain, spec = outs["PlainDecoder"], outs["SpecDecoder"]
     assert spec == plain and sum(dec.stats.accepted_hist[2:]) > 0  # rounds that accepted 2+ drafts
+    assert (dec.all_allowed == -1).all()  # the rows without a grammar's mask, never written
     for out in plain[:3]:
         body = out[:-1] if out[-1] == stop else out
         assert re.fullmatch("([0-4][5-9])*[0-4]?", "".join(map(str, body))), out
