@@ -171,10 +171,11 @@ def penalize(logits: Tensor, params: Sequence[SamplingParams], prompts: Sequence
     dev = out.device
     for b in rows:
         p, x = params[b], out[b]  # x [N, V]: a view, changed in place
-        counts = torch.bincount(torch.tensor(outputs[b], dtype=torch.long), minlength=V)
-        counts = counts.to(dev, torch.float32).expand(N, V).contiguous()  # [N, V]
-        if N > 1:  # each node's path below the root
-            counts.scatter_add_(1, tree_tokens[b, 1:].expand(N, N - 1), tree_mask[b, :, 1:].float())
+        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+            counts = torch.bincount(torch.tensor(outputs[b], dtype=torch.long), minlength=V)
+            counts = counts.to(dev, torch.float32).expand(N, V).contiguous()  # [N, V]
+            if N > 1:  # each node's path below the root
+                counts.scatter_add_(1, tree_tokens[b, 1:].expand(N, N - 1), tree_mask[b, :, 1:].float())
         # each node's drafted path, for the settings that read the tokens before it
         paths = node_paths(tree_tokens, tree_mask, b, N) if p.grammar is not None or p.bad_words else []
         if p.grammar is not None:
