@@ -29,7 +29,7 @@ from eagle_infer.generate import (
     pick_tokens,
 )
 from eagle_infer.model import Transformer, causal_mask
-from eagle_infer.sampling import SamplingParams
+from eagle_infer.sampling import SamplingParams, grammar_bitmask
 from eagle_infer.speculative import (
     RowTable,
     Sequence_,
@@ -114,15 +114,19 @@ class PlainDecoder:
         L_max = max(s.cached for s in self.seqs)  # = L.max(), from the host: no read
         if self.compiled_step is not None and batch_bucket(B) <= self.max_bs:
             kv = compiled_kv_len(L_max + 1, self.max_seq_len, self.compiled_step.mode)
-            logits, greedy = self.compiled_step(self.last[:B], L, kv)
+            bitmask = grammar_bitmask([s.matcher for s in self.seqs], self.target.config.vocab_size)
+            logits, greedy = self.compiled_step(self.last[:B], L, kv, bitmask)
             logits = logits[:, None]
         else:
             mask = causal_mask(L, 1, kv_len_for(L_max + 1, self.max_seq_len))
             logits, _ = self.target(self.last[:B, None], L[:, None], L[:, None], mask)
             greedy = None
         params, gens = [s.params for s in self.seqs], [s.generator for s in self.seqs]
-        picked = penalize_seqs(logits, self.seqs)
-        nxt = pick_tokens(picked[:, 0], params, gens, greedy if picked is logits else None)
+        if greedy is not None and all(p.raw_argmax or p.grammar_argmax for p in params):
+            nxt = greedy  # the graph's argmax, among what each row's grammar allows
+        else:
+            picked = penalize_seqs(logits, self.seqs)
+            nxt = pick_tokens(picked[:, 0], params, gens, greedy if picked is logits else None)
         self.L[:B] += 1
         self.last[:B] = nxt
         results = []

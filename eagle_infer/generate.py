@@ -32,9 +32,11 @@ from eagle_infer.errors import UserError, cli_errors
 from eagle_infer.model import Transformer, causal_mask
 from eagle_infer.sampling import (
     SamplingParams,
+    grammar_bitmask,
     grammar_step,
     greedy_tokens,
     logits_to_probs,
+    masked_greedy_tokens,
     penalize,
     sample,
 )
@@ -309,26 +311,32 @@ class CompiledDecode:
         settings = compile_settings(model)
         self.fn = compile_step(self._step, mode, settings, step_options(model, settings, mode))
 
-    def _step(self, tokens: torch.Tensor, cur: torch.Tensor,
-              kv_ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(self, tokens: torch.Tensor, cur: torch.Tensor, kv_ref: torch.Tensor,
+              bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_ref [kv_len]: only its length is read (a traced symbol), so the mask is built in the
         graph: built eagerly before it (~15 small ops), an int8 plain step took 5.77 ms against
-        5.68 (Zen 4, in-process A/B)."""
+        5.68 (Zen 4, in-process A/B). bitmask [Bp, ceil(V / 32)]: what each row's grammar allows
+        (grammar_bitmask; every token without one): the argmax is taken among those."""
         mask = causal_mask(cur, 1, kv_ref.shape[-1])  # [Bp, 1, kv_len]
         logits, _ = self.model(tokens[:, None], cur[:, None], cur[:, None], mask)
-        return logits[:, 0], greedy_tokens(logits[:, 0])
+        return logits[:, 0], masked_greedy_tokens(logits[:, 0], bitmask)
 
-    def __call__(self, tokens: torch.Tensor, cur: torch.Tensor,
-                 kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, tokens: torch.Tensor, cur: torch.Tensor, kv_len: int,
+                 bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens, cur [B] (next token, its slot = position), kv_len from the caller's host-side
-        count (compiled_kv_len: no device read) -> logits [B, V], argmax [B]."""
+        count (compiled_kv_len: no device read), bitmask [B, ceil(V / 32)] (grammar_bitmask;
+        None: no row has a grammar) -> logits [B, V], the argmax [B] among the allowed tokens."""
         B, m = tokens.shape[0], self.model
-        pad = batch_bucket(B) - B
-        if pad:
-            tokens, cur = F.pad(tokens, (0, pad)), F.pad(cur, (0, pad))
+        Bp = batch_bucket(B)
+        if bitmask is None:
+            bitmask = torch.full((Bp, (m.config.vocab_size + 31) // 32), -1, dtype=torch.int32,
+                                 device=tokens.device)
+        if Bp > B:
+            tokens, cur = F.pad(tokens, (0, Bp - B)), F.pad(cur, (0, Bp - B))
+            bitmask = F.pad(bitmask, (0, 0, 0, Bp - bitmask.shape[0]), value=-1)
         kv_ref = torch.empty(kv_len, dtype=torch.bool, device=tokens.device)
         mark_kv_dynamic(kv_ref, m.max_seq_len)
-        logits, greedy = self.fn(tokens, cur, kv_ref)
+        logits, greedy = self.fn(tokens, cur, kv_ref, bitmask)
         if self.mode == CUDA_GRAPHS:  # CUDA graphs reuse their output buffers
             return logits[:B].clone(), greedy[:B].clone()
         return logits[:B], greedy[:B]
@@ -386,11 +394,13 @@ def generate(
     logits = torch.cat([prefill(model, prompts[g[0]:g[-1] + 1], row0=g[0])[0] for g in join_groups(lens)])
     cur = torch.tensor(lens, device=dev)  # [B] tokens in the cache so far
     top = max(lens)  # = cur.max(), kept on the host: the kv length needs no device read
-    greedy = None  # the argmax, when the compiled step returns it
+    greedy = None  # the argmax, when the compiled step returns it (among what each grammar allows)
+    masked = all(p.raw_argmax or p.grammar_argmax for p in params)  # that argmax is every row's token
+    bitmask = None
     outputs: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     for _ in range(max_new_tokens):
-        if any(p.penalized for p in params):
+        if any(p.penalized for p in params) and not (masked and greedy is not None):
             logits, greedy = penalize(logits[:, None], params, prompts, outputs, [eos] * B,
                                       matchers=matchers)[:, 0], None
         nxt = pick_tokens(logits, params, generators, greedy)  # [B]
@@ -406,7 +416,9 @@ def generate(
         if all(done):
             break
         if step is not None:
-            logits, greedy = step(nxt, cur, compiled_kv_len(top + 1, model.max_seq_len, step.mode))
+            if masked:
+                bitmask = grammar_bitmask(matchers, model.config.vocab_size)
+            logits, greedy = step(nxt, cur, compiled_kv_len(top + 1, model.max_seq_len, step.mode), bitmask)
         else:
             kv = kv_len_for(top + 1, model.max_seq_len)
             logits = model(nxt[:, None], cur[:, None], cur[:, None], causal_mask(cur, 1, kv))[0][:, 0]

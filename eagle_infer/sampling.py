@@ -148,6 +148,18 @@ def masked_greedy_tokens(logits: Tensor, bitmask: Tensor) -> Tensor:
     return greedy_tokens(logits.masked_fill(allowed == 0, float("-inf")))
 
 
+def grammar_bitmask(matchers: Sequence[Any], vocab_size: int) -> Tensor | None:
+    """[B, ceil(V / 32)] int32: the tokens each row's grammar matcher allows next (every token for
+    rows without one, or whose grammar has ended); None where no row has one."""
+    if all(m is None for m in matchers):
+        return None
+    from eagle_infer.grammar import allowed_after
+
+    every = torch.full((len(matchers), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    return torch.cat([every[b:b + 1] if m is None else allowed_after(m, [[]], vocab_size)
+                      for b, m in enumerate(matchers)])
+
+
 def penalize(logits: Tensor, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
              outputs: Sequence[Sequence[int]], stops: Sequence[Collection[int]],
              tree_tokens: Tensor | None = None, tree_mask: Tensor | None = None,

@@ -525,6 +525,42 @@ def test_masked_greedy_tokens_is_the_argmax_the_bitmask_allows():
     assert torch.equal(masked_greedy_tokens(logits, torch.full_like(bitmask, -1)), logits.argmax(-1))
 
 
+def test_compiled_plain_decoding_takes_the_grammar_in_its_graph(monkeypatch):
+    """Plain decoding's compiled step takes each row's grammar bitmask (grammar_bitmask) and
+    returns the argmax among the allowed tokens, so greedy rows under a grammar alone skip the
+    eager penalize after the first token (generate(), PlainDecoder): the same tokens as eager
+    decoding, rows with and without a grammar in one batch, a grammar ending mid-batch."""
+    import re
+
+    import eagle_infer.engine as engine_mod
+    import eagle_infer.generate as generate_mod
+    from eagle_infer.engine import PlainDecoder
+    from eagle_infer.speculative import Sequence_
+
+    target = tiny_target(layers=1, silent=True)
+    V, stop = target.config.vocab_size, 95
+    params = [SamplingParams(grammar=pair_grammar(V, stop)), SamplingParams(),
+              SamplingParams(grammar=pair_grammar(V, stop, "[0-4][5-9]"))]
+    prompts = prompts_for(V)[:3]
+    eager = generate(target, prompts, 16, params, eos_token_ids=[stop])
+    body = eager[0][:-1] if eager[0][-1] == stop else eager[0]
+    assert re.fullmatch("([0-4][5-9])*[0-4]?", "".join(map(str, body)))
+    assert len(eager[2]) == 3 and eager[2][-1] == stop and len(eager[1]) == 16
+    counted = []
+    for mod in (generate_mod, engine_mod):
+        real = mod.penalize if mod is generate_mod else mod.penalize_seqs
+        name = "penalize" if mod is generate_mod else "penalize_seqs"
+        monkeypatch.setattr(mod, name, lambda *a, real=real, **k: counted.append(1) or real(*a, **k))
+    assert generate(target, prompts, 16, params, eos_token_ids=[stop], compile=True) == eager
+    assert len(counted) == 1  # the first token's, from the prefill's logits
+    dec = PlainDecoder(target, max_batch=4, max_seq_len=128).compile()
+    seqs = [Sequence_(p, s, 16, {stop}) for p, s in zip(prompts, params)]
+    dec.add_many(seqs)
+    while dec.seqs:
+        dec.step()
+    assert [s.output for s in seqs] == eager and len(counted) == 1
+
+
 def digits(text: str) -> list[int]:
     """pair_grammar's vocabulary's encode: a digit is its own token."""
     return [int(c) for c in text]
