@@ -53,7 +53,14 @@ from eagle_infer.generate import (
 from eagle_infer.heads import DraftHead
 from eagle_infer.kernels.tree_accept import kernel_available
 from eagle_infer.model import Transformer, build_attn_mask, causal_mask
-from eagle_infer.sampling import SamplingParams, grammar_step, greedy_tokens, next_token, node_paths, penalize
+from eagle_infer.sampling import (
+    SamplingParams,
+    grammar_step,
+    masked_greedy_tokens,
+    next_token,
+    node_paths,
+    penalize,
+)
 from eagle_infer.tree import (
     Acceptance,
     DraftTree,
@@ -492,14 +499,16 @@ class SpecDecoder:
         _, n, bonus, _, g_last, logp, history = out
         return *out, *self._draft_tree(bonus, logp, g_last, L + n + 1, history)
 
-    def _plain_round_greedy(self, tokens: Tensor, L: Tensor, kv_ref: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _plain_round_greedy(self, tokens: Tensor, L: Tensor, kv_ref: Tensor,
+                            bitmask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """A greedy round without drafts: the target's step on each root tokens [B, 1] at slot L,
         one graph when compiled. Returns its logits [B, 1, V], the next token [B] (accept_greedy's
-        bonus for a tree of the root alone) and the root's draft feature [B, h] for the head's
+        bonus for a tree of the root alone, among what bitmask [B, 1, ceil(V / 32)] allows: a
+        grammar's, as _grammar_bitmask) and the root's draft feature [B, h] for the head's
         deferred catch-up."""
         mask = causal_mask(L, 1, kv_ref.shape[-1])  # [B, 1, kv_len]
         logits, hidden = self._verify(tokens, L[:, None], L[:, None], mask)
-        return logits, greedy_tokens(logits[:, 0]), self.head.project(hidden)[:, 0]
+        return logits, masked_greedy_tokens(logits, bitmask)[:, 0], self.head.project(hidden)[:, 0]
 
     def _catch_up(self, next_tokens: Tensor, feats: Tensor, pos: Tensor, mask: Tensor, count: Tensor,
                   row0: int = 0) -> tuple[Tensor, Tensor]:
@@ -751,14 +760,13 @@ class SpecDecoder:
         dev, L = self.device, self.L[:B]
         kv = self.kv_len(max(s.cached for s in self.seqs) + 1)
         params = [s.params for s in self.seqs]
-        with record_function("spec.plain_round"):
-            if all(p.raw_argmax for p in params):
+        zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        tree = DraftTree(self.root[:B, None], zero, zero, torch.ones(B, 1, 1, dtype=torch.bool, device=dev))
+        with record_function("spec.plain_round"):  # the root alone as a tree
+            if all(p.raw_argmax or p.grammar_argmax for p in params):
                 kv_ref = torch.empty(B, kv, dtype=torch.bool, device=dev)
-                logits, bonus, feat = self.plain_round_fn(self.root[:B, None], L, kv_ref)
-            else:  # the root alone as a tree: the bonus drawn from the target as in any round
-                zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
-                one = torch.ones(B, 1, 1, dtype=torch.bool, device=dev)
-                tree = DraftTree(self.root[:B, None], zero, zero, one)
+                logits, bonus, feat = self.plain_round_fn(tree.tokens, L, kv_ref, self._grammar_bitmask(tree))
+            else:  # the bonus drawn from the target as in any round
                 logits, hidden = self.verify_fn(tree.tokens, L[:, None], L[:, None], causal_mask(L, 1, kv))
                 bonus = accept_sampling(tree, penalize_seqs(logits, self.seqs), params,
                                         [s.generator for s in self.seqs], 0).bonus

@@ -474,20 +474,24 @@ def test_grammar_greedy_is_plain_grammar_greedy():
     head = oracle_head(target, noise=0.3)
     params = [SamplingParams(grammar=pair_grammar(V, stop))] * 3 + [SamplingParams()]
     prompts = prompts_for(V)
-    outs = {}
-    for dec in (PlainDecoder(target, max_batch=4, max_seq_len=128),
-                SpecDecoder(target, head, TreeConfig(4, 3, 10, ngram_branch=3), max_batch=4, max_seq_len=128,
-                            disable_by_batch_size=8)):
+    outs = []
+    tree = TreeConfig(4, 3, 10, ngram_branch=3)
+    # rounds with drafts, then rounds without (above 0 sequences: all of them)
+    decoders = [PlainDecoder(target, max_batch=4, max_seq_len=128),
+                *[SpecDecoder(target, head, tree, max_batch=4, max_seq_len=128, disable_by_batch_size=d)
+                  for d in (8, 0)]]
+    for dec in decoders:
         seqs = [Sequence_(p, s, 30, {stop}) for p, s in zip(prompts, params)]
         dec.add_many(seqs)
-        if isinstance(dec, SpecDecoder):  # greedy under a grammar: the greedy round's graph
+        if isinstance(dec, SpecDecoder):  # greedy under a grammar: the greedy rounds' graphs
             dec.verify_fn = dec.sampled_tail_fn = None
         while dec.seqs:
             dec.step()
-        outs[type(dec).__name__] = [s.output for s in seqs]
-    plain, spec = outs["PlainDecoder"], outs["SpecDecoder"]
-    assert spec == plain and sum(dec.stats.accepted_hist[2:]) > 0  # rounds that accepted 2+ drafts
-    assert (dec.all_allowed == -1).all()  # the rows without a grammar's mask, never written
+        outs.append([s.output for s in seqs])
+    plain, spec, without_drafts = outs
+    assert spec == plain and sum(decoders[1].stats.accepted_hist[2:]) > 0  # rounds that accepted 2+ drafts
+    assert without_drafts == plain and decoders[2].stats.plain_rounds > 0
+    assert all((d.all_allowed == -1).all() for d in decoders[1:])  # the rows without a grammar's mask
     for out in plain[:3]:
         body = out[:-1] if out[-1] == stop else out
         assert re.fullmatch("([0-4][5-9])*[0-4]?", "".join(map(str, body))), out
