@@ -72,6 +72,7 @@ def test_bench_batches_prompts_in_order_one_generate_call_each(monkeypatch):
     import eagle_infer.vllm_client as vc
 
     calls: list[list[list[int]]] = []
+    sent: list[dict] = []
 
     class FakeEngine:
         startup_s = 1.0
@@ -89,6 +90,7 @@ def test_bench_batches_prompts_in_order_one_generate_call_each(monkeypatch):
         def generate(self, prompts, params):
             assert len(params) == len(prompts)
             calls.append(prompts)
+            sent.append(params[0])
             return [[p[0]] * params[0]["max_tokens"] for p in prompts], 0.5
 
         def spec_counts(self):
@@ -104,6 +106,11 @@ def test_bench_batches_prompts_in_order_one_generate_call_each(monkeypatch):
     got = bv.summarize(raw, K, batch_size=2)
     assert [c["tokens"] for c in got["per_batch"]] == [6, 6, 3] and "per_prompt" not in got
     assert got["tokens_per_s"] == 10.0 and got["warmup_s"] == 1.5
+    assert sent[-1]["ignore_eos"] and "structured_outputs" not in sent[-1]
+    # under a grammar (--structured-output): vLLM's field, and its end (EOS) ends each answer
+    bv.run_vllm("m", prompts, head=None, k=K, max_new_tokens=3, dtype="float32", ignore_eos=True,
+                enforce_eager=True, structured_outputs={"json": {"type": "object"}})
+    assert sent[-1]["structured_outputs"] == {"json": {"type": "object"}} and not sent[-1]["ignore_eos"]
 
 
 def test_our_side_of_the_bench_decodes_the_same_target(monkeypatch, capsys):
@@ -120,10 +127,14 @@ def test_our_side_of_the_bench_decodes_the_same_target(monkeypatch, capsys):
 
     monkeypatch.setattr(bv.subprocess, "run", fake_run)
     args = argparse.Namespace(model_path="/models/qwen3", num_prompts=2, prompts=None, max_new_tokens=8,
-                              dtype="fp32", batch_size=1, num_speculative_tokens=K, stop_at_eos=False)
+                              dtype="fp32", batch_size=1, num_speculative_tokens=K, stop_at_eos=False,
+                              structured_output=None)
     bv.run_ours(args, None)
     bv.run_ours(args, Path("/heads/h"), "default")
     assert [c[c.index("--model-path") + 1] for c in cmds] == ["/models/qwen3"] * 2
+    assert all("--structured-output" not in c for c in cmds)
+    bv.run_ours(argparse.Namespace(**vars(args) | {"structured_output": "json_schema:s.json"}), None)
+    assert cmds[-1][cmds[-1].index("--structured-output") + 1] == "json_schema:s.json"  # the same grammar
     with pytest.raises(SystemExit) as e:
         bv.main(["--model-path", "/models/qwen3", "--llamacpp"])
     assert e.value.code == 2 and "--llamacpp" in capsys.readouterr().err
