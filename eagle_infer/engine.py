@@ -114,7 +114,8 @@ class PlainDecoder:
         L_max = max(s.cached for s in self.seqs)  # = L.max(), from the host: no read
         if self.compiled_step is not None and batch_bucket(B) <= self.max_bs:
             kv = compiled_kv_len(L_max + 1, self.max_seq_len, self.compiled_step.mode)
-            bitmask = grammar_bitmask([s.matcher for s in self.seqs], self.target.config.vocab_size)
+            matchers = [s.matcher for s in self.seqs]
+            bitmask = grammar_bitmask(matchers, self.target.config.vocab_size, self.device)
             logits, greedy = self.compiled_step(self.last[:B], L, kv, bitmask)
             logits = logits[:, None]
         else:

@@ -417,7 +417,7 @@ def generate(
             break
         if step is not None:
             if masked:
-                bitmask = grammar_bitmask(matchers, model.config.vocab_size)
+                bitmask = grammar_bitmask(matchers, model.config.vocab_size, dev)
             logits, greedy = step(nxt, cur, compiled_kv_len(top + 1, model.max_seq_len, step.mode), bitmask)
         else:
             kv = kv_len_for(top + 1, model.max_seq_len)

@@ -104,7 +104,7 @@ class SamplingParams:
     @property
     def grammar_argmax(self) -> bool:
         """Greedy under a grammar and no other setting: the argmax of the logits its bitmask
-        allows, which a speculative decoder's greedy graph takes (masked_greedy_tokens)."""
+        allows, which the decoders' greedy graphs take (masked_greedy_tokens)."""
         return self.greedy and self.grammar is not None and not self._penalized_besides_grammar
 
     def generator(self, device: str | torch.device = "cpu") -> torch.Generator | None:
@@ -148,16 +148,17 @@ def masked_greedy_tokens(logits: Tensor, bitmask: Tensor) -> Tensor:
     return greedy_tokens(logits.masked_fill(allowed == 0, float("-inf")))
 
 
-def grammar_bitmask(matchers: Sequence[Any], vocab_size: int) -> Tensor | None:
-    """[B, ceil(V / 32)] int32: the tokens each row's grammar matcher allows next (every token for
-    rows without one, or whose grammar has ended); None where no row has one."""
+def grammar_bitmask(matchers: Sequence[Any], vocab_size: int,
+                    device: torch.device | str = "cpu") -> Tensor | None:
+    """[B, ceil(V / 32)] int32 on device: the tokens each row's grammar matcher allows next (every
+    token for rows without one, or whose grammar has ended); None where no row has one."""
     if all(m is None for m in matchers):
         return None
     from eagle_infer.grammar import allowed_after
 
     every = torch.full((len(matchers), (vocab_size + 31) // 32), -1, dtype=torch.int32)
     return torch.cat([every[b:b + 1] if m is None else allowed_after(m, [[]], vocab_size)
-                      for b, m in enumerate(matchers)])
+                      for b, m in enumerate(matchers)]).to(device)
 
 
 def penalize(logits: Tensor, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
