@@ -123,7 +123,7 @@ class PlainDecoder:
             logits, _ = self.target(self.last[:B, None], L[:, None], L[:, None], mask)
             greedy = None
         params, gens = [s.params for s in self.seqs], [s.generator for s in self.seqs]
-        if greedy is not None and all(p.raw_argmax or p.grammar_argmax for p in params):
+        if greedy is not None and all(p.graph_argmax for p in params):
             nxt = greedy  # the graph's argmax, among what each row's grammar allows
         else:
             picked = penalize_seqs(logits, self.seqs)

@@ -32,6 +32,7 @@ from eagle_infer.errors import UserError, cli_errors
 from eagle_infer.model import Transformer, causal_mask
 from eagle_infer.sampling import (
     SamplingParams,
+    every_token_bitmask,
     grammar_bitmask,
     grammar_step,
     greedy_tokens,
@@ -308,6 +309,7 @@ class CompiledDecode:
 
     def __init__(self, model: Transformer, mode: str | None = None):
         self.model, self.mode = model, mode
+        self.every_token: dict[int, torch.Tensor] = {}  # all-allowed bitmasks by batch bucket
         settings = compile_settings(model)
         self.fn = compile_step(self._step, mode, settings, step_options(model, settings, mode))
 
@@ -328,9 +330,11 @@ class CompiledDecode:
         None: no row has a grammar) -> logits [B, V], the argmax [B] among the allowed tokens."""
         B, m = tokens.shape[0], self.model
         Bp = batch_bucket(B)
-        if bitmask is None:
-            bitmask = torch.full((Bp, (m.config.vocab_size + 31) // 32), -1, dtype=torch.int32,
-                                 device=tokens.device)
+        if bitmask is None:  # one per batch bucket, made once: every plain step passes it
+            if Bp not in self.every_token:
+                self.every_token[Bp] = every_token_bitmask(Bp, vocab_size=m.config.vocab_size,
+                                                           device=tokens.device)
+            bitmask = self.every_token[Bp]
         if Bp > B:
             tokens, cur = F.pad(tokens, (0, Bp - B)), F.pad(cur, (0, Bp - B))
             bitmask = F.pad(bitmask, (0, 0, 0, Bp - bitmask.shape[0]), value=-1)
@@ -395,7 +399,7 @@ def generate(
     cur = torch.tensor(lens, device=dev)  # [B] tokens in the cache so far
     top = max(lens)  # = cur.max(), kept on the host: the kv length needs no device read
     greedy = None  # the argmax, when the compiled step returns it (among what each grammar allows)
-    masked = all(p.raw_argmax or p.grammar_argmax for p in params)  # that argmax is every row's token
+    masked = all(p.graph_argmax for p in params)  # that argmax is every row's token
     bitmask = None
     outputs: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B

@@ -97,15 +97,11 @@ class SamplingParams:
                     or self.bad_words)
 
     @property
-    def raw_argmax(self) -> bool:
-        """Greedy on the raw logits: the token the decoders' greedy graphs compute in-graph."""
-        return self.greedy and not self.penalized
-
-    @property
-    def grammar_argmax(self) -> bool:
-        """Greedy under a grammar and no other setting: the argmax of the logits its bitmask
-        allows, which the decoders' greedy graphs take (masked_greedy_tokens)."""
-        return self.greedy and self.grammar is not None and not self._penalized_besides_grammar
+    def graph_argmax(self) -> bool:
+        """Greedy with no setting but a grammar: the token the decoders' greedy graphs compute
+        in-graph, the argmax of the logits its bitmask allows (masked_greedy_tokens; the raw
+        logits' without one)."""
+        return self.greedy and not self._penalized_besides_grammar
 
     def generator(self, device: str | torch.device = "cpu") -> torch.Generator | None:
         if self.seed is None:
@@ -148,6 +144,11 @@ def masked_greedy_tokens(logits: Tensor, bitmask: Tensor) -> Tensor:
     return greedy_tokens(logits.masked_fill(allowed == 0, float("-inf")))
 
 
+def every_token_bitmask(*rows: int, vocab_size: int, device: torch.device | str = "cpu") -> Tensor:
+    """[*rows, ceil(V / 32)] int32 with every bit set: the grammar bitmask of rows without one."""
+    return torch.full((*rows, (vocab_size + 31) // 32), -1, dtype=torch.int32, device=device)
+
+
 def grammar_bitmask(matchers: Sequence[Any], vocab_size: int,
                     device: torch.device | str = "cpu") -> Tensor | None:
     """[B, ceil(V / 32)] int32 on device: the tokens each row's grammar matcher allows next (every
@@ -156,7 +157,7 @@ def grammar_bitmask(matchers: Sequence[Any], vocab_size: int,
         return None
     from eagle_infer.grammar import allowed_after
 
-    every = torch.full((len(matchers), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    every = every_token_bitmask(len(matchers), vocab_size=vocab_size)
     return torch.cat([every[b:b + 1] if m is None else allowed_after(m, [[]], vocab_size)
                       for b, m in enumerate(matchers)]).to(device)
 

@@ -55,6 +55,7 @@ from eagle_infer.kernels.tree_accept import kernel_available
 from eagle_infer.model import Transformer, build_attn_mask, causal_mask
 from eagle_infer.sampling import (
     SamplingParams,
+    every_token_bitmask,
     grammar_step,
     masked_greedy_tokens,
     next_token,
@@ -373,8 +374,7 @@ class SpecDecoder:
         self.draft_ahead = draft_ahead
         N = max(t.num_draft_tokens for t in trees)
         # A greedy round's grammar bitmask where no row has a grammar: every token allowed.
-        self.all_allowed = torch.full((max_batch, N, (target.config.vocab_size + 31) // 32), -1,
-                                      dtype=torch.int32, device=dev)
+        self.all_allowed = every_token_bitmask(max_batch, N, vocab_size=target.config.vocab_size, device=dev)
         self.ahead_tree = DraftTree(torch.zeros(max_batch, N, dtype=torch.long, device=dev),
                                     torch.zeros(max_batch, N, dtype=torch.long, device=dev),
                                     torch.zeros(max_batch, N, dtype=torch.long, device=dev),
@@ -642,7 +642,7 @@ class SpecDecoder:
         drafted = cfg.num_steps * cfg.eagle_topk  # draft cache slots a draft phase writes past L
         params = [s.params for s in self.seqs]
         # the round's one graph: greedy on the raw logits, or on those a grammar allows
-        greedy = all(p.raw_argmax or p.grammar_argmax for p in params)
+        greedy = all(p.graph_argmax for p in params)
         ahead = self.draft_ahead
         t0 = time.perf_counter()
         if ahead and all(s.ahead for s in self.seqs):
@@ -763,7 +763,7 @@ class SpecDecoder:
         zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
         tree = DraftTree(self.root[:B, None], zero, zero, torch.ones(B, 1, 1, dtype=torch.bool, device=dev))
         with record_function("spec.plain_round"):  # the root alone as a tree
-            if all(p.raw_argmax or p.grammar_argmax for p in params):
+            if all(p.graph_argmax for p in params):
                 kv_ref = torch.empty(B, kv, dtype=torch.bool, device=dev)
                 logits, bonus, feat = self.plain_round_fn(tree.tokens, L, kv_ref, self._grammar_bitmask(tree))
             else:  # the bonus drawn from the target as in any round
