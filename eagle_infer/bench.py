@@ -970,7 +970,7 @@ def main(argv: list[str] | None = None) -> dict:
             "batch_size": B,
             "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
             "speculative_batch_tree": args.speculative_batch_tree,
-            "greedy": True,
+            "greedy": greedy,
             "ignore_eos": ignore_eos,
             "warmup_calls": "the batch_size shortest and the batch_size longest prompts",
             "prompt_lookup_num_tokens": 10,
@@ -1031,7 +1031,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     quant = "" if args.quantization == "none" else f" ({args.quantization} weights)"
     print(f"\n{len(prompts)} prompts x {args.max_new_tokens} new tokens, {args.dtype}{quant}, batch {B}, "
-          f"greedy, {torch.get_num_threads()} threads on {report['machine']['cpu_count']} CPUs")
+          f"{'greedy' if greedy else f'sampled (temperature {args.temperature})'}, "
+          f"{torch.get_num_threads()} threads on {report['machine']['cpu_count']} CPUs")
     print_table(results, "hf" if "hf" in by_name else "plain", floor)
     print(f"floor = {bw / 1e9:.1f} GB/s read bandwidth / {wbytes / 1e6:.0f} MB of weights per token")
     if spec_runs:

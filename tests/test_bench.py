@@ -130,7 +130,7 @@ def test_time_interleaved_takes_batches():
 def test_bench_sampled_plain_samples_too(tmp_path, default_model_fp32):
     """--temperature: plain decoding samples with the same settings (the fair baseline for a
     sampled speculative run), seeded like the speculative runs' requests; the settings are
-    reported."""
+    reported (settings.greedy false: it said true for every run)."""
     from eagle_infer.bench import load_prompts, plain_decode_fn
     from eagle_infer.generate import generate
     from eagle_infer.loader import load_tokenizer
@@ -144,6 +144,7 @@ def test_bench_sampled_plain_samples_too(tmp_path, default_model_fp32):
     r = json.loads((tmp_path / "s.json").read_text())
     assert (r["temperature"], r["top_p"], r["top_k"]) == (5.0, 0.9, 100)
     assert r["greedy_identical"] is None and r["methods"]["plain"]["tokens"] == 8
+    assert r["settings"]["greedy"] is False
     prompt = load_prompts(None, 1, load_tokenizer(None))[:1]
     params = SamplingParams(5.0, 0.9, 100, seed=0)
     sampled = plain_decode_fn(default_model_fp32, 8, params=params)(prompt, lambda i, t: False)
@@ -162,7 +163,7 @@ def test_bench_penalized_greedy_is_compared_with_penalized_plain(tmp_path, defau
           "--repetition-penalty", "1.3", "--json", str(tmp_path / "p.json")])
     r = json.loads((tmp_path / "p.json").read_text())
     assert (r["frequency_penalty"], r["presence_penalty"], r["repetition_penalty"]) == (1.0, 0.5, 1.3)
-    assert r["temperature"] == 0.0 and r["greedy_identical"] is True
+    assert r["temperature"] == 0.0 and r["greedy_identical"] is True and r["settings"]["greedy"] is True
     # --structured-output: both sides decode under the grammar (a phone number, then EOS, ends it)
     main(["--num-prompts", "1", "--max-new-tokens", "16", "--dtype", "fp32", "--no-hf", "--no-compile",
           "--draft", str(tmp_path / "head"), "--num-steps", "2", "--eagle-topk", "2",
