@@ -144,9 +144,10 @@ def warm_up(dec: PlainDecoder | SpecDecoder) -> list[int]:
     """Compile every batch bucket's graphs before serving: a bucket's first step compiles them
     (tens of seconds a graph on a 2-core CPU), which would otherwise stall the first requests
     that reach it. Runs a 4-token prompt for two tokens at each bucket up to the decoder's
-    max_bs, greedy and then sampled (a speculative decoder runs a greedy round's verify to
-    catch-up, and the next round's draft phase, as one graph, a sampled round's verify and
-    catch-up as two), then resets the
+    max_bs, greedy, sampled at a temperature, then with top-p (a speculative decoder runs a greedy
+    round's verify to catch-up, and the next round's draft phase, as one graph; a round sampled
+    at a temperature (and min-p) as one too; one with top-p, top-k or penalties as two, its
+    distributions made eagerly between), then resets the
     statistics; at a batch that runs rounds without drafts, long enough for the head's deferred
     catch-up (max_pending + 2 tokens), whose graph is its own. With a batch tree, also the
     batches on either side of its first batch (a bucket may hold both trees). Returns the batch
@@ -160,7 +161,8 @@ def warm_up(dec: PlainDecoder | SpecDecoder) -> list[int]:
     disable = getattr(dec, "disable_by_batch_size", None)
     for n in sizes:
         tokens = dec.max_pending + 2 if disable is not None and n > disable else 2
-        for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=0)):
+        for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=0),
+                       SamplingParams(temperature=1.0, top_p=0.9, seed=0)):
             dec.add_many([Sequence_([1, 2, 3, 4], params, tokens, set()) for _ in range(n)])
             while dec.seqs:
                 dec.step()

@@ -97,6 +97,12 @@ class SamplingParams:
                     or self.bad_words)
 
     @property
+    def graph_distribution(self) -> bool:
+        """Temperature and min-p alone (greedy included): the distributions a sampled round's
+        graph computes in-graph (graph_probs), so its verify and walk are one graph."""
+        return not self.penalized and self.top_p == 1.0 and self.top_k == 0
+
+    @property
     def graph_argmax(self) -> bool:
         """Greedy with no setting but a grammar: the token the decoders' greedy graphs compute
         in-graph, the argmax of the logits its bitmask allows (masked_greedy_tokens; the raw
@@ -256,6 +262,29 @@ def logits_to_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_
         probs = probs.masked_fill(~keep, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def graph_probs(logits: Tensor, temperature: Tensor, log_min_p: Tensor) -> Tensor:
+    """logits [B, N, V] -> fp32 probabilities [B, N, V]: logits_to_probs's for rows with top_p 1
+    and top_k 0 (SamplingParams.graph_distribution), each row's settings a tensor so a compiled
+    round traces them: temperature [B] (0: greedy, the argmax one-hot) and log_min_p [B] fp32
+    (log(min_p), -inf for none; taken on the host in double as logits_to_probs does)."""
+    logits = logits.float()
+    t = temperature[:, None, None]
+    scaled = logits / torch.where(t > 0, t, 1.0)
+    floor = scaled.amax(-1, keepdim=True) + log_min_p[:, None, None]
+    probs = torch.softmax(scaled.masked_fill(scaled < floor, float("-inf")), dim=-1)
+    index = torch.arange(logits.shape[-1], device=logits.device)
+    one_hot = (index == greedy_tokens(logits)[..., None]).float()
+    return torch.where(t > 0, probs, one_hot)
+
+
+def graph_settings(params: Sequence[SamplingParams], device: torch.device | str) -> tuple[Tensor, Tensor]:
+    """graph_probs's per-row temperature [B] and log_min_p [B] (fp32, on device) for params."""
+    temperature = [p.temperature for p in params]
+    log_min_p = [math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params]
+    return (torch.tensor(temperature, dtype=torch.float32, device=device),
+            torch.tensor(log_min_p, dtype=torch.float32, device=device))
 
 
 # A row's nucleus is among its most likely tokens, so top-p sorts only topk candidates, more of

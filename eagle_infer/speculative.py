@@ -57,6 +57,8 @@ from eagle_infer.sampling import (
     SamplingParams,
     every_token_bitmask,
     grammar_step,
+    graph_probs,
+    graph_settings,
     masked_greedy_tokens,
     next_token,
     node_paths,
@@ -394,7 +396,10 @@ class SpecDecoder:
         self._greedy_round = self._greedy_round_ahead if draft_ahead else self._verify_commit_greedy
         self.greedy_round_fn = self._greedy_round
         self.plain_round_fn = self._plain_round_greedy  # greedy rounds without drafts
-        self.verify_fn = self._verify  # sampled rounds: verify, then the rest (sampled_tail_fn)
+        # sampled rounds whose distributions the graph computes (graph_distribution): one call too
+        self._sampled_round = self._sampled_round_ahead if draft_ahead else self._verify_commit_sampled
+        self.sampled_round_fn = self._sampled_round
+        self.verify_fn = self._verify  # other sampled rounds: verify, then the rest (sampled_tail_fn)
         self._sampled_tail = self._sampled_tail_ahead if draft_ahead else self._sampled_tail_only
         self.sampled_tail_fn = self._sampled_tail
         self.catch_up_fn = self._catch_up  # the catch-up after rounds without drafts
@@ -446,37 +451,71 @@ class SpecDecoder:
         from slot start [B] on."""
         return start[:, None] + torch.arange(T, device=start.device)[None], causal_mask(start, T, kv_len)
 
-    def _verify_commit_greedy(self, tokens: Tensor, parent: Tensor, depth: Tensor, tree_mask: Tensor,
-                              L: Tensor, history: Tensor, bitmask: Tensor) -> tuple[Tensor, ...]:
-        """A greedy round after its draft phase: verify, acceptance, commit and the draft's
-        catch-up, one graph when compiled (on a GPU the eager glue between verify and catch-up
-        was ~40 small launches a round). history [B, kv_len] (as _draft_tree's): its length is the
-        verify's and the catch-up's kv length (so the verify's mask is built in the graph, as the
-        plain step's). bitmask [B, N, ceil(V / 32)]: the tokens each row's grammar allows after
-        each node (_grammar_bitmask; all, for rows without one). Returns (logits [B, N, V], path
-        [B, D+1], n [B], bonus [B], path tokens [B, D+1], the next root's draft feature [B, h] and
-        log-probs [B, V'], history (_commit))."""
+    def _verify_commit(self, tokens: Tensor, parent: Tensor, depth: Tensor, tree_mask: Tensor, L: Tensor,
+                       history: Tensor, accept: Callable[[DraftTree, Tensor], Acceptance],
+                       ) -> tuple[Tensor, ...]:
+        """A round after its draft phase: verify, acceptance (accept(tree, logits)), commit and the
+        draft's catch-up, one graph when compiled (on a GPU the eager glue between verify and
+        catch-up was ~40 small launches a round). history [B, kv_len] (as _draft_tree's): its
+        length is the verify's and the catch-up's kv length (so the verify's mask is built in the
+        graph, as the plain step's). Returns (logits [B, N, V], path [B, D+1], n [B], bonus [B],
+        path tokens [B, D+1], the next root's draft feature [B, h] and log-probs [B, V'], history
+        (_commit))."""
         tree, N = DraftTree(tokens, parent, depth, tree_mask), tokens.shape[1]
         mask = build_attn_mask(L, tree_mask, history.shape[-1])  # [B, N, kv_len]
         slots = L[:, None] + torch.arange(N, device=L.device)[None]
         logits, hidden = self._verify(tokens, L[:, None] + depth, slots, mask)
-        acc = accept_greedy(tree, logits, self.round_tree.max_depth, bitmask)
+        acc = accept(tree, logits)
         next_tokens, feats, path_tokens, history = self._commit(tokens, acc, hidden, L, history)
         pos, catch_mask = self._catch_up_inputs(L, next_tokens.shape[1], mask.shape[-1])
         g_last, logp = self._catch_up(next_tokens, feats, pos, catch_mask, acc.n_accepted + 1)
         return logits, acc.path, acc.n_accepted, acc.bonus, path_tokens, g_last, logp, history
 
-    def _greedy_round_ahead(self, tokens: Tensor, parent: Tensor, depth: Tensor, tree_mask: Tensor,
-                            L: Tensor, history: Tensor, bitmask: Tensor) -> tuple[Tensor, ...]:
-        """_verify_commit_greedy, then the next round's draft phase from its root (the bonus) at
-        L + n + 1, in the same graph when compiled: the head's weights are still in the caches
-        from the catch-up (a draft phase of its own ran ~0.4 ms slower after a round than at
-        once again), and a round is one call. history's kv length covers the next tree's draft
-        slots too.
-        Returns _verify_commit_greedy's tensors, then the next tree's (_draft_tree)."""
-        out = self._verify_commit_greedy(tokens, parent, depth, tree_mask, L, history, bitmask)
+    def _verify_commit_greedy(self, tokens: Tensor, parent: Tensor, depth: Tensor, tree_mask: Tensor,
+                              L: Tensor, history: Tensor, bitmask: Tensor) -> tuple[Tensor, ...]:
+        """_verify_commit accepting greedily. bitmask [B, N, ceil(V / 32)]: the tokens each row's
+        grammar allows after each node (_grammar_bitmask; all, for rows without one)."""
+        def accept(tree: DraftTree, logits: Tensor) -> Acceptance:
+            return accept_greedy(tree, logits, self.round_tree.max_depth, bitmask)
+
+        return self._verify_commit(tokens, parent, depth, tree_mask, L, history, accept)
+
+    def _verify_commit_sampled(self, tokens: Tensor, parent: Tensor, depth: Tensor, tree_mask: Tensor,
+                               L: Tensor, history: Tensor, temperature: Tensor, log_min_p: Tensor,
+                               u: Tensor) -> tuple[Tensor, ...]:
+        """_verify_commit with the rejection-sampling walk, for rows whose distributions the graph
+        computes (SamplingParams.graph_distribution: graph_probs of temperature [B] and
+        log_min_p [B]), with the uniforms u drawn before the verify (tree.sampling_uniforms).
+        One graph, where other sampled rounds run the verify, the distributions eagerly, then
+        the rest (_sampled_tail_only): ~1 ms a round less on a 2-core CPU (docs/measurements.md)."""
+        def accept(tree: DraftTree, logits: Tensor) -> Acceptance:
+            probs = graph_probs(logits, temperature, log_min_p)  # [B, N, V]
+            return walk_sampling(tree, probs, u, self.round_tree.max_depth)
+
+        return self._verify_commit(tokens, parent, depth, tree_mask, L, history, accept)
+
+    def _then_draft(self, out: tuple[Tensor, ...], L: Tensor) -> tuple[Tensor, ...]:
+        """A round's tensors (_verify_commit's), then the next round's draft phase from its root
+        (the bonus) at L + n + 1, in the same graph when compiled: the head's weights are still
+        in the caches from the catch-up (a draft phase of its own ran ~0.4 ms slower after a
+        round than at once again), and a round is one call. history's kv length covers the next
+        tree's draft slots too. Returns out, then the next tree's tensors (_draft_tree)."""
         _, _, n, bonus, _, g_last, logp, history = out
         return *out, *self._draft_tree(bonus, logp, g_last, L + n + 1, history)
+
+    def _greedy_round_ahead(self, tokens: Tensor, parent: Tensor, depth: Tensor, tree_mask: Tensor,
+                            L: Tensor, history: Tensor, bitmask: Tensor) -> tuple[Tensor, ...]:
+        """_verify_commit_greedy, then the next round's draft phase (_then_draft)."""
+        out = self._verify_commit_greedy(tokens, parent, depth, tree_mask, L, history, bitmask)
+        return self._then_draft(out, L)
+
+    def _sampled_round_ahead(self, tokens: Tensor, parent: Tensor, depth: Tensor, tree_mask: Tensor,
+                             L: Tensor, history: Tensor, temperature: Tensor, log_min_p: Tensor,
+                             u: Tensor) -> tuple[Tensor, ...]:
+        """_verify_commit_sampled, then the next round's draft phase (_then_draft)."""
+        out = self._verify_commit_sampled(tokens, parent, depth, tree_mask, L, history, temperature,
+                                          log_min_p, u)
+        return self._then_draft(out, L)
 
     def _sampled_tail_only(self, tokens: Tensor, parent: Tensor, depth: Tensor, tree_mask: Tensor, L: Tensor,
                            history: Tensor, probs: Tensor, u: Tensor, *hidden: Tensor) -> tuple[Tensor, ...]:
@@ -494,7 +533,7 @@ class SpecDecoder:
 
     def _sampled_tail_ahead(self, tokens: Tensor, parent: Tensor, depth: Tensor, tree_mask: Tensor, L: Tensor,
                             history: Tensor, probs: Tensor, u: Tensor, *hidden: Tensor) -> tuple[Tensor, ...]:
-        """_sampled_tail_only, then the next round's draft phase (as _greedy_round_ahead)."""
+        """_sampled_tail_only, then the next round's draft phase (as _then_draft)."""
         out = self._sampled_tail_only(tokens, parent, depth, tree_mask, L, history, probs, u, *hidden)
         _, n, bonus, _, g_last, logp, history = out
         return *out, *self._draft_tree(bonus, logp, g_last, L + n + 1, history)
@@ -543,12 +582,13 @@ class SpecDecoder:
         options = step_options(self.target, inductor, mode)
         # Argument mask_arg of each step carries the kv length (a mask, a kv_ref or the history, whose
         # length it is).
-        (self.draft_tree_fn, self.greedy_round_fn, self.verify_fn, self.sampled_tail_fn, self.catch_up_fn,
-         self.plain_round_fn) = (
+        (self.draft_tree_fn, self.greedy_round_fn, self.sampled_round_fn, self.verify_fn,
+         self.sampled_tail_fn, self.catch_up_fn, self.plain_round_fn) = (
             BucketedStep(f, compile_step(f, mode, inductor, options), max_bs, clone=graphs, mask_arg=arg,
                          max_kv=self.max_seq_len)
-            for f, arg in ((self._draft_tree, 4), (self._greedy_round, 5), (self._verify, 3),
-                           (self._sampled_tail, 5), (self._catch_up, 3), (self._plain_round_greedy, 2)))
+            for f, arg in ((self._draft_tree, 4), (self._greedy_round, 5), (self._sampled_round, 5),
+                           (self._verify, 3), (self._sampled_tail, 5), (self._catch_up, 3),
+                           (self._plain_round_greedy, 2)))
         return self
 
     def kv_len(self, needed: int) -> int:
@@ -643,6 +683,8 @@ class SpecDecoder:
         params = [s.params for s in self.seqs]
         # the round's one graph: greedy on the raw logits, or on those a grammar allows
         greedy = all(p.graph_argmax for p in params)
+        # or sampled on distributions the round's graph computes: one graph too
+        in_graph = not greedy and all(p.graph_distribution for p in params)
         ahead = self.draft_ahead
         t0 = time.perf_counter()
         if ahead and all(s.ahead for s in self.seqs):
@@ -661,10 +703,16 @@ class SpecDecoder:
         # the history's next root at L + n + 1
         kv = self.kv_len(L_max + max(N, T + drafted if ahead else T + 1))
         history = self.history[:B, :kv].contiguous()
-        if greedy:
-            with record_function("spec.verify_commit_greedy"):
-                logits, path, n, bonus, path_tokens, g_last, logp, history, *next_tree = self.greedy_round_fn(
-                    tree.tokens, tree.parent, tree.depth, tree.mask, L, history, self._grammar_bitmask(tree))
+        if greedy or in_graph:
+            if greedy:
+                round_fn, inputs = self.greedy_round_fn, (self._grammar_bitmask(tree),)
+            else:  # each row's uniforms from its generator, as the eager walk draws them after a verify
+                u = sampling_uniforms([s.generator for s in self.seqs], depth, N, tree.tokens,
+                                      fused=kernel_available(tree.tokens) and not self.compiled)
+                round_fn, inputs = self.sampled_round_fn, (*graph_settings(params, dev), u)
+            with record_function("spec.verify_commit"):
+                logits, path, n, bonus, path_tokens, g_last, logp, history, *next_tree = round_fn(
+                    tree.tokens, tree.parent, tree.depth, tree.mask, L, history, *inputs)
             t2 = t3 = t4 = time.perf_counter()
         else:
             mask = build_attn_mask(L, tree.mask, kv)

@@ -520,15 +520,15 @@ def sampling_probs(target_logits: Tensor, params: Sequence[SamplingParams]) -> T
 
 
 def sampling_uniforms(generators: Sequence[torch.Generator | None], max_depth: int, N: int,
-                      probs: Tensor, fused: bool | None = None) -> Tensor:
+                      like: Tensor, fused: bool | None = None) -> Tensor:
     """The walk's uniforms, each row's from its own generator (as if sampled alone): [B,
     (max_depth + 1) * N + 1] for the torch walk (one per depth and child rank, then the bonus), [B,
     max_depth + 1, N] for the CUDA kernel (u[b, d, N - 1]: the bonus if the walk stops at d; N - 1
     children per node bound any tree). fused: whether the walk will run the kernel (default:
-    kernel_available; a compiled graph traces the torch walk instead). walk_sampling reads the
-    layout."""
-    dev = probs.device
-    if kernel_available(probs) if fused is None else fused:
+    kernel_available; a compiled graph traces the torch walk instead). like: a tensor on the
+    walk's device. walk_sampling reads the layout."""
+    dev = like.device
+    if kernel_available(like) if fused is None else fused:
         return torch.stack([torch.rand(max_depth + 1, N, generator=g, device=dev) for g in generators])
     return torch.stack([torch.rand((max_depth + 1) * N + 1, generator=g, device=dev) for g in generators])
 

@@ -85,7 +85,8 @@ def with_fresh_code(cls: type, names: list[str]) -> type:
 
 ORIGINAL = (eagle_infer.generate.CompiledDecode, eagle_infer.speculative.SpecDecoder,
             eagle_infer.generate.step_options)
-STEPS = ["_draft_tree", "_verify_commit_greedy", "_greedy_round_ahead", "_verify", "_catch_up",
+STEPS = ["_draft_tree", "_verify_commit_greedy", "_greedy_round_ahead", "_verify_commit_sampled",
+         "_sampled_round_ahead", "_verify", "_sampled_tail_only", "_sampled_tail_ahead", "_catch_up",
          "_plain_round_greedy"]  # what SpecDecoder.compile compiles
 
 

@@ -648,7 +648,7 @@ def test_draft_ahead_equals_drafting_at_each_rounds_start(tree):
     """A round drafts the next round's tree at its end (draft ahead): the same trees as a draft
     phase at each round's start, so the same tokens and acceptance, with sequences joining
     between rounds, finishing (their rows move), greedy and sampled rows together (a sampled
-    round's rest runs apart from its verify). Only rounds after a join draft at their start.
+    round's graph drafts the next tree too). Only rounds after a join draft at their start.
     With an n-gram branch the lookup reads the history the round before wrote in its graph
     (ahead) or the decoder's own copy (at the start)."""
     target = tiny_target(layers=1, silent=True)
@@ -686,6 +686,39 @@ def test_draft_ahead_equals_drafting_at_each_rounds_start(tree):
     assert hist == hist_sep and rounds == rounds_sep
     assert len(phases_sep) == rounds
     assert len(phases) == 3  # the first round, and the rounds after each join
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["ahead", "at-start"])
+def test_sampled_round_in_one_call_draws_what_the_two_call_round_draws(ahead, monkeypatch):
+    """Rows sampled at a temperature (and min-p; greedy rows beside them) run verify, the
+    distributions (graph_probs, per-row settings as tensors), the walk, commit and catch-up as
+    one call, the uniforms drawn before the verify: seeded, the same tokens and acceptance as
+    the round of two calls with the distributions made eagerly between (logits_to_probs),
+    which top-p, top-k and penalties still take."""
+    target = tiny_target(layers=1, silent=True)
+    head = oracle_head(target, noise=0.5)
+    prompts = prompts_for(target.config.vocab_size)
+    params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.3, min_p=0.05, seed=2),
+              SamplingParams(), SamplingParams(temperature=1.0, min_p=0.3, seed=3)]
+    runs = []
+    for one_call in (True, False):
+        if not one_call:
+            monkeypatch.setattr(SamplingParams, "graph_distribution", property(lambda self: False))
+        dec = SpecDecoder(target, head, TreeConfig(3, 2, 6), max_batch=4, max_seq_len=256, draft_ahead=ahead)
+        if one_call:
+            dec.verify_fn = dec.sampled_tail_fn = None  # the two-call round's steps: unused
+        else:
+            dec.sampled_round_fn = None
+        runs.append(generate_speculative(target, head, prompts, 30, params, tree=dec.tree, decoder=dec))
+    (out, stats), (out_two, stats_two) = runs
+    assert out == out_two and stats.accepted_hist == stats_two.accepted_hist
+    assert sum(stats.accepted_hist[1:]) >= 5  # rounds accepted drafts
+    assert out[2] == generate(target, prompts[2:3], 30)[0]  # the greedy row: plain greedy's tokens
+    monkeypatch.undo()
+    assert SamplingParams(temperature=0.5, min_p=0.2).graph_distribution
+    assert SamplingParams().graph_distribution
+    assert not any(SamplingParams(temperature=0.8, **other).graph_distribution
+                   for other in (dict(top_p=0.9), dict(top_k=5), dict(presence_penalty=0.1)))
 
 
 def test_large_batches_run_plain_rounds_and_stay_identical():

@@ -61,19 +61,23 @@ def test_compiled_steps_fullgraph_cpu_exact():
 
 
 def test_compiled_sampled_rounds_match_eager():
-    """Sampled rounds run the compiled verify, then the walk, commit, catch-up and next draft
-    phase as a second graph, the sampling distributions and uniforms made eagerly between (greedy
-    rounds run as one graph): seeded, a compiled decoder draws the same tokens as an eager one, a
-    batch mixing a greedy and a sampled row included."""
+    """Rounds sampled at a temperature run verify, distributions, walk, commit, catch-up and the
+    next draft phase as one graph (greedy rows beside them too); with top-p the compiled verify,
+    then the rest as a second graph, the distributions made eagerly between: either way, seeded,
+    a compiled decoder draws the same tokens as an eager one, and the greedy row plain greedy's."""
     target, head = tiny_pair()
     prompts = prompts_for(target.config.vocab_size, lens=(5, 9))
-    params = [SamplingParams(temperature=0.8, seed=1), SamplingParams()]
-    eager = SpecDecoder(target, head, TREE, **SHAPES)
-    compiled = SpecDecoder(target, head, TREE, **SHAPES).compile()
-    out_eager, _ = generate_speculative(target, head, prompts, 20, params, tree=TREE, decoder=eager)
-    out, _ = generate_speculative(target, head, prompts, 20, params, tree=TREE, decoder=compiled)
-    assert out == out_eager
-    assert out[1] == generate(target, prompts[1:], 20)[0]  # the greedy row: plain greedy's tokens
+    for sampled in (SamplingParams(temperature=0.8, min_p=0.02, seed=1),
+                    SamplingParams(temperature=0.8, top_p=0.9, seed=1)):
+        params = [sampled, SamplingParams()]
+        eager = SpecDecoder(target, head, TREE, **SHAPES)
+        compiled = SpecDecoder(target, head, TREE, **SHAPES).compile()
+        if sampled.graph_distribution:  # the two-graph round's steps: unused
+            compiled.verify_fn = compiled.sampled_tail_fn = None
+        out_eager, _ = generate_speculative(target, head, prompts, 20, params, tree=TREE, decoder=eager)
+        out, _ = generate_speculative(target, head, prompts, 20, params, tree=TREE, decoder=compiled)
+        assert out == out_eager
+        assert out[1] == generate(target, prompts[1:], 20)[0]
 
 
 def test_compiled_plain_decode_exact_one_graph_per_batch_bucket():
@@ -135,7 +139,7 @@ def check_replayed(dec, jobs: list[tuple[list[int], int]], ref: list[list[int]])
 
 def check_decoders_at_batch_buckets(device: str, mode: str | None) -> None:
     """The server's decoders, compiled and warmed up as the server starts them (engine.warm_up
-    runs each batch bucket up to max_bs once, greedy and sampled): afterwards requests of any
+    runs each batch bucket up to max_bs once, greedy, sampled, with top-p): afterwards requests of any
     batch size, prompt length and sampling compile nothing new, and the warm-up's rounds are not
     in the statistics. Batches of 3 run padded to the bucket of 4 (the padding rows write only
     to rows no sequence holds), 1 and 2 at their own; output equals plain greedy decoding at
@@ -168,20 +172,21 @@ def check_decoders_at_batch_buckets(device: str, mode: str | None) -> None:
         assert dec.max_bs == (max_bs or 4) and target.cache.kv.shape[2] == rows
         assert warm_up(dec) == [1, 2, 3][:dec.max_bs] and dec.stats.rounds == 0 and not dec.seqs
         graphs = counters["stats"]["unique_graphs"]
-        # spec: draft phase, greedy verify..catch-up, sampled verify and catch-up, a bucket each
+        # spec: draft phase, greedy round, sampled round, top-p's verify and the rest, a bucket each
         if mode is None:
             if isinstance(dec, PlainDecoder):
                 want = 3  # buckets 1, 2, 4
             elif dec.disable_by_batch_size:
                 want = 3  # bucket 2 without drafts: the target's step, the deferred catch-up
             elif dec.batch_tree:
-                want = 4  # bucket 2 on its tree
+                want = 5  # bucket 2 on its tree
             else:
-                want = 4 * 3  # buckets 1, 2, 4
+                want = 5 * 3  # buckets 1, 2, 4
             assert graphs == want, dict(counters["stats"])
         out, batches = serve_all(dec, jobs)
         assert out == ref and {1, 2, 3} <= set(batches), batches
         serve_all(dec, jobs, SamplingParams(temperature=0.8, seed=3))
+        serve_all(dec, jobs, SamplingParams(temperature=0.8, top_k=4, repetition_penalty=1.2, seed=3))
         assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
         if getattr(dec, "disable_by_batch_size", None):
             assert dec.stats.plain_rounds > 0 and dec.stats.rounds > 0
