@@ -155,6 +155,7 @@ class Generation(_Body):
     guided_grammar: str | None = None
     ignore_eos: bool = False  # extension (SGLang / vLLM), for benchmarks
     skip_special_tokens: bool = True  # extension (vLLM): False keeps special tokens' text
+    include_stop_str_in_output: bool = False  # extension (vLLM): a matched stop string stays in the text
     return_tokens_as_token_ids: bool = False  # extension (vLLM): logprobs tokens as "token_id:{id}"
 
     def unsupported_field(self) -> str | None:

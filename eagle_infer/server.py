@@ -31,7 +31,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -94,21 +94,25 @@ def stop_prefix_len(text: str, stops: list[str]) -> int:
 class Job:
     """A request's sequence, its text so far, and the queue its handler reads events from.
 
-    Events: {"delta": str, "logprobs": [...]} while decoding; with "finish_reason" and "usage" at the
-    end; {"error": ApiError} on failure; each with the job's choice "index" (a request's choices share
-    one queue). The engine thread detokenizes each token as it is emitted (incrementally,
-    IncrementalDetokenizer) and checks stop strings on the new text only, so a stop string that
-    straddles tokens of one speculative round stops the sequence right there. Text is released only once
-    it can no longer turn into a stop string or an incomplete UTF-8 character; a matched stop string and
-    what follows it are cut. logprobs travel with the text of their tokens. Everything but `cancel` runs
-    on the engine thread. A job that does not stream pushes its answer once, at the end (see update).
+    Events: {"delta": str, "logprobs": [...]} while decoding; with "finish_reason", "stop_reason"
+    and "usage" at the end; {"error": ApiError} on failure; each with the job's choice "index" (a
+    request's choices share one queue). The engine thread detokenizes each token as it is emitted
+    (incrementally, IncrementalDetokenizer) and checks stop strings on the new text only, so a stop
+    string that straddles tokens of one speculative round stops the sequence right there. Text is
+    released only once it can no longer turn into a stop string or an incomplete UTF-8 character;
+    what follows a matched stop string is cut, and the string too unless include_stop (vLLM's
+    include_stop_str_in_output). The end reports vLLM's stop_reason: the stop string matched, or
+    the stop_ids token that ended the answer (None for EOS, the length, a grammar's end). logprobs
+    travel with the text of their tokens. Everything but `cancel` runs on the engine thread. A job
+    that does not stream pushes its answer once, at the end (see update).
     """
 
     def __init__(self, prompt: list[int], params: SamplingParams, max_tokens: int, stops: list[str],
                  eos: set[int], tokenizer, loop: asyncio.AbstractEventLoop, logprobs: int | None = None,
                  tokens_as_ids: bool = False, stream: bool = True, stream_interval: int = 1,
                  index: int = 0, events: asyncio.Queue | None = None, echo: bool = False,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, include_stop: bool = False,
+                 stop_ids: Collection[int] = ()):
         self.id = uuid.uuid4().hex[:24]
         self.index = index  # the answer's choice (a request's choices share one events queue)
         self.created = int(time.time())
@@ -129,6 +133,8 @@ class Job:
         self.sent = 0  # characters already released
         self.lp_sent = 0  # tokens whose logprobs were released
         self.cut: str | None = None  # the final text when a stop string matched
+        self.include_stop, self.stop_ids = include_stop, set(stop_ids)
+        self.stop_reason: str | int | None = None  # the stop string matched (or, at the end, token)
         self.failure: Exception | None = None
         self.finished = False  # the final event was pushed
         self.failed = False
@@ -144,9 +150,11 @@ class Job:
             self.failure = e
             return True
         text = self.detok.text
-        hits = [i for i in (text.find(s, max(0, before - len(s) + 1)) for s in self.stops) if i >= 0]
+        found = ((text.find(s, max(0, before - len(s) + 1)), s) for s in self.stops)
+        hits = [(i, s) for i, s in found if i >= 0]
         if hits:
-            self.cut = text[: min(hits)]
+            i, self.stop_reason = min(hits, key=lambda hit: hit[0])  # the first in the text (then in stop)
+            self.cut = text[: i + len(self.stop_reason) if self.include_stop else i]
             return True
         return False
 
@@ -230,9 +238,12 @@ class Job:
             self.finished = True  # before the push: a handler that sees the end must not cancel
             if self.metrics is not None:  # counted before the client can see the end (and scrape)
                 self.metrics.finish(self, self.seq.finish_reason or "stop", time.perf_counter())
+            last = self.seq.output[-1] if self.seq.output else None
+            if self.cut is None and self.seq.finish_reason == "stop" and last in self.stop_ids:
+                self.stop_reason = last
             self.push({"delta": echo + text[self.sent:], "logprobs": echo_entries + entries,
                        "offsets": echo_offsets + offsets, "finish_reason": self.seq.finish_reason,
-                       "usage": self.usage()})
+                       "stop_reason": self.stop_reason, "usage": self.usage()})
             return
         end = len(d.text) - stop_prefix_len(d.text, self.stops)
         # Tokens the detokenizer has read whose text ends within what is released.
@@ -713,6 +724,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                            param="stop_token_ids", code="invalid_value")
         params = sampling_params(req, tool_grammar)
         ends = (set() if req.ignore_eos else eos) | set(req.stop_token_ids or [])
+        stop_ids = ends - (set() if req.ignore_eos else eos)  # EOS reports no stop_reason (vLLM's)
         # tool calls keep special tokens in the text, for the parser (a <tool_call> may be one: vLLM's)
         skip_special = req.skip_special_tokens and tools is None
         events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
@@ -724,7 +736,8 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                                 req.return_tokens_as_token_ids, req.stream, cfg.stream_interval,
                                 index=p * req.n + i, events=events,
                                 echo=isinstance(req, CompletionRequest) and req.echo,
-                                skip_special_tokens=skip_special))
+                                skip_special_tokens=skip_special,
+                                include_stop=req.include_stop_str_in_output, stop_ids=stop_ids))
         return jobs
 
     def cancel_all(jobs: list[Job]) -> None:
@@ -798,10 +811,10 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                     fields, finish = tools.message(last["delta"], finish)
                     message |= fields
                 choices.append({"index": job.index, "message": message, "logprobs": lp,
-                                "finish_reason": finish})
+                                "finish_reason": finish, "stop_reason": last["stop_reason"]})
             else:
                 choices.append({"index": job.index, "text": last["delta"], "logprobs": lp,
-                                "finish_reason": last["finish_reason"]})
+                                "finish_reason": last["finish_reason"], "stop_reason": last["stop_reason"]})
         obj, prefix = ("chat.completion", "chatcmpl-") if kind == "chat" else ("text_completion", "cmpl-")
         return {"id": prefix + jobs[0].id, "object": obj, "created": jobs[0].created,
                 "model": cfg.model_names[0], "choices": choices,
@@ -820,7 +833,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         with_logprobs = jobs[0].seq.logprobs is not None
 
         def chunk(index: int, ev: dict[str, Any] | None, finish: str | None = None,
-                  role: bool = False) -> str | None:
+                  role: bool = False, stop_reason: str | int | None = None) -> str | None:
             text = ev["delta"] if ev else None
             lp = None
             if ev and with_logprobs:
@@ -839,6 +852,8 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                 choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
                 choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
+            if finish is not None:  # the last chunk of a choice (vLLM's)
+                choice["stop_reason"] = stop_reason
             return _json(head | {"choices": [choice]} | tail)
 
         try:
@@ -853,7 +868,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                 if (ev["delta"] or ev["logprobs"]) and (piece := chunk(ev["index"], ev)) is not None:
                     yield piece
                 if "finish_reason" in ev:
-                    yield chunk(ev["index"], None, ev["finish_reason"])
+                    yield chunk(ev["index"], None, ev["finish_reason"], stop_reason=ev["stop_reason"])
                     usages[ev["index"]] = ev["usage"]
                     if len(usages) == len(jobs):
                         if include_usage:

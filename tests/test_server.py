@@ -287,6 +287,21 @@ def test_penalties_logit_bias_and_stop_tokens_answer_as_plain_decoding(server, c
     first = free.index(stop)
     text, finish, usage = complete(client, prompt, 24, extra_body={"stop_token_ids": [stop]})
     assert (text, finish, usage.completion_tokens) == (tokenizer.decode(free[:first]), "stop", first + 1)
+    # vLLM's stop_reason: that token; in chat, a stop string (kept with include_stop_str_in_output)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                  extra_body={"stop_token_ids": [stop]})
+    assert r.choices[0].stop_reason == stop
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=24, temperature=0).choices[0].message.content
+    word = answer.split()[3]
+    for include in (False, True):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=24, temperature=0, stop=[word],
+                                           extra_body={"include_stop_str_in_output": include})
+        choice = r.choices[0]
+        cut = answer.index(word) + (len(word) if include else 0)
+        assert (choice.message.content, choice.finish_reason) == (answer[:cut], "stop")
+        assert choice.stop_reason == word
     ends, m = list(default_model_fp32.config.eos_token_ids) + [stop], first + 3
     later = generate(default_model_fp32, [ids], 24, SamplingParams(min_tokens=m), eos_token_ids=ends)[0]
     text, _, usage = complete(client, prompt, 24, extra_body={"stop_token_ids": [stop], "min_tokens": m})
@@ -777,18 +792,28 @@ def test_engine_faults_fail_only_that_request_and_stop_strings_cut():
             assert [r.json()["choices"][0]["text"] for r in oks] == ["def"] * 5
             # Stop strings: "defghi..." stops at "fg" -> "de", also when streamed.
             body = {"prompt": [1, 2], "max_tokens": 10, "stop": ["fg", "xyz"]}
-            r = await http.post(url, json=body)
-            assert (r.json()["choices"][0]["text"], r.json()["choices"][0]["finish_reason"]) == ("de", "stop")
-            r = await http.post(url, json=body | {"stream": True})
-            events = sse_events(r.text)
-            assert "".join(e["choices"][0]["text"] for e in events) == "de"
-            assert events[-1]["choices"][0]["finish_reason"] == "stop"
-            # EOS (id 999) ends a request with "stop"; ignore_eos decodes through it.
+            # vLLM's stop_reason names the string; include_stop_str_in_output keeps it in the text
+            for extra, text in (({}, "de"), ({"include_stop_str_in_output": True}, "defg")):
+                r = await http.post(url, json=body | extra)
+                choice = r.json()["choices"][0]
+                assert (choice["text"], choice["finish_reason"]) == (text, "stop")
+                assert choice["stop_reason"] == "fg"
+                events = sse_events((await http.post(url, json=body | extra | {"stream": True})).text)
+                assert "".join(e["choices"][0]["text"] for e in events) == text
+                assert events[-1]["choices"][0]["finish_reason"] == "stop"
+                assert events[-1]["choices"][0]["stop_reason"] == "fg"
+            # EOS (id 999) ends a request with "stop" and no stop_reason; ignore_eos decodes through
+            # it; a stop_token_ids token is the stop_reason
             r = await http.post(url, json={"prompt": [997], "max_tokens": 4})
-            assert r.json()["choices"][0]["finish_reason"] == "stop"
+            choice = r.json()["choices"][0]
+            assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", None)
             assert r.json()["usage"]["completion_tokens"] == 2
             r = await http.post(url, json={"prompt": [997], "max_tokens": 4, "ignore_eos": True})
             assert r.json()["usage"]["completion_tokens"] == 4
+            assert r.json()["choices"][0]["stop_reason"] is None  # the length ended it
+            r = await http.post(url, json={"prompt": [1, 2], "max_tokens": 8, "stop_token_ids": [5]})
+            choice = r.json()["choices"][0]
+            assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == ("de", "stop", 5)
             m = parse_metrics((await http.get("/metrics")).text)
             assert m['eagle:http_requests_total{status="503"}'] == 2
             assert m["eagle:num_requests_running"] == 0
