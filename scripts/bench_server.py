@@ -13,7 +13,8 @@ core with Intel's OpenMP (eagle_infer.vllm_client.vllm_cpu_env; `VLLM_CPU_OMP_TH
 for vLLM's default, which keeps a core for its scheduler); its acceptance comes from its /metrics
 (`vllm:spec_decode_*` counters, read around the timed part).
 
-Each level sends max(--num-requests, concurrency) greedy chat requests (the first turn of each
+Each level sends max(--num-requests, concurrency) greedy chat requests (`--temperature T
+[--top-p P]`: sampled, request i with seed i) (the first turn of each
 MT-bench question, cycled) from `concurrency` client threads, after a warm-up (the shortest and
 the longest prompt at full length, `concurrency` copies at once, `warmup_s`: a compiled server
 compiles its batch buckets at start-up, but under CUDA graphs each power-of-two KV bucket still
@@ -93,10 +94,27 @@ def spec_counters(http: httpx.Client, url: str) -> tuple[float, float]:
 
 
 def chat_body(model: str, prompt: str, max_tokens: int, ignore_eos: bool,
-              stream: bool = False) -> dict[str, Any]:
-    """A greedy chat request of one user message."""
+              stream: bool = False, sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A chat request of one user message: greedy, or sampled with `sampling`'s fields
+    (temperature, top_p, seed: `sampling_fields`)."""
     return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": ignore_eos, "stream": stream}
+            "temperature": 0, "ignore_eos": ignore_eos, "stream": stream} | (sampling or {})
+
+
+def sampling_fields(temperature: float, top_p: float, i: int) -> dict[str, Any] | None:
+    """Request i's sampling fields (--temperature, --top-p), seeded with i so that every server
+    and --direct's decoding draw from the same streams; None: greedy."""
+    if temperature == 0:
+        return None
+    return {"temperature": temperature, "top_p": top_p, "seed": i}
+
+
+def body_params(body: dict[str, Any]) -> Any:
+    """The SamplingParams a server makes of a request body's sampling fields."""
+    from eagle_infer.sampling import SamplingParams
+
+    return SamplingParams(temperature=body["temperature"], top_p=body.get("top_p", 1.0),
+                          seed=body.get("seed"))
 
 
 def one_request(http: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -183,7 +201,6 @@ def direct_decoding(mode: str, args: argparse.Namespace, max_concurrency: int) -
     No HTTP, no engine thread, no text per token. Graphs compile at the first requests (the warm-up)."""
     from eagle_infer import server as srv
     from eagle_infer.generate import chat_prompt_ids, generate
-    from eagle_infer.sampling import SamplingParams
     from eagle_infer.speculative import Sequence_
 
     _, flags, _ = server_command(mode, args, max_concurrency)
@@ -194,10 +211,10 @@ def direct_decoding(mode: str, args: argparse.Namespace, max_concurrency: int) -
         prompt = chat_prompt_ids(tok, body["messages"])
         stop = set() if body["ignore_eos"] else eos
         if mode == "none":
-            out = generate(dec.target, [prompt], body["max_tokens"], eos_token_ids=list(stop),
-                           compile=dec.compiled)[0]
+            out = generate(dec.target, [prompt], body["max_tokens"], body_params(body),
+                           eos_token_ids=list(stop), compile=dec.compiled)[0]
         else:
-            seq = Sequence_(prompt, SamplingParams(), body["max_tokens"], stop)
+            seq = Sequence_(prompt, body_params(body), body["max_tokens"], stop)
             dec.add_many([seq])
             while dec.seqs:
                 dec.step()
@@ -232,16 +249,18 @@ def alternate(http: httpx.Client, url: str, bodies: list[dict[str, Any]],
 
 def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency: int, n_requests: int,
               max_tokens: int, ignore_eos: bool, timeout: float,
-              direct: DirectDecode | None = None, stream: bool = False) -> dict[str, Any]:
+              direct: DirectDecode | None = None, stream: bool = False, temperature: float = 0.0,
+              top_p: float = 1.0) -> dict[str, Any]:
     """One concurrency level; with `direct` (concurrency 1), each request also decoded in this
     process, alternating with the server (`alternate`): the server's tokens/s over the time of its
     requests alone, the direct side's beside it (`direct_tok_per_s`, `server_vs_direct`).
-    stream: the requests stream, and the row has TTFT, TPOT and ITL (latency_stats)."""
+    stream: the requests stream, and the row has TTFT, TPOT and ITL (latency_stats). temperature
+    > 0: requests sampled with it and top_p, request i seeded with i (sampling_fields)."""
     limits = httpx.Limits(max_connections=concurrency + 1)
     with httpx.Client(headers=headers, timeout=timeout, limits=limits) as http:
         model = http.get(url + "/v1/models").json()["data"][0]["id"]  # vLLM names it in requests
-        bodies = [chat_body(model, prompts[i % len(prompts)], max_tokens, ignore_eos, stream)
-                  for i in range(n_requests)]
+        bodies = [chat_body(model, prompts[i % len(prompts)], max_tokens, ignore_eos, stream,
+                            sampling_fields(temperature, top_p, i)) for i in range(n_requests)]
         # Warm-up: the level's shortest and longest prompts at full length, `concurrency` copies
         # at once, so a compiled server meets its batch bucket (and, under CUDA graphs, its
         # KV-length buckets from the shortest prompt's up) before the timing, not inside it.
@@ -326,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompts", default=None,
                     help="an MT-bench style question.jsonl (default: the package's MT-bench)")
     ap.add_argument("--stop-at-eos", action="store_true", help="let requests end at EOS")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample at this temperature (request i seeded with i); 0 = greedy")
+    ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature")
     ap.add_argument("--modes", nargs="+", default=["spec", "none"],
                     choices=["spec", "none", "vllm", "vllm-spec"],
                     help="servers to start, one after another: ours speculative (EAGLE3) and/or plain; "
@@ -405,7 +427,8 @@ def main(argv: list[str] | None = None) -> None:
         for c in levels:
             row = {"mode": mode} | run_level(url, headers, prompts, c, max(args.num_requests, c),
                                              args.max_tokens, not args.stop_at_eos, args.timeout,
-                                             direct if c == 1 else None, args.stream)
+                                             direct if c == 1 else None, args.stream, args.temperature,
+                                             args.top_p)
             beside = (f", direct {row['direct_tok_per_s']} tok/s ({row['server_vs_direct']}x)"
                       if "direct_tok_per_s" in row else "")
             print(f"{mode} c={c}: {row['output_tok_per_s']} tok/s, p50 {row['latency_p50_s']} s, "

@@ -663,7 +663,7 @@ def test_start_up_objects_are_frozen_out_of_garbage_collection(server):
 def test_bench_server_direct_decodes_each_request_beside_the_server(server):
     """scripts/bench_server.py --direct: this process builds the decoder the server built from the
     same flags and decodes each request on it too, taking turns with the server; prompts and
-    greedy texts agree (the script stops where they do not), and the row gives both speeds.
+    texts agree, greedy and seeded (the script stops where they do not), and the row gives both speeds.
     --stream: the streamed chunks' text is the answer, the row has TTFT, TPOT and ITL."""
     bs = load_script("bench_server")
     args = bs.build_parser().parse_args(["--direct", "--draft", str(server.head),
@@ -675,6 +675,11 @@ def test_bench_server_direct_decodes_each_request_beside_the_server(server):
     assert row["direct_tok_per_s"] > 0
     assert row["server_vs_direct"] == round(row["output_tok_per_s"] / row["direct_tok_per_s"], 3)
     assert "median_ttft_ms" not in row
+    # --temperature: request i sampled with seed i, on the server and directly alike (the texts agree)
+    row = bs.run_level(server.url, headers, prompts[:2], 1, 2, 6, True, 300, direct, temperature=0.9)
+    assert row["errors"] == 0 and row["output_tokens"] == 12, row
+    assert bs.chat_body(MODEL, "hi", 6, True, sampling=bs.sampling_fields(0.9, 0.8, 3))["seed"] == 3
+    assert bs.sampling_fields(0.0, 1.0, 3) is None
     # streamed (--stream): the chunks' text is the whole answer, and vLLM's TTFT / TPOT / ITL
     row = bs.run_level(server.url, headers, prompts[:2], 1, 2, 6, True, 300, direct, stream=True)
     assert row["errors"] == 0 and row["output_tokens"] == 12, row
