@@ -61,6 +61,8 @@ from eagle_infer.detokenize import IncrementalDetokenizer
 from eagle_infer.errors import UserError, cli_errors
 from eagle_infer.generate import CUDA_GRAPHS, chat_prompt_ids
 from eagle_infer.metrics import CONTENT_TYPE, Metrics
+from eagle_infer.reasoning import PARSERS as REASONING_PARSERS
+from eagle_infer.reasoning import ReasoningParser
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import Sequence_, TokenLogprob
 from eagle_infer.tool_calls import PARSERS, ToolPlan, ToolStream
@@ -74,6 +76,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOPS = 16
 MAX_CHOICES = 128  # n x prompts of one request (OpenAI's limit on n)
 MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 128, 1024  # after tokenization (vLLM's defaults)
+Thinking = tuple[ReasoningParser, bool]  # a chat answer's reasoning parser, and whether it thinks
 
 
 # ---------------------------------------------------------------------------------------
@@ -502,6 +505,7 @@ class ServerConfig:
     tool_parser: str | None = None  # --tool-call-parser: the format of tool calls (tool_calls.PARSERS)
     auto_tools: bool = False  # --enable-auto-tool-choice: tool_choice "auto" answered
     chat_template: str | None = None  # --chat-template (None: the tokenizer's)
+    reasoning_parser: str | None = None  # --reasoning-parser (reasoning.PARSERS)
 
 
 def _is_type_tag(loc: int | str) -> bool:
@@ -754,9 +758,10 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         return get.result()
 
     async def run(request: Request, jobs: list[Job], req: Generation, kind: str,
-                  tools: ToolPlan | None = None) -> Response:
+                  tools: ToolPlan | None = None, reasoning: Thinking | None = None) -> Response:
         """Answer a request from its jobs (make_jobs): streamed as their events come, else whole;
-        with tools, a chat answer's text becomes tool calls (ToolPlan)."""
+        with tools, a chat answer's text becomes tool calls (ToolPlan); with reasoning (the
+        server's --reasoning-parser, whether this answer thinks), its reasoning and content."""
         stream = req.stream
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         engine.submit(*jobs)
@@ -785,9 +790,10 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         if stream:
             # sse-starlette frames the events, pings, and cancels the generator when the client
             # disconnects or the server shuts down (its finally cancels the jobs).
-            return EventSourceResponse(sse_stream(jobs, kind, ev, include_usage, req.n, tools), sep="\n",
+            return EventSourceResponse(sse_stream(jobs, kind, ev, include_usage, req.n, tools, reasoning),
+                                       sep="\n",
                                        headers={"Cache-Control": "no-cache"})
-        return JSONResponse(full_response(jobs, kind, finals, req.n, tools))
+        return JSONResponse(full_response(jobs, kind, finals, req.n, tools, reasoning))
 
     def logprobs_obj(kind: str, entries: list[LogprobEntry], offsets: list[int]) -> dict[str, Any]:
         """offsets: where each token's text starts in the whole completion (detokenize), which is
@@ -797,7 +803,8 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         return completion_logprobs(entries, offsets)
 
     def full_response(jobs: list[Job], kind: str, finals: dict[int, dict[str, Any]],
-                      n: int, tools: ToolPlan | None = None) -> dict[str, Any]:
+                      n: int, tools: ToolPlan | None = None,
+                      reasoning: Thinking | None = None) -> dict[str, Any]:
         """The answer of a request that did not stream, from each choice's one event (Job.update)."""
         choices = []
         for job in jobs:
@@ -806,9 +813,12 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             if job.seq.logprobs is not None:
                 lp = logprobs_obj(kind, last["logprobs"], last["offsets"])
             if kind == "chat":
-                message, finish = {"role": "assistant", "content": last["delta"]}, last["finish_reason"]
+                text, finish = last["delta"], last["finish_reason"]
+                message = {"role": "assistant", "content": text}
+                if reasoning is not None:  # vLLM's field: the text before </think>
+                    message["reasoning"], message["content"] = text = reasoning[0].split(text, reasoning[1])
                 if tools is not None:
-                    fields, finish = tools.message(last["delta"], finish)
+                    fields, finish = tools.message(text or "", finish)
                     message |= fields
                 choices.append({"index": job.index, "message": message, "logprobs": lp,
                                 "finish_reason": finish, "stop_reason": last["stop_reason"]})
@@ -821,8 +831,11 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                 "usage": merged_usage([finals[job.index]["usage"] for job in jobs], n)}
 
     async def sse_stream(jobs: list[Job], kind: str, first: dict[str, Any], include_usage: bool,
-                         n: int, tools: ToolPlan | None = None) -> AsyncIterator[str]:
+                         n: int, tools: ToolPlan | None = None,
+                         reasoning: Thinking | None = None) -> AsyncIterator[str]:
         chat = kind == "chat"
+        # with reasoning, each choice's text goes first through its ReasoningStream (reasoning deltas)
+        thoughts = {job.index: reasoning[0].stream(reasoning[1]) for job in jobs} if reasoning else {}
         # with tools, each choice's text goes through its ToolStream (content / tool-call deltas)
         tool_streams: dict[int, ToolStream] = {job.index: tools.stream() for job in jobs} if tools else {}
         head = {"id": ("chatcmpl-" if chat else "cmpl-") + jobs[0].id,
@@ -840,6 +853,13 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                 lp = logprobs_obj(kind, ev["logprobs"], ev["offsets"])
             if chat:
                 delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+                if index in thoughts and (text is not None or finish is not None):
+                    thought, text = thoughts[index].feed(text or "")
+                    if finish is not None:  # the answer is whole: what the stream held back
+                        last_thought, rest = thoughts[index].end()
+                        thought, text = thought + last_thought, text + rest
+                    delta |= {"reasoning": thought} if thought else {}
+                    text = text or None
                 if index in tool_streams:
                     delta |= (tool_streams[index].feed(text) or {}) if text else {}
                     if finish is not None:
@@ -911,8 +931,17 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         except Exception as e:
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages",
                            code="invalid_value") from None
+        reasoning = None
+        if cfg.reasoning_parser is not None:
+            parser = REASONING_PARSERS[cfg.reasoning_parser]
+            reasoning = parser, parser.thinking(req.chat_template_kwargs)
+            if reasoning[1] and (tool_grammar is not None or req.structured() is not None):
+                raise ApiError(400, "structured outputs and tool_choice required or named are not "
+                                    "supported with --reasoning-parser while the model thinks (its grammar "
+                                    "would bind the reasoning too)", param="response_format",
+                               code="unsupported_parameter")
         jobs = make_jobs(req, [prompt], "messages", None, tools, tool_grammar)
-        return await run(request, jobs, req, "chat", tools)
+        return await run(request, jobs, req, "chat", tools, reasoning)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -1047,6 +1076,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                     help="the format the model writes its tool calls in: hermes "
                          "(<tool_call>{...}</tool_call>, Hermes / Qwen), llama3_json (Llama 3.x's JSON)")
+    ap.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                    help="a thinking model's chat answers split into message.reasoning (the text before "
+                         "</think>) and content (vLLM's flag and field): deepseek_r1, qwen3 (whose "
+                         "chat_template_kwargs enable_thinking false makes the whole answer content)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--api-key", default=None)
@@ -1208,7 +1241,7 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     return engine, tokenizer, eos, ServerConfig(names, args.api_key, usable, target.config.vocab_size,
                                                 args.stream_interval, tool_parser_of(args),
                                                 args.enable_auto_tool_choice,
-                                                chat_template_of(args.chat_template))
+                                                chat_template_of(args.chat_template), args.reasoning_parser)
 
 
 def tool_parser_of(args: argparse.Namespace) -> str | None:

@@ -777,6 +777,94 @@ def sse_events(text: str) -> list:
     return [json.loads(x) for x in lines[:-1]]
 
 
+class ScriptedDecoder(FakeDecoder):
+    """Answers every request with the tokens of `script`, `per_round` of them a round (so a
+    marker's tokens may straddle rounds and streamed chunks)."""
+
+    def __init__(self, script: list[int], per_round: int = 3):
+        super().__init__(max_batch=4)
+        self.script, self.per_round = script, per_round
+
+    def add_many(self, seqs: list[Sequence_]) -> None:
+        for seq in seqs:
+            self.seqs.append(seq)
+            seq.emit(self.script[:1])
+
+    def step(self):
+        out = [(s, s.emit(self.script[len(s.output):len(s.output) + self.per_round])) for s in self.seqs]
+        for s in self.seqs:
+            s.accepted.append(0)
+        self.seqs = [s for s in self.seqs if not s.done]
+        return out
+
+
+def reasoning_app(tokenizer, answer: str, parser: str | None):
+    """An in-process server whose every chat answer is `answer` (then EOS), with the real
+    tokenizer and chat template, and --reasoning-parser `parser`."""
+    from eagle_infer.server import Engine, Metrics, ServerConfig, create_app
+
+    eos = tokenizer.eos_token_id
+    script = list(tokenizer(answer, add_special_tokens=False)["input_ids"]) + [eos]
+    engine = Engine(ScriptedDecoder(script), tokenizer, Metrics(1), speculative=True)
+    cfg = ServerConfig(["fake"], None, 2048, len(tokenizer), reasoning_parser=parser)
+    return engine, create_app(engine, tokenizer, {eos}, cfg)
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_reasoning_parser_splits_the_answer_into_reasoning_and_content(tokenizer, parser):
+    """--reasoning-parser (vLLM's flag): a chat answer's text before </think> is message.reasoning
+    (a leading <think> dropped), the rest its content, whole and streamed alike (the stream holds
+    back text that may grow into a marker: <think> and </think> are several tokens here, split
+    across rounds); qwen3 with enable_thinking false answers content alone; a grammar is refused
+    while the model thinks; without the flag the markers stay in the content."""
+    from eagle_infer.reasoning import PARSERS
+
+    answer = "<think>\nTwo and two make four.</think>\n\nFour."
+    want = ("\nTwo and two make four.", "\n\nFour.")
+    assert PARSERS[parser].split(answer) == want
+    msgs = {"model": "fake", "messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 64}
+
+    async def ask(app, body: dict) -> tuple[int, dict | list]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
+            r = await http.post("/v1/chat/completions", json=body)
+            return r.status_code, sse_events(r.text) if body.get("stream") else r.json()
+
+    def answered(app, extra: dict) -> tuple:
+        status, whole = asyncio.run(ask(app, msgs | extra))
+        assert status == 200, whole
+        message = whole["choices"][0]["message"]
+        _, events = asyncio.run(ask(app, msgs | extra | {"stream": True}))
+        deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+        streamed = tuple("".join(d.get(k) or "" for d in deltas) or None for k in ("reasoning", "content"))
+        assert streamed == (message.get("reasoning") or None, message["content"] or None)
+        assert all(k in ("role", "content", "reasoning") for d in deltas for k in d)
+        return message.get("reasoning"), message["content"]
+
+    engine, app = reasoning_app(tokenizer, answer, parser)
+    engine.start()
+    try:
+        assert answered(app, {}) == want
+        thinking_off = {"chat_template_kwargs": {"enable_thinking": False}}
+        assert answered(app, thinking_off) == (want if parser == "deepseek_r1" else (None, answer))
+        status, body = asyncio.run(ask(app, msgs | {"response_format": {"type": "json_object"}}))
+        assert status == 400 and "--reasoning-parser" in body["error"]["message"]
+    finally:
+        engine.stop()
+    engine, app = reasoning_app(tokenizer, "</think>", parser)  # only an end: empty reasoning
+    engine.start()
+    try:
+        assert answered(app, {}) == ("", None)
+    finally:
+        engine.stop()
+    engine, app = reasoning_app(tokenizer, answer, None)
+    engine.start()
+    try:
+        assert answered(app, {}) == (None, answer)
+    finally:
+        engine.stop()
+
+
 def test_engine_faults_fail_only_that_request_and_stop_strings_cut():
     engine, app = fake_app()
     engine.start()

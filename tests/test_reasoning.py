@@ -1,0 +1,43 @@
+"""Reasoning outputs (--reasoning-parser): the split of a whole answer, and the same split streamed
+in pieces of any size."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from eagle_infer.reasoning import PARSERS
+
+CASES = {
+    "<think>\nabc def</think>\n\nThe answer": (("\nabc def", "\n\nThe answer"),) * 2,
+    "abc</think>xyz": (("abc", "xyz"),) * 2,  # <think> in the prompt: the answer starts inside
+    "<think>only reasoning": (("only reasoning", None),) * 2,  # cut off while thinking
+    "plain</think>": (("plain", None),) * 2,
+    "  <think>x</think>y": (("x", "y"),) * 2,
+    "no markers at all": (("no markers at all", None),) * 2,
+    # qwen3: a tool call ends the reasoning and stays in the content, for the tool parser
+    "<think>a<tool_call>{}</tool_call>": (("a<tool_call>{}</tool_call>", None),
+                                          ("a", "<tool_call>{}</tool_call>")),
+}
+
+
+@pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
+def test_split_and_its_stream_in_pieces_of_any_size(name):
+    parser = PARSERS[name]
+    for text, wants in CASES.items():
+        want = wants[name == "qwen3"]
+        assert parser.split(text) == want, text
+        assert parser.split(text, thinking=False) == (None, text)
+        for seed in range(40):  # pieces of 1-4 characters: markers cut anywhere
+            rng, stream, got, i = random.Random(seed), parser.stream(), ["", ""], 0
+            while i < len(text):
+                j = i + rng.randint(1, 4)
+                for k, piece in enumerate(stream.feed(text[i:j])):
+                    got[k] += piece
+                i = j
+            for k, piece in enumerate(stream.end()):
+                got[k] += piece
+            assert (got[0] or None, got[1] or None) == (want[0] or None, want[1]), (text, seed)
+    assert parser.thinking({"enable_thinking": False}) == (name == "deepseek_r1")
+    assert parser.thinking(None) and parser.thinking({"enable_thinking": True})
