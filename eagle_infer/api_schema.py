@@ -39,7 +39,7 @@ def engine_error(message: str) -> ApiError:
 # refused with a 400 naming the field, where answering as if it were absent would mislead.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "use_beam_search": (None, False),
-    "prompt_logprobs": (None,), "tools": (None, []), "functions": (None, []),
+    "tools": (None, []), "functions": (None, []),
     "length_penalty": (None, 1, 1.0),
 }
 
@@ -157,6 +157,7 @@ class Generation(_Body):
     skip_special_tokens: bool = True  # extension (vLLM): False keeps special tokens' text
     include_stop_str_in_output: bool = False  # extension (vLLM): a matched stop string stays in the text
     return_tokens_as_token_ids: bool = False  # extension (vLLM): logprobs tokens as "token_id:{id}"
+    prompt_logprobs: int | None = None  # extension (vLLM): each prompt token's log-prob and k alternatives
 
     def unsupported_field(self) -> str | None:
         """The first field this server would otherwise ignore although it changes the answer

@@ -115,7 +115,7 @@ class Job:
                  tokens_as_ids: bool = False, stream: bool = True, stream_interval: int = 1,
                  index: int = 0, events: asyncio.Queue | None = None, echo: bool = False,
                  skip_special_tokens: bool = True, include_stop: bool = False,
-                 stop_ids: Collection[int] = ()):
+                 stop_ids: Collection[int] = (), prompt_logprobs: int | None = None):
         self.id = uuid.uuid4().hex[:24]
         self.index = index  # the answer's choice (a request's choices share one events queue)
         self.created = int(time.time())
@@ -127,8 +127,12 @@ class Job:
         self.stops, self.tok, self.loop, self.tokens_as_ids = stops, tokenizer, loop, tokens_as_ids
         self.stream, self.stream_interval = stream, stream_interval
         self.streamed_at = 0  # output tokens when text was last released
+        # the prompt is scored for echo with logprobs and for vLLM's prompt_logprobs, with the
+        # alternatives of either
+        self.prompt_logprobs = prompt_logprobs
+        asked = [k for k in (logprobs if echo else None, prompt_logprobs) if k is not None]
         self.seq = Sequence_(prompt, params, max_tokens, eos, on_token=self._on_token, tag=self,
-                             logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
+                             logprobs=logprobs, prompt_logprobs=max(asked) if asked else None)
         self.echo_pending, self.echo_len = echo, 0  # completions' echo: the prompt's text leads
         self.ends = eos  # EOS and stop_token_ids: the token that ends the answer has no text (vLLM's)
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
@@ -225,8 +229,24 @@ class Job:
         self.echo_len = len(d.text)
         if self.seq.logprobs is None:
             return d.text, [], []
-        scored = [None, *self.seq.prompt_token_logprobs]
+        k = self.seq.logprobs
+        scored = [None, *((lp, ids[:k], vals[:k]) for lp, ids, vals in self.seq.prompt_token_logprobs)]
         return d.text, [self._entry(t, s) for t, s in zip(self.seq.prompt, scored)], d.offsets
+
+    def prompt_logprobs_field(self) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's prompt_logprobs (None unless asked): per prompt token (the first None), its
+        entry and its k likeliest alternatives', keyed by token id: {"logprob", "rank",
+        "decoded_token"}."""
+        if self.prompt_logprobs is None:
+            return None
+        k, out = self.prompt_logprobs, [None]
+        scored = zip(self.seq.prompt[1:], self.seq.prompt_token_logprobs, self.seq.prompt_token_ranks)
+        for token, (lp, ids, vals), rank in scored:
+            entry = {str(token): {"logprob": lp, "rank": rank, "decoded_token": self._piece(token)}}
+            for r, (a, v) in enumerate(zip(ids[:k], vals[:k])):
+                entry.setdefault(str(a), {"logprob": v, "rank": r + 1, "decoded_token": self._piece(a)})
+            out.append(entry)
+        return out
 
     def _release(self) -> None:
         d = self.detok
@@ -719,6 +739,10 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             raise ApiError(400, "seed (+ n - 1) must fit in 64 bits", param="seed", code="invalid_value")
         logprobs = req.top_logprobs_asked()
         check_logprobs(logprobs, "top_logprobs" if isinstance(req, ChatRequest) else "logprobs")
+        check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        if req.prompt_logprobs is not None and req.stream:
+            raise ApiError(400, "prompt_logprobs is not supported with stream", param="prompt_logprobs",
+                           code="unsupported_parameter")
         field = req.unsupported_field()
         if field is not None:
             raise ApiError(400, f"{field} is not supported by this server", param=field,
@@ -741,7 +765,8 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                                 index=p * req.n + i, events=events,
                                 echo=isinstance(req, CompletionRequest) and req.echo,
                                 skip_special_tokens=skip_special,
-                                include_stop=req.include_stop_str_in_output, stop_ids=stop_ids))
+                                include_stop=req.include_stop_str_in_output, stop_ids=stop_ids,
+                                prompt_logprobs=req.prompt_logprobs))
         return jobs
 
     def cancel_all(jobs: list[Job]) -> None:
@@ -825,10 +850,15 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             else:
                 choices.append({"index": job.index, "text": last["delta"], "logprobs": lp,
                                 "finish_reason": last["finish_reason"], "stop_reason": last["stop_reason"]})
+                if job.prompt_logprobs is not None:  # vLLM's: each completion choice its prompt's
+                    choices[-1]["prompt_logprobs"] = job.prompt_logprobs_field()
         obj, prefix = ("chat.completion", "chatcmpl-") if kind == "chat" else ("text_completion", "cmpl-")
-        return {"id": prefix + jobs[0].id, "object": obj, "created": jobs[0].created,
-                "model": cfg.model_names[0], "choices": choices,
-                "usage": merged_usage([finals[job.index]["usage"] for job in jobs], n)}
+        answer = {"id": prefix + jobs[0].id, "object": obj, "created": jobs[0].created,
+                  "model": cfg.model_names[0], "choices": choices,
+                  "usage": merged_usage([finals[job.index]["usage"] for job in jobs], n)}
+        if kind == "chat" and jobs[0].prompt_logprobs is not None:  # vLLM's: the one prompt's, beside
+            answer["prompt_logprobs"] = jobs[0].prompt_logprobs_field()
+        return answer
 
     async def sse_stream(jobs: list[Job], kind: str, first: dict[str, Any], include_usage: bool,
                          n: int, tools: ToolPlan | None = None,

@@ -107,6 +107,7 @@ class Sequence_:
     # prompt token's but the first, from the prefill's final states (score_prompt)
     prompt_logprobs: int | None = None
     prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_token_ranks: list[int] = field(default_factory=list)  # each one's rank among the vocabulary
     matcher: Any = None  # the grammar's matcher (params.grammar: structured outputs), made at prefill
     _logits: Tensor | None = field(default=None, repr=False)
 
@@ -137,12 +138,15 @@ class Sequence_:
 
     def score_prompt(self, lm_head: Callable[[Tensor], Tensor], states: Tensor, chunk: int = 256) -> None:
         """prompt_logprobs from the target's final (normed) states [P, H] of the prompt: the
-        log-prob of each prompt token after the first, and the k most likely alternatives. Logits
-        [chunk, V] at a time: a long prompt's [P, V] in fp32 would be hundreds of MB."""
+        log-prob of each prompt token after the first, the k most likely alternatives, and its
+        rank (1 + the tokens likelier than it; vLLM's). Logits [chunk, V] at a time: a long
+        prompt's [P, V] in fp32 would be hundreds of MB."""
         for i in range(0, len(self.prompt) - 1, chunk):
             nxt = self.prompt[i + 1:i + 1 + chunk]
-            self.prompt_token_logprobs += logprob_rows(lm_head(states[i:i + len(nxt)]), nxt,
-                                                       self.prompt_logprobs)
+            logits = lm_head(states[i:i + len(nxt)]).float()
+            self.prompt_token_logprobs += logprob_rows(logits, nxt, self.prompt_logprobs)
+            chosen = logits.gather(1, torch.tensor(nxt, device=logits.device)[:, None])
+            self.prompt_token_ranks += (1 + (logits > chosen).sum(-1)).tolist()
 
 
 def logprob_rows(logits: Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprob]:

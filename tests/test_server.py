@@ -217,6 +217,8 @@ def test_bad_requests_get_openai_errors_and_the_server_survives(server, client):
         ({"messages": msgs, "continue_final_message": True}, auth, 400, "invalid_value"),  # and a new turn
         ({"messages": msgs, "n": 0}, auth, 400, "invalid_value"),
         ({"messages": msgs, "echo": True}, auth, 400, "unsupported_parameter"),  # chat's echo is another
+        ({"messages": msgs, "prompt_logprobs": 21}, auth, 400, "invalid_value"),
+        ({"messages": msgs, "prompt_logprobs": 1, "stream": True}, auth, 400, "unsupported_parameter"),
         ({"messages": msgs, "n": 129}, auth, 400, "invalid_value"),
         ({"messages": msgs, "n": 2, "seed": 2**64 - 1}, auth, 400, "invalid_value"),  # seed + 1 overflows
         ({"messages": msgs}, {"Authorization": "Bearer wrong"}, 401, "invalid_api_key"),
@@ -360,6 +362,29 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(server, client, de
     greedy = r.choices[0].logprobs  # the first prompt ends with three greedy tokens
     assert all(greedy.token_logprobs[i] == max(greedy.top_logprobs[i].values()) for i in (-4, -3, -2))
     assert greedy.token_logprobs[1] < max(greedy.top_logprobs[1].values())
+    # vLLM's prompt_logprobs: per prompt token after the first, its log-prob and rank and its k
+    # likeliest alternatives' (completions: in each choice; chat: beside the choices), as above
+    p = prompts[0]
+    r = client.completions.create(model=MODEL, prompt=p, max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    _, (states,) = prefill(model, [p], [len(model.layers)])
+    ref = torch.log_softmax(model.lm_head(states[0]).float(), -1)
+    got = r.choices[0].prompt_logprobs
+    assert got[0] is None and len(got) == len(p) and r.choices[0].logprobs is None
+    for t in range(len(p) - 1):
+        entry, token = got[t + 1], p[t + 1]
+        top = ref[t].topk(2).indices.tolist()
+        assert set(entry) == {str(i) for i in [token, *top]}, (t, entry)
+        assert entry[str(token)]["logprob"] == pytest.approx(float(ref[t, token]), abs=1e-4)
+        assert entry[str(token)]["rank"] == 1 + int((ref[t] > ref[t, token]).sum())
+        assert entry[str(token)]["decoded_token"] == tokenizer.decode([token])
+        for j, i in enumerate(top):  # the alternatives ranked in order
+            assert entry[str(i)]["rank"] == j + 1
+            assert entry[str(i)]["logprob"] == pytest.approx(float(ref[t, i]), abs=1e-4)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=1, extra_body={"prompt_logprobs": 0})
+    whole = r.model_extra["prompt_logprobs"]
+    assert whole[0] is None and all(len(e) == 1 for e in whole[1:]) and len(whole) == r.usage.prompt_tokens
     text = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0, echo=True, stream=True))
     assert text == "The capital of France is" + complete(client, "The capital of France is", 4)[0]
