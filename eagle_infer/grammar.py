@@ -35,10 +35,13 @@ Encode = Callable[[str], list[int]]  # text -> the target tokenizer's ids, no sp
 @dataclass(frozen=True)
 class Grammar:
     """A compiled grammar (SamplingParams.grammar) and how the target's tokenizer writes text
-    (encode), with which speculative rounds draft what the grammar forces (None: they do not)."""
+    (encode), with which speculative rounds draft what the grammar forces (None: they do not).
+    gate: token ids after which the grammar starts (a thinking model's end of reasoning, as
+    vLLM's reasoning parsers gate structured outputs); the text before them is free."""
 
     compiled: xgr.CompiledGrammar
     encode: Encode | None = None
+    gate: tuple[int, ...] = ()
 
 
 class Grammars:
@@ -92,8 +95,53 @@ class Grammars:
         raise UserError(f"unknown structured output kind {kind!r} (one of {', '.join(KINDS)})")
 
 
-def new_matcher(grammar: Grammar) -> xgr.GrammarMatcher:
-    return xgr.GrammarMatcher(grammar.compiled)
+def new_matcher(grammar: Grammar) -> xgr.GrammarMatcher | GatedMatcher:
+    matcher = xgr.GrammarMatcher(grammar.compiled)
+    return GatedMatcher(matcher, grammar.gate) if grammar.gate else matcher
+
+
+class GatedMatcher:
+    """A matcher whose grammar starts once the output ends with `gate` (Grammar.gate): before,
+    every token is accepted and every token allowed; from then on the inner matcher's. The part
+    of xgrammar's GrammarMatcher the decoders use (accept, rollback across the gate, masks, the
+    jump-forward string), so a tree node is constrained after its drafted path as without one."""
+
+    def __init__(self, inner: xgr.GrammarMatcher, gate: tuple[int, ...]):
+        self.inner, self.gate = inner, tuple(gate)
+        self.free: list[int] = []  # the tokens before the grammar started
+        self.taken: list[bool] = []  # per accepted token: whether the grammar took it
+        self.started = False
+
+    def accept_token(self, token: int) -> bool:
+        if self.started:
+            if not self.inner.accept_token(token):
+                return False
+            self.taken.append(True)
+            return True
+        self.free.append(token)
+        self.taken.append(False)
+        self.started = tuple(self.free[-len(self.gate):]) == self.gate
+        return True
+
+    def rollback(self, n: int) -> None:
+        for _ in range(n):
+            if self.taken.pop():
+                self.inner.rollback(1)
+            else:  # a free token: the grammar had not started before it
+                self.free.pop()
+                self.started = False
+
+    def is_terminated(self) -> bool:
+        return self.started and self.inner.is_terminated()
+
+    def fill_next_token_bitmask(self, bitmask: Tensor, index: int = 0) -> None:
+        if self.started:
+            self.inner.fill_next_token_bitmask(bitmask, index)
+        else:
+            bitmask[index] = -1  # every token allowed
+
+    def find_jump_forward_string(self) -> str:
+        return self.inner.find_jump_forward_string() if self.started else ""
 
 
 def forced_tokens(matcher: xgr.GrammarMatcher, encode: Encode, limit: int) -> list[int]:

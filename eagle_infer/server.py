@@ -722,11 +722,13 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             raise ApiError(400, str(e), param=param, code="invalid_value") from None
 
     def make_jobs(req: Generation, prompts: list[list[int]], prompt_param: str, default_max: int | None,
-                  tools: ToolPlan | None = None, tool_grammar: tuple[str, Any] | None = None) -> list[Job]:
+                  tools: ToolPlan | None = None, tool_grammar: tuple[str, Any] | None = None,
+                  gate: tuple[int, ...] = ()) -> list[Job]:
         """A request's jobs: `n` choices for each prompt, choice index prompt x n + i (vLLM's),
         sampled alike but for the seed: choice i of a seeded request has seed + i, as vLLM's
         parallel sampling, so a choice is the answer of one request with that seed. tools: a chat
-        request's ToolPlan (ChatRequest.tool_plan), tool_grammar its grammar (ToolPlan.grammar)."""
+        request's ToolPlan (ChatRequest.tool_plan), tool_grammar its grammar (ToolPlan.grammar);
+        gate: the tokens after which a grammar starts (Grammar.gate: the end of the reasoning)."""
         if not 1 <= req.n <= MAX_CHOICES or req.n * len(prompts) > MAX_CHOICES:
             raise ApiError(400, f"n x prompts must be in [1, {MAX_CHOICES}], got {req.n} x {len(prompts)}",
                            param="n", code="invalid_value")
@@ -751,6 +753,8 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             raise ApiError(400, f"stop_token_ids must be token ids of this model (0 to {vocab - 1})",
                            param="stop_token_ids", code="invalid_value")
         params = sampling_params(req, tool_grammar)
+        if gate and params.grammar is not None:
+            params = replace(params, grammar=replace(params.grammar, gate=gate))
         ends = (set() if req.ignore_eos else eos) | set(req.stop_token_ids or [])
         stop_ids = ends - (set() if req.ignore_eos else eos)  # EOS reports no stop_reason (vLLM's)
         # tool calls keep special tokens in the text, for the parser (a <tool_call> may be one: vLLM's)
@@ -961,16 +965,13 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         except Exception as e:
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages",
                            code="invalid_value") from None
-        reasoning = None
+        reasoning, gate = None, ()
         if cfg.reasoning_parser is not None:
             parser = REASONING_PARSERS[cfg.reasoning_parser]
             reasoning = parser, parser.thinking(req.chat_template_kwargs)
-            if reasoning[1] and (tool_grammar is not None or req.structured() is not None):
-                raise ApiError(400, "structured outputs and tool_choice required or named are not "
-                                    "supported with --reasoning-parser while the model thinks (its grammar "
-                                    "would bind the reasoning too)", param="response_format",
-                               code="unsupported_parameter")
-        jobs = make_jobs(req, [prompt], "messages", None, tools, tool_grammar)
+            if reasoning[1]:  # a grammar (structured outputs, a forced call) starts after the reasoning
+                gate = tuple(tokenizer.encode(parser.end, add_special_tokens=False))
+        jobs = make_jobs(req, [prompt], "messages", None, tools, tool_grammar, gate)
         return await run(request, jobs, req, "chat", tools, reasoning)
 
     @app.post("/v1/completions")

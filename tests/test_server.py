@@ -809,10 +809,13 @@ class ScriptedDecoder(FakeDecoder):
     def __init__(self, script: list[int], per_round: int = 3):
         super().__init__(max_batch=4)
         self.script, self.per_round = script, per_round
+        self.added: list[Sequence_] = []
 
     def add_many(self, seqs: list[Sequence_]) -> None:
         for seq in seqs:
             self.seqs.append(seq)
+            self.added.append(seq)
+            seq.matcher = seq.params.new_matcher()  # as prefill_rows: emit() feeds it the answer
             seq.emit(self.script[:1])
 
     def step(self):
@@ -840,8 +843,9 @@ def test_reasoning_parser_splits_the_answer_into_reasoning_and_content(tokenizer
     """--reasoning-parser (vLLM's flag): a chat answer's text before </think> is message.reasoning
     (a leading <think> dropped), the rest its content, whole and streamed alike (the stream holds
     back text that may grow into a marker: <think> and </think> are several tokens here, split
-    across rounds); qwen3 with enable_thinking false answers content alone; a grammar is refused
-    while the model thinks; without the flag the markers stay in the content."""
+    across rounds); qwen3 with enable_thinking false answers content alone; a structured output
+    starts after the reasoning (its matcher takes the content alone, as vLLM's gate); without the
+    flag the markers stay in the content."""
     from eagle_infer.reasoning import PARSERS
 
     answer = "<think>\nTwo and two make four.</think>\n\nFour."
@@ -872,8 +876,19 @@ def test_reasoning_parser_splits_the_answer_into_reasoning_and_content(tokenizer
         assert answered(app, {}) == want
         thinking_off = {"chat_template_kwargs": {"enable_thinking": False}}
         assert answered(app, thinking_off) == (want if parser == "deepseek_r1" else (None, answer))
+    finally:
+        engine.stop()
+    json_answer = '<think>\nTwo and two.</think>{"sum": 4}'
+    engine, app = reasoning_app(tokenizer, json_answer, parser)
+    engine.start()
+    try:
         status, body = asyncio.run(ask(app, msgs | {"response_format": {"type": "json_object"}}))
-        assert status == 400 and "--reasoning-parser" in body["error"]["message"]
+        assert status == 200 and body["choices"][0]["message"]["content"] == '{"sum": 4}', body
+        seq = engine.dec.added[-1]
+        content = tokenizer('{"sum": 4}', add_special_tokens=False)["input_ids"]
+        assert seq.matcher.gate == tuple(tokenizer("</think>", add_special_tokens=False)["input_ids"])
+        # the grammar took the content and EOS, every one of them (a refused token is not taken)
+        assert seq.matcher.started and seq.matcher.taken.count(True) == len(content) + 1
     finally:
         engine.stop()
     engine, app = reasoning_app(tokenizer, "</think>", parser)  # only an end: empty reasoning

@@ -505,6 +505,45 @@ def test_grammar_greedy_is_plain_grammar_greedy():
     assert plain[:3] != generate(target, prompts[:3], 30) and plain[3] == generate(target, prompts[3:], 30)[0]
 
 
+def test_a_gated_grammar_starts_after_its_gate_under_speculation_too():
+    """Grammar.gate (a thinking model's end of reasoning, --reasoning-parser): the output is free
+    until it ends with the gate's tokens, then follows the grammar; greedy speculative decoding
+    writes plain decoding's tokens (tree nodes whose drafted path crosses the gate are masked by
+    the grammar after it), sampled rows keep it too, and a path rolled back across the gate
+    closes it again."""
+    import re
+    from dataclasses import replace
+
+    from eagle_infer.grammar import new_matcher
+
+    target = tiny_target(layers=1, silent=True)
+    V, stop = target.config.vocab_size, 95
+    head = oracle_head(target, noise=0.3)
+    prompts = prompts_for(V)[:2]
+    free = generate(target, prompts, 30, eos_token_ids=[])
+    gate = tuple(free[0][3:5])  # the first prompt's free answer holds it: the grammar starts there
+    start = next(i for i in range(2, 30) if tuple(free[0][i - 1:i + 1]) == gate) + 1
+    gated = replace(pair_grammar(V, stop), gate=gate)
+    params = [SamplingParams(grammar=gated)] * 2
+    plain = generate(target, prompts, 30, params, eos_token_ids=[stop])
+    assert plain[0][:start] == free[0][:start] and plain[0] != free[0]  # free until the gate
+    body = plain[0][start:-1] if plain[0][-1] == stop else plain[0][start:]
+    assert re.fullmatch("([0-4][5-9])*[0-4]?", "".join(map(str, body))), plain[0]
+    spec, stats = generate_speculative(target, head, prompts, 30, params, tree=TreeConfig(3, 3, 8),
+                                       eos_token_ids=[stop])
+    assert spec == plain and sum(stats.accepted_hist[1:]) > 0
+    sampled = [SamplingParams(temperature=1.0, seed=s, grammar=gated) for s in (1, 2)]
+    for out in generate_speculative(target, head, prompts, 30, sampled, tree=TreeConfig(3, 3, 8),
+                                    eos_token_ids=[stop])[0]:
+        at = next((i + 1 for i in range(1, len(out)) if tuple(out[i - 1:i + 1]) == gate), len(out))
+        body = out[at:-1] if out[-1] == stop else out[at:]
+        assert re.fullmatch("([0-4][5-9])*[0-4]?", "".join(map(str, body))), out
+    matcher = new_matcher(gated)
+    assert all(matcher.accept_token(t) for t in (*gate, 2)) and not matcher.accept_token(3)
+    matcher.rollback(2)  # the 2, then the gate's last token: closed again, 3 allowed
+    assert not matcher.started and matcher.accept_token(3) and matcher.free == [gate[0], 3]
+
+
 def test_masked_greedy_tokens_is_the_argmax_the_bitmask_allows():
     """masked_greedy_tokens reads xgrammar's bitmask as xgrammar applies it (bit 31 of a word
     included, a vocabulary not a multiple of 32): the argmax of what is left, the raw argmax
