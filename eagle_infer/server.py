@@ -845,7 +845,8 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                 text, finish = last["delta"], last["finish_reason"]
                 message = {"role": "assistant", "content": text}
                 if reasoning is not None:  # vLLM's field: the text before </think>
-                    message["reasoning"], message["content"] = text = reasoning[0].split(text, reasoning[1])
+                    thought, text = reasoning[0].split(text, reasoning[1])
+                    message |= {"reasoning": thought, "content": text}
                 if tools is not None:
                     fields, finish = tools.message(text or "", finish)
                     message |= fields

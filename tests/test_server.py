@@ -828,13 +828,14 @@ class ScriptedDecoder(FakeDecoder):
 
 def reasoning_app(tokenizer, answer: str, parser: str | None):
     """An in-process server whose every chat answer is `answer` (then EOS), with the real
-    tokenizer and chat template, and --reasoning-parser `parser`."""
+    tokenizer and chat template, --reasoning-parser `parser` and the hermes tool parser (auto)."""
     from eagle_infer.server import Engine, Metrics, ServerConfig, create_app
 
     eos = tokenizer.eos_token_id
     script = list(tokenizer(answer, add_special_tokens=False)["input_ids"]) + [eos]
     engine = Engine(ScriptedDecoder(script), tokenizer, Metrics(1), speculative=True)
-    cfg = ServerConfig(["fake"], None, 2048, len(tokenizer), reasoning_parser=parser)
+    cfg = ServerConfig(["fake"], None, 2048, len(tokenizer), tool_parser="hermes", auto_tools=True,
+                       reasoning_parser=parser)
     return engine, create_app(engine, tokenizer, {eos}, cfg)
 
 
@@ -889,6 +890,20 @@ def test_reasoning_parser_splits_the_answer_into_reasoning_and_content(tokenizer
         assert seq.matcher.gate == tuple(tokenizer("</think>", add_special_tokens=False)["input_ids"])
         # the grammar took the content and EOS, every one of them (a refused token is not taken)
         assert seq.matcher.started and seq.matcher.taken.count(True) == len(content) + 1
+    finally:
+        engine.stop()
+    # tools ("auto", hermes): the calls are parsed from the content, the reasoning kept apart
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    engine, app = reasoning_app(tokenizer, "<think>\nThe weather tool.</think>\n" + call, parser)
+    engine.start()
+    try:
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+        status, body = asyncio.run(ask(app, msgs | {"tools": tools}))
+        choice = body["choices"][0]
+        assert status == 200 and choice["finish_reason"] == "tool_calls", body
+        assert choice["message"]["reasoning"] == "\nThe weather tool."
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in choice["message"]["tool_calls"]] == [("get_weather", {"city": "Paris"})]
     finally:
         engine.stop()
     engine, app = reasoning_app(tokenizer, "</think>", parser)  # only an end: empty reasoning
