@@ -37,6 +37,16 @@ class ReasoningParser:
             return body, None
         return body[:cut], body[cut + skip:] or None
 
+    def span(self, text: str, thinking: bool = True) -> tuple[int, int]:
+        """Where the reasoning lies in a whole answer: [start, end) character offsets (empty
+        without it), for counting its tokens (usage's completion_tokens_details)."""
+        if not thinking:
+            return 0, 0
+        body = self._body(text)
+        start = len(text) - len(body)
+        cut, _ = self._end(body)
+        return start, start + (len(body) if cut < 0 else cut)
+
     def _body(self, text: str) -> str:
         """text without the start marker it opens with (after white space), if it does."""
         opened = text.lstrip()

@@ -306,6 +306,17 @@ def merged_usage(usages: list[dict[str, Any]], n: int) -> dict[str, Any]:
                     sum(s["rounds"] for s in spec), sum(s["accepted_tokens"] for s in spec))
 
 
+def with_reasoning_tokens(usage: dict[str, Any], jobs: list[Job], texts: list[str],
+                          reasoning: Thinking) -> dict[str, Any]:
+    """usage with OpenAI's and vLLM's completion_tokens_details.reasoning_tokens: the output
+    tokens whose text starts inside the reasoning of each choice's answer (texts, by job)."""
+    count = 0
+    for job, text in zip(jobs, texts):
+        start, end = reasoning[0].span(text, reasoning[1])
+        count += sum(start <= offset < end for offset in job.detok.offsets)
+    return usage | {"completion_tokens_details": {"reasoning_tokens": count}}
+
+
 def bad_words_ids(tokenizer, words: list[str]) -> list[list[int]]:
     """vLLM's tokenization of bad_words: each word as it starts a text and, where that is another
     token sequence of the same length, after a space (mid-text), so both are barred."""
@@ -863,6 +874,9 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                   "usage": merged_usage([finals[job.index]["usage"] for job in jobs], n)}
         if kind == "chat" and jobs[0].prompt_logprobs is not None:  # vLLM's: the one prompt's, beside
             answer["prompt_logprobs"] = jobs[0].prompt_logprobs_field()
+        if reasoning is not None:
+            texts = [finals[job.index]["delta"] for job in jobs]
+            answer["usage"] = with_reasoning_tokens(answer["usage"], jobs, texts, reasoning)
         return answer
 
     async def sse_stream(jobs: list[Job], kind: str, first: dict[str, Any], include_usage: bool,
@@ -928,6 +942,9 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                     if len(usages) == len(jobs):
                         if include_usage:
                             usage = merged_usage([usages[job.index] for job in jobs], n)
+                            if reasoning is not None:
+                                texts = [thoughts[job.index].text for job in jobs]
+                                usage = with_reasoning_tokens(usage, jobs, texts, reasoning)
                             yield _json(head | {"choices": [], "usage": usage})
                         break
                 ev = await jobs[0].events.get()

@@ -29,6 +29,8 @@ def test_split_and_its_stream_in_pieces_of_any_size(name):
         want = wants[name == "qwen3"]
         assert parser.split(text) == want, text
         assert parser.split(text, thinking=False) == (None, text)
+        start, end = parser.span(text)  # where the reasoning lies (usage counts its tokens)
+        assert text[start:end] == want[0] and parser.span(text, thinking=False) == (0, 0)
         for seed in range(40):  # pieces of 1-4 characters: markers cut anywhere
             rng, stream, got, i = random.Random(seed), parser.stream(), ["", ""], 0
             while i < len(text):

@@ -864,19 +864,33 @@ def test_reasoning_parser_splits_the_answer_into_reasoning_and_content(tokenizer
         status, whole = asyncio.run(ask(app, msgs | extra))
         assert status == 200, whole
         message = whole["choices"][0]["message"]
-        _, events = asyncio.run(ask(app, msgs | extra | {"stream": True}))
+        usage = {"stream": True, "stream_options": {"include_usage": True}}
+        _, events = asyncio.run(ask(app, msgs | extra | usage))
         deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
         streamed = tuple("".join(d.get(k) or "" for d in deltas) or None for k in ("reasoning", "content"))
         assert streamed == (message.get("reasoning") or None, message["content"] or None)
         assert all(k in ("role", "content", "reasoning") for d in deltas for k in d)
+        # usage.completion_tokens_details.reasoning_tokens (OpenAI's, vLLM's), whole and streamed
+        count = whole["usage"].get("completion_tokens_details", {}).get("reasoning_tokens")
+        assert events[-1]["usage"].get("completion_tokens_details", {}).get("reasoning_tokens") == count
+        reasoning_tokens.append(count)  # None without --reasoning-parser (vLLM's)
         return message.get("reasoning"), message["content"]
+
+    def inside(text: str, lo: int, hi: int) -> int:
+        """The answer's tokens whose text starts in text[lo:hi]."""
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return sum(lo <= len(tokenizer.decode(ids[:i])) < hi for i in range(len(ids)))
+
+    reasoning_tokens: list[int] = []
 
     engine, app = reasoning_app(tokenizer, answer, parser)
     engine.start()
     try:
         assert answered(app, {}) == want
+        assert reasoning_tokens[-1] == inside(answer, len("<think>"), len("<think>") + len(want[0])) > 3
         thinking_off = {"chat_template_kwargs": {"enable_thinking": False}}
         assert answered(app, thinking_off) == (want if parser == "deepseek_r1" else (None, answer))
+        assert reasoning_tokens[-1] == (reasoning_tokens[0] if parser == "deepseek_r1" else 0)
     finally:
         engine.stop()
     json_answer = '<think>\nTwo and two.</think>{"sum": 4}'
@@ -915,7 +929,7 @@ def test_reasoning_parser_splits_the_answer_into_reasoning_and_content(tokenizer
     engine, app = reasoning_app(tokenizer, answer, None)
     engine.start()
     try:
-        assert answered(app, {}) == (None, answer)
+        assert answered(app, {}) == (None, answer) and reasoning_tokens[-1] is None
     finally:
         engine.stop()
 
