@@ -73,40 +73,62 @@ PARSERS = {
 class ReasoningStream:
     """One streamed answer's text routed to reasoning and content as it is released: feed() each
     piece, end() once the answer is whole. Text that could still grow into a marker is held back
-    until it is known not to (or the answer ends), so the pieces add up to split()'s parts."""
+    until it is known not to (or the answer ends), so the pieces add up to split()'s parts. Each
+    piece is looked at once (the markers searched for in the new text only): a long reasoning
+    streamed a few characters at a time costs linear time, not quadratic."""
 
     parser: ReasoningParser
     thinking: bool = True
-    text: str = ""
-    reasoning_sent: int = 0
-    content_sent: int = 0
+    text: str = ""  # the answer so far (kept only while it may think)
+    body_at: int | None = None  # where the reasoning starts (past an opening start marker), once known
+    searched: int = 0  # text before this holds no whole marker
+    cut: int | None = None  # where the reasoning ends, once it has
+    content_at: int = 0  # where the content starts (past the end marker), once it has ended
+    sent: int = 0  # text before this has been routed
 
     def feed(self, delta: str) -> tuple[str, str]:
         """(reasoning, content) pieces newly known for the text so far plus delta."""
+        if not self.thinking:
+            return "", delta
         self.text += delta
-        return self._pieces(self.text[:len(self.text) - self._held()])
+        return self._pieces(self._known())
 
     def end(self) -> tuple[str, str]:
         """What is still held back, once the answer is whole."""
-        return self._pieces(self.text)
-
-    def _held(self) -> int:
-        """Length of the text's end that could grow into a marker that still matters."""
-        p, text = self.parser, self.text
         if not self.thinking:
-            return 0
-        opened = text.lstrip()
-        if len(opened) < len(p.start) and p.start.startswith(opened):
-            return len(text)  # it may still open with the start marker
-        if p._end(p._body(text))[0] >= 0:
-            return 0  # the reasoning has ended: the rest is content
-        markers = [p.end, *p.implicit_ends]
-        return max((k for m in markers for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
+            return "", ""
+        if self.body_at is None:  # too short to open with the start marker: all reasoning
+            self.body_at = 0
+        return self._pieces(len(self.text))
 
-    def _pieces(self, text: str) -> tuple[str, str]:
-        reasoning, content = self.parser.split(text, self.thinking)
-        reasoning, content = reasoning or "", content or ""
-        r, c = reasoning[self.reasoning_sent:], content[self.content_sent:]
-        self.reasoning_sent = max(self.reasoning_sent, len(reasoning))
-        self.content_sent = max(self.content_sent, len(content))
-        return r, c
+    def _known(self) -> int:
+        """How much of the text is routed for sure; finds the start and the end of the reasoning."""
+        p, text = self.parser, self.text
+        if self.body_at is None:
+            opened = text.lstrip()
+            if len(opened) < len(p.start) and p.start.startswith(opened):
+                return 0  # it may still open with the start marker
+            self.body_at = len(text) - len(opened) + len(p.start) if opened.startswith(p.start) else 0
+            self.searched = self.body_at
+        if self.cut is not None:
+            return len(text)
+        markers = [(p.end, len(p.end)), *((m, 0) for m in p.implicit_ends)]
+        hits = [(i, skip) for m, skip in markers
+                if (i := text.find(m, max(self.body_at, self.searched - len(m) + 1))) >= 0]
+        self.searched = len(text)
+        if hits:
+            self.cut, skip = min(hits)
+            self.content_at = self.cut + skip
+            return len(text)
+        return len(text) - max((k for m, _ in markers for k in range(1, len(m)) if text.endswith(m[:k])),
+                               default=0)
+
+    def _pieces(self, known: int) -> tuple[str, str]:
+        """The routed text from `sent` to `known`: reasoning up to the cut, content past the end
+        marker (the leading white space and start marker, and the end marker, in neither)."""
+        start = max(self.sent, self.body_at or 0)
+        stop = known if self.cut is None else min(known, self.cut)
+        reasoning = self.text[start:stop] if stop > start else ""
+        content = self.text[max(self.sent, self.content_at):known] if self.cut is not None else ""
+        self.sent = max(self.sent, known)
+        return reasoning, content

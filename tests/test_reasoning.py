@@ -22,6 +22,20 @@ CASES = {
 }
 
 
+def streamed(parser, text: str, rng: random.Random, longest: int, thinking: bool = True) -> tuple:
+    """(reasoning, content) of text fed to a ReasoningStream in pieces of 1..longest characters,
+    each None where empty."""
+    stream, got, i = parser.stream(thinking), ["", ""], 0
+    while i < len(text):
+        j = i + rng.randint(1, longest)
+        for k, piece in enumerate(stream.feed(text[i:j])):
+            got[k] += piece
+        i = j
+    for k, piece in enumerate(stream.end()):
+        got[k] += piece
+    return got[0] or None, got[1] or None
+
+
 @pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
 def test_split_and_its_stream_in_pieces_of_any_size(name):
     parser = PARSERS[name]
@@ -32,14 +46,23 @@ def test_split_and_its_stream_in_pieces_of_any_size(name):
         start, end = parser.span(text)  # where the reasoning lies (usage counts its tokens)
         assert text[start:end] == want[0] and parser.span(text, thinking=False) == (0, 0)
         for seed in range(40):  # pieces of 1-4 characters: markers cut anywhere
-            rng, stream, got, i = random.Random(seed), parser.stream(), ["", ""], 0
-            while i < len(text):
-                j = i + rng.randint(1, 4)
-                for k, piece in enumerate(stream.feed(text[i:j])):
-                    got[k] += piece
-                i = j
-            for k, piece in enumerate(stream.end()):
-                got[k] += piece
-            assert (got[0] or None, got[1] or None) == (want[0] or None, want[1]), (text, seed)
+            assert streamed(parser, text, random.Random(seed), 4) == (want[0] or None, want[1]), (text, seed)
     assert parser.thinking({"enable_thinking": False}) == (name == "deepseek_r1")
     assert parser.thinking(None) and parser.thinking({"enable_thinking": True})
+
+
+@pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
+def test_stream_equals_split_on_texts_made_of_marker_fragments(name):
+    """Texts built from markers and their fragments (white space before them, starts that do not
+    finish, implicit ends before and after the end), streamed in random pieces, thinking or not:
+    the pieces add up to split()'s parts (the stream looks at each piece once)."""
+    parser = PARSERS[name]
+    fragments = ["<think>", "</think>", "<tool_call>", "<th", "</th", "<tool", " ", "\n", "a", "bc", "<", ">",
+                 "think", "/"]
+    for seed in range(2000):
+        rng = random.Random(seed)
+        text = "".join(rng.choice(fragments) for _ in range(rng.randint(0, 8)))
+        for thinking in (True, False):
+            want = parser.split(text, thinking)
+            got = streamed(parser, text, rng, 5, thinking)
+            assert got == (want[0] or None, want[1] or None), (text, thinking)
