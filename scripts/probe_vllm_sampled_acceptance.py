@@ -1,6 +1,6 @@
 """How much vLLM for CPU accepts when it samples: its acceptance length (from its spec-decode
-counters) with our EAGLE-3 head, or its own n-gram drafts, greedy and at temperatures, on the
-same MT-bench prompts, seeded (request i with seed i).
+counters) with our head (the shipped EAGLE-3 one, or --draft), or its own n-gram drafts, greedy
+and at temperatures, on the same MT-bench prompts, seeded (request i with seed i).
 
     python scripts/probe_vllm_sampled_acceptance.py --json results/vllm_sampled_eagle3.json
     python scripts/probe_vllm_sampled_acceptance.py --method ngram --json results/vllm_sampled_ngram.json
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from eagle_infer.bench import load_prompts
@@ -25,8 +26,8 @@ DRAFTS, ACCEPTED, PER_POS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_nu
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--method", choices=["eagle3", "ngram"], default="eagle3")
-    ap.add_argument("--draft", default=None, help="EAGLE-3 head folder (default: the shipped one)")
+    ap.add_argument("--method", choices=["head", "ngram"], default="head")
+    ap.add_argument("--draft", default=None, help="head folder (default: the shipped EAGLE-3 head)")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7, 1.0])
     ap.add_argument("--num-prompts", type=int, default=5)
@@ -37,9 +38,12 @@ def main() -> None:
 
     folder = resolve_model_path(None)
     prompts = load_prompts(None, args.num_prompts, load_tokenizer(folder))
-    if args.method == "eagle3":
-        spec = {"method": "eagle3", "model": str(args.draft or default_head_path("eagle3")),
-                "num_speculative_tokens": args.k}
+    if args.method == "head":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_vllm import head_method  # vLLM's method name for the head's config
+
+        head = Path(args.draft or default_head_path("eagle3"))
+        spec = {"method": head_method(head), "model": str(head), "num_speculative_tokens": args.k}
     else:
         spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 3,
                 "prompt_lookup_min": 1}
