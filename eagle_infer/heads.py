@@ -98,7 +98,10 @@ class HeadConfig:
             draft_vocab_size=(draft_vocab_size or target.vocab_size) if kind == "eagle3"
             else target.vocab_size,
             rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
-            rope_scaling=target.rope_scaling,
+            # a Llama layer's rope: LongRoPE's factors are sized for the target's (partial) rotary
+            # dims, and a draft layer of a few positions gains nothing from them: plain RoPE there
+            rope_scaling=None if (target.rope_scaling or {}).get("rope_type") == "longrope"
+            else target.rope_scaling,
             # the target's declared context, not our window-capped one: vLLM sizes the draft's rotary
             # cache from it (before 0.32, which raises it to the target's, a gather out of bounds
             # past it: vLLM #48894), and a Mistral-7B-v0.1 head would declare its 4,096-token window

@@ -1,4 +1,5 @@
-"""The target model: a Llama-family / Qwen2 / Qwen3 decoder with a static KV cache.
+"""The target model: a Llama-family / Qwen2 / Qwen3 / Phi-3 / Gemma / Gemma 3 decoder with a static
+KV cache.
 
 Everything the speculative runtime asks of the target is here and nothing more:
   * one preallocated cache for all layers, [layers, 2, batch, kv_heads, max_seq_len, head_dim],
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -33,7 +34,8 @@ from torch import Tensor, nn
 from eagle_infer.errors import UserError
 from eagle_infer.kernels import avx2_attention, decoder_layers
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("gemma", "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass
@@ -49,18 +51,43 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
+    rotary_dim: int = 0  # the head dims RoPE turns (Phi-4-mini's partial rotary); 0 = head_dim
     max_position_embeddings: int = 4096  # the context served exactly: a sliding window caps it
     # the config's own max_position_embeddings, uncapped: what a head exported for this target
     # declares, as SpecForge's heads copy it (0: the same as max_position_embeddings)
     config_max_position_embeddings: int = 0
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head's queries and keys before RoPE
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's queries and keys before RoPE
+    hidden_act: str = "silu"  # the MLP's gate: silu, or gelu_pytorch_tanh (Gemma)
+    norm_offset: float = 0.0  # Gemma: every RMSNorm scales by offset + weight, in fp32
+    embed_scale: float = 0.0  # Gemma: the embeddings times this (sqrt(hidden)); 0 = not scaled
+    sandwich_norms: bool = False  # Gemma 3: norms on attention's and the MLP's outputs, one before the MLP
+    query_scale: float = 0.0  # attention scores' scale, 0 = 1/sqrt(head_dim) (Gemma 3: query_pre_attn_scalar)
+    sliding_window: int = 0  # Gemma 3: the layers in sliding_layers see their sliding_window latest slots
+    sliding_layers: tuple[int, ...] = ()
+    local_rope_theta: float = 0.0  # Gemma 3: the sliding layers' RoPE base (plain RoPE); 0 = the others'
     eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rotary_dim = self.rotary_dim or self.head_dim
+        if self.rotary_dim % 2 or (self.head_dim - self.rotary_dim) % 2:
+            raise UserError(f"rotary dims {self.rotary_dim} of head size {self.head_dim}: "
+                            "both halves must be even")
+
+    def llama_layers(self) -> bool:
+        """The layers are Llama's, with Qwen2's biases, Qwen3's query/key norms or a partial
+        rotary at most: what kernels/decoder_layers computes."""
+        return (self.hidden_act == "silu" and not self.norm_offset and not self.sandwich_norms
+                and not self.query_scale and not self.sliding_layers)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type", "")
+        if model_type == "gemma3" and "text_config" in cfg:
+            raise UserError("unsupported architecture: model_type 'gemma3' (Gemma 3 with its vision tower, "
+                            "4B and up); the text-only Gemma 3 checkpoints (model_type 'gemma3_text': "
+                            "270M, 1B) load")
         if model_type not in SUPPORTED_MODEL_TYPES:
             arch = (cfg.get("architectures") or ["?"])[0]
             raise UserError(
@@ -69,7 +96,7 @@ class ModelConfig:
             )
         max_positions = cfg.get("max_position_embeddings", 4096)
         window = cfg.get("sliding_window")
-        if window and cfg.get("use_sliding_window", model_type == "mistral"):
+        if window and cfg.get("use_sliding_window", model_type in ("mistral", "phi3")):
             # Full attention equals the window's while the context stays inside it (a token sees
             # the W latest slots, itself included): the context is capped there.
             max_positions = min(max_positions, window)
@@ -80,9 +107,30 @@ class ModelConfig:
         if rope and rope.get("rope_type", "default") != "default":
             scaling = rope
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        if scaling and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su", "yarn") \
+                and model_type == "phi3":  # Phi-3's older names of its LongRoPE (transformers' rule)
+            original = scaling.get("original_max_position_embeddings",
+                                   cfg.get("original_max_position_embeddings", max_positions))
+            scaling = {**scaling, "rope_type": "longrope", "original_max_position_embeddings": original,
+                       "factor": scaling.get("factor") or cfg.get("max_position_embeddings", 4096) / original}
+            # LongRoPE turns with its short factors up to the original context and switches every
+            # position to its long factors past it (transformers, per call): served exactly up to there
+            max_positions = min(max_positions, original)
         eos = cfg.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         n_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        gemma = model_type in ("gemma", "gemma3_text")
+        act = (cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh") if gemma \
+            else cfg.get("hidden_act", "silu")
+        act = "gelu_pytorch_tanh" if gemma and act == "gelu" else act  # Gemma's "gelu": tanh's (transformers)
+        if act not in ACTIVATIONS:
+            raise UserError(f"unsupported activation: hidden_act '{act}' ({model_type}); "
+                            f"supported: {', '.join(ACTIVATIONS)}")
+        extra: dict[str, Any] = {}
+        if model_type == "gemma3_text":
+            extra, theta, scaling = gemma3_layers(cfg)
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -91,16 +139,21 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=n_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling,
+            rotary_dim=int(head_dim * partial),
             max_position_embeddings=max_positions,
             config_max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            hidden_act=act,
+            norm_offset=1.0 if gemma else 0.0,
+            embed_scale=cfg["hidden_size"] ** 0.5 if gemma else 0.0,
             eos_token_ids=eos_ids,
+            **extra,
         )
 
     def eagle3_layer_ids(self) -> list[int]:
@@ -109,13 +162,43 @@ class ModelConfig:
         return [2, n // 2, n - 3]
 
 
+def gemma3_layers(cfg: dict[str, Any]) -> tuple[dict[str, Any], float, dict[str, Any] | None]:
+    """Gemma 3's (text) layers from its config: (ModelConfig fields, the full-attention layers'
+    rope_theta and rope scaling). Its sliding layers (5 of 6) see the sliding_window latest slots
+    with plain RoPE of their own base; transformers 5 keeps the two ropes in rope_parameters by
+    layer type, older configs in rope_theta / rope_scaling and rope_local_base_freq."""
+    if cfg.get("use_bidirectional_attention"):
+        raise UserError("unsupported: use_bidirectional_attention (EmbeddingGemma): not a causal LM")
+    n = cfg["num_hidden_layers"]
+    pattern = cfg.get("sliding_window_pattern", 6)
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                       for i in range(n)]
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:
+        full, local = params["full_attention"] or {}, params.get("sliding_attention") or {}
+    else:
+        full = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 1e6)}
+        local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 1e4)}
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise UserError(f"unsupported: Gemma 3 sliding layers' rope type '{local.get('rope_type')}'")
+    scaling = full if full.get("rope_type", full.get("type", "default")) != "default" else None
+    fields = dict(sandwich_norms=True, query_scale=cfg.get("query_pre_attn_scalar", 256) ** -0.5,
+                  sliding_window=cfg.get("sliding_window") or 0,
+                  sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+                  local_rope_theta=float(local.get("rope_theta", 1e4)))
+    if not fields["sliding_window"]:
+        fields["sliding_layers"] = ()
+    return fields, float(full.get("rope_theta", 1e6)), scaling
+
+
 # ---------------------------------------------------------------------------------------
 # Rotary embedding
 
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
-    """Inverse frequencies [D/2], with Llama-3 / linear scaling when the config asks."""
-    d = cfg.head_dim
+    """Inverse frequencies [rotary_dim/2], with Llama-3 / linear / LongRoPE (its short factors)
+    scaling when the config asks."""
+    d = cfg.rotary_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -123,6 +206,8 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
         return inv_freq.float()
     if kind == "linear":
         return (inv_freq / scaling["factor"]).float()
+    if kind == "longrope":
+        return (inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float64)).float()
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -136,13 +221,42 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     raise UserError(f"unsupported rope scaling type '{kind}'")
 
 
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What LongRoPE multiplies cos and sin by (transformers' default where the config has none)."""
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type") != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling["factor"]
+    original = scaling["original_max_position_embeddings"]
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 def rope_tables(cfg: ModelConfig, max_pos: int) -> tuple[Tensor, Tensor]:
-    """cos, sin tables [max_pos, D] in fp32 (rotate-half layout, as HF checkpoints use)."""
+    """cos, sin tables [max_pos, D] in fp32 (rotate-half layout, as HF checkpoints use). With a
+    partial rotary the dims RoPE does not turn sit in the middle of each half with cos 1, sin 0
+    (convert_hf_state_dict moves them there: `rotary_order`)."""
     inv_freq = rope_inv_freq(cfg)
+    still = cfg.head_dim // 2 - inv_freq.numel()
     t = torch.arange(max_pos, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    turned = torch.cat([torch.ones_like(inv_freq), torch.zeros(still)]).repeat(2).bool()  # [D]
+    emb = torch.cat([freqs, freqs.new_zeros(max_pos, still)], -1).repeat(1, 2)
+    factor = rope_attention_factor(cfg)
+    scale = torch.where(turned, factor, 1.0)
+    return emb.cos() * scale, emb.sin() * scale
+
+
+def rotary_order(cfg: ModelConfig) -> Tensor:
+    """Index [D] into a checkpoint's query / key head dims that puts them in the order rope_tables
+    turns: a partial rotary turns dims 0..R-1 in rotate-half pairs (j, j + R/2) and leaves R..D-1;
+    ours pairs (j, j + D/2) over the whole head, so the turned halves go first in each half of the
+    head and the still dims after them. Queries and keys reorder alike, so their dot products,
+    and the attention, are the checkpoint's."""
+    D, R = cfg.head_dim, cfg.rotary_dim
+    rot, still = torch.arange(R), torch.arange(R, D)
+    return torch.cat([rot[: R // 2], still[: (D - R) // 2], rot[R // 2:], still[(D - R) // 2:]])
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -193,6 +307,15 @@ def causal_mask(prefix_len: Tensor, T: int, kv_len: int) -> Tensor:
     """Mask for T consecutive tokens appended after each sequence's prefix."""
     tril = torch.ones(T, T, dtype=torch.bool, device=prefix_len.device).tril()
     return build_attn_mask(prefix_len, tril, kv_len)
+
+
+def window_mask(positions: Tensor, kv_len: int, window: int) -> Tensor:
+    """[B, T, kv_len]: the slots a sliding window of `window` lets each new token (at `positions`
+    [B, T]) see: its window latest positions, itself included (transformers' sliding mask). Slots
+    are positions below the prefix (committed tokens sit at their position), and a tree's own nodes
+    are all inside the window of its deepest one while the tree is shallower than the window."""
+    slots = torch.arange(kv_len, device=positions.device)
+    return slots[None, None, :] > positions[:, :, None] - window
 
 
 def attn_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -257,16 +380,18 @@ def grouped_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tenso
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset  # offset: Gemma's, which scales by 1 + weight
+        self.weight = nn.Parameter(torch.ones(dim) - offset)
 
     def forward(self, x: Tensor) -> Tensor:
         # Normalise in fp32, as the HF reference does, so fp32 and bf16 agree with it.
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:  # Gemma scales before rounding (transformers' GemmaRMSNorm)
+            return (xf * (self.offset + self.weight.float())).to(dtype)
         return self.weight * xf.to(dtype)
 
 
@@ -367,6 +492,7 @@ class StepInputs(NamedTuple):
     row0: int
     kv_len: int
     causal: bool = False  # bias is the causal mask of slots 0..T-1 (a prefill from the start)
+    local: tuple[Tensor, Tensor, Tensor] | None = None  # the sliding layers' (cos, sin, bias) (Gemma 3)
 
 
 class Attention(nn.Module):
@@ -379,21 +505,29 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
         self.qk_norm = cfg.qk_norm
+        # attention's own 1/sqrt(D) times this is the config's score scale (Gemma 3's)
+        self.query_factor = cfg.query_scale * math.sqrt(self.head_dim) if cfg.query_scale else 1.0
+        self.sliding = cfg.sliding_window if layer in cfg.sliding_layers else 0
 
     def forward(self, x: Tensor, s: StepInputs) -> Tensor:
         """x [B*T, H] -> [B*T, H]."""
         B, T = s.shape
         nh, nkv = self.n_heads, self.n_kv
+        cos, sin, bias, causal = s.cos, s.sin, s.bias, s.causal
+        if self.sliding:  # a prefill past the window must see the window's mask
+            (cos, sin, bias), causal = s.local, causal and T <= self.sliding
         qk, v = self.qkv_proj(x).view(B, T, nh + 2 * nkv, self.head_dim).split([nh + nkv, nkv], 2)
         if self.qk_norm:
             q, k = qk.split([nh, nkv], 2)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], 2)  # [B, T, nh + nkv, D]
-        q, k = rotate(qk, s.cos, s.sin).split([nh, nkv], 2)  # q and k rotated together
+        q, k = rotate(qk, cos, sin).split([nh, nkv], 2)  # q and k rotated together
+        if self.query_factor != 1.0:
+            q = q * self.query_factor
         keys, values = s.cache.update(self.layer, s.write_index, k, v, s.row0, s.kv_len)
-        out = attention(q.transpose(1, 2), keys, values, s.bias, nkv != nh, s.causal)  # [B, heads, T, D]
+        out = attention(q.transpose(1, 2), keys, values, bias, nkv != nh, causal)  # [B, heads, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B * T, -1))
 
 
@@ -402,21 +536,32 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tanh_gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate = F.gelu(gate, approximate="tanh") if self.tanh_gelu else F.silu(gate)
+        return self.down_proj(gate * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        eps, offset = cfg.rms_norm_eps, cfg.norm_offset
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
         self.self_attn = Attention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Llama's norm before the MLP; with sandwich norms (Gemma 3's names) the attention output's
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
         self.mlp = MLP(cfg)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
 
     def forward(self, x: Tensor, s: StepInputs) -> Tensor:
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), s))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), s)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -427,10 +572,11 @@ class Transformer(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.embed_scale = cfg.embed_scale  # rounded to the weights' dtype (_apply), as transformers' Gemma
         self.max_batch = 0
         self.max_seq_len = 0
         self.cache: KVCache | None = None
@@ -440,7 +586,10 @@ class Transformer(nn.Module):
         # .to() / .float() / .cuda() make new weights, which a fused stack (holding the old ones)
         # would not see: back to the Python layers (decoder_layers.attach fuses them again)
         self.fused_layers = None
-        return super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)
+        if self.config.embed_scale:
+            self.embed_scale = torch.tensor(self.config.embed_scale).to(self.embed_tokens.weight.dtype).item()
+        return out
 
     def setup_cache(self, max_batch: int, max_seq_len: int) -> None:
         """Preallocate the KV cache (and RoPE tables) for up to max_batch x max_seq_len."""
@@ -456,6 +605,10 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(self.config, max_seq_len)
         self.register_buffer("rope_cos", cos.to(w.device), persistent=False)
         self.register_buffer("rope_sin", sin.to(w.device), persistent=False)
+        if c.local_rope_theta:  # Gemma 3's sliding layers: plain RoPE of their own base
+            cos, sin = rope_tables(replace(c, rope_theta=c.local_rope_theta, rope_scaling=None), max_seq_len)
+        self.register_buffer("local_rope_cos", cos.to(w.device), persistent=False)
+        self.register_buffer("local_rope_sin", sin.to(w.device), persistent=False)
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
 
     def forward(
@@ -474,9 +627,16 @@ class Transformer(nn.Module):
         assert self.cache is not None, "call setup_cache() before forward()"
         B, T = tokens.shape
         x = self.embed_tokens(tokens).view(B * T, -1)  # [B*T, H]: 2-D linears dispatch fewer ops
+        if self.embed_scale:
+            x = x * self.embed_scale
         cos, sin = rope_at(self.rope_cos, self.rope_sin, positions, x.dtype)
+        local = None
+        if self.config.sliding_layers:
+            window = window_mask(positions, mask.shape[-1], self.config.sliding_window)
+            local = (*rope_at(self.local_rope_cos, self.local_rope_sin, positions, x.dtype),
+                     attn_bias(mask & window, x.dtype))
         s = StepInputs(self.cache, (B, T), cos, sin, attn_bias(mask, x.dtype),
-                       self.cache.write_index(slots, row0), row0, mask.shape[-1], causal)
+                       self.cache.write_index(slots, row0), row0, mask.shape[-1], causal, local)
         wanted = sorted(set(hidden_layers) - {len(self.layers)})
         taps: dict[int, Tensor]
         if decoder_layers.applies(self, B, T):  # the layers as one C++ call (kernels/decoder_layers)
@@ -534,6 +694,17 @@ def convert_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, 
         gu = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
         if all(k in out for k in gu):
             out[p + "mlp.gate_up_proj.weight"] = torch.cat([out.pop(k) for k in gu])
+        if cfg.rotary_dim < cfg.head_dim:  # partial rotary: the turned dims where rope_tables turns them
+            order = rotary_order(cfg)
+            heads = torch.arange(cfg.num_heads + cfg.num_kv_heads)[:, None] * cfg.head_dim
+            rows = torch.cat([(heads + order).reshape(-1), torch.arange(heads.numel() * cfg.head_dim,
+                              (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)])  # v rows stay
+            for kind in ("weight", "bias"):
+                if (name := p + f"self_attn.qkv_proj.{kind}") in out:
+                    out[name] = out[name][rows]
+            for name in (p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"):
+                if name in out:
+                    out[name] = out[name][order]
     if cfg.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     # Some checkpoints ship rotary caches; we compute our own.

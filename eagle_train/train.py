@@ -140,12 +140,13 @@ def load_target_io(path: Any, device: str | torch.device = "cpu") -> TargetIO:
 
         model = load_model(folder, "fp32", str(device))
         return TargetIO(model.config, model.embed_tokens, model.lm_head.weight, folder,
-                        model.norm.weight.detach().float())
+                        model.norm.weight.detach().float() + cfg.norm_offset)
     emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
     emb.weight = nn.Parameter(found["embed"].float().to(device), requires_grad=False)
     head_w = emb.weight if cfg.tie_word_embeddings or "head" not in found else \
         nn.Parameter(found["head"].float().to(device), requires_grad=False)
-    norm = found["norm"].float().to(device) if "norm" in found else None
+    # the head's norm scales by its weight; Gemma's by 1 + its weight
+    norm = found["norm"].float().to(device) + cfg.norm_offset if "norm" in found else None
     return TargetIO(cfg, emb, head_w, folder, norm)
 
 

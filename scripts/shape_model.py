@@ -38,6 +38,18 @@ SHAPES: dict[str, dict] = {
                          rope_theta=5e5, tie_word_embeddings=True, max_position_embeddings=131072,
                          rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    # Gemma 3's text-only checkpoints: 5 of 6 layers slide over 512 slots, head size 256, a
+    # 262,144-token vocabulary (its lm_head is 62% of the 270M's weights)
+    "gemma-3-270m": dict(model_type="gemma3_text", hidden_size=640, intermediate_size=2048,
+                         num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                         vocab_size=262144,
+                         sliding_window=512, query_pre_attn_scalar=256, tie_word_embeddings=True,
+                         max_position_embeddings=32768, rope_theta=1e6, rope_local_base_freq=1e4),
+    "gemma-3-1b": dict(model_type="gemma3_text", hidden_size=1152, intermediate_size=6912,
+                       num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                       vocab_size=262144,
+                       sliding_window=512, query_pre_attn_scalar=256, tie_word_embeddings=True,
+                       max_position_embeddings=32768, rope_theta=1e6, rope_local_base_freq=1e4),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 

@@ -50,6 +50,25 @@ TINY_ARCHS: dict[str, dict] = {
     # Qwen3: RMSNorm over each head's queries and keys before RoPE; head_dim != hidden / heads.
     "qwen3": dict(model_type="qwen3", head_dim=32,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # Phi-3 / Phi-4-mini: q/k/v and gate/up fused in the checkpoint, a partial rotary (the first
+    # 3/4 of each head turns) and LongRoPE (short factors up to the original context of 96).
+    "phi3": dict(model_type="phi3", sliding_window=None, original_max_position_embeddings=96, pad_token_id=0,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                  "partial_rotary_factor": 0.75,
+                                  "short_factor": [1.0 + 0.25 * i for i in range(6)],
+                                  "long_factor": [2.0 + i for i in range(6)],
+                                  "original_max_position_embeddings": 96}),
+    # Gemma: norms that scale by 1 + weight, tanh GELU, embeddings times sqrt(hidden), tied.
+    "gemma": dict(model_type="gemma", tie_word_embeddings=True, pad_token_id=0,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # Gemma 3 (text): that, plus query/key norms, norms on the attention and MLP outputs, a
+    # query scale of its own, and sliding layers (0 and 2) with a window of 8 and a RoPE base of
+    # their own beside full layers with linear scaling.
+    "gemma3": dict(model_type="gemma3_text", tie_word_embeddings=True, pad_token_id=0, head_dim=32,
+                   query_pre_attn_scalar=20, sliding_window=8, sliding_window_pattern=2,
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                       "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
 }
 TINY_SEED = 1234
 
@@ -69,11 +88,19 @@ def pytest_configure(config):
 
 
 def _hf_config(arch: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma3TextConfig,
+        GemmaConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     spec = dict(TINY_ARCHS[arch])
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig,
-           "qwen3": Qwen3Config}[spec.pop("model_type")]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config,
+           "phi3": Phi3Config, "gemma": GemmaConfig, "gemma3_text": Gemma3TextConfig}[spec.pop("model_type")]
     return cls(**_TINY_BASE, **spec)
 
 

@@ -27,17 +27,22 @@ needs_bf16 = pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without
 
 
 # The layer kinds the op computes: Llama's; Qwen2's (q/k/v biases); Qwen3's (head size 128, each
-# head's queries and keys normed before RoPE)
-ARCHS = {"llama": {}, "qwen2": {"attention_bias": True}, "qwen3": {"head_dim": 128, "qk_norm": True}}
+# head's queries and keys normed before RoPE); Phi-4-mini's (3/4 of each head turned, LongRoPE's
+# scaled tables: the op reads them as given)
+ARCHS = {"llama": {}, "qwen2": {"attention_bias": True}, "qwen3": {"head_dim": 128, "qk_norm": True},
+         "phi4_mini": {"rotary_dim": 48, "rope_scaling": {
+             "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(24)],
+             "factor": 4.0, "original_max_position_embeddings": 512}}}
 
 
 def fp32_target(layers: int = 3, attention_bias: bool = False, heads: int = 4,
-                kv_heads: int = 2, qk_norm: bool = False, head_dim: int = 64) -> Transformer:
-    """A tiny fp32 target of head size 64 (or 128: the attention kernel's) on torch's Linears."""
+                kv_heads: int = 2, qk_norm: bool = False, head_dim: int = 64, **config) -> Transformer:
+    """A tiny fp32 target of head size 64 (or 128: the attention kernel's) on torch's Linears;
+    config: more ModelConfig fields."""
     cfg = ModelConfig(model_type="llama", vocab_size=96, hidden_size=128, intermediate_size=192,
                       num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                       max_position_embeddings=512, eos_token_ids=[], attention_bias=attention_bias,
-                      qk_norm=qk_norm)
+                      qk_norm=qk_norm, **config)
     torch.manual_seed(0)
     target = Transformer(cfg).eval().requires_grad_(False)
     with torch.no_grad():

@@ -8,6 +8,7 @@ explicit head_dim, Llama-3 rope scaling, Mistral, Qwen3 with query/key norms).
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -24,9 +25,10 @@ from eagle_infer.model import build_attn_mask, causal_mask
 REPO = Path(__file__).resolve().parents[1]
 # CLI subprocesses: one thread unless told otherwise (see conftest.pytest_configure).
 CLI_ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-ALL_TARGETS = ["default", "llama", "qwen2", "tied", "llama3_rope", "mistral", "qwen3"]
+ALL_TARGETS = ["default", "llama", "qwen2", "tied", "llama3_rope", "mistral", "qwen3", "phi3", "gemma",
+               "gemma3"]
 # Cache tests need no second look at the rope variants.
-CACHE_TARGETS = ["default", "llama", "qwen2", "tied", "qwen3"]
+CACHE_TARGETS = ["default", "llama", "qwen2", "tied", "qwen3", "phi3", "gemma3"]
 
 CHAT_MESSAGES = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -300,6 +302,7 @@ def test_a_sliding_window_caps_the_context(tiny_model_dir):
     cases = [("mistral", {"sliding_window": 32}, 32), ("mistral", {"sliding_window": None}, 128),
              ("qwen2", {"sliding_window": 32, "use_sliding_window": False}, 128),
              ("qwen3", {"sliding_window": 32, "use_sliding_window": True}, 32),
+             ("phi3", {"sliding_window": 32}, 32),  # Phi-3-mini-4k's 2047, as transformers uses it
              ("mistral", {"sliding_window": 4096}, 128)]
     for model_type, extra, context in cases:
         cfg = ModelConfig.from_hf({**base, "model_type": model_type, **extra})
@@ -308,6 +311,39 @@ def test_a_sliding_window_caps_the_context(tiny_model_dir):
         # a head for it declares the target's own context, as the target's config does
         head = HeadConfig.for_target(cfg, "eagle3")
         assert head.to_hf()["max_position_embeddings"] == base["max_position_embeddings"] == 128
+
+
+def test_phi3_configs_of_every_vintage(tiny_model_dir):
+    """Phi-3 configs name LongRoPE "su" (Phi-3-mini-128k), "longrope" or transformers 5's
+    rope_parameters, with the original context at the top level or inside: each serves the short
+    factors' context, scales cos / sin by LongRoPE's attention factor, and a head for it takes plain
+    RoPE (the long/short factors are sized for the target's partial rotary). Other activations
+    than SiLU are refused by name."""
+    from eagle_infer.heads import HeadConfig
+    from eagle_infer.model import ModelConfig, rope_attention_factor, rope_tables
+
+    base = json.loads((tiny_model_dir("llama") / "config.json").read_text())
+    base |= {"model_type": "phi3", "max_position_embeddings": 512, "partial_rotary_factor": 0.5}
+    short, long = [1.0 + i for i in range(4)], [8.0] * 4  # head size 16, 8 dims turned
+    old = {"rope_scaling": {"type": "su", "short_factor": short, "long_factor": long},
+           "original_max_position_embeddings": 128}
+    new = {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": short,
+                               "long_factor": long, "original_max_position_embeddings": 128,
+                               "partial_rotary_factor": 0.5}}
+    for extra in (old, new):
+        cfg = ModelConfig.from_hf({k: v for k, v in base.items() if k != "rope_parameters"} | extra)
+        assert cfg.rope_scaling["rope_type"] == "longrope"
+        assert (cfg.max_position_embeddings, cfg.rotary_dim) == (128, 8)
+        factor = rope_attention_factor(cfg)
+        assert factor == pytest.approx((1 + math.log(4.0) / math.log(128.0)) ** 0.5)
+        cos, sin = rope_tables(cfg, 128)  # [128, 16]: turned 0-3 and 8-11, still 4-7 and 12-15
+        assert torch.equal(cos[:, 4:8], torch.ones(128, 4)) and torch.equal(sin[:, 12:], torch.zeros(128, 4))
+        assert cos[0, 0] == pytest.approx(factor)
+        assert cos[5, 3] == pytest.approx(factor * math.cos(5 / 4 / 10000 ** 0.75))
+        head = HeadConfig.for_target(cfg, "eagle3")
+        assert head.rope_scaling is None and head.rope_config().rotary_dim == head.head_dim
+    with pytest.raises(UserError, match="hidden_act 'gelu_new'"):
+        ModelConfig.from_hf(base | {"hidden_act": "gelu_new"})
 
 
 def test_prompt_longer_than_context(tiny_models):

@@ -19,6 +19,11 @@ def test_shapes_read_as_the_models_they_copy():
     assert (q25.head_dim, q25.qk_norm, q25.attention_bias, q25.num_kv_heads) == (64, False, True, 2)
     assert (ll.head_dim, ll.rope_scaling["rope_type"], ll.num_layers) == (64, "llama3", 16)
     assert got["qwen3-1.7b"].hidden_size == 2048 and all(c.tie_word_embeddings for c in got.values())
+    g3 = got["gemma-3-270m"]  # layers 5, 11, 17 full, the others slide over 512 slots
+    assert (g3.head_dim, g3.qk_norm, g3.sandwich_norms) == (256, True, True)
+    assert (g3.sliding_window, g3.local_rope_theta) == (512, 1e4)
+    assert sorted(set(range(18)) - set(g3.sliding_layers)) == [5, 11, 17] and g3.rope_theta == 1e6
+    assert g3.embed_scale == 640 ** 0.5 and g3.hidden_act == "gelu_pytorch_tanh" and not g3.llama_layers()
 
 
 def test_a_random_head_loads_for_its_target(tmp_path, monkeypatch, tiny_model_dir):

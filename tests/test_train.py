@@ -561,6 +561,25 @@ def test_readout_from_target_and_frozen_lm_head(env, tmp_path):
     assert not torch.equal(free.lm_head.weight.detach(), rows)
 
 
+def test_a_gemma_targets_final_norm_reaches_the_head_as_the_scale_it_applies(tiny_model_dir):
+    """Gemma's norms scale by 1 + weight, the head's by its weight: the readout starts from the
+    scale the target applies, which is what the target's own norm computes."""
+    from safetensors import safe_open
+
+    from eagle_infer.loader import load_model
+    from eagle_train.train import load_target_io
+
+    folder = tiny_model_dir("gemma3")
+    with safe_open(str(folder / "model.safetensors"), "pt") as st:
+        stored = st.get_tensor("model.norm.weight").float()
+    target = load_target_io(folder)
+    torch.testing.assert_close(target.final_norm_weight, 1.0 + stored)
+    x = torch.randn(3, target.config.hidden_size)
+    ours = load_model(folder, "fp32", "cpu").norm(x)
+    unit = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + target.config.rms_norm_eps)
+    torch.testing.assert_close(ours, unit * target.final_norm_weight)
+
+
 def test_extra_captures_train_on_the_union(env, tmp_path):
     from eagle_infer.errors import UserError
     from eagle_train.shards import CaptureDataset, CaptureSet, commit, new_manifest, read_manifest

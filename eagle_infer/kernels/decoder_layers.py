@@ -86,13 +86,15 @@ def _kernel_of(linear: nn.Module, biased: bool) -> tuple[int, Tensor, Tensor, in
 def attach(model: nn.Module) -> Stack | None:
     """Register the model's layers with the op and set `model.fused_layers` (None where a layer
     has a Linear off our kernels, a bias but the q/k/v projection's, a head size the attention
-    kernel lacks, the attention kernel is off, or $EAGLE_FUSED_LAYERS=0); returns the Stack."""
+    kernel lacks, is not Llama's (ModelConfig.llama_layers), the attention kernel is off, or
+    $EAGLE_FUSED_LAYERS=0); returns the Stack."""
     choice = os.environ.get(ENV, "1")
     if choice not in ("0", "1"):
         raise UserError(f"{ENV} must be 0 or 1, got {choice!r}")
     model.fused_layers = None
     cfg = model.config
     if (choice == "0" or not avx2_attention.enabled() or cfg.head_dim not in avx2_attention.HEAD_DIMS
+            or not cfg.llama_layers()  # Gemma's layers: other norms, activation and windows
             or cfg.hidden_size % 8 or cfg.intermediate_size % 8):  # the C++ loops run 8 values at a time
         return None
     args = stack_arguments(model)
