@@ -165,6 +165,23 @@ def test_quick_preset_warm_starts_from_the_shipped_head_only_for_its_target(tmp_
     assert compose([f"workdir={tmp_path}", "preset=reference"]).train.init_from is None
 
 
+def test_another_target_is_named_after_its_folder(tmp_path):
+    """model.path to another target and no model.name: its runs, token maps and a published head's
+    card carry the folder's name, not the embedded default's; model.name still overrides."""
+    from eagle_train.export import target_hub_id
+
+    other = tmp_path / "gemma-3-270m-it"
+    other.mkdir()
+    cfg = compose([f"model.path={other}"])
+    assert cfg.model.name == "gemma-3-270m-it" and "/runs/gemma-3-270m-it/" in cfg.workdir
+    assert target_hub_id(cfg) == "gemma-3-270m-it"
+    assert compose([f"model.path={other}", "model.name=google/gemma-3-270m-it"]).model.name == \
+        "google/gemma-3-270m-it"
+    default = compose([])
+    assert default.model.name == "SmolLM2-135M-Instruct" and "/runs/SmolLM2-135M-Instruct/" in default.workdir
+    assert target_hub_id(default) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
 def test_warm_started_tokenmap_keeps_the_heads_own_draft_vocab(tmp_path, monkeypatch, capsys):
     """The warm-start head's lm_head rows mean its own draft tokens: the tokenmap stage must hand
     train its d2t/t2d, not the vocabulary it mines (which here differs: three samples' tokens)."""
