@@ -1,5 +1,5 @@
-"""The target model: a Llama-family / Qwen2 / Qwen3 / Phi-3 / Gemma / Gemma 3 decoder with a static
-KV cache.
+"""The target model: a Llama-family / Qwen2 / Qwen3 / Phi-3 / Gemma / Gemma 2 / Gemma 3 decoder with a
+static KV cache.
 
 Everything the speculative runtime asks of the target is here and nothing more:
   * one preallocated cache for all layers, [layers, 2, batch, kv_heads, max_seq_len, head_dim],
@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from eagle_infer.errors import UserError
 from eagle_infer.kernels import avx2_attention, decoder_layers
 
-SUPPORTED_MODEL_TYPES = ("gemma", "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -62,9 +62,11 @@ class ModelConfig:
     hidden_act: str = "silu"  # the MLP's gate: silu, or gelu_pytorch_tanh (Gemma)
     norm_offset: float = 0.0  # Gemma: every RMSNorm scales by offset + weight, in fp32
     embed_scale: float = 0.0  # Gemma: the embeddings times this (sqrt(hidden)); 0 = not scaled
-    sandwich_norms: bool = False  # Gemma 3: norms on attention's and the MLP's outputs, one before the MLP
-    query_scale: float = 0.0  # attention scores' scale, 0 = 1/sqrt(head_dim) (Gemma 3: query_pre_attn_scalar)
-    sliding_window: int = 0  # Gemma 3: the layers in sliding_layers see their sliding_window latest slots
+    sandwich_norms: bool = False  # Gemma 2/3: norms on attention's and the MLP's outputs, one before the MLP
+    query_scale: float = 0.0  # scores' scale, 0 = 1/sqrt(head_dim) (Gemma 2/3: query_pre_attn_scalar^-0.5)
+    attn_softcap: float = 0.0  # Gemma 2: scores capped by cap * tanh(score / cap) before the mask
+    final_softcap: float = 0.0  # Gemma 2: the logits likewise
+    sliding_window: int = 0  # Gemma 2/3: the layers in sliding_layers see their sliding_window latest slots
     sliding_layers: tuple[int, ...] = ()
     local_rope_theta: float = 0.0  # Gemma 3: the sliding layers' RoPE base (plain RoPE); 0 = the others'
     eos_token_ids: list[int] = field(default_factory=list)
@@ -79,7 +81,7 @@ class ModelConfig:
         """The layers are Llama's, with Qwen2's biases, Qwen3's query/key norms or a partial
         rotary at most: what kernels/decoder_layers computes."""
         return (self.hidden_act == "silu" and not self.norm_offset and not self.sandwich_norms
-                and not self.query_scale and not self.sliding_layers)
+                and not self.query_scale and not self.attn_softcap and not self.sliding_layers)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -121,7 +123,7 @@ class ModelConfig:
         n_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
         partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-        gemma = model_type in ("gemma", "gemma3_text")
+        gemma = model_type in ("gemma", "gemma2", "gemma3_text")
         act = (cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh") if gemma \
             else cfg.get("hidden_act", "silu")
         act = "gelu_pytorch_tanh" if gemma and act == "gelu" else act  # Gemma's "gelu": tanh's (transformers)
@@ -131,6 +133,8 @@ class ModelConfig:
         extra: dict[str, Any] = {}
         if model_type == "gemma3_text":
             extra, theta, scaling = gemma3_layers(cfg)
+        elif model_type == "gemma2":
+            extra = gemma2_layers(cfg)
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -162,6 +166,26 @@ class ModelConfig:
         return [2, n // 2, n - 3]
 
 
+def sliding_layers(cfg: dict[str, Any], pattern: int) -> tuple[int, ...]:
+    """The layers a Gemma config's layer_types (or, in older configs, its pattern: every
+    pattern-th layer full) make sliding."""
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                       for i in range(n)]
+    if not cfg.get("sliding_window"):
+        return ()
+    return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+
+
+def gemma2_layers(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's layers (ModelConfig fields): Gemma 3's without query/key norms and with one RoPE,
+    every other layer sliding, and attention scores and logits soft-capped."""
+    return dict(sandwich_norms=True, query_scale=cfg.get("query_pre_attn_scalar", 256) ** -0.5,
+                attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
+                final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
+                sliding_window=cfg.get("sliding_window") or 0, sliding_layers=sliding_layers(cfg, 2))
+
+
 def gemma3_layers(cfg: dict[str, Any]) -> tuple[dict[str, Any], float, dict[str, Any] | None]:
     """Gemma 3's (text) layers from its config: (ModelConfig fields, the full-attention layers'
     rope_theta and rope scaling). Its sliding layers (5 of 6) see the sliding_window latest slots
@@ -169,10 +193,6 @@ def gemma3_layers(cfg: dict[str, Any]) -> tuple[dict[str, Any], float, dict[str,
     layer type, older configs in rope_theta / rope_scaling and rope_local_base_freq."""
     if cfg.get("use_bidirectional_attention"):
         raise UserError("unsupported: use_bidirectional_attention (EmbeddingGemma): not a causal LM")
-    n = cfg["num_hidden_layers"]
-    pattern = cfg.get("sliding_window_pattern", 6)
-    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                                       for i in range(n)]
     params = cfg.get("rope_parameters") or {}
     if "full_attention" in params:
         full, local = params["full_attention"] or {}, params.get("sliding_attention") or {}
@@ -184,10 +204,8 @@ def gemma3_layers(cfg: dict[str, Any]) -> tuple[dict[str, Any], float, dict[str,
     scaling = full if full.get("rope_type", full.get("type", "default")) != "default" else None
     fields = dict(sandwich_norms=True, query_scale=cfg.get("query_pre_attn_scalar", 256) ** -0.5,
                   sliding_window=cfg.get("sliding_window") or 0,
-                  sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+                  sliding_layers=sliding_layers(cfg, cfg.get("sliding_window_pattern", 6)),
                   local_rope_theta=float(local.get("rope_theta", 1e4)))
-    if not fields["sliding_window"]:
-        fields["sliding_layers"] = ()
     return fields, float(full.get("rope_theta", 1e6)), scaling
 
 
@@ -359,6 +377,17 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, gqa: bool,
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
 
 
+def softcapped_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, cap: float) -> Tensor:
+    """Gemma 2's attention: scores q.k / sqrt(D) capped to cap * tanh(score / cap), then the
+    additive mask bias [B, 1, T, S], softmax in fp32 (transformers' eager attention, the one it
+    runs Gemma 2 with: SDPA takes no cap). q [B, heads, T, D], keys/values [B, kv_heads, S, D]."""
+    G = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)
+    scores = (q @ keys.transpose(2, 3)) * q.shape[-1] ** -0.5
+    scores = torch.tanh(scores / cap) * cap + bias
+    return torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype) @ values
+
+
 def grouped_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
     """attention() with the query heads that share a kv head folded into its query rows:
     q [B, heads, T, D] -> [B, kv_heads, G*T, D] (G = heads / kv_heads; head h reads kv head
@@ -511,6 +540,7 @@ class Attention(nn.Module):
         # attention's own 1/sqrt(D) times this is the config's score scale (Gemma 3's)
         self.query_factor = cfg.query_scale * math.sqrt(self.head_dim) if cfg.query_scale else 1.0
         self.sliding = cfg.sliding_window if layer in cfg.sliding_layers else 0
+        self.softcap = cfg.attn_softcap
 
     def forward(self, x: Tensor, s: StepInputs) -> Tensor:
         """x [B*T, H] -> [B*T, H]."""
@@ -527,7 +557,10 @@ class Attention(nn.Module):
         if self.query_factor != 1.0:
             q = q * self.query_factor
         keys, values = s.cache.update(self.layer, s.write_index, k, v, s.row0, s.kv_len)
-        out = attention(q.transpose(1, 2), keys, values, bias, nkv != nh, causal)  # [B, heads, T, D]
+        if self.softcap:
+            out = softcapped_attention(q.transpose(1, 2), keys, values, bias, self.softcap)
+        else:
+            out = attention(q.transpose(1, 2), keys, values, bias, nkv != nh, causal)  # [B, heads, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B * T, -1))
 
 
@@ -657,7 +690,14 @@ class Transformer(nn.Module):
         x = x.view(B, T, -1)
         if logits_at is not None:
             x = torch.gather(x, 1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
-        return self.lm_head(x), hidden
+        return self.logits(x), hidden
+
+    def logits(self, x: Tensor) -> Tensor:
+        """The logits of final normed states x [..., H]: lm_head, soft-capped where the config says
+        (Gemma 2's cap * tanh(logit / cap), in the logits' dtype as transformers computes it)."""
+        logits = self.lm_head(x)
+        cap = self.config.final_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     @torch.no_grad()
     def move_row(self, src: int, dst: int) -> None:

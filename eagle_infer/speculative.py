@@ -282,7 +282,7 @@ def prefill_rows(target: Transformer, seqs: Sequence[Sequence_], row0: int, kv_l
     logits, hidden = prefill(target, [s.prompt for s in seqs], layers, row0=row0, kv_len=kv_len)
     for i, s in enumerate(seqs):
         if scored[i]:
-            s.score_prompt(target.lm_head, hidden[layers.index(final)][i, :len(s.prompt) - 1])
+            s.score_prompt(target.logits, hidden[layers.index(final)][i, :len(s.prompt) - 1])
     hidden = hidden[:len(hidden_layers)]
     for i, s in enumerate(seqs):
         s.set_logits(logits[i:i + 1])  # logprobs of the first token

@@ -190,7 +190,8 @@ def unpack_stats(stats: Tensor, steps: int) -> dict:
 
 
 def draft_loss(head, batch: dict, lm_head_w: Tensor, *, steps: int, decay: float = 0.8,
-               noise: float = 0.0, ce_weight: float = 1.0, feature_weight: float = 0.0) -> LossOutput:
+               noise: float = 0.0, ce_weight: float = 1.0, feature_weight: float = 0.0,
+               logit_softcap: float = 0.0) -> LossOutput:
     """Training-time-test loss of `head` on a batch.
 
     EAGLE-3: sum_s decay^s * soft-CE(target probs restricted to the draft vocabulary, draft
@@ -198,8 +199,9 @@ def draft_loss(head, batch: dict, lm_head_w: Tensor, *, steps: int, decay: float
     accuracy (``correct / count``) over all assistant predictions, out-of-vocabulary ones as misses.
     EAGLE-2: per step decay^s * (feature_weight * SmoothL1(g, f_{t+1+s}) + ce_weight * soft-CE
     over the full vocabulary); steps=1 is the published recipe.
-    Each step's terms are means over its counted predictions. Target logits (lm_head_w @ f)
-    are computed once per batch, in chunks, without grad, at the positions some step needs.
+    Each step's terms are means over its counted predictions. Target logits (lm_head_w @ f,
+    soft-capped as the target caps them: logit_softcap, Gemma 2's) are computed once per batch, in
+    chunks, without grad, at the positions some step needs.
     """
     ids, hidden = batch["input_ids"], batch["hidden"]
     B, T = ids.shape
@@ -216,6 +218,8 @@ def draft_loss(head, batch: dict, lm_head_w: Tensor, *, steps: int, decay: float
     row_of[nb, npos] = torch.arange(nb.numel(), device=dev)
 
     def labels(lg: Tensor):
+        if logit_softcap:
+            lg = torch.tanh(lg / logit_softcap) * logit_softcap
         am = lg.argmax(-1)
         sub = lg if d2t is None else lg[:, d2t]
         return torch.softmax(sub, -1), am

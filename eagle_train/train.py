@@ -683,6 +683,8 @@ class TrainRecipe:
         if self.kind == "eagle3" and bool(sel(cfg, "draft.freeze_lm_head", False)):
             head.lm_head.weight.requires_grad_(False)  # AdamW skips it: no grad ever
         self.loss_kw = loss_settings(cfg)
+        if self.target.config.final_softcap:  # Gemma 2: the target's distribution is of its capped logits
+            self.loss_kw["logit_softcap"] = self.target.config.final_softcap
         self.steps_ttt = self.loss_kw["steps"]
         model = TrainModule(head, self.target.lm_head_weight, self.loss_kw)
         self.num_params = sum(p.numel() for p in head.parameters())

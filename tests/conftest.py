@@ -61,7 +61,12 @@ TINY_ARCHS: dict[str, dict] = {
     # Gemma: norms that scale by 1 + weight, tanh GELU, embeddings times sqrt(hidden), tied.
     "gemma": dict(model_type="gemma", tie_word_embeddings=True, pad_token_id=0,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-    # Gemma 3 (text): that, plus query/key norms, norms on the attention and MLP outputs, a
+    # Gemma 2: that, plus norms on the attention and MLP outputs, its own query scale, every other
+    # layer sliding (window 8), attention scores and logits soft-capped (caps low enough to bite).
+    "gemma2": dict(model_type="gemma2", tie_word_embeddings=True, pad_token_id=0, query_pre_attn_scalar=24,
+                   sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=4.0,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # Gemma 3 (text): Gemma's, plus query/key norms, norms on the attention and MLP outputs, a
     # query scale of its own, and sliding layers (0 and 2) with a window of 8 and a RoPE base of
     # their own beside full layers with linear scaling.
     "gemma3": dict(model_type="gemma3_text", tie_word_embeddings=True, pad_token_id=0, head_dim=32,
@@ -89,6 +94,7 @@ def pytest_configure(config):
 
 def _hf_config(arch: str):
     from transformers import (
+        Gemma2Config,
         Gemma3TextConfig,
         GemmaConfig,
         LlamaConfig,
@@ -100,7 +106,8 @@ def _hf_config(arch: str):
 
     spec = dict(TINY_ARCHS[arch])
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config,
-           "phi3": Phi3Config, "gemma": GemmaConfig, "gemma3_text": Gemma3TextConfig}[spec.pop("model_type")]
+           "phi3": Phi3Config, "gemma": GemmaConfig, "gemma2": Gemma2Config,
+           "gemma3_text": Gemma3TextConfig}[spec.pop("model_type")]
     return cls(**_TINY_BASE, **spec)
 
 

@@ -26,9 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 # CLI subprocesses: one thread unless told otherwise (see conftest.pytest_configure).
 CLI_ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 ALL_TARGETS = ["default", "llama", "qwen2", "tied", "llama3_rope", "mistral", "qwen3", "phi3", "gemma",
-               "gemma3"]
+               "gemma2", "gemma3"]
 # Cache tests need no second look at the rope variants.
-CACHE_TARGETS = ["default", "llama", "qwen2", "tied", "qwen3", "phi3", "gemma3"]
+CACHE_TARGETS = ["default", "llama", "qwen2", "tied", "qwen3", "phi3", "gemma2", "gemma3"]
 
 CHAT_MESSAGES = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -344,6 +344,25 @@ def test_phi3_configs_of_every_vintage(tiny_model_dir):
         assert head.rope_scaling is None and head.rope_config().rotary_dim == head.head_dim
     with pytest.raises(UserError, match="hidden_act 'gelu_new'"):
         ModelConfig.from_hf(base | {"hidden_act": "gelu_new"})
+
+
+def test_prompt_logprobs_are_of_the_soft_capped_logits(tiny_models):
+    """Gemma 2 caps its logits: prompt logprobs (scored from the prefill's final states) are those
+    of transformers' capped logits, as the decoding steps' are."""
+    from eagle_infer.sampling import SamplingParams
+    from eagle_infer.speculative import Sequence_, prefill_rows
+
+    model, hf = tiny_models("gemma2")
+    ids = torch.randint(3, model.config.vocab_size, (20,), generator=torch.Generator().manual_seed(1))
+    ids = ids.tolist()
+    seq = Sequence_(ids, SamplingParams(), 4, set())
+    seq.prompt_logprobs = 0
+    model.setup_cache(1, 32)
+    with torch.no_grad():
+        prefill_rows(model, [seq], 0, 32)
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    want = [float(ref[t, ids[t + 1]]) for t in range(len(ids) - 1)]
+    assert [lp[0] for lp in seq.prompt_token_logprobs] == pytest.approx(want, abs=1e-4)
 
 
 def test_prompt_longer_than_context(tiny_models):

@@ -425,6 +425,19 @@ def test_eagle3_loss_ignores_targets_outside_draft_vocab_but_accuracy_counts_the
     assert int(out_all.count[0]) == n_all
 
 
+def test_soft_capped_targets_teach_the_capped_distribution(env):
+    """logit_softcap (a Gemma 2 target's): the soft labels are the capped logits' softmax, so the
+    loss moves with the cap, top-1 counts do not (tanh keeps the order), and a cap far above the
+    logits changes nothing."""
+    head = fresh_head(env, "eagle3")
+    batch = capture_batch(env, 4)
+    w = env["model"].lm_head.weight
+    plain, wide, tight = (draft_loss(head, batch, w, steps=1, logit_softcap=c) for c in (0.0, 1e9, 2.0))
+    assert float(wide.loss.detach()) == pytest.approx(float(plain.loss.detach()), rel=1e-6)
+    assert abs(float(tight.loss.detach()) - float(plain.loss.detach())) > 1e-3  # a fresh head: near flat
+    assert torch.equal(tight.correct, plain.correct) and torch.equal(tight.count, plain.count)
+
+
 # ---------------------------------------------------------------------------------------------
 # The recipe: resume, saved head
 
