@@ -52,7 +52,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     rotary_dim: int = 0  # the head dims RoPE turns (Phi-4-mini's partial rotary); 0 = head_dim
-    max_position_embeddings: int = 4096  # the context served exactly: a sliding window caps it
+    max_position_embeddings: int = 4096  # the context served exactly (LongRoPE's original one caps it)
     # the config's own max_position_embeddings, uncapped: what a head exported for this target
     # declares, as SpecForge's heads copy it (0: the same as max_position_embeddings)
     config_max_position_embeddings: int = 0
@@ -66,7 +66,7 @@ class ModelConfig:
     query_scale: float = 0.0  # scores' scale, 0 = 1/sqrt(head_dim) (Gemma 2/3: query_pre_attn_scalar^-0.5)
     attn_softcap: float = 0.0  # Gemma 2: scores capped by cap * tanh(score / cap) before the mask
     final_softcap: float = 0.0  # Gemma 2: the logits likewise
-    sliding_window: int = 0  # Gemma 2/3: the layers in sliding_layers see their sliding_window latest slots
+    sliding_window: int = 0  # the layers in sliding_layers see their sliding_window latest positions
     sliding_layers: tuple[int, ...] = ()
     local_rope_theta: float = 0.0  # Gemma 3: the sliding layers' RoPE base (plain RoPE); 0 = the others'
     eos_token_ids: list[int] = field(default_factory=list)
@@ -77,11 +77,17 @@ class ModelConfig:
             raise UserError(f"rotary dims {self.rotary_dim} of head size {self.head_dim}: "
                             "both halves must be even")
 
+    def window_everywhere(self) -> bool:
+        """Every layer slides over the same window with the same RoPE (Mistral-7B-v0.1's, Phi-3's):
+        one mask serves them all, the window folded into it."""
+        return len(self.sliding_layers) == self.num_layers > 0 and not self.local_rope_theta
+
     def llama_layers(self) -> bool:
-        """The layers are Llama's, with Qwen2's biases, Qwen3's query/key norms or a partial
-        rotary at most: what kernels/decoder_layers computes."""
+        """The layers are Llama's, with Qwen2's biases, Qwen3's query/key norms, a partial rotary or
+        one window for all at most: what kernels/decoder_layers computes (it reads the mask given)."""
         return (self.hidden_act == "silu" and not self.norm_offset and not self.sandwich_norms
-                and not self.query_scale and not self.attn_softcap and not self.sliding_layers)
+                and not self.query_scale and not self.attn_softcap
+                and (not self.sliding_layers or self.window_everywhere()))
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -97,11 +103,18 @@ class ModelConfig:
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         max_positions = cfg.get("max_position_embeddings", 4096)
+        extra: dict[str, Any] = {}
         window = cfg.get("sliding_window")
-        if window and cfg.get("use_sliding_window", model_type in ("mistral", "phi3")):
-            # Full attention equals the window's while the context stays inside it (a token sees
-            # the W latest slots, itself included): the context is capped there.
-            max_positions = min(max_positions, window)
+        if window and window < max_positions and model_type not in ("gemma", "gemma2", "gemma3_text") \
+                and cfg.get("use_sliding_window", model_type in ("mistral", "phi3")):
+            # Mistral's and Phi-3's layers all slide; Qwen2/3's from max_window_layers on
+            # (transformers' layer_types where the config has none)
+            first = cfg.get("max_window_layers", 28) if model_type in ("qwen2", "qwen3") else 0
+            n = cfg["num_hidden_layers"]
+            types = cfg.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                               for i in range(n)]
+            extra = dict(sliding_window=window,
+                         sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"))
         # transformers >= 5 keeps rope settings in `rope_parameters`; older configs use
         # `rope_theta` + `rope_scaling`.
         rope = dict(cfg.get("rope_parameters") or {})
@@ -130,7 +143,6 @@ class ModelConfig:
         if act not in ACTIVATIONS:
             raise UserError(f"unsupported activation: hidden_act '{act}' ({model_type}); "
                             f"supported: {', '.join(ACTIVATIONS)}")
-        extra: dict[str, Any] = {}
         if model_type == "gemma3_text":
             extra, theta, scaling = gemma3_layers(cfg)
         elif model_type == "gemma2":
@@ -539,7 +551,9 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         # attention's own 1/sqrt(D) times this is the config's score scale (Gemma 3's)
         self.query_factor = cfg.query_scale * math.sqrt(self.head_dim) if cfg.query_scale else 1.0
-        self.sliding = cfg.sliding_window if layer in cfg.sliding_layers else 0
+        # its own window's mask and RoPE (Gemma's); where all layers slide alike the step's mask has it
+        own_window = layer in cfg.sliding_layers and not cfg.window_everywhere()
+        self.sliding = cfg.sliding_window if own_window else 0
         self.softcap = cfg.attn_softcap
 
     def forward(self, x: Tensor, s: StepInputs) -> Tensor:
@@ -663,8 +677,11 @@ class Transformer(nn.Module):
         if self.embed_scale:
             x = x * self.embed_scale
         cos, sin = rope_at(self.rope_cos, self.rope_sin, positions, x.dtype)
-        local = None
-        if self.config.sliding_layers:
+        local, c = None, self.config
+        if c.window_everywhere():  # one window for every layer: in the mask (the fused op reads it)
+            mask = mask & window_mask(positions, mask.shape[-1], c.sliding_window)
+            causal = causal and T <= c.sliding_window  # a prefill past the window needs the mask
+        elif c.sliding_layers:
             window = window_mask(positions, mask.shape[-1], self.config.sliding_window)
             local = (*rope_at(self.local_rope_cos, self.local_rope_sin, positions, x.dtype),
                      attn_bias(mask & window, x.dtype))

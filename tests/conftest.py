@@ -47,6 +47,12 @@ TINY_ARCHS: dict[str, dict] = {
     ),
     "mistral": dict(model_type="mistral", sliding_window=None,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # Mistral-7B-v0.1's kind: every layer slides (a window of 8, which the test prompts outgrow).
+    "mistral_window": dict(model_type="mistral", sliding_window=8,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # Qwen3 with use_sliding_window: layers from max_window_layers (2) on slide.
+    "qwen3_window": dict(model_type="qwen3", head_dim=32, use_sliding_window=True, sliding_window=8,
+                         max_window_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     # Qwen3: RMSNorm over each head's queries and keys before RoPE; head_dim != hidden / heads.
     "qwen3": dict(model_type="qwen3", head_dim=32,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e6}),

@@ -28,11 +28,13 @@ needs_bf16 = pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without
 
 # The layer kinds the op computes: Llama's; Qwen2's (q/k/v biases); Qwen3's (head size 128, each
 # head's queries and keys normed before RoPE); Phi-4-mini's (3/4 of each head turned, LongRoPE's
-# scaled tables: the op reads them as given)
+# scaled tables: the op reads them as given); Mistral-7B-v0.1's (every layer sliding: the window is
+# in the mask the op reads; 4 slots, which the calls below outgrow)
 ARCHS = {"llama": {}, "qwen2": {"attention_bias": True}, "qwen3": {"head_dim": 128, "qk_norm": True},
          "phi4_mini": {"rotary_dim": 48, "rope_scaling": {
              "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(24)],
-             "factor": 4.0, "original_max_position_embeddings": 512}}}
+             "factor": 4.0, "original_max_position_embeddings": 512}},
+         "mistral_window": {"sliding_window": 4, "sliding_layers": (0, 1, 2)}}
 
 
 def fp32_target(layers: int = 3, attention_bias: bool = False, heads: int = 4,
@@ -235,6 +237,7 @@ def test_compiled_steps_call_the_op(attention_kernel_on):
 @pytest.mark.parametrize("dtype,linears,arch", [
     (torch.float32, "ours", "llama"),
     (torch.float32, "ours", "qwen3"),
+    (torch.float32, "ours", "mistral_window"),  # 20 tokens past prompts of 3-17: the window of 4 bites
     pytest.param(torch.bfloat16, "int8", "llama", marks=needs_bf16),
     pytest.param(torch.bfloat16, "int8", "qwen2", marks=needs_bf16),
 ])

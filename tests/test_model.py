@@ -25,10 +25,11 @@ from eagle_infer.model import build_attn_mask, causal_mask
 REPO = Path(__file__).resolve().parents[1]
 # CLI subprocesses: one thread unless told otherwise (see conftest.pytest_configure).
 CLI_ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-ALL_TARGETS = ["default", "llama", "qwen2", "tied", "llama3_rope", "mistral", "qwen3", "phi3", "gemma",
-               "gemma2", "gemma3"]
+ALL_TARGETS = ["default", "llama", "qwen2", "tied", "llama3_rope", "mistral", "mistral_window", "qwen3",
+               "qwen3_window", "phi3", "gemma", "gemma2", "gemma3"]
 # Cache tests need no second look at the rope variants.
-CACHE_TARGETS = ["default", "llama", "qwen2", "tied", "qwen3", "phi3", "gemma2", "gemma3"]
+CACHE_TARGETS = ["default", "llama", "qwen2", "tied", "mistral_window", "qwen3", "qwen3_window", "phi3",
+                 "gemma2", "gemma3"]
 
 CHAT_MESSAGES = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -291,22 +292,25 @@ def test_weights_of_another_shape(tmp_path, tiny_model_dir):
         load_model(tmp_path, "fp32", "cpu")
 
 
-def test_a_sliding_window_caps_the_context(tiny_model_dir):
-    """Full attention equals a sliding window's while the context fits the window: a config whose
-    window is in use serves at most that context (Mistral uses it unless told otherwise, Qwen2 and
-    Qwen3 only with use_sliding_window)."""
+def test_sliding_windows_are_read_as_transformers_uses_them(tiny_model_dir):
+    """A config's window slides where transformers slides it (Mistral and Phi-3 unless told
+    otherwise, every layer; Qwen2 and Qwen3 only with use_sliding_window, from max_window_layers
+    on), and the whole context is served: one window for every layer folds into the step's mask,
+    which the fused layer op reads; others get their own (as Gemma's)."""
     from eagle_infer.heads import HeadConfig
     from eagle_infer.model import ModelConfig
 
-    base = json.loads((tiny_model_dir("llama") / "config.json").read_text())
-    cases = [("mistral", {"sliding_window": 32}, 32), ("mistral", {"sliding_window": None}, 128),
-             ("qwen2", {"sliding_window": 32, "use_sliding_window": False}, 128),
-             ("qwen3", {"sliding_window": 32, "use_sliding_window": True}, 32),
-             ("phi3", {"sliding_window": 32}, 32),  # Phi-3-mini-4k's 2047, as transformers uses it
-             ("mistral", {"sliding_window": 4096}, 128)]
-    for model_type, extra, context in cases:
+    base = json.loads((tiny_model_dir("llama") / "config.json").read_text())  # 4 layers, context 128
+    every = (0, 1, 2, 3)
+    cases = [("mistral", {"sliding_window": 32}, every), ("mistral", {"sliding_window": None}, ()),
+             ("qwen2", {"sliding_window": 32, "use_sliding_window": False}, ()),
+             ("qwen3", {"sliding_window": 32, "use_sliding_window": True, "max_window_layers": 2}, (2, 3)),
+             ("phi3", {"sliding_window": 32}, every),  # Phi-3-mini-4k's 2047 of 4096
+             ("mistral", {"sliding_window": 4096}, ())]
+    for model_type, extra, sliding in cases:
         cfg = ModelConfig.from_hf({**base, "model_type": model_type, **extra})
-        assert cfg.max_position_embeddings == context, (model_type, extra)
+        assert cfg.max_position_embeddings == 128 and cfg.sliding_layers == sliding, (model_type, extra)
+        assert cfg.window_everywhere() is (sliding == every) and cfg.llama_layers() is (sliding != (2, 3))
         assert cfg.qk_norm is (model_type == "qwen3")
         # a head for it declares the target's own context, as the target's config does
         head = HeadConfig.for_target(cfg, "eagle3")

@@ -93,10 +93,11 @@ def test_greedy_identical_random_head(kind, tree):
     assert 1.0 <= stats.acceptance_length() <= tree.max_depth + 1
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen3", "mistral_window", "phi3", "gemma2", "gemma3"])
 def test_greedy_identical_on_checkpoints_of_other_layer_kinds(tiny_model_dir, arch):
     """Checkpoints through the loader, fp32 on their CPU Linears, with an EAGLE-3 head: Qwen3's
-    (query/key norms), Phi-3's (partial rotary, LongRoPE), Gemma 2's (soft-capped scores and logits)
+    (query/key norms), Mistral-7B-v0.1's kind (every layer sliding), Phi-3's (partial rotary,
+    LongRoPE), Gemma 2's (soft-capped scores and logits)
     and Gemma 3's (sliding layers of a window of 8, which these 3-17-token prompts and 24 new tokens
     outgrow; sandwich norms): speculative
     greedy decoding equals plain greedy, eager (batch 4 and 1) and with the compiled steps."""
@@ -110,7 +111,7 @@ def test_greedy_identical_on_checkpoints_of_other_layer_kinds(tiny_model_dir, ar
     for tree in (TreeConfig(), TreeConfig(2, 4, 6, ngram_branch=4), TreeConfig.chain(3)):
         assert generate_speculative(target, head, prompts, 24, tree=tree)[0] == plain, tree
     assert generate_speculative(target, head, prompts[:1], 24)[0] == plain[:1]
-    if arch in ("phi3", "gemma2"):  # Llama's layers with other tables; Gemma 3's less the caps
+    if arch in ("mistral_window", "phi3", "gemma2"):  # Llama's layers, other masks or tables; Gemma 3's
         return
     assert generate(target, prompts, 24, compile=True) == plain
     tree = TreeConfig(3, 4, 4)
