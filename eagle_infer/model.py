@@ -93,9 +93,7 @@ class ModelConfig:
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type", "")
         if model_type == "gemma3" and "text_config" in cfg:
-            raise UserError("unsupported architecture: model_type 'gemma3' (Gemma 3 with its vision tower, "
-                            "4B and up); the text-only Gemma 3 checkpoints (model_type 'gemma3_text': "
-                            "270M, 1B) load")
+            cfg, model_type = gemma3_text_config(cfg), "gemma3_text"
         if model_type not in SUPPORTED_MODEL_TYPES:
             arch = (cfg.get("architectures") or ["?"])[0]
             raise UserError(
@@ -176,6 +174,19 @@ class ModelConfig:
         """Hidden-state indices EAGLE-3 reads: the inputs of layers 2, N/2 and N-3."""
         n = self.num_layers
         return [2, n // 2, n - 3]
+
+
+def gemma3_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config of a Gemma 3 with its vision tower (4B and up): its text_config,
+    which the Hub's configs keep to what differs from transformers' defaults, completed by
+    transformers' Gemma3TextConfig; the tower is not loaded (text in, text out)."""
+    from transformers import Gemma3TextConfig
+
+    text = Gemma3TextConfig(**{k: v for k, v in cfg["text_config"].items() if k != "model_type"}).to_dict()
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        if key in cfg and cfg[key] is not None:
+            text[key] = cfg[key]
+    return {**text, "model_type": "gemma3_text", "architectures": cfg.get("architectures")}
 
 
 def sliding_layers(cfg: dict[str, Any], pattern: int) -> tuple[int, ...]:
@@ -736,12 +747,19 @@ class Transformer(nn.Module):
 # Hugging Face checkpoint names -> ours (q/k/v and gate/up are fused at load time).
 
 
+# a multimodal checkpoint's language model (Gemma 3 4B and up: the Hub's layout, then transformers 5's)
+LANGUAGE_MODEL_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.")
+OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                "model.multi_modal_projector.")
+
+
 def convert_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {}
     for name, t in sd.items():
-        if name.startswith("model."):
-            name = name[len("model."):]
-        out[name] = t
+        if name.startswith(OTHER_TOWERS):
+            continue
+        prefix = next((p for p in (*LANGUAGE_MODEL_PREFIXES, "model.") if name.startswith(p)), "")
+        out[name[len(prefix):]] = t
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         for kind in ("weight", "bias"):

@@ -126,8 +126,14 @@ def load_target_io(path: Any, device: str | torch.device = "cpu") -> TargetIO:
 
     folder = resolve_model_path(None if path is None else str(path))
     cfg = ModelConfig.from_hf(read_hf_config(folder))
+    from eagle_infer.model import LANGUAGE_MODEL_PREFIXES
+
+    # the names of an LM's, and of a multimodal checkpoint's language model's (Gemma 3 4B and up)
     want = {"embed": ("model.embed_tokens.weight", "embed_tokens.weight"),
-            "head": ("lm_head.weight", "model.lm_head.weight"), "norm": ("model.norm.weight", "norm.weight")}
+            "head": ("lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight"),
+            "norm": ("model.norm.weight", "norm.weight")}
+    want["embed"] += tuple(p + "embed_tokens.weight" for p in LANGUAGE_MODEL_PREFIXES)
+    want["norm"] += tuple(p + "norm.weight" for p in LANGUAGE_MODEL_PREFIXES)
     found: dict[str, Tensor] = {}
     for f in safetensors_files(folder):
         with safe_open(str(f), framework="pt") as st:

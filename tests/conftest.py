@@ -80,6 +80,9 @@ TINY_ARCHS: dict[str, dict] = {
                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
                                                        "rope_theta": 1e6},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    # Gemma 3 with its vision tower (4B and up): the language model is Gemma 3's, under
+    # language_model.*; the tower is left unread.
+    "gemma3_vision": dict(model_type="gemma3"),
 }
 TINY_SEED = 1234
 
@@ -111,6 +114,16 @@ def _hf_config(arch: str):
     )
 
     spec = dict(TINY_ARCHS[arch])
+    if spec["model_type"] == "gemma3":
+        from transformers import Gemma3Config, SiglipVisionConfig
+
+        text = {**_TINY_BASE, **TINY_ARCHS["gemma3"]}
+        del text["model_type"]
+        vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=2, image_size=28, patch_size=14)
+        return Gemma3Config(text_config=Gemma3TextConfig(**text).to_dict(), vision_config=vision.to_dict(),
+                            mm_tokens_per_image=4, image_token_index=255, boi_token_index=253,
+                            eoi_token_index=254)
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config,
            "phi3": Phi3Config, "gemma": GemmaConfig, "gemma2": Gemma2Config,
            "gemma3_text": Gemma3TextConfig}[spec.pop("model_type")]

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 # CLI subprocesses: one thread unless told otherwise (see conftest.pytest_configure).
 CLI_ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 ALL_TARGETS = ["default", "llama", "qwen2", "tied", "llama3_rope", "mistral", "mistral_window", "qwen3",
-               "qwen3_window", "phi3", "gemma", "gemma2", "gemma3"]
+               "qwen3_window", "phi3", "gemma", "gemma2", "gemma3", "gemma3_vision"]
 # Cache tests need no second look at the rope variants.
 CACHE_TARGETS = ["default", "llama", "qwen2", "tied", "mistral_window", "qwen3", "qwen3_window", "phi3",
                  "gemma2", "gemma3"]
@@ -348,6 +348,28 @@ def test_phi3_configs_of_every_vintage(tiny_model_dir):
         assert head.rope_scaling is None and head.rope_config().rotary_dim == head.head_dim
     with pytest.raises(UserError, match="hidden_act 'gelu_new'"):
         ModelConfig.from_hf(base | {"hidden_act": "gelu_new"})
+
+
+def test_a_gemma3_with_its_vision_tower_reads_as_its_language_model():
+    """gemma-3-4b-it's config.json (the Hub's: text_config holds only what differs from
+    transformers' defaults, eos at the top): the language model's full config, as transformers
+    completes it."""
+    from eagle_infer.model import ModelConfig
+
+    hub = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+           "eos_token_id": [1, 106], "image_token_index": 262144, "mm_tokens_per_image": 256,
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                           "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152}}
+    cfg = ModelConfig.from_hf(hub)
+    assert (cfg.model_type, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == ("gemma3_text", 34, 8, 4)
+    assert cfg.head_dim == 256
+    assert (cfg.vocab_size, cfg.max_position_embeddings, cfg.eos_token_ids) == (262208, 131072, [1, 106])
+    assert cfg.rope_scaling["rope_type"] == "linear" and cfg.rope_scaling["factor"] == 8.0
+    assert cfg.rope_theta == 1e6
+    assert cfg.local_rope_theta == 1e4 and cfg.sliding_window == 1024 and cfg.tie_word_embeddings
+    assert [i for i in range(34) if i not in cfg.sliding_layers] == [5, 11, 17, 23, 29]
 
 
 def test_prompt_logprobs_are_of_the_soft_capped_logits(tiny_models):

@@ -574,19 +574,24 @@ def test_readout_from_target_and_frozen_lm_head(env, tmp_path):
     assert not torch.equal(free.lm_head.weight.detach(), rows)
 
 
-def test_a_gemma_targets_final_norm_reaches_the_head_as_the_scale_it_applies(tiny_model_dir):
+@pytest.mark.parametrize("arch,prefix", [("gemma3", "model."), ("gemma3_vision", "language_model.model.")])
+def test_a_gemma_targets_final_norm_reaches_the_head_as_the_scale_it_applies(tiny_model_dir, arch, prefix):
     """Gemma's norms scale by 1 + weight, the head's by its weight: the readout starts from the
-    scale the target applies, which is what the target's own norm computes."""
+    scale the target applies, which is what the target's own norm computes; the embedding and norm
+    are found under a multimodal checkpoint's language_model too."""
     from safetensors import safe_open
 
     from eagle_infer.loader import load_model
     from eagle_train.train import load_target_io
 
-    folder = tiny_model_dir("gemma3")
+    folder = tiny_model_dir(arch)
     with safe_open(str(folder / "model.safetensors"), "pt") as st:
-        stored = st.get_tensor("model.norm.weight").float()
+        stored = st.get_tensor(prefix + "norm.weight").float()
+        embed = st.get_tensor(prefix + "embed_tokens.weight").float()
     target = load_target_io(folder)
     torch.testing.assert_close(target.final_norm_weight, 1.0 + stored)
+    assert torch.equal(target.embed_tokens.weight, embed)
+    assert target.lm_head_weight is target.embed_tokens.weight
     x = torch.randn(3, target.config.hidden_size)
     ours = load_model(folder, "fp32", "cpu").norm(x)
     unit = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + target.config.rms_norm_eps)
