@@ -92,6 +92,15 @@ def read_hf_config(path: Path) -> dict:
         return json.load(f)
 
 
+def generation_eos_ids(path: Path) -> list[int]:
+    """generation_config.json's eos_token_id (none without the file): where instruct checkpoints
+    keep their end-of-turn token beside config.json's end of text (Gemma's <end_of_turn>, Llama 3's
+    <|eot_id|>, Qwen2.5's <|endoftext|>); vLLM stops at both."""
+    file = path / "generation_config.json"
+    eos = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
 def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -129,6 +138,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
     cfg = ModelConfig.from_hf(read_hf_config(folder))
+    cfg.eos_token_ids += [i for i in generation_eos_ids(folder) if i not in cfg.eos_token_ids]
     sd: dict[str, torch.Tensor] = {}
     for f in safetensors_files(folder):
         with safe_open(str(f), framework="pt") as st:

@@ -36,7 +36,6 @@ Bad records (no assistant turn, empty, a prompt longer than the context or than
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -527,12 +526,13 @@ class OnlineStates:
 
 def eos_ids(model_config, tokenizer, folder: str | Path | None = None) -> set[int]:
     """End-of-answer ids: the model config's, the tokenizer's and generation_config.json's."""
+    from eagle_infer.loader import generation_eos_ids
+
     ids = set(model_config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    if folder is not None and (Path(folder) / "generation_config.json").is_file():
-        eos = json.loads((Path(folder) / "generation_config.json").read_text()).get("eos_token_id")
-        ids.update([eos] if isinstance(eos, int) else list(eos or []))
+    if folder is not None:
+        ids.update(generation_eos_ids(Path(folder)))
     return ids
 
 

@@ -372,6 +372,24 @@ def test_a_gemma3_with_its_vision_tower_reads_as_its_language_model():
     assert [i for i in range(34) if i not in cfg.sliding_layers] == [5, 11, 17, 23, 29]
 
 
+def test_generation_configs_end_of_turn_ends_decoding(tmp_path, tiny_model_dir):
+    """An instruct checkpoint's end-of-turn id lives in generation_config.json (Gemma's
+    <end_of_turn>, Llama 3's <|eot_id|>): the loaded target stops there too, as vLLM does."""
+    import shutil
+
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_model_dir("llama") / f, tmp_path / f)
+    free = load_model(tmp_path, "fp32", "cpu")
+    assert free.config.eos_token_ids == [2]
+    out = generate(free, [[5, 6, 7]], 24, eos_token_ids=[])[0]
+    turn_end = next(t for t in out[1:] if t != 2)  # a token it emits after the first
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, turn_end]}))
+    model = load_model(tmp_path, "fp32", "cpu")
+    assert model.config.eos_token_ids == [2, turn_end]
+    got = generate(model, [[5, 6, 7]], 24)[0]
+    assert got == out[:out.index(turn_end) + 1]
+
+
 def test_prompt_logprobs_are_of_the_soft_capped_logits(tiny_models):
     """Gemma 2 caps its logits: prompt logprobs (scored from the prefill's final states) are those
     of transformers' capped logits, as the decoding steps' are."""
