@@ -23,7 +23,7 @@ layer i (0 = embeddings) and index N (= num_layers) is the final, normed state.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -108,11 +108,7 @@ class ModelConfig:
             # Mistral's and Phi-3's layers all slide; Qwen2/3's from max_window_layers on
             # (transformers' layer_types where the config has none)
             first = cfg.get("max_window_layers", 28) if model_type in ("qwen2", "qwen3") else 0
-            n = cfg["num_hidden_layers"]
-            types = cfg.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
-                                               for i in range(n)]
-            extra = dict(sliding_window=window,
-                         sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"))
+            extra = dict(sliding_window=window, sliding_layers=sliding_layers(cfg, lambda i: i >= first))
         # transformers >= 5 keeps rope settings in `rope_parameters`; older configs use
         # `rope_theta` + `rope_scaling`.
         rope = dict(cfg.get("rope_parameters") or {})
@@ -189,14 +185,13 @@ def gemma3_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**text, "model_type": "gemma3_text", "architectures": cfg.get("architectures")}
 
 
-def sliding_layers(cfg: dict[str, Any], pattern: int) -> tuple[int, ...]:
-    """The layers a Gemma config's layer_types (or, in older configs, its pattern: every
-    pattern-th layer full) make sliding."""
-    n = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                                       for i in range(n)]
+def sliding_layers(cfg: dict[str, Any], slides: Callable[[int], bool]) -> tuple[int, ...]:
+    """The layers a config's layer_types make sliding (in older configs, the layers i that
+    slides(i) picks: transformers' rule for the model); none without a window."""
     if not cfg.get("sliding_window"):
         return ()
+    types = cfg.get("layer_types") or ["sliding_attention" if slides(i) else "full_attention"
+                                       for i in range(cfg["num_hidden_layers"])]
     return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
 
 
@@ -206,7 +201,8 @@ def gemma2_layers(cfg: dict[str, Any]) -> dict[str, Any]:
     return dict(sandwich_norms=True, query_scale=cfg.get("query_pre_attn_scalar", 256) ** -0.5,
                 attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
                 final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
-                sliding_window=cfg.get("sliding_window") or 0, sliding_layers=sliding_layers(cfg, 2))
+                sliding_window=cfg.get("sliding_window") or 0,
+                sliding_layers=sliding_layers(cfg, lambda i: i % 2 == 0))
 
 
 def gemma3_layers(cfg: dict[str, Any]) -> tuple[dict[str, Any], float, dict[str, Any] | None]:
@@ -216,6 +212,7 @@ def gemma3_layers(cfg: dict[str, Any]) -> tuple[dict[str, Any], float, dict[str,
     layer type, older configs in rope_theta / rope_scaling and rope_local_base_freq."""
     if cfg.get("use_bidirectional_attention"):
         raise UserError("unsupported: use_bidirectional_attention (EmbeddingGemma): not a causal LM")
+    pattern = cfg.get("sliding_window_pattern", 6)  # every pattern-th layer full
     params = cfg.get("rope_parameters") or {}
     if "full_attention" in params:
         full, local = params["full_attention"] or {}, params.get("sliding_attention") or {}
@@ -227,7 +224,7 @@ def gemma3_layers(cfg: dict[str, Any]) -> tuple[dict[str, Any], float, dict[str,
     scaling = full if full.get("rope_type", full.get("type", "default")) != "default" else None
     fields = dict(sandwich_norms=True, query_scale=cfg.get("query_pre_attn_scalar", 256) ** -0.5,
                   sliding_window=cfg.get("sliding_window") or 0,
-                  sliding_layers=sliding_layers(cfg, cfg.get("sliding_window_pattern", 6)),
+                  sliding_layers=sliding_layers(cfg, lambda i: (i + 1) % pattern != 0),
                   local_rope_theta=float(local.get("rope_theta", 1e4)))
     return fields, float(full.get("rope_theta", 1e6)), scaling
 
