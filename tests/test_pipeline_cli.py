@@ -298,3 +298,33 @@ def test_pipeline_bench_measures_plain_vs_speculative(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "warm-started from" in err and f"speedup {report['speedup']}x" in err and report["cpu"] in err
     assert run_bench(compose([*args, "stage.bench.num_prompts=0"])) is None
+
+
+def test_the_pipeline_runs_end_to_end_on_a_gemma3_target(tmp_path, capsys):
+    """Another architecture from one config: a tiny Gemma 3 (sliding layers, sandwich norms) with the
+    default's tokenizer through capture, tokenmap, train, eval and the bench, its outputs under its
+    folder's name, the head sized for it, speculative output = plain output (fp32 greedy)."""
+    from script_module import load_script
+
+    from eagle_train.pipeline import run_pipeline
+
+    sm = load_script("shape_model")
+    sm.SHAPES["tiny-gemma3"] = dict(model_type="gemma3_text", hidden_size=64, intermediate_size=128,
+                                    num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
+                                    head_dim=32, vocab_size=49152, sliding_window=16,
+                                    query_pre_attn_scalar=32, tie_word_embeddings=True,
+                                    max_position_embeddings=2048)
+    target = sm.write_target("tiny-gemma3", tmp_path / "tiny-gemma3")
+    cfg = compose([f"workdir={tmp_path / 'run'}", f"model.path={target}", "capture.limit=3", "data.heldout=6",
+                   "capture.max_new_tokens_per_turn=24", "eval.num_samples=2", "train.epochs=1",
+                   "stage.bench.num_prompts=1", "stage.bench.max_new_tokens=8", "stage.bench.dtype=fp32",
+                   "stage.bench.compile=false"])
+    assert cfg.train.init_from is None and cfg.model.name == "tiny-gemma3"
+    done = run_pipeline(cfg)
+    assert set(done) == {"capture", "tokenmap", "train", "eval", "bench"}
+    head = json.loads((Path(cfg.head_dir) / "config.json").read_text())
+    assert head["hidden_size"] == 64 and head["head_dim"] == 32 and head["vocab_size"] == 49152
+    assert (tmp_path / "run" / "tokenmaps" / "tiny-gemma3").is_dir()
+    bench = json.loads((tmp_path / "run" / "bench.json").read_text())
+    assert bench["greedy_identical"] is True and bench["acceptance_length"] >= 1.0
+    assert "trained from scratch" in capsys.readouterr().err
