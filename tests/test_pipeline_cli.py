@@ -305,8 +305,11 @@ def test_the_pipeline_runs_end_to_end_on_a_gemma3_target(tmp_path, capsys):
     default's tokenizer through capture, tokenmap, train, eval and the bench, its outputs under its
     folder's name, the head sized for it, speculative output = plain output (fp32 greedy)."""
     from script_module import load_script
+    from test_train import reset_accelerate
 
     from eagle_train.pipeline import run_pipeline
+
+    reset_accelerate()  # another test's in-process training set its own mixed precision
 
     sm = load_script("shape_model")
     sm.SHAPES["tiny-gemma3"] = dict(model_type="gemma3_text", hidden_size=64, intermediate_size=128,
@@ -320,7 +323,10 @@ def test_the_pipeline_runs_end_to_end_on_a_gemma3_target(tmp_path, capsys):
                    "stage.bench.num_prompts=1", "stage.bench.max_new_tokens=8", "stage.bench.dtype=fp32",
                    "stage.bench.compile=false"])
     assert cfg.train.init_from is None and cfg.model.name == "tiny-gemma3"
-    done = run_pipeline(cfg)
+    try:
+        done = run_pipeline(cfg)
+    finally:
+        reset_accelerate()  # nor does this one's stay for the next
     assert set(done) == {"capture", "tokenmap", "train", "eval", "bench"}
     head = json.loads((Path(cfg.head_dir) / "config.json").read_text())
     assert head["hidden_size"] == 64 and head["head_dim"] == 32 and head["vocab_size"] == 49152
