@@ -101,6 +101,17 @@ def generation_eos_ids(path: Path) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
+def eos_ids(model_config, tokenizer, folder: str | os.PathLike | None = None) -> set[int]:
+    """End-of-answer ids: the model config's, the tokenizer's and, given the folder,
+    generation_config.json's (a target from load_model has those in its config already)."""
+    ids = set(model_config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    if folder is not None:
+        ids.update(generation_eos_ids(Path(folder)))
+    return ids
+
+
 def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():

@@ -662,8 +662,8 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin.to(w.device), persistent=False)
         if c.local_rope_theta:  # Gemma 3's sliding layers: plain RoPE of their own base
             cos, sin = rope_tables(replace(c, rope_theta=c.local_rope_theta, rope_scaling=None), max_seq_len)
-        self.register_buffer("local_rope_cos", cos.to(w.device), persistent=False)
-        self.register_buffer("local_rope_sin", sin.to(w.device), persistent=False)
+            self.register_buffer("local_rope_cos", cos.to(w.device), persistent=False)
+            self.register_buffer("local_rope_sin", sin.to(w.device), persistent=False)
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
 
     def forward(
@@ -689,10 +689,11 @@ class Transformer(nn.Module):
         if c.window_everywhere():  # one window for every layer: in the mask (the fused op reads it)
             mask = mask & window_mask(positions, mask.shape[-1], c.sliding_window)
             causal = causal and T <= c.sliding_window  # a prefill past the window needs the mask
-        elif c.sliding_layers:
-            window = window_mask(positions, mask.shape[-1], self.config.sliding_window)
-            local = (*rope_at(self.local_rope_cos, self.local_rope_sin, positions, x.dtype),
-                     attn_bias(mask & window, x.dtype))
+        elif c.sliding_layers:  # Gemma's: their own mask, and (Gemma 3) their own RoPE
+            window = window_mask(positions, mask.shape[-1], c.sliding_window)
+            local_rope = rope_at(self.local_rope_cos, self.local_rope_sin, positions, x.dtype) \
+                if c.local_rope_theta else (cos, sin)
+            local = (*local_rope, attn_bias(mask & window, x.dtype))
         s = StepInputs(self.cache, (B, T), cos, sin, attn_bias(mask, x.dtype),
                        self.cache.write_index(slots, row0), row0, mask.shape[-1], causal, local)
         wanted = sorted(set(hidden_layers) - {len(self.layers)})
@@ -750,13 +751,21 @@ OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower."
                 "model.multi_modal_projector.")
 
 
+def module_name(name: str) -> str | None:
+    """A checkpoint tensor's name under our Transformer before the q/k/v and gate/up fusion
+    (the language model's prefix off: "model.norm.weight" -> "norm.weight"), None for another
+    tower's (a multimodal checkpoint's vision tower and projector)."""
+    if name.startswith(OTHER_TOWERS):
+        return None
+    prefix = next((p for p in (*LANGUAGE_MODEL_PREFIXES, "model.") if name.startswith(p)), "")
+    return name[len(prefix):]
+
+
 def convert_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {}
     for name, t in sd.items():
-        if name.startswith(OTHER_TOWERS):
-            continue
-        prefix = next((p for p in (*LANGUAGE_MODEL_PREFIXES, "model.") if name.startswith(p)), "")
-        out[name[len(prefix):]] = t
+        if (ours := module_name(name)) is not None:
+            out[ours] = t
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         for kind in ("weight", "bias"):

@@ -1214,7 +1214,14 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     from eagle_infer.default_model import DEFAULT_MODEL_NAME, resolve_model_path
     from eagle_infer.engine import PlainDecoder, warm_up
     from eagle_infer.heads import load_head_for
-    from eagle_infer.loader import default_device, dtype_name, load_model, load_tokenizer, resolve_dtype
+    from eagle_infer.loader import (
+        default_device,
+        dtype_name,
+        eos_ids,
+        load_model,
+        load_tokenizer,
+        resolve_dtype,
+    )
     from eagle_infer.speculative import SpecDecoder
 
     if args.max_running_requests < 1:
@@ -1280,9 +1287,7 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     name = args.served_model_name or (DEFAULT_MODEL_NAME if str(args.model_path) == "default"
                                       else Path(folder).name)
     names = list(dict.fromkeys([name, str(args.model_path), Path(folder).name]))
-    eos = set(target.config.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
+    eos = eos_ids(target.config, tokenizer)  # the config's has generation_config.json's
     # Draft positions a round can accept: the tree's depth, at most its node count.
     depth = tree.max_depth if tree else 0
     metrics = Metrics(depth, model_name=name)

@@ -47,7 +47,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from eagle_infer.errors import UserError
-from eagle_infer.loader import cpu_runs_bf16_fast, resolve_dtype
+from eagle_infer.loader import cpu_runs_bf16_fast, eos_ids, resolve_dtype
 from eagle_train.shards import (
     HELDOUT_SUBDIR,
     MANIFEST,
@@ -522,18 +522,6 @@ class OnlineStates:
         if self.has_aux:
             batch["aux"] = torch.cat(states[:-1], -1).to(self.dtype).masked_fill(pad, 0)
         return batch
-
-
-def eos_ids(model_config, tokenizer, folder: str | Path | None = None) -> set[int]:
-    """End-of-answer ids: the model config's, the tokenizer's and generation_config.json's."""
-    from eagle_infer.loader import generation_eos_ids
-
-    ids = set(model_config.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    if folder is not None:
-        ids.update(generation_eos_ids(Path(folder)))
-    return ids
 
 
 # ---------------------------------------------------------------------------------------------

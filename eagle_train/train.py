@@ -122,25 +122,19 @@ def load_target_io(path: Any, device: str | torch.device = "cpu") -> TargetIO:
 
     from eagle_infer.default_model import resolve_model_path
     from eagle_infer.loader import read_hf_config, safetensors_files
-    from eagle_infer.model import ModelConfig
+    from eagle_infer.model import ModelConfig, module_name
 
     folder = resolve_model_path(None if path is None else str(path))
     cfg = ModelConfig.from_hf(read_hf_config(folder))
-    from eagle_infer.model import LANGUAGE_MODEL_PREFIXES
-
-    # the names of an LM's, and of a multimodal checkpoint's language model's (Gemma 3 4B and up)
-    want = {"embed": ("model.embed_tokens.weight", "embed_tokens.weight"),
-            "head": ("lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight"),
-            "norm": ("model.norm.weight", "norm.weight")}
-    want["embed"] += tuple(p + "embed_tokens.weight" for p in LANGUAGE_MODEL_PREFIXES)
-    want["norm"] += tuple(p + "norm.weight" for p in LANGUAGE_MODEL_PREFIXES)
+    # checkpoint names as the loader maps them (a multimodal checkpoint's language model's too)
+    roles = {"embed_tokens.weight": "embed", "lm_head.weight": "head", "norm.weight": "norm"}
     found: dict[str, Tensor] = {}
     for f in safetensors_files(folder):
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():
-                for role, names in want.items():
-                    if key in names and role not in found:
-                        found[role] = st.get_tensor(key)
+                role = roles.get(module_name(key) or "")
+                if role is not None and role not in found:
+                    found[role] = st.get_tensor(key)
     if "embed" not in found or ("head" not in found and not cfg.tie_word_embeddings):
         from eagle_infer.loader import load_model
 

@@ -34,9 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle_infer.default_model import resolve_model_path  # noqa: E402
 from eagle_infer.errors import UserError  # noqa: E402
 from eagle_infer.generate import generate  # noqa: E402
-from eagle_infer.loader import load_model, load_tokenizer  # noqa: E402
+from eagle_infer.loader import eos_ids, load_model, load_tokenizer  # noqa: E402
 from eagle_infer.sampling import SamplingParams  # noqa: E402
-from eagle_train.capture import eos_ids  # noqa: E402
 from eagle_train.shards import atomic_write_bytes, atomic_write_text  # noqa: E402
 
 SENTINEL = "\x00MAGPIE\x00"
