@@ -80,6 +80,11 @@ TINY_ARCHS: dict[str, dict] = {
                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
                                                        "rope_theta": 1e6},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    # Gemma 3 at its real head size (256), which the attention kernel has an instance for.
+    "gemma3_hd256": dict(model_type="gemma3_text", tie_word_embeddings=True, pad_token_id=0, head_dim=256,
+                         query_pre_attn_scalar=256, sliding_window=8, sliding_window_pattern=2,
+                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
     # Gemma 3 with its vision tower (4B and up): the language model is Gemma 3's, under
     # language_model.*; the tower is left unread.
     "gemma3_vision": dict(model_type="gemma3"),

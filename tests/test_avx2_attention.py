@@ -63,7 +63,7 @@ def multiply(request):
 @pytest.mark.parametrize("dtype,multiply", [(torch.float32, "loops"), (torch.bfloat16, "loops"),
                                             (torch.bfloat16, "dot"), (torch.bfloat16, "amx")],
                          indirect=["multiply"])
-@pytest.mark.parametrize("D", [64, 128])  # Llama's and Qwen2's head size; Qwen3's
+@pytest.mark.parametrize("D", [64, 128, 256])  # Llama's and Qwen2's head size; Qwen3's; Gemma's
 def test_kernel_is_sdpa_and_rows_independent(T, S, dtype, multiply, D):
     B, H, KVH = 2, 9, 3
     q = torch.randn(B, T, H, D).to(dtype).transpose(1, 2)  # [B, H, T, D], strided as the model's
@@ -101,7 +101,7 @@ def test_kernel_is_sdpa_and_rows_independent(T, S, dtype, multiply, D):
 @pytest.mark.parametrize("dtype,multiply", [(torch.float32, "loops"), (torch.bfloat16, "loops"),
                                             (torch.bfloat16, "dot"), (torch.bfloat16, "amx")],
                          indirect=["multiply"])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_a_slot_adds_the_same_wherever_masked_slots_put_it(dtype, multiply, D):
     """A tree's verify reads its path's slots with masked siblings between them, a one-row step
     reads them side by side: the rows' outputs must be the same bits. Peaked scores (queries x 3)
@@ -127,7 +127,7 @@ def test_a_slot_adds_the_same_wherever_masked_slots_put_it(dtype, multiply, D):
 # the 6-row tiles; several tasks (B = 2: a batched prefill, right-padded rows included)
 @pytest.mark.parametrize("T", [1, 5, 37, 100])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_causal_kernel_is_causal_sdpa(T, dtype, D):
     """causal_attention (a prefill from slot 0) computes SDPA's causal attention over the first T
     slots of cache views, reads no slot after them (NaN there), takes the model's strided q, and
@@ -158,7 +158,7 @@ def test_causal_kernel_names_bad_input():
         torch.ops.eagle.causal_attention(torch.randn(1, 9, 11, 64), keys, values)
     with pytest.raises(RuntimeError, match="heads a multiple of kv heads"):
         torch.ops.eagle.causal_attention(torch.randn(1, 8, 4, 64), keys, values)
-    with pytest.raises(RuntimeError, match="head size 64 or 128"):
+    with pytest.raises(RuntimeError, match="head size 64, 128 or 256"):
         torch.ops.eagle.causal_attention(torch.randn(1, 9, 4, 96), *cache_views(1, 3, 10, D=96))
 
 
@@ -217,7 +217,7 @@ def test_kernel_names_bad_input():
         torch.ops.eagle.avx2_attention(q.double(), keys, values, torch.zeros(1, 1, 2, 10))
     with pytest.raises(RuntimeError, match="bias .* is not \\[B, 1, T, S\\]"):
         torch.ops.eagle.avx2_attention(q, keys, values, torch.zeros(1, 1, 2, 11))
-    with pytest.raises(RuntimeError, match="head size 64 or 128"):
+    with pytest.raises(RuntimeError, match="head size 64, 128 or 256"):
         torch.ops.eagle.avx2_attention(torch.randn(1, 9, 2, 32), keys[..., :32], values[..., :32],
                                        torch.zeros(1, 1, 2, 10))
 
@@ -257,7 +257,7 @@ def target_for_the_kernel(layers: int = 2, head_dim: int = 64) -> tuple[Transfor
     return target, random_head(target, "eagle3", draft_vocab=40)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_greedy_identical_on_the_kernel_eager_and_compiled(attention_kernel_on, head_dim):
     target, head = target_for_the_kernel(head_dim=head_dim)
     prompts = prompts_for(target.config.vocab_size)
@@ -266,6 +266,53 @@ def test_greedy_identical_on_the_kernel_eager_and_compiled(attention_kernel_on, 
     for tree in (TreeConfig(), TreeConfig(3, 4, 4), TreeConfig.chain(3)):
         spec, _ = generate_speculative(target, head, prompts, 20, tree=tree)
         assert spec == plain, tree
+
+
+def test_gemma3_head_size_256_on_the_kernel(attention_kernel_on, tiny_model_dir):
+    """Gemma's head size (256) on the kernel: a tiny Gemma 3 checkpoint of head size 256 (sliding
+    layers of a window of 8 beside full ones, its own query scale) loaded on the avx2 Linears runs
+    its prefills and decode steps on the kernel's two ops; its greedy output is transformers', and
+    speculative greedy equals plain, eager and compiled."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle_infer.loader import load_model
+    from eagle_infer.speculative import SpecDecoder
+
+    path = tiny_model_dir("gemma3_hd256")
+    target = load_model(path, "fp32", "cpu", cpu_linears="avx2")
+    assert target.config.head_dim == 256 and avx2_attention.enabled() and target.fused_layers is None
+    prompts = prompts_for(target.config.vocab_size)  # 3-17 tokens, then 24 new: past the window
+    calls = {"avx2_attention": 0, "causal_attention": 0}
+    ops = torch.ops.eagle
+
+    class Spy:
+        def __getattr__(self, name):
+            op = getattr(ops, name)
+            if name not in calls:
+                return op
+
+            def counted(*args):
+                calls[name] += 1
+                return op(*args)
+            return counted
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.ops, "eagle", Spy())
+        plain = generate(target, prompts, 24)
+    assert calls["avx2_attention"] > 0 and calls["causal_attention"] > 0, calls
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for ids, ours in zip(prompts, plain):
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            ref = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=24)
+        assert ours == ref[0, len(ids):].tolist()
+    head = random_head(target, "eagle3", draft_vocab=64)
+    for tree in (TreeConfig(), TreeConfig(2, 4, 6, ngram_branch=4), TreeConfig.chain(3)):
+        assert generate_speculative(target, head, prompts, 24, tree=tree)[0] == plain, tree
+    assert generate(target, prompts, 24, compile=True) == plain
+    tree = TreeConfig(3, 4, 4)
+    dec = SpecDecoder(target, head, tree, max_batch=4, max_seq_len=128).compile()
+    assert generate_speculative(target, head, prompts, 24, tree=tree, decoder=dec)[0] == plain
 
 
 def test_loader_turns_it_on_with_the_avx2_linears(monkeypatch, default_model_dir):

@@ -1,8 +1,9 @@
 // out[b, h, t] = softmax(q[b, h, t] . K[b, h / G]^T / sqrt(D) + bias[b, 0, t]) V[b, h / G] for the
 // few query rows of a decode step (1) or a verify (a tree's nodes), fp32 on AVX2 + FMA, GQA
-// (G = heads / kv_heads query heads read one kv head). D = 64 or 128 (the head sizes of the targets
-// this runs: Llama-family and Qwen2 heads of 64, Qwen3's of 128; other sizes go to SDPA): each
-// function below is a template on D, the op and the fused layers pick the instance. A bf16 call
+// (G = heads / kv_heads query heads read one kv head). D = 64, 128 or 256 (the head sizes of the
+// targets this runs: Llama-family and Qwen2 heads of 64, Qwen3's of 128, Gemma's of 256; other sizes
+// go to SDPA): each function below is a template on D, the op and the fused layers (64 and 128
+// only) pick the instance (with_head_size). A bf16 call
 // reads its bf16 K and V in place, widens each block of keys or values to fp32 once for all its
 // query rows, and computes as an fp32 call does; its output is rounded to bf16 once.
 //
@@ -222,6 +223,8 @@ void attend_rows(const KV* q, const KV* k, const KV* v, int64_t kv_stride, const
 // move a slot within a tile (a tree's verify against the one-row steps) bf16 outputs parted (4 of
 // 8 long prompts). A row's result does not depend on the rows beside it or on masked slots, as
 // above; the bits differ from the loops' and between the two (one choice a process).
+// Head size 256 (Gemma's) has no AMX instance: Q's 8 tiles of 32 d and K and the scores would take
+// 10 of the 8 tiles; an "amx" process computes those calls on the loops.
 enum Bf16Scores : int { kLoops = 0, kAmx = 1, kDot = 2 };
 std::atomic<int> g_bf16_scores{kLoops};
 
@@ -568,22 +571,35 @@ void tasks(const eagle::AttentionCall& c, int64_t t0, int64_t t1, float* scores)
         attend_rows_dot<D>(qb, kp + kv0, vp + kv0, c.row, bb, c.T, c.S, r0, r1, scale, ob, c.out_h, c.out_t);
         continue;
       }
-      if (g_bf16_scores.load(std::memory_order_relaxed) == kAmx) {
-        for (int64_t s0 = r0; s0 < r1; s0 += 16)
-          attend_rows_amx<D>(qb, kp + kv0, vp + kv0, c.row, bb, c.T, c.S, s0, std::min(r1, s0 + 16), scale, ob,
-                             c.out_h, c.out_t);
-        continue;
+      if constexpr (D <= 128) {
+        if (g_bf16_scores.load(std::memory_order_relaxed) == kAmx) {
+          for (int64_t s0 = r0; s0 < r1; s0 += 16)
+            attend_rows_amx<D>(qb, kp + kv0, vp + kv0, c.row, bb, c.T, c.S, s0, std::min(r1, s0 + 16), scale, ob,
+                               c.out_h, c.out_t);
+          continue;
+        }
       }
     }
     attend_rows<D>(qb, kp + kv0, vp + kv0, c.row, bb, c.T, c.S, r0, r1, scale, scores, ob, c.out_h, c.out_t);
   }
 }
 
-void attention_tasks(const eagle::AttentionCall& c, int64_t t0, int64_t t1, float* scores) {
-  if (c.bf16)
-    c.D == 128 ? tasks<at::BFloat16, 128>(c, t0, t1, scores) : tasks<at::BFloat16, 64>(c, t0, t1, scores);
+// f(std::integral_constant<int, D>{}) for head size D: 64, 128 or 256 (the ops check it first)
+template <typename F>
+void with_head_size(int64_t D, F&& f) {
+  if (D == 64)
+    f(std::integral_constant<int, 64>{});
+  else if (D == 128)
+    f(std::integral_constant<int, 128>{});
   else
-    c.D == 128 ? tasks<float, 128>(c, t0, t1, scores) : tasks<float, 64>(c, t0, t1, scores);
+    f(std::integral_constant<int, 256>{});
+}
+
+void attention_tasks(const eagle::AttentionCall& c, int64_t t0, int64_t t1, float* scores) {
+  with_head_size(c.D, [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    c.bf16 ? tasks<at::BFloat16, D>(c, t0, t1, scores) : tasks<float, D>(c, t0, t1, scores);
+  });
 }
 
 // A call's attention in two phases, each in halves across the threads, where its (batch, kv head)
@@ -660,9 +676,9 @@ at::Tensor avx2_attention(const at::Tensor& q_in, const at::Tensor& keys, const 
               "avx2_attention: q [B, H, T, D], keys / values [B, KVH, S, D], bias [B, 1, T, S]");
   const int64_t B = q_in.size(0), H = q_in.size(1), T = q_in.size(2), D = q_in.size(3);
   const int64_t KVH = keys.size(1), S = keys.size(2);
-  TORCH_CHECK((D == 64 || D == 128) && keys.size(3) == D && values.sizes() == keys.sizes() && keys.size(0) == B &&
-                  KVH > 0 && H % KVH == 0 && S > 0,
-              "avx2_attention: head size 64 or 128 and heads a multiple of kv heads, got q ", q_in.sizes(),
+  TORCH_CHECK((D == 64 || D == 128 || D == 256) && keys.size(3) == D && values.sizes() == keys.sizes() &&
+                  keys.size(0) == B && KVH > 0 && H % KVH == 0 && S > 0,
+              "avx2_attention: head size 64, 128 or 256 and heads a multiple of kv heads, got q ", q_in.sizes(),
               " keys ", keys.sizes(), " values ", values.sizes());
   TORCH_CHECK(bias_in.size(0) == B && bias_in.size(1) == 1 && bias_in.size(2) == T && bias_in.size(3) == S,
               "avx2_attention: bias ", bias_in.sizes(), " is not [B, 1, T, S] for q ", q_in.sizes(),
@@ -835,7 +851,7 @@ void causal(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
 
 // q [B, H, T, D] (any strides, rows contiguous), keys / values [B, KVH, S >= T, D] cache views
 // (slots 0..T-1 used) -> out [B, H, T, D], a view of a contiguous [B, T, H, D] (what o_proj reads);
-// D 64 or 128.
+// D 64, 128 or 256.
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && keys.scalar_type() == dtype &&
@@ -844,17 +860,17 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const a
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4,
               "causal_attention: q [B, H, T, D], keys / values [B, KVH, S, D]");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), KVH = keys.size(1), D = q.size(3);
-  TORCH_CHECK((D == 64 || D == 128) && keys.size(3) == D && values.sizes() == keys.sizes() && keys.size(0) == B &&
-                  KVH > 0 && H % KVH == 0 && keys.size(2) >= T && T > 0,
-              "causal_attention: head size 64 or 128, heads a multiple of kv heads and at least T keys, got q ",
+  TORCH_CHECK((D == 64 || D == 128 || D == 256) && keys.size(3) == D && values.sizes() == keys.sizes() &&
+                  keys.size(0) == B && KVH > 0 && H % KVH == 0 && keys.size(2) >= T && T > 0,
+              "causal_attention: head size 64, 128 or 256, heads a multiple of kv heads and at least T keys, got q ",
               q.sizes(), " keys ", keys.sizes(), " values ", values.sizes());
   TORCH_CHECK(q.stride(3) == 1 && keys.stride(3) == 1 && values.strides() == keys.strides(),
               "causal_attention: rows must be contiguous and keys and values share strides");
   at::Tensor out = at::empty({B, T, H, D}, q.options()).transpose(1, 2);
-  if (dtype == at::kBFloat16)
-    D == 128 ? causal<at::BFloat16, 128>(q, keys, values, out) : causal<at::BFloat16, 64>(q, keys, values, out);
-  else
-    D == 128 ? causal<float, 128>(q, keys, values, out) : causal<float, 64>(q, keys, values, out);
+  with_head_size(D, [&](auto d) {
+    constexpr int HD = decltype(d)::value;
+    dtype == at::kBFloat16 ? causal<at::BFloat16, HD>(q, keys, values, out) : causal<float, HD>(q, keys, values, out);
+  });
   return out;
 }
 

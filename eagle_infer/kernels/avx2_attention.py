@@ -30,7 +30,7 @@ from torch import Tensor
 from eagle_infer.kernels import avx2_linear
 
 SOURCE = Path(__file__).with_name("avx2_attention.cpp")
-HEAD_DIMS = (64, 128)  # head sizes the kernel has instances for
+HEAD_DIMS = (64, 128, 256)  # head sizes the kernel has instances for (the fused layers: 64, 128)
 # Query rows (T) up to which model.attention calls the kernel: decode steps and verifies; a
 # prefill's hundreds of rows stay on SDPA's flash kernel, which blocks over them.
 MAX_ROWS = 64

@@ -29,6 +29,7 @@ from eagle_infer.kernels import avx2_attention
 
 SOURCE = Path(__file__).with_name("decoder_layers.cpp")
 ENV = "EAGLE_FUSED_LAYERS"  # 1 (default) | 0
+HEAD_DIMS = (64, 128)  # the op's instances (register_stack), of the attention kernel's
 AVX2, BF16, INT8 = 0, 1, 2  # the Linear kernels (decoder_layers.cpp's Kind)
 
 
@@ -93,7 +94,7 @@ def attach(model: nn.Module) -> Stack | None:
         raise UserError(f"{ENV} must be 0 or 1, got {choice!r}")
     model.fused_layers = None
     cfg = model.config
-    if (choice == "0" or not avx2_attention.enabled() or cfg.head_dim not in avx2_attention.HEAD_DIMS
+    if (choice == "0" or not avx2_attention.enabled() or cfg.head_dim not in HEAD_DIMS
             or not cfg.llama_layers()  # Gemma's layers: other norms, activation and windows
             or cfg.hidden_size % 8 or cfg.intermediate_size % 8):  # the C++ loops run 8 values at a time
         return None
