@@ -96,9 +96,11 @@ def join_groups(lengths: Sequence[int], max_padding: float = 0.1, max_rows: int 
 
 @torch.no_grad()
 def prefill(model: Transformer, prompts: Sequence[Sequence[int]], hidden_layers: Sequence[int] = (),
-            row0: int = 0, kv_len: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            row0: int = 0, kv_len: int | None = None,
+            max_new_tokens: Sequence[int] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Write the prompts (right-padded) into cache rows row0, row0+1, ...; logits [B, V] at each
-    last token, and the requested hidden states [B, T, H] at every position.
+    last token, and the requested hidden states [B, T, H] at every position. max_new_tokens: how
+    many tokens each sequence may add (Transformer.start_rows; None: none).
 
     Padding tokens land in slots beyond each prompt, where no later query looks, and are
     overwritten by the first generated tokens.
@@ -109,18 +111,23 @@ def prefill(model: Transformer, prompts: Sequence[Sequence[int]], hidden_layers:
     tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-    return forward_padded(model, tokens, lens, hidden_layers, row0, kv_len)
+    max_lens = lens + torch.tensor(max_new_tokens or [0] * B, device=dev)
+    return forward_padded(model, tokens, lens, hidden_layers, row0, kv_len, max_lens)
 
 
 @torch.no_grad()
 def forward_padded(model: Transformer, tokens: torch.Tensor, lens: torch.Tensor | None = None,
-                   hidden_layers: Sequence[int] = (), row0: int = 0,
-                   kv_len: int | None = None) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+                   hidden_layers: Sequence[int] = (), row0: int = 0, kv_len: int | None = None,
+                   max_lens: torch.Tensor | None = None) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """One forward from position 0 over right-padded tokens [B, T] into cache rows row0..: logits
     [B, V] at each row's last token (lens [B]; None = no logits, as capture wants) and the hidden
-    states [B, T, H] of `hidden_layers`. What prefill and the capture's teacher-forced pass share."""
+    states [B, T, H] of `hidden_layers`. What prefill and the capture's teacher-forced pass share.
+    max_lens [B]: how long each sequence may grow (Transformer.start_rows; None: lens, else T, as
+    transformers' forward over the padded batch decides)."""
     B, T = tokens.shape
     dev = tokens.device
+    model.start_rows(row0, max_lens if max_lens is not None else lens if lens is not None
+                     else torch.full((B,), T))
     pos = torch.arange(T, device=dev)[None].expand(B, T)
     kv_len = kv_len or kv_len_for(T, model.max_seq_len)
     mask = causal_mask(torch.zeros(B, dtype=torch.long, device=dev), T, kv_len)
@@ -395,7 +402,8 @@ def generate(
     generators = [p.generator(dev) for p in params]
     matchers = [p.new_matcher() for p in params]  # structured outputs: each follows its output
 
-    logits = torch.cat([prefill(model, prompts[g[0]:g[-1] + 1], row0=g[0])[0] for g in join_groups(lens)])
+    logits = torch.cat([prefill(model, prompts[g[0]:g[-1] + 1], row0=g[0],
+                                max_new_tokens=[max_new_tokens] * len(g))[0] for g in join_groups(lens)])
     cur = torch.tensor(lens, device=dev)  # [B] tokens in the cache so far
     top = max(lens)  # = cur.max(), kept on the host: the kv length needs no device read
     greedy = None  # the argmax, when the compiled step returns it (among what each grammar allows)

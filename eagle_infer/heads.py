@@ -102,10 +102,9 @@ class HeadConfig:
             # dims, and a draft layer of a few positions gains nothing from them: plain RoPE there
             rope_scaling=None if (target.rope_scaling or {}).get("rope_type") == "longrope"
             else target.rope_scaling,
-            # the target's declared context, not the one we serve (LongRoPE's original one caps it):
-            # vLLM sizes the draft's rotary cache from it (before 0.32, which raises it to the
-            # target's, a gather out of bounds past it: vLLM #48894)
-            max_position_embeddings=target.config_max_position_embeddings or target.max_position_embeddings,
+            # the target's context: vLLM sizes the draft's rotary cache from it (before 0.32, which
+            # raises it to the target's, a gather out of bounds past it: vLLM #48894)
+            max_position_embeddings=target.max_position_embeddings,
             fc_bias=fc_bias, aux_layer_ids=[i - 1 for i in idx],
         )
 

@@ -52,10 +52,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     rotary_dim: int = 0  # the head dims RoPE turns (Phi-4-mini's partial rotary); 0 = head_dim
-    max_position_embeddings: int = 4096  # the context served exactly (LongRoPE's original one caps it)
-    # the config's own max_position_embeddings, uncapped: what a head exported for this target
-    # declares, as SpecForge's heads copy it (0: the same as max_position_embeddings)
-    config_max_position_embeddings: int = 0
+    max_position_embeddings: int = 4096  # the context served
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's queries and keys before RoPE
@@ -76,6 +73,12 @@ class ModelConfig:
         if self.rotary_dim % 2 or (self.head_dim - self.rotary_dim) % 2:
             raise UserError(f"rotary dims {self.rotary_dim} of head size {self.head_dim}: "
                             "both halves must be even")
+
+    def long_rope_from(self) -> int:
+        """LongRoPE's original context (0: not LongRoPE): a sequence that may grow longer turns
+        with the long factors throughout, others with the short ones (Transformer.start_rows)."""
+        scaling = self.rope_scaling or {}
+        return scaling["original_max_position_embeddings"] if scaling.get("rope_type") == "longrope" else 0
 
     def window_everywhere(self) -> bool:
         """Every layer slides over the same window with the same RoPE (Mistral-7B-v0.1's, Phi-3's):
@@ -122,9 +125,6 @@ class ModelConfig:
                                    cfg.get("original_max_position_embeddings", max_positions))
             scaling = {**scaling, "rope_type": "longrope", "original_max_position_embeddings": original,
                        "factor": scaling.get("factor") or cfg.get("max_position_embeddings", 4096) / original}
-            # LongRoPE turns with its short factors up to the original context and switches every
-            # position to its long factors past it (transformers, per call): served exactly up to there
-            max_positions = min(max_positions, original)
         eos = cfg.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         n_heads = cfg["num_attention_heads"]
@@ -155,7 +155,6 @@ class ModelConfig:
             rope_scaling=scaling,
             rotary_dim=int(head_dim * partial),
             max_position_embeddings=max_positions,
-            config_max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type in ("qwen3", "gemma3_text"),
@@ -233,9 +232,9 @@ def gemma3_layers(cfg: dict[str, Any]) -> tuple[dict[str, Any], float, dict[str,
 # Rotary embedding
 
 
-def rope_inv_freq(cfg: ModelConfig) -> Tensor:
-    """Inverse frequencies [rotary_dim/2], with Llama-3 / linear / LongRoPE (its short factors)
-    scaling when the config asks."""
+def rope_inv_freq(cfg: ModelConfig, long: bool = False) -> Tensor:
+    """Inverse frequencies [rotary_dim/2], with Llama-3 / linear / LongRoPE (its short factors, or
+    its long ones where `long`) scaling when the config asks."""
     d = cfg.rotary_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     scaling = cfg.rope_scaling or {}
@@ -245,7 +244,8 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     if kind == "linear":
         return (inv_freq / scaling["factor"]).float()
     if kind == "longrope":
-        return (inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float64)).float()
+        factors = scaling["long_factor" if long else "short_factor"]
+        return (inv_freq / torch.tensor(factors, dtype=torch.float64)).float()
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -274,13 +274,18 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
 def rope_tables(cfg: ModelConfig, max_pos: int) -> tuple[Tensor, Tensor]:
     """cos, sin tables [max_pos, D] in fp32 (rotate-half layout, as HF checkpoints use). With a
     partial rotary the dims RoPE does not turn sit in the middle of each half with cos 1, sin 0
-    (convert_hf_state_dict moves them there: `rotary_order`)."""
+    (convert_hf_state_dict moves them there: `rotary_order`). LongRoPE's are [2 max_pos, D]: rows
+    0.. turn with the short factors, rows max_pos.. with the long ones (a sequence's half:
+    Transformer.start_rows)."""
     inv_freq = rope_inv_freq(cfg)
     still = cfg.head_dim // 2 - inv_freq.numel()
     t = torch.arange(max_pos, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
+    if cfg.long_rope_from():
+        freqs = torch.cat([freqs, torch.outer(t, rope_inv_freq(cfg, long=True))])
+        t = torch.arange(2 * max_pos)
     turned = torch.cat([torch.ones_like(inv_freq), torch.zeros(still)]).repeat(2).bool()  # [D]
-    emb = torch.cat([freqs, freqs.new_zeros(max_pos, still)], -1).repeat(1, 2)
+    emb = torch.cat([freqs, freqs.new_zeros(len(t), still)], -1).repeat(1, 2)
     factor = rope_attention_factor(cfg)
     scale = torch.where(turned, factor, 1.0)
     return emb.cos() * scale, emb.sin() * scale
@@ -488,6 +493,10 @@ class KVCache(nn.Module):
         heads = torch.arange(kv_heads, device=device)[None, None, :]
         base = ((lk * batch + rows) * kv_heads + heads) * max_seq_len  # [2L, batch, heads]
         self.register_buffer("base", base[..., None], persistent=False)  # [2L, batch, heads, 1]
+        # where each row's position 0 sits in the RoPE tables: 0, or LongRoPE's long half
+        # (Transformer.start_rows)
+        self.register_buffer("rope_row0", torch.zeros(batch, dtype=torch.long, device=device),
+                             persistent=False)
 
     def write_index(self, slots: Tensor, row0: int = 0) -> Tensor:
         """Indices into one layer's cache as [-1, D] of new tokens at slots [B, T] in rows
@@ -527,6 +536,7 @@ class KVCache(nn.Module):
     def move_row(self, src: int, dst: int) -> None:
         """Copy one sequence's whole cache row (a finished sequence's row is reused)."""
         self.kv[:, :, dst].copy_(self.kv[:, :, src])
+        self.rope_row0[dst] = self.rope_row0[src]
 
 
 class StepInputs(NamedTuple):
@@ -684,8 +694,11 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens).view(B * T, -1)  # [B*T, H]: 2-D linears dispatch fewer ops
         if self.embed_scale:
             x = x * self.embed_scale
-        cos, sin = rope_at(self.rope_cos, self.rope_sin, positions, x.dtype)
-        local, c = None, self.config
+        c = self.config
+        # LongRoPE: each row's half of the tables (start_rows)
+        rows = positions + self.cache.rope_row0[row0:row0 + B, None] if c.long_rope_from() else positions
+        cos, sin = rope_at(self.rope_cos, self.rope_sin, rows, x.dtype)
+        local = None
         if c.window_everywhere():  # one window for every layer: in the mask (the fused op reads it)
             mask = mask & window_mask(positions, mask.shape[-1], c.sliding_window)
             causal = causal and T <= c.sliding_window  # a prefill past the window needs the mask
@@ -728,6 +741,20 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def move_row(self, src: int, dst: int) -> None:
         self.cache.move_row(src, dst)
+
+    @torch.no_grad()
+    def start_rows(self, row0: int, max_lens: Tensor) -> None:
+        """New sequences begin in cache rows row0.., each at most max_lens [B] tokens long (prompt
+        + max new tokens). A LongRoPE target turns a sequence that may pass its original context
+        with the long factors throughout, else with the short ones: per sequence, so its cache
+        never mixes the two, a verify's tokens turn as the plain steps' would, and a batch cannot
+        change another sequence's. transformers decides by the longest position of each call (a
+        prompt past the original context: long throughout, as here; a sequence that decoding
+        carries past it: short until then, when Phi-3's generate recomputes the whole cache with
+        the long ones); vLLM by its max_model_len, for every sequence."""
+        if original := self.config.long_rope_from():
+            long = (max_lens > original).to(self.cache.rope_row0.device)
+            self.cache.rope_row0[row0:row0 + len(max_lens)] = long * self.max_seq_len
 
     @torch.no_grad()
     def keep_slots(self, src: Tensor, dst_start: Tensor) -> None:

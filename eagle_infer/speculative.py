@@ -279,7 +279,8 @@ def prefill_rows(target: Transformer, seqs: Sequence[Sequence_], row0: int, kv_l
     final = len(target.layers)  # the normed final states, lm_head's input: prompt logprobs
     scored = [s.prompt_logprobs is not None for s in seqs]
     layers = list(hidden_layers) + ([final] if any(scored) and final not in hidden_layers else [])
-    logits, hidden = prefill(target, [s.prompt for s in seqs], layers, row0=row0, kv_len=kv_len)
+    logits, hidden = prefill(target, [s.prompt for s in seqs], layers, row0=row0, kv_len=kv_len,
+                             max_new_tokens=[s.max_new_tokens for s in seqs])
     for i, s in enumerate(seqs):
         if scored[i]:
             s.score_prompt(target.logits, hidden[layers.index(final)][i, :len(s.prompt) - 1])

@@ -57,8 +57,10 @@ TINY_ARCHS: dict[str, dict] = {
     "qwen3": dict(model_type="qwen3", head_dim=32,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     # Phi-3 / Phi-4-mini: q/k/v and gate/up fused in the checkpoint, a partial rotary (the first
-    # 3/4 of each head turns) and LongRoPE (short factors up to the original context of 96).
+    # 3/4 of each head turns) and LongRoPE (short factors within the original context of 96, long
+    # ones for sequences that may pass it, up to 256).
     "phi3": dict(model_type="phi3", sliding_window=None, original_max_position_embeddings=96, pad_token_id=0,
+                 max_position_embeddings=256,
                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                                   "partial_rotary_factor": 0.75,
                                   "short_factor": [1.0 + 0.25 * i for i in range(6)],
@@ -132,7 +134,7 @@ def _hf_config(arch: str):
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config,
            "phi3": Phi3Config, "gemma": GemmaConfig, "gemma2": Gemma2Config,
            "gemma3_text": Gemma3TextConfig}[spec.pop("model_type")]
-    return cls(**_TINY_BASE, **spec)
+    return cls(**{**_TINY_BASE, **spec})
 
 
 def build_tiny_model(arch: str, out_dir: Path) -> Path:

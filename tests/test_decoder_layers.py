@@ -33,6 +33,7 @@ needs_bf16 = pytest.mark.skipif(not bf16_linear.supported(), reason="CPU without
 ARCHS = {"llama": {}, "qwen2": {"attention_bias": True}, "qwen3": {"head_dim": 128, "qk_norm": True},
          "phi4_mini": {"rotary_dim": 48, "rope_scaling": {
              "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(24)],
+             "long_factor": [2.0 + 0.5 * i for i in range(24)],
              "factor": 4.0, "original_max_position_embeddings": 512}},
          "mistral_window": {"sliding_window": 4, "sliding_layers": (0, 1, 2)}}
 

@@ -319,10 +319,11 @@ def test_sliding_windows_are_read_as_transformers_uses_them(tiny_model_dir):
 
 def test_phi3_configs_of_every_vintage(tiny_model_dir):
     """Phi-3 configs name LongRoPE "su" (Phi-3-mini-128k), "longrope" or transformers 5's
-    rope_parameters, with the original context at the top level or inside: each serves the short
-    factors' context, scales cos / sin by LongRoPE's attention factor, and a head for it takes plain
-    RoPE (the long/short factors are sized for the target's partial rotary). Other activations
-    than SiLU are refused by name."""
+    rope_parameters, with the original context at the top level or inside: each serves the whole
+    context, its tables turn with the short factors (and a second half with the long ones), cos /
+    sin scaled by LongRoPE's
+    attention factor, and a head for it takes plain RoPE (the long/short factors are sized for the
+    target's partial rotary). Other activations than SiLU are refused by name."""
     from eagle_infer.heads import HeadConfig
     from eagle_infer.model import ModelConfig, rope_attention_factor, rope_tables
 
@@ -337,13 +338,15 @@ def test_phi3_configs_of_every_vintage(tiny_model_dir):
     for extra in (old, new):
         cfg = ModelConfig.from_hf({k: v for k, v in base.items() if k != "rope_parameters"} | extra)
         assert cfg.rope_scaling["rope_type"] == "longrope"
-        assert (cfg.max_position_embeddings, cfg.rotary_dim) == (128, 8)
+        assert (cfg.max_position_embeddings, cfg.rotary_dim, cfg.long_rope_from()) == (512, 8, 128)
         factor = rope_attention_factor(cfg)
         assert factor == pytest.approx((1 + math.log(4.0) / math.log(128.0)) ** 0.5)
-        cos, sin = rope_tables(cfg, 128)  # [128, 16]: turned 0-3 and 8-11, still 4-7 and 12-15
-        assert torch.equal(cos[:, 4:8], torch.ones(128, 4)) and torch.equal(sin[:, 12:], torch.zeros(128, 4))
+        cos, sin = rope_tables(cfg, 200)  # [2 x 200, 16]: turned 0-3 and 8-11, still 4-7 and 12-15
+        assert cos.shape == (400, 16)
+        assert torch.equal(cos[:, 4:8], torch.ones(400, 4)) and torch.equal(sin[:, 12:], torch.zeros(400, 4))
         assert cos[0, 0] == pytest.approx(factor)
-        assert cos[5, 3] == pytest.approx(factor * math.cos(5 / 4 / 10000 ** 0.75))
+        for row, pos, f in ((5, 5, 4.0), (150, 150, 4.0), (205, 5, 8.0), (399, 199, 8.0)):
+            assert cos[row, 3] == pytest.approx(factor * math.cos(pos / f / 10000 ** 0.75)), row
         head = HeadConfig.for_target(cfg, "eagle3")
         assert head.rope_scaling is None and head.rope_config().rotary_dim == head.head_dim
     with pytest.raises(UserError, match="hidden_act 'gelu_new'"):
@@ -388,6 +391,59 @@ def test_generation_configs_end_of_turn_ends_decoding(tmp_path, tiny_model_dir):
     assert model.config.eos_token_ids == [2, turn_end]
     got = generate(model, [[5, 6, 7]], 24)[0]
     assert got == out[:out.index(turn_end) + 1]
+
+
+def test_longrope_sequences_turn_with_one_set_of_factors(tiny_models):
+    """A LongRoPE target (the tiny Phi-3: original context 96 of 256) turns a sequence that may
+    pass its original context (prompt + max new tokens) with the long factors throughout, others
+    with the short ones. transformers agrees where it makes one choice: a sequence that stays
+    within (short) and a prompt past it (long); one that decoding carries past it matches
+    transformers with the long factors throughout (vLLM's choice once its context is longer; Phi-3's
+    generate in transformers runs short until the switch, then recomputes the cache long). Greedy,
+    one sequence at a time, in a batch, and speculatively."""
+    from test_speculative import random_head
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from eagle_infer.generate import generate
+    from eagle_infer.speculative import generate_speculative
+    from eagle_infer.tree import TreeConfig
+
+    ours, hf = tiny_models("phi3")
+    assert ours.config.long_rope_from() == 96 and ours.config.max_position_embeddings == 256
+    g = torch.Generator().manual_seed(3)
+    within, past = (torch.randint(3, 256, (n,), generator=g).tolist() for n in (80, 100))
+
+    def hf_greedy(ids: list[int], n: int) -> list[int]:
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n)
+        return out[0, len(ids):].tolist()
+
+    short16, long24 = hf_greedy(within, 16), hf_greedy(past, 24)
+    rotary = hf.model.rotary_emb
+    short_inv_freq = rotary.original_inv_freq.clone()
+    rotary.original_inv_freq.copy_(ROPE_INIT_FUNCTIONS["longrope"](hf.config, None, seq_len=97)[0])
+    try:  # transformers with the long factors at every length
+        crossing24 = hf_greedy(within, 24)
+        assert hf_greedy(within, 16) != short16  # the two sets of factors part within 16 tokens
+    finally:
+        rotary.original_inv_freq.copy_(short_inv_freq)
+    assert generate(ours, [within], 16) == [short16]
+    assert generate(ours, [past], 24) == [long24]
+    assert generate(ours, [within], 24) == [crossing24]
+    assert generate(ours, [within, past], 24) == [crossing24, long24]
+    # rows sorted by prompt length: a row's choice sits in the cache, and a row moved (a finished
+    # sequence's row reused) takes it along
+    assert ours.cache.rope_row0[:2].tolist() == [ours.max_seq_len] * 2
+    generate(ours, [within, past[:90]], 6)
+    assert ours.cache.rope_row0[:2].tolist() == [0, 0]
+    ours.cache.rope_row0[1] = 7
+    ours.move_row(1, 0)
+    assert ours.cache.rope_row0[:2].tolist() == [7, 7]
+    head = random_head(ours, "eagle3", draft_vocab=64)
+    for tree in (TreeConfig(), TreeConfig.chain(3)):
+        assert generate_speculative(ours, head, [within, past], 24, tree=tree)[0] == [crossing24, long24]
+        assert generate_speculative(ours, head, [within], 16, tree=tree)[0] == [short16]
 
 
 def test_prompt_logprobs_are_of_the_soft_capped_logits(tiny_models):
