@@ -128,9 +128,13 @@ def test_a_slot_adds_the_same_wherever_masked_slots_put_it(dtype, multiply, D):
 @pytest.mark.parametrize("T", [1, 5, 37, 100])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [64, 128, 256])
-def test_causal_kernel_is_causal_sdpa(T, dtype, D):
+# a sliding layer's window: none; 7 and 20 (not multiples of the 8-key blocks or 16-key tiles, a task's
+# first rows see keys its last rows do not); longer than T
+@pytest.mark.parametrize("window", [0, 7, 20, 200])
+def test_causal_kernel_is_causal_sdpa(T, dtype, D, window):
     """causal_attention (a prefill from slot 0) computes SDPA's causal attention over the first T
-    slots of cache views, reads no slot after them (NaN there), takes the model's strided q, and
+    slots of cache views (with a window: each position over its `window` latest), reads no slot
+    after them (NaN there) nor before a window (NaN there too), takes the model's strided q, and
     returns [B, H, T, D] laid out as [B, T, H, D], which o_proj reads without a copy."""
     avx2_attention.load()
     torch.manual_seed(0)
@@ -138,10 +142,17 @@ def test_causal_kernel_is_causal_sdpa(T, dtype, D):
     q = (2 * torch.randn(B, T, H + 2 * KVH, D)).to(dtype)[:, :, :H].transpose(1, 2)
     keys, values = cache_views(B, KVH, T + 20, dtype=dtype, D=D)
     keys[:, :, T:], values[:, :, T:] = float("nan"), float("nan")
-    out = torch.ops.eagle.causal_attention(q, keys, values)
-    assert out.shape == (B, H, T, D) and out.dtype == dtype and out.transpose(1, 2).is_contiguous()
+    t = torch.arange(T)
+    seen = (t[None] <= t[:, None]) & ((t[None] > t[:, None] - window) if window else True)  # [T, T]
     ref = F.scaled_dot_product_attention(q.double(), keys[:, :, :T].double(), values[:, :, :T].double(),
-                                         is_causal=True, enable_gqa=True)
+                                         attn_mask=seen, enable_gqa=True)
+    out = torch.ops.eagle.causal_attention(q, keys, values, window)
+    assert out.shape == (B, H, T, D) and out.dtype == dtype and out.transpose(1, 2).is_contiguous()
+    first = -(-(15 + window) // 16) * 16  # the first 16-position task that sees none of keys 0..15
+    if window and first < T:  # those keys are never read there (NaN)
+        keys[:, :, :16], values[:, :, :16] = float("nan"), float("nan")
+        skipped = torch.ops.eagle.causal_attention(q, keys, values, window)
+        assert torch.equal(skipped[:, :, first:], out[:, :, first:])
     if dtype == torch.float32:
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     else:  # computed in fp32, one rounding to bf16

@@ -619,7 +619,7 @@ void attention_tasks(const eagle::AttentionCall& c, int64_t t0, int64_t t1, floa
 // way, a step over 1,200 slots ran 0.97x (bf16) and 0.92x (fp32) of the unsplit one (2-core Zen 4),
 // and still 0.91x / 0.94x with their P V running 3 rows side by side; why is not known yet.
 int64_t split_tasks(const eagle::AttentionCall& c) {
-  return c.chunks == 1 && on_dot(c) ? c.B * c.KVH * 2 : 0;
+  return c.chunks == 1 && c.D <= 128 && on_dot(c) ? c.B * c.KVH * 2 : 0;
 }
 
 // Tasks t0..t1 of phase 1 or 2 (above); shared: B * KVH * G * T * S16 floats (S16: S rounded up to 16).
@@ -766,11 +766,14 @@ inline void tile_of(int64_t rows, const float* a, int64_t lda, const float* b0, 
 
 // One task: query positions t0..t1 (t0 a multiple of 16) of one (batch, kv head), rows r = (t - t0)
 // * G + g (position major: a tile's last row has its most keys). kt, vf: that kv head's keys and
-// values widened (widen_block) up to a multiple of 16 keys.
+// values widened (widen_block) up to a multiple of 16 keys. window > 0: position t sees keys
+// t - window + 1 .. t only (a sliding layer's), and the task skips the 16-key tiles before its
+// first row's first key.
 template <int D, typename KV>
 void causal_task(const KV* q, int64_t q_h, int64_t q_t, const float* kt, const float* vf, int64_t G, int64_t t0,
-                 int64_t t1, KV* out, int64_t out_h, int64_t out_t, std::vector<float>& buf) {
-  const int64_t R = (t1 - t0) * G, ld = t0 + kQBlock;  // scores of keys 0..ld-1 a row
+                 int64_t t1, int64_t window, KV* out, int64_t out_h, int64_t out_t, std::vector<float>& buf) {
+  const int64_t R = (t1 - t0) * G, ld = t0 + kQBlock;  // scores of keys 0..ld-1 a row (from j0 on)
+  const int64_t j0 = window ? std::max<int64_t>(0, t0 - window + 1) / (2 * kKeyBlock) * (2 * kKeyBlock) : 0;
   buf.resize(R * (2 * D + ld + 1));
   float *qs = buf.data(), *o = qs + R * D, *sums = o + R * D, *sc = sums + R;
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
@@ -779,26 +782,31 @@ void causal_task(const KV* q, int64_t q_h, int64_t q_t, const float* kt, const f
     for (int64_t d = 0; d < D; d++) qs[r * D + d] = static_cast<float>(qr[d]) * scale;
   }
   for (int64_t r = 0; r < R; r += kTileRows)  // scores: 16 keys (two transposed blocks) a tile
-    for (int64_t j = 0; j < ld; j += 2 * kKeyBlock)
+    for (int64_t j = j0; j < ld; j += 2 * kKeyBlock)
       tile_of(std::min(kTileRows, R - r), qs + r * D, D, kt + j * D, kt + (j + kKeyBlock) * D, kKeyBlock, D,
               sc + r * ld + j, ld);
   const __m256 neg_inf = _mm256_set1_ps(-INFINITY), iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   alignas(32) float lanes[8];
-  for (int64_t r = 0; r < R; r++) {  // p = exp(s - max) over the row's keys 0..t, 0 after them
+  for (int64_t r = 0; r < R; r++) {  // p = exp(s - max) over the row's keys lo..t, 0 around them
     float* s = sc + r * ld;
-    const int64_t n = t0 + r / G + 1;
-    const __m256 live = _mm256_cmp_ps(iota, _mm256_set1_ps(static_cast<float>(n % 8 ? n % 8 : 8)), _CMP_LT_OQ);
+    const int64_t n = t0 + r / G + 1, lo = window ? std::max<int64_t>(0, n - window) : 0;
+    // a block's lanes before lo or past n masked
+    auto live = [&](int64_t j) {
+      const __m256 l = _mm256_sub_ps(iota, _mm256_set1_ps(static_cast<float>(lo - j)));
+      return _mm256_and_ps(_mm256_cmp_ps(l, _mm256_setzero_ps(), _CMP_GE_OQ),
+                           _mm256_cmp_ps(iota, _mm256_set1_ps(static_cast<float>(n - j)), _CMP_LT_OQ));
+    };
     __m256 vmax = neg_inf;
-    for (int64_t j = 0; j < n; j += 8) {  // the last block's lanes past n masked
+    for (int64_t j = j0; j < n; j += 8) {
       const __m256 x = _mm256_loadu_ps(s + j);
-      vmax = _mm256_max_ps(vmax, j + 8 > n ? _mm256_blendv_ps(neg_inf, x, live) : x);
+      vmax = _mm256_max_ps(vmax, j + 8 > n || j < lo ? _mm256_blendv_ps(neg_inf, x, live(j)) : x);
     }
     _mm256_store_ps(lanes, vmax);
     const __m256 vm = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
     __m256 vsum = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; j += 8) {
+    for (int64_t j = j0; j < n; j += 8) {
       __m256 e = eagle::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
-      if (j + 8 > n) e = _mm256_and_ps(e, live);
+      if (j + 8 > n || j < lo) e = _mm256_and_ps(e, live(j));
       _mm256_storeu_ps(s + j, e);
       vsum = _mm256_add_ps(vsum, e);
     }
@@ -808,8 +816,8 @@ void causal_task(const KV* q, int64_t q_h, int64_t q_t, const float* kt, const f
   }
   for (int64_t r = 0; r < R; r += kTileRows) {
     const int64_t rows = std::min(kTileRows, R - r), n = t0 + (r + rows - 1) / G + 1;
-    for (int64_t d0 = 0; d0 < D; d0 += 16)  // P V: 16 of d a tile
-      tile_of(rows, sc + r * ld, ld, vf + d0, vf + d0 + 8, D, n, o + r * D + d0, D);
+    for (int64_t d0 = 0; d0 < D; d0 += 16)  // P V: 16 of d a tile, over keys j0..n
+      tile_of(rows, sc + r * ld + j0, ld, vf + j0 * D + d0, vf + j0 * D + d0 + 8, D, n - j0, o + r * D + d0, D);
   }
   for (int64_t r = 0; r < R; r++) {
     const __m256 inv = _mm256_set1_ps(1.f / sums[r]);
@@ -819,7 +827,7 @@ void causal_task(const KV* q, int64_t q_h, int64_t q_t, const float* kt, const f
 }
 
 template <typename KV, int D>
-void causal(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, at::Tensor& out) {
+void causal(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t window, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), KVH = keys.size(1), G = H / KVH;
   const int64_t qblocks = (T + kQBlock - 1) / kQBlock, blocks = qblocks * kQBlock / kKeyBlock;
   const int64_t per_head = qblocks * kQBlock * D;
@@ -843,7 +851,7 @@ void causal(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
       const int64_t qb = qblocks - 1 - i / (B * KVH), bk = i % (B * KVH), b = bk / KVH, h = bk % KVH;
       const int64_t t0 = qb * kQBlock, t1 = std::min(T, t0 + kQBlock);
       causal_task<D>(qp + b * q.stride(0) + h * G * q.stride(1), q.stride(1), q.stride(2),
-                     kt.data() + bk * per_head, vf.data() + bk * per_head, G, t0, t1,
+                     kt.data() + bk * per_head, vf.data() + bk * per_head, G, t0, t1, window,
                      op + b * out.stride(0) + h * G * out.stride(1), out.stride(1), out.stride(2), buf);
     }
   });
@@ -851,8 +859,8 @@ void causal(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
 
 // q [B, H, T, D] (any strides, rows contiguous), keys / values [B, KVH, S >= T, D] cache views
 // (slots 0..T-1 used) -> out [B, H, T, D], a view of a contiguous [B, T, H, D] (what o_proj reads);
-// D 64, 128 or 256.
-at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {
+// D 64, 128 or 256. window > 0: each position sees its `window` latest (a sliding layer's prefill).
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t window) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && keys.scalar_type() == dtype &&
                   values.scalar_type() == dtype,
@@ -866,10 +874,12 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const a
               q.sizes(), " keys ", keys.sizes(), " values ", values.sizes());
   TORCH_CHECK(q.stride(3) == 1 && keys.stride(3) == 1 && values.strides() == keys.strides(),
               "causal_attention: rows must be contiguous and keys and values share strides");
+  TORCH_CHECK(window >= 0, "causal_attention: window must be >= 0 (0: none), got ", window);
   at::Tensor out = at::empty({B, T, H, D}, q.options()).transpose(1, 2);
   with_head_size(D, [&](auto d) {
     constexpr int HD = decltype(d)::value;
-    dtype == at::kBFloat16 ? causal<at::BFloat16, HD>(q, keys, values, out) : causal<float, HD>(q, keys, values, out);
+    dtype == at::kBFloat16 ? causal<at::BFloat16, HD>(q, keys, values, window, out)
+                           : causal<float, HD>(q, keys, values, window, out);
   });
   return out;
 }
@@ -923,7 +933,7 @@ TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("avx2_attention_split_phase() -> int", &avx2_attention_split_phase);
   m.def("avx2_attention_set_bf16_scores(str mode) -> str", &set_bf16_scores);
   m.def("avx2_attention_bf16_scores() -> str", &bf16_scores);
-  m.def("causal_attention(Tensor q, Tensor keys, Tensor values) -> Tensor");
+  m.def("causal_attention(Tensor q, Tensor keys, Tensor values, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(eagle, CPU, m) {

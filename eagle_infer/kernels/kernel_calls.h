@@ -26,7 +26,7 @@ struct LinearCall {
 // Computes panels p0..p1 (each `width` columns, the kernel's) of a LinearCall.
 using LinearPanels = void (*)(const LinearCall& call, int64_t p0, int64_t p1);
 
-// out[b, h, t] = softmax(q[b, h, t] . K[b, h / G]^T / sqrt(D) + bias[b, 0, t]) V[b, h / G], D 64 or 128,
+// out[b, h, t] = softmax(q[b, h, t] . K[b, h / G]^T / sqrt(D) + bias[b, 0, t]) V[b, h / G], D 64, 128 or 256,
 // in the cache's dtype (bf16 = true: bf16, else fp32). q [B, H, T, D] and bias [B, 1, T, S]
 // contiguous; K and V rows `row` apart, kv heads `head` apart, batch rows `batch` apart (one cache's
 // strides); out[b, h, t] at out + b * out_b + h * out_h + t * out_t. Work: B * KVH * chunks
