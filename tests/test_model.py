@@ -440,6 +440,10 @@ def test_longrope_sequences_turn_with_one_set_of_factors(tiny_models):
     ours.cache.rope_row0[1] = 7
     ours.move_row(1, 0)
     assert ours.cache.rope_row0[:2].tolist() == [7, 7]
+    # compiled steps read each row's choice at run time (Inductor's weight freezing, the fp32
+    # default on AVX-512 CPUs, must not fold it in): long, short and long again in one graph
+    for n, want in ((24, crossing24), (16, short16), (24, crossing24)):
+        assert generate(ours, [within], n, compile=True) == [want], n
     head = random_head(ours, "eagle3", draft_vocab=64)
     for tree in (TreeConfig(), TreeConfig.chain(3)):
         assert generate_speculative(ours, head, [within, past], 24, tree=tree)[0] == [crossing24, long24]
