@@ -12,11 +12,13 @@ Built once per machine by torch's extension builder into its cache (avx2_linear.
 
     enable()
     out = torch.ops.eagle.avx2_attention(q, keys, values, bias)
-    # q [B, H, T, 64], keys / values [B, KVH, S, 64] (cache views), bias [B, 1, T, S] additive
+    # q [B, H, T, D], keys / values [B, KVH, S, D] (cache views; D 64, 128 or 256), bias [B, 1, T, S]
     # == F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, enable_gqa=True)
     out = torch.ops.eagle.causal_attention(q, keys, values)  # S >= T, slots 0..T-1 read
     # == F.scaled_dot_product_attention(q, keys[:, :, :T], values[:, :, :T], is_causal=True,
     #                                   enable_gqa=True)
+    out = torch.ops.eagle.causal_attention(q, keys, values, window)  # a sliding layer's prefill:
+    # position t over slots t - window + 1 .. t
 """
 
 from __future__ import annotations
