@@ -194,14 +194,19 @@ def sliding_layers(cfg: dict[str, Any], slides: Callable[[int], bool]) -> tuple[
     return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
 
 
+def sandwich_layers(cfg: dict[str, Any], slides: Callable[[int], bool]) -> dict[str, Any]:
+    """What Gemma 2's and Gemma 3's layers share (ModelConfig fields): norms on the attention's and
+    the MLP's outputs, query_pre_attn_scalar's score scale, and the sliding layers (sliding_layers)."""
+    return dict(sandwich_norms=True, query_scale=cfg.get("query_pre_attn_scalar", 256) ** -0.5,
+                sliding_window=cfg.get("sliding_window") or 0, sliding_layers=sliding_layers(cfg, slides))
+
+
 def gemma2_layers(cfg: dict[str, Any]) -> dict[str, Any]:
     """Gemma 2's layers (ModelConfig fields): Gemma 3's without query/key norms and with one RoPE,
     every other layer sliding, and attention scores and logits soft-capped."""
-    return dict(sandwich_norms=True, query_scale=cfg.get("query_pre_attn_scalar", 256) ** -0.5,
+    return dict(sandwich_layers(cfg, lambda i: i % 2 == 0),
                 attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
-                final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
-                sliding_window=cfg.get("sliding_window") or 0,
-                sliding_layers=sliding_layers(cfg, lambda i: i % 2 == 0))
+                final_softcap=float(cfg.get("final_logit_softcapping") or 0.0))
 
 
 def gemma3_layers(cfg: dict[str, Any]) -> tuple[dict[str, Any], float, dict[str, Any] | None]:
@@ -221,9 +226,7 @@ def gemma3_layers(cfg: dict[str, Any]) -> tuple[dict[str, Any], float, dict[str,
     if local.get("rope_type", local.get("type", "default")) != "default":
         raise UserError(f"unsupported: Gemma 3 sliding layers' rope type '{local.get('rope_type')}'")
     scaling = full if full.get("rope_type", full.get("type", "default")) != "default" else None
-    fields = dict(sandwich_norms=True, query_scale=cfg.get("query_pre_attn_scalar", 256) ** -0.5,
-                  sliding_window=cfg.get("sliding_window") or 0,
-                  sliding_layers=sliding_layers(cfg, lambda i: (i + 1) % pattern != 0),
+    fields = dict(sandwich_layers(cfg, lambda i: (i + 1) % pattern != 0),
                   local_rope_theta=float(local.get("rope_theta", 1e4)))
     return fields, float(full.get("rope_theta", 1e6)), scaling
 
@@ -406,6 +409,12 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, gqa: bool,
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
 
 
+def softcap(x: Tensor, cap: float) -> Tensor:
+    """Gemma 2's soft cap: cap * tanh(x / cap), in x's dtype (transformers'), for its attention
+    scores, its logits, and the logits its heads are trained on (losses.draft_loss)."""
+    return torch.tanh(x / cap) * cap
+
+
 def softcapped_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, cap: float) -> Tensor:
     """Gemma 2's attention: scores q.k / sqrt(D) capped to cap * tanh(score / cap), then the
     additive mask bias [B, 1, T, S], softmax in fp32 (transformers' eager attention, the one it
@@ -413,7 +422,7 @@ def softcapped_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, 
     G = q.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)
     scores = (q @ keys.transpose(2, 3)) * q.shape[-1] ** -0.5
-    scores = torch.tanh(scores / cap) * cap + bias
+    scores = softcap(scores, cap) + bias
     return torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype) @ values
 
 
@@ -744,7 +753,7 @@ class Transformer(nn.Module):
         (Gemma 2's cap * tanh(logit / cap), in the logits' dtype as transformers computes it)."""
         logits = self.lm_head(x)
         cap = self.config.final_softcap
-        return torch.tanh(logits / cap) * cap if cap else logits
+        return softcap(logits, cap) if cap else logits
 
     @torch.no_grad()
     def move_row(self, src: int, dst: int) -> None:

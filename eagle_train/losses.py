@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from eagle_infer.heads import UnrolledMask
+from eagle_infer.model import softcap
 
 # Rows of target logits computed at once: rows x vocab floats stay around 64 MiB.
 _LOGIT_ELEMS = 1 << 24
@@ -219,7 +220,7 @@ def draft_loss(head, batch: dict, lm_head_w: Tensor, *, steps: int, decay: float
 
     def labels(lg: Tensor):
         if logit_softcap:
-            lg = torch.tanh(lg / logit_softcap) * logit_softcap
+            lg = softcap(lg, logit_softcap)
         am = lg.argmax(-1)
         sub = lg if d2t is None else lg[:, d2t]
         return torch.softmax(sub, -1), am

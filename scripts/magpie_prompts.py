@@ -113,7 +113,7 @@ def main() -> None:
     dtype = a.dtype or ("bf16" if a.device.startswith("cuda") else "fp32")
     model = load_model(folder, dtype=dtype, device=a.device)
     prefix = pre_query_ids(tok)
-    eos = sorted(eos_ids(model.config, tok, folder))
+    eos = sorted(eos_ids(model.config, tok))  # load_model's config has generation_config.json's
     t0, tokens0 = time.perf_counter(), counts["generated_tokens"]
     while len(kept) < a.n:
         base = a.seed * 10**7 + counts["sampled"]
