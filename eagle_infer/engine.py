@@ -24,11 +24,11 @@ from eagle_infer.generate import (
     compiled_cache_rows,
     compiled_decode,
     compiled_kv_len,
-    join_groups,
     kv_len_for,
     pick_tokens,
 )
 from eagle_infer.model import Transformer, causal_mask
+from eagle_infer.prefix_cache import PrefixRows
 from eagle_infer.sampling import SamplingParams, grammar_bitmask
 from eagle_infer.speculative import (
     RowTable,
@@ -36,22 +36,28 @@ from eagle_infer.speculative import (
     SpecDecoder,
     SpecStats,
     check_admissible,
+    join_order,
     penalize_seqs,
     prefill_rows,
+    prefix_row_ok,
 )
 
 
 class PlainDecoder:
     """One token per sequence per step, for all active sequences at once."""
 
-    def __init__(self, target: Transformer, max_batch: int = 1, max_seq_len: int | None = None):
+    def __init__(self, target: Transformer, max_batch: int = 1, max_seq_len: int | None = None,
+                 prefix_cache: bool = False):
+        """prefix_cache: a prompt that starts with tokens a row holds (the last sequence of a free
+        row, or an active one) takes those slots over and prefills the rest (eagle_infer.prefix_cache)."""
         self.target, self.max_batch = target, max_batch
         self.max_seq_len = max_seq_len or min(target.config.max_position_embeddings, 4096)
         target.setup_cache(max_batch, self.max_seq_len)
         self.device = target.embed_tokens.weight.device
         self.L = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self.last = torch.zeros(max_batch, dtype=torch.long, device=self.device)
-        self.rows = RowTable(max_batch, [target], [self.L, self.last])
+        self.rows = RowTable(max_batch, [target], [self.L, self.last],
+                             PrefixRows(0) if prefix_cache else None)
         self.seqs = self.rows.seqs
         self.cancel = self.rows.cancel
         self.stats = SpecStats()  # rounds only: nothing is drafted
@@ -65,6 +71,8 @@ class PlainDecoder:
             raise RuntimeError("compile a decoder before any sequence joins")
         self.max_bs = batch_bucket(self.max_batch) if max_bs is None else max_bs
         self.target.setup_cache(compiled_cache_rows(self.max_batch, self.max_bs), self.max_seq_len)
+        if self.rows.prefix is not None:
+            self.rows.prefix.clear()
         self.compiled_step = compiled_decode(self.target, mode)
         return self
 
@@ -92,13 +100,15 @@ class PlainDecoder:
             raise RuntimeError(f"{len(seqs)} sequences join but {self.rows.free} rows are free")
         for seq in seqs:
             self.check(seq)
-        for group in join_groups([len(s.prompt) for s in seqs]):
-            self._join([seqs[i] for i in group])
+        for group, reuse in join_order(self.rows, self.target, seqs):
+            self._join(group, reuse)
 
-    def _join(self, seqs: Sequence[Sequence_]) -> None:
+    def _join(self, seqs: Sequence[Sequence_], reuse: bool = False) -> None:
         row0, k = len(self.seqs), len(seqs)
+        starts = self.rows.claim(seqs, prefix_row_ok(self.target, seqs[0]) if reuse else None)
         lens = torch.tensor([len(s.prompt) for s in seqs], device=self.device)
-        firsts, _ = prefill_rows(self.target, seqs, row0, kv_len_for(int(lens.max()), self.max_seq_len))
+        firsts, _ = prefill_rows(self.target, seqs, row0, kv_len_for(int(lens.max()), self.max_seq_len),
+                                 start=starts)
         self.L[row0:row0 + k], self.last[row0:row0 + k] = lens, torch.tensor(firsts, device=self.device)
         for s in seqs:
             s.cached = len(s.prompt)

@@ -97,43 +97,51 @@ def join_groups(lengths: Sequence[int], max_padding: float = 0.1, max_rows: int 
 @torch.no_grad()
 def prefill(model: Transformer, prompts: Sequence[Sequence[int]], hidden_layers: Sequence[int] = (),
             row0: int = 0, kv_len: int | None = None,
-            max_new_tokens: Sequence[int] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            max_new_tokens: Sequence[int] | None = None,
+            start: Sequence[int] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Write the prompts (right-padded) into cache rows row0, row0+1, ...; logits [B, V] at each
-    last token, and the requested hidden states [B, T, H] at every position. max_new_tokens: how
-    many tokens each sequence may add (Transformer.start_rows; None: none).
+    last token, and the requested hidden states [B, T, H] at every position written. max_new_tokens:
+    how many tokens each sequence may add (Transformer.start_rows; None: none). start: slots each
+    row already holds (a prefix taken over, prefix_cache): its prompt is written from there.
 
     Padding tokens land in slots beyond each prompt, where no later query looks, and are
     overwritten by the first generated tokens.
     """
     dev = model.embed_tokens.weight.device
+    first = list(start or [0] * len(prompts))
     lens = torch.tensor([len(p) for p in prompts], device=dev)
-    B, T = len(prompts), int(lens.max())
+    new = [len(p) - f for p, f in zip(prompts, first)]
+    B, T = len(prompts), max(new)
     tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    for i, (p, f) in enumerate(zip(prompts, first)):
+        tokens[i, : new[i]] = torch.tensor(p[f:], dtype=torch.long)
     max_lens = lens + torch.tensor(max_new_tokens or [0] * B, device=dev)
-    return forward_padded(model, tokens, lens, hidden_layers, row0, kv_len, max_lens)
+    return forward_padded(model, tokens, torch.tensor(new, device=dev), hidden_layers, row0, kv_len, max_lens,
+                          torch.tensor(first, device=dev) if any(first) else None)
 
 
 @torch.no_grad()
 def forward_padded(model: Transformer, tokens: torch.Tensor, lens: torch.Tensor | None = None,
                    hidden_layers: Sequence[int] = (), row0: int = 0, kv_len: int | None = None,
-                   max_lens: torch.Tensor | None = None) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-    """One forward from position 0 over right-padded tokens [B, T] into cache rows row0..: logits
-    [B, V] at each row's last token (lens [B]; None = no logits, as capture wants) and the hidden
-    states [B, T, H] of `hidden_layers`. What prefill and the capture's teacher-forced pass share.
-    max_lens [B]: how long each sequence may grow (Transformer.start_rows; None: lens, else T, as
-    transformers' forward over the padded batch decides)."""
+                   max_lens: torch.Tensor | None = None,
+                   start: torch.Tensor | None = None) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """One forward over right-padded tokens [B, T] into cache rows row0.., from position 0 (or
+    start [B], the slots a row holds already): logits [B, V] at each row's last token (lens [B],
+    tokens in this call; None = no logits, as capture wants) and the hidden states [B, T, H] of
+    `hidden_layers`. What prefill and the capture's teacher-forced pass share. max_lens [B]: how
+    long each sequence may grow (Transformer.start_rows; None: lens, else T, as transformers'
+    forward over the padded batch decides)."""
     B, T = tokens.shape
     dev = tokens.device
     model.start_rows(row0, max_lens if max_lens is not None else lens if lens is not None
                      else torch.full((B,), T))
-    pos = torch.arange(T, device=dev)[None].expand(B, T)
-    kv_len = kv_len or kv_len_for(T, model.max_seq_len)
-    mask = causal_mask(torch.zeros(B, dtype=torch.long, device=dev), T, kv_len)
+    first = torch.zeros(B, dtype=torch.long, device=dev) if start is None else start
+    pos = first[:, None] + torch.arange(T, device=dev)[None]
+    kv_len = kv_len or kv_len_for(T if start is None else int(start.max()) + T, model.max_seq_len)
+    mask = causal_mask(first, T, kv_len)
     logits, hidden = model(tokens, pos, pos, mask, logits_at=None if lens is None else (lens - 1)[:, None],
                            hidden_layers=hidden_layers, compute_logits=lens is not None, row0=row0,
-                           causal=True)
+                           causal=start is None)
     return (None if logits is None else logits[:, 0]), hidden
 
 

@@ -428,9 +428,10 @@ class DraftHead(nn.Module):
             g, kv = self.layers[0](emb, x, cos, sin, mask, slots, past_kv, row0)
         return (self.logits(g) if compute_logits else None), g, kv
 
-    @torch.no_grad()
-    def move_row(self, src: int, dst: int) -> None:
-        self.layer.self_attn.cache.move_row(src, dst)
+    @property
+    def cache(self) -> KVCache:
+        """The head's KV cache (one layer), rows as the target's (setup_cache)."""
+        return self.layer.self_attn.cache
 
     # -- checkpoint ------------------------------------------------------------------------
 

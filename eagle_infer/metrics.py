@@ -61,6 +61,11 @@ class Metrics:
                               m, buckets=ITL_BUCKETS, registry=r)
         self._e2e = Histogram("eagle:e2e_request_latency_seconds", "Arrival to the last token.", m,
                               buckets=E2E_BUCKETS, registry=r)
+        self._pc_queries = Counter("eagle:prefix_cache_queries",
+                                   "Prompt tokens looked up in the prefix cache.", m, registry=r)
+        self._pc_hits = Counter("eagle:prefix_cache_hits",
+                                "Prompt tokens whose cache slots were taken over, not prefilled.", m,
+                                registry=r)
         self._steps = Counter("eagle:engine_steps", "Decode rounds of the whole batch.", m, registry=r)
         self._http = Counter("eagle:http_requests", "API responses by HTTP status (499: client left first).",
                              m + ["status"], registry=r)
@@ -83,6 +88,8 @@ class Metrics:
         self.ttft, self.itl = self._ttft.labels(name), self._itl.labels(name)
         self.e2e = self._e2e.labels(name)
         self.engine_steps = self._steps.labels(name)
+        self.prefix_cache_queries = self._pc_queries.labels(name)
+        self.prefix_cache_hits = self._pc_hits.labels(name)
         self.success = {reason: self._success.labels(name, reason) for reason in FINISHED}
         # Children made up front, so every series is there (at 0) from the first scrape.
         self.per_pos = [self._per_pos.labels(name, str(d)) for d in range(depth)]

@@ -551,6 +551,18 @@ class KVCache(nn.Module):
         self.kv[:, :, dst].copy_(self.kv[:, :, src])
         self.rope_row0[dst] = self.rope_row0[src]
 
+    def swap_rows(self, a: int, b: int, n: int) -> None:
+        """Exchange the first n slots of two rows (a leaving sequence's row keeps its slots for
+        a later prompt that starts the same way: prefix_cache)."""
+        head = self.kv.narrow(4, 0, n)
+        head[:, :, [a, b]] = head[:, :, [b, a]]  # the right side is gathered first
+        self.rope_row0[[a, b]] = self.rope_row0[[b, a]]
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Copy the first n slots of row src to row dst (a prompt that shares them: prefix_cache)."""
+        self.kv[:, :, dst, :, :n].copy_(self.kv[:, :, src, :, :n])
+        self.rope_row0[dst] = self.rope_row0[src]
+
 
 class StepInputs(NamedTuple):
     """What every layer of one forward shares, computed once per step."""
@@ -756,10 +768,6 @@ class Transformer(nn.Module):
         return softcap(logits, cap) if cap else logits
 
     @torch.no_grad()
-    def move_row(self, src: int, dst: int) -> None:
-        self.cache.move_row(src, dst)
-
-    @torch.no_grad()
     def start_rows(self, row0: int, max_lens: Tensor) -> None:
         """New sequences begin in cache rows row0.., each at most max_lens [B] tokens long (prompt
         + max new tokens). A LongRoPE target turns a sequence that may pass its original context
@@ -769,9 +777,14 @@ class Transformer(nn.Module):
         prompt past the original context: long throughout, as here; a sequence that decoding
         carries past it: short until then, when Phi-3's generate recomputes the whole cache with
         the long ones); vLLM by its max_model_len, for every sequence."""
-        if original := self.config.long_rope_from():
-            long = (max_lens > original).to(self.cache.rope_row0.device)
-            self.cache.rope_row0[row0:row0 + len(max_lens)] = long * self.max_seq_len
+        if self.config.long_rope_from():
+            self.cache.rope_row0[row0:row0 + len(max_lens)] = self.rope_row0_for(max_lens).to(
+                self.cache.rope_row0.device)
+
+    def rope_row0_for(self, max_lens: Tensor) -> Tensor:
+        """KVCache.rope_row0 of sequences at most max_lens [B] tokens long (start_rows)."""
+        original = self.config.long_rope_from()
+        return (max_lens > original).long() * self.max_seq_len if original else torch.zeros_like(max_lens)
 
     @torch.no_grad()
     def keep_slots(self, src: Tensor, dst_start: Tensor) -> None:

@@ -167,7 +167,7 @@ class Job:
 
     def usage(self) -> dict[str, Any]:
         return usage_of(len(self.seq.prompt), len(self.seq.output), len(self.seq.accepted),
-                        sum(self.seq.accepted))
+                        sum(self.seq.accepted), self.seq.prefix_hit)
 
     def push(self, event: dict[str, Any]) -> None:
         event["index"] = self.index
@@ -285,10 +285,13 @@ class Job:
             self.push({"error": err})
 
 
-def usage_of(n_prompt: int, n_out: int, rounds: int, accepted: int) -> dict[str, Any]:
-    """OpenAI's usage, and `speculative` (our extension) where rounds drafted."""
+def usage_of(n_prompt: int, n_out: int, rounds: int, accepted: int, cached: int = 0) -> dict[str, Any]:
+    """OpenAI's usage (prompt_tokens_details.cached_tokens where the prefix cache gave some), and
+    `speculative` (our extension) where rounds drafted."""
     usage: dict[str, Any] = {"prompt_tokens": n_prompt, "completion_tokens": n_out,
                              "total_tokens": n_prompt + n_out}
+    if cached:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
     if rounds:
         usage["speculative"] = {"rounds": rounds, "accepted_tokens": accepted,
                                 "acceptance_length": round(1 + accepted / rounds, 4)}
@@ -303,7 +306,8 @@ def merged_usage(usages: list[dict[str, Any]], n: int) -> dict[str, Any]:
         return usages[0]
     spec = [u["speculative"] for u in usages if "speculative" in u]
     return usage_of(sum(u["prompt_tokens"] for u in usages[::n]), sum(u["completion_tokens"] for u in usages),
-                    sum(s["rounds"] for s in spec), sum(s["accepted_tokens"] for s in spec))
+                    sum(s["rounds"] for s in spec), sum(s["accepted_tokens"] for s in spec),
+                    sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in usages[::n]))
 
 
 def with_reasoning_tokens(usage: dict[str, Any], jobs: list[Job], texts: list[str],
@@ -480,6 +484,9 @@ class Engine:
         now = time.perf_counter()
         for job in jobs:
             self.metrics.prompt_tokens.inc(len(job.seq.prompt))
+            if self.dec.rows.prefix is not None:
+                self.metrics.prefix_cache_queries.inc(len(job.seq.prompt))
+                self.metrics.prefix_cache_hits.inc(job.seq.prefix_hit)
             self.metrics.generation_tokens.inc(len(job.seq.output))
             job.first_token_at = job.last_token_at = now
             self.metrics.ttft.observe(now - job.arrival)
@@ -1110,6 +1117,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "4 there with a batch tree, which a compiled batch needs to pay: docs/measurements.md; "
                     "else the bucket of --max-running-requests)")
     ap.add_argument("--max-running-requests", type=int, default=8)
+    ap.add_argument("--disable-radix-cache", "--no-enable-prefix-caching", action="store_false",
+                    dest="prefix_caching",
+                    help="prefill every prompt whole: by default a prompt that starts with tokens a "
+                         "cache row holds (an earlier request's prompt and answer: a chat's next turn, a "
+                         "shared system prompt) takes those slots over and prefills the rest")
     ap.add_argument("--stream-interval", type=int, default=1, metavar="N",
                     help="a streamed request's text every N tokens (the first token's at once): fewer, "
                          "larger chunks (SGLang's and vLLM's flag; a speculative round's tokens share a "
@@ -1248,7 +1260,7 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
         raise UserError(f"--context-length must be in [16, {target.config.max_position_embeddings}] "
                         f"for this model, got {ctx}")
     if tree is None:
-        decoder = PlainDecoder(target, args.max_running_requests, ctx)
+        decoder = PlainDecoder(target, args.max_running_requests, ctx, prefix_cache=args.prefix_caching)
         usable = ctx
     else:
         head = load_head_for(head_path, target)
@@ -1262,7 +1274,8 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
             head.set_token_map(load_token_map(args.speculative_token_map, target.config.vocab_size))
         plain_above = resolve_disable_by_batch_size(args, torch.device(device).type, batch_tree)
         decoder = SpecDecoder(target, head, tree, args.max_running_requests, ctx,
-                              disable_by_batch_size=plain_above, batch_tree=batch_tree)
+                              disable_by_batch_size=plain_above, batch_tree=batch_tree,
+                              prefix_cache=args.prefix_caching)
         usable = ctx - decoder.max_pending  # the largest tree's slots past a request's end
         if usable < 2:
             raise UserError(f"--context-length {ctx} leaves no room next to the draft tree")

@@ -53,6 +53,7 @@ from eagle_infer.generate import (
 from eagle_infer.heads import DraftHead
 from eagle_infer.kernels.tree_accept import kernel_available
 from eagle_infer.model import Transformer, build_attn_mask, causal_mask
+from eagle_infer.prefix_cache import Held, PrefixRows
 from eagle_infer.sampling import (
     SamplingParams,
     every_token_bitmask,
@@ -96,6 +97,7 @@ class Sequence_:
     accepted: list[int] = field(default_factory=list)  # accepted drafts per round
     tag: object = None  # caller's handle (the server's request)
     cached: int = 0  # tokens in the caches (L of its row), known on the host: no read to size a step
+    prefix_hit: int = 0  # prompt tokens whose slots it took over from another sequence (prefix_cache)
     pending: int = 0  # plain rounds whose pair the draft head has not caught up on yet
     ahead: bool = False  # its row holds the next round's tree, drafted at the end of the last one
     # logprobs (the server's `logprobs`): None = not asked; k = per emitted token, its log-prob
@@ -213,10 +215,16 @@ class SpecStats:
 class RowTable:
     """Which sequence lives in which cache row, kept compact (rows 0..B-1 are the active ones,
     so every step runs on a plain [:B] slice): a sequence that leaves is replaced by the last
-    one, whose cache rows (`caches`: objects with move_row) and per-row state move with it."""
+    one, whose cache rows (`models`: objects with a KVCache `cache`) and per-row state move with
+    it. With a prefix cache (`prefix`), the two rows swap instead, so the one left free keeps the
+    leaving sequence's slots, and a joining prompt takes over the longest prefix a row holds
+    (prefix_cache). slack: slots past its cached tokens an active row may still read (its round's
+    tree and drafts)."""
 
-    def __init__(self, max_batch: int, caches: Sequence, per_row: Sequence[Tensor]):
-        self.max_batch, self.caches, self.per_row = max_batch, list(caches), list(per_row)
+    def __init__(self, max_batch: int, models: Sequence, per_row: Sequence[Tensor],
+                 prefix: PrefixRows | None = None, slack: int = 1):
+        self.max_batch, self.models, self.per_row = max_batch, list(models), list(per_row)
+        self.prefix, self.slack = prefix, slack
         self.seqs: list[Sequence_] = []
 
     @property
@@ -237,14 +245,62 @@ class RowTable:
         self.drop_finished()
 
     def remove(self, row: int) -> None:
-        last = len(self.seqs) - 1
+        last, seq = len(self.seqs) - 1, self.seqs[row]
         if row != last:
-            for cache in self.caches:
-                cache.move_row(last, row)
+            if self.prefix is None:
+                for m in self.models:
+                    m.cache.move_row(last, row)
+            else:  # only the slots either row uses
+                n = max(seq.cached, self.seqs[last].cached + self.slack)
+                n = min(n, self.models[0].cache.kv.shape[4])
+                for m in self.models:
+                    m.cache.swap_rows(last, row, n)
             for t in self.per_row:
                 t[row] = t[last]
             self.seqs[row] = self.seqs[last]
+        if self.prefix is not None:
+            self.prefix.held[last] = self.prefix.held_by(seq.prompt + seq.output, seq.cached, seq.pending)
         self.seqs.pop()
+
+    def _sources(self, row0: int) -> dict[int, Held]:
+        """The rows a prompt joining at row0 may take a prefix from: free ones past it, active ones."""
+        rows = {r: h for r, h in self.prefix.held.items() if r >= row0}
+        for r, s in enumerate(self.seqs):
+            rows[r] = self.prefix.held_by(s.prompt + s.output, s.cached, s.pending)
+        return rows
+
+    def prefix_hint(self, seq: Sequence_, row_ok: Callable[[int], bool]) -> int:
+        """The prefix seq would take over if it joined now (0: none, or no prefix cache)."""
+        if self.prefix is None or seq.prompt_logprobs is not None:  # prompt logprobs need every state
+            return 0
+        return self.prefix.best(seq.prompt, self._sources(len(self.seqs)), row_ok)[1]
+
+    def claim(self, seqs: Sequence[Sequence_], row_ok: Callable[[int], bool] | None = None) -> list[int]:
+        """The rows from next_row() on for sequences about to be prefilled there. With row_ok, a
+        lone sequence takes over the longest prefix a row holds (a free row's is swapped in, an
+        active row's copied); returns each one's slots already written (where its prefill starts)."""
+        row0, starts = len(self.seqs), [0] * len(seqs)
+        if self.prefix is None:
+            return starts
+        held = self.prefix.held
+        if row_ok is not None and len(seqs) == 1 and seqs[0].prompt_logprobs is None:
+            src, starts[0] = self.prefix.best(seqs[0].prompt, self._sources(row0), row_ok)
+            if src is not None and src > row0:  # a free row's: swap it in, keeping what row0 held
+                mine = held.pop(row0, None)
+                n = max(held[src].valid, mine.valid if mine else 0)
+                for m in self.models:
+                    m.cache.swap_rows(src, row0, n)
+                del held[src]
+                if mine is not None:
+                    held[src] = mine
+            elif src is not None and src < row0:  # an active row's
+                for m in self.models:
+                    m.cache.copy_prefix(src, row0, starts[0])
+        for i, seq in enumerate(seqs):
+            held.pop(row0 + i, None)
+            self.prefix.record(len(seq.prompt), starts[i])
+            seq.prefix_hit = starts[i]
+        return starts
 
     def cancel(self, seq: Sequence_) -> None:
         """Drop a sequence now (a client went away); its row is reused at once."""
@@ -268,10 +324,12 @@ def check_admissible(target: Transformer, seq: Sequence_, room: int, what: str =
 
 
 def prefill_rows(target: Transformer, seqs: Sequence[Sequence_], row0: int, kv_len: int,
-                 hidden_layers: Sequence[int] = ()) -> tuple[list[int], list[Tensor]]:
+                 hidden_layers: Sequence[int] = (), start: Sequence[int] | None = None,
+                 ) -> tuple[list[int], list[Tensor]]:
     """Write the prompts of sequences joining together into cache rows row0.. in one target
-    forward and sample each one's first token; returns (first tokens, hidden states [k, P_max, H]).
-    The caller has checked them (check_admissible)."""
+    forward (from start[i], the slots a row holds already: RowTable.claim) and sample each one's
+    first token; returns (first tokens, hidden states [k, T, H] of the positions written). The
+    caller has checked them (check_admissible)."""
     dev = target.embed_tokens.weight.device
     for seq in seqs:
         seq.generator = seq.params.generator(dev)
@@ -280,7 +338,7 @@ def prefill_rows(target: Transformer, seqs: Sequence[Sequence_], row0: int, kv_l
     scored = [s.prompt_logprobs is not None for s in seqs]
     layers = list(hidden_layers) + ([final] if any(scored) and final not in hidden_layers else [])
     logits, hidden = prefill(target, [s.prompt for s in seqs], layers, row0=row0, kv_len=kv_len,
-                             max_new_tokens=[s.max_new_tokens for s in seqs])
+                             max_new_tokens=[s.max_new_tokens for s in seqs], start=start)
     for i, s in enumerate(seqs):
         if scored[i]:
             s.score_prompt(target.logits, hidden[layers.index(final)][i, :len(s.prompt) - 1])
@@ -289,6 +347,26 @@ def prefill_rows(target: Transformer, seqs: Sequence[Sequence_], row0: int, kv_l
         s.set_logits(logits[i:i + 1])  # logprobs of the first token
     picked = penalize_seqs(logits[:, None], seqs)[:, 0]
     return [next_token(picked[i], s.params, s.generator) for i, s in enumerate(seqs)], hidden
+
+
+def join_order(rows: RowTable, target: Transformer,
+               seqs: Sequence[Sequence_]) -> list[tuple[list[Sequence_], bool]]:
+    """The joins of sequences arriving together: each that takes over a prefix a row holds
+    (prefix_cache) alone and first, before other joins overwrite the free rows; the others per
+    group of similar prompt lengths (join_groups). Pairs (sequences, whether to reuse a prefix)."""
+    ok = [prefix_row_ok(target, s) for s in seqs]
+    hits = [i for i, s in enumerate(seqs) if rows.prefix_hint(s, ok[i])]
+    rest = [i for i in range(len(seqs)) if i not in hits]
+    return [([seqs[i]], True) for i in hits] + [
+        ([seqs[rest[j]] for j in group], False) for group in join_groups([len(seqs[i].prompt) for i in rest])]
+
+
+def prefix_row_ok(target: Transformer, seq: Sequence_) -> Callable[[int], bool]:
+    """Rows whose RoPE tables suit seq (LongRoPE: the same set of factors; any row otherwise)."""
+    if not target.config.long_rope_from():
+        return lambda row: True
+    want = int(target.rope_row0_for(torch.tensor([len(seq.prompt) + seq.max_new_tokens]))[0])
+    return lambda row: int(target.cache.rope_row0[row]) == want
 
 
 def penalize_seqs(logits: Tensor, seqs: Sequence[Sequence_], tree: DraftTree | None = None) -> Tensor:
@@ -324,8 +402,11 @@ class SpecDecoder:
     def __init__(self, target: Transformer, head: DraftHead, tree: TreeConfig, max_batch: int = 1,
                  max_seq_len: int | None = None, static_kv: bool = False,
                  disable_by_batch_size: int | None = None, draft_ahead: bool = True,
-                 batch_tree: tuple[int, TreeConfig] | None = None):
-        """draft_ahead: a round drafts the next round's tree at its end (module docstring);
+                 batch_tree: tuple[int, TreeConfig] | None = None, prefix_cache: bool = False):
+        """prefix_cache: a prompt that starts with tokens a row holds (the last sequence of a free
+        row, or an active one) takes those slots over, the target's and the head's, and prefills
+        the rest (eagle_infer.prefix_cache).
+        draft_ahead: a round drafts the next round's tree at its end (module docstring);
         False drafts at the start of each round, in a call of its own.
         batch_tree (min_batch, smaller tree): while at least min_batch sequences run, rounds
         draft and verify that tree instead of `tree` (a tree that shrinks as the batch grows: on
@@ -392,7 +473,8 @@ class SpecDecoder:
         self.history = torch.zeros(max_batch, self.max_seq_len, dtype=torch.long, device=dev)
         per_row = [self.L, self.root, self.root_g, self.root_logp, self.pending_tokens, self.pending_feats,
                    self.pending_n, self.history, *vars(self.ahead_tree).values()]
-        self.rows = RowTable(max_batch, [target, head], per_row)
+        self.rows = RowTable(max_batch, [target, head], per_row, PrefixRows(1) if prefix_cache else None,
+                             self.max_pending + 1)
         self.seqs = self.rows.seqs
         self.cancel = self.rows.cancel
         self.stats = SpecStats()
@@ -582,6 +664,8 @@ class SpecDecoder:
         rows = compiled_cache_rows(self.max_batch, max_bs)
         self.target.setup_cache(rows, self.max_seq_len)  # padding rows write past the active ones
         self.head.setup_cache(rows, self.max_seq_len)
+        if self.rows.prefix is not None:
+            self.rows.prefix.clear()
         self.compiled, self.max_bs, self.compile_mode = True, max_bs, mode
         graphs = mode == CUDA_GRAPHS
         inductor = compile_settings(self.target, self.head)
@@ -628,23 +712,24 @@ class SpecDecoder:
             raise RuntimeError(f"{len(seqs)} sequences join but {self.rows.free} rows are free")
         for seq in seqs:
             self.check(seq)
-        for group in join_groups([len(s.prompt) for s in seqs]):
-            self._join([seqs[i] for i in group])
+        for group, reuse in join_order(self.rows, self.target, seqs):
+            self._join(group, reuse)
 
-    def _join(self, seqs: Sequence[Sequence_]) -> None:
+    def _join(self, seqs: Sequence[Sequence_], reuse: bool = False) -> None:
         row0, k, dev = len(self.seqs), len(seqs), self.device
+        starts = self.rows.claim(seqs, prefix_row_ok(self.target, seqs[0]) if reuse else None)
         lens = torch.tensor([len(s.prompt) for s in seqs], device=dev)
+        start = torch.tensor(starts, device=dev)
         P = int(lens.max())
-        firsts, hidden = prefill_rows(self.target, seqs, row0, self.kv_len(P), self.layers)
-        # Draft pairs (feature_i, token_{i+1}): the prompt shifted left, then the first token; the
-        # history: the prompt, then the first token (the root).
-        nxt = torch.zeros(k, P, dtype=torch.long, device=dev)
+        firsts, hidden = prefill_rows(self.target, seqs, row0, self.kv_len(P), self.layers, starts)
+        # Draft pairs (feature_i, token_{i+1}) from each row's start: the prompt shifted left, then
+        # the first token; the history: the prompt, then the first token (the root).
+        nxt = torch.zeros(k, hidden[0].shape[1], dtype=torch.long, device=dev)
         for i, (s, first) in enumerate(zip(seqs, firsts)):
             ids = torch.tensor(s.prompt + [first], dtype=torch.long)
-            nxt[i, :len(s.prompt)] = ids[1:]
+            nxt[i, :len(s.prompt) - starts[i]] = ids[starts[i] + 1:]
             self.history[row0 + i, :len(ids)] = ids
-        zero = torch.zeros(k, dtype=torch.long, device=dev)
-        self._draft_extend(row0, nxt, self.head.project(hidden), zero, lens, self.kv_len(P))
+        self._draft_extend(row0, nxt, self.head.project(hidden), start, lens - start, self.kv_len(P))
         self.L[row0:row0 + k], self.root[row0:row0 + k] = lens, torch.tensor(firsts, device=dev)
         self.pending_n[row0:row0 + k] = 0
         for s in seqs:

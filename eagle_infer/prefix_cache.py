@@ -1,0 +1,73 @@
+"""Prefix caching across requests, at the grain of a cache row.
+
+A sequence that leaves keeps its row's keys and values (the decoders swap it to the end of the
+active rows instead of overwriting it), and a new prompt that starts with tokens some row holds
+(a free row's last sequence, or an active row's) takes those slots over and prefills only the
+rest: a chat's next turn (its history is the last turn's prompt and answer), a shared system
+prompt, few-shot examples. What vLLM's automatic prefix caching and SGLang's radix cache do with
+paged blocks, here with whole rows, which the runtime's one-row-per-sequence cache already has:
+free rows are the store, and no block table enters the compiled steps.
+
+A row's slot i holds the target's KV of token i; a speculative decoder's head also keeps there its
+pair (feature i, token i + 1), so its slots are valid one token less far (`lookahead` 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+MIN_HIT = 16  # fewer shared slots are prefilled again: a join of its own costs more (vLLM's block)
+
+
+@dataclass
+class Held:
+    """What a row holds: tokens in slot order, of which the first `valid` slots' KV is theirs."""
+
+    tokens: list[int]
+    valid: int
+
+
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b have in common."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+class PrefixRows:
+    """The free rows' contents (`held`, by row) and the choice of a new prompt's source row.
+    Counts tokens queried and hit, as vLLM's prefix_cache_queries / prefix_cache_hits."""
+
+    def __init__(self, lookahead: int):
+        self.lookahead = lookahead
+        self.held: dict[int, Held] = {}
+        self.queries = self.hits = 0
+
+    def held_by(self, tokens: list[int], cached: int, pending: int = 0) -> Held:
+        """A sequence's row: `cached` slots written, the head `pending` of them behind."""
+        return Held(tokens, max(0, min(cached - pending, len(tokens) - self.lookahead)))
+
+    def reusable(self, held: Held, prompt: Sequence[int]) -> int:
+        """Slots of `held` a sequence with this prompt can keep (at least one prompt token is
+        prefilled again: its logits give the first output token)."""
+        shared = shared_prefix(held.tokens, prompt)
+        return min(held.valid, shared - self.lookahead, len(prompt) - 1)
+
+    def best(self, prompt: Sequence[int], rows: dict[int, Held],
+             row_ok: Callable[[int], bool] = lambda r: True) -> tuple[int | None, int]:
+        """The row (of `rows`) with the longest reusable prefix of at least MIN_HIT slots, and that
+        length; (None, 0) without one. row_ok: rows whose RoPE tables suit the prompt (LongRoPE)."""
+        src, keep = None, MIN_HIT - 1
+        for row, held in rows.items():
+            n = self.reusable(held, prompt)
+            if n > keep and row_ok(row):
+                src, keep = row, n
+        return (src, keep) if src is not None else (None, 0)
+
+    def record(self, prompt_len: int, hit: int) -> None:
+        self.queries += prompt_len
+        self.hits += hit
+
+    def clear(self) -> None:
+        """The caches were made anew: nothing is held."""
+        self.held.clear()

@@ -1,0 +1,222 @@
+"""Prefix caching: a prompt that starts with tokens a cache row holds takes those slots over and
+prefills only the rest. The caches it leaves (the target's, and a speculative decoder's head's)
+equal a fresh prefill's, so decoding goes on exactly as without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle_infer.engine import PlainDecoder
+from eagle_infer.generate import generate
+from eagle_infer.prefix_cache import MIN_HIT, Held, PrefixRows, shared_prefix
+from eagle_infer.sampling import SamplingParams
+from eagle_infer.speculative import Sequence_, SpecDecoder
+from eagle_infer.tree import TreeConfig
+from tests.test_speculative import random_head, tiny_target
+
+torch.set_num_threads(1)
+
+
+def decoder(kind: str, target, prefix_cache: bool, max_batch: int = 1):
+    if kind == "plain":
+        return PlainDecoder(target, max_batch=max_batch, max_seq_len=256, prefix_cache=prefix_cache)
+    head = random_head(target, kind, draft_vocab=50 if kind == "eagle3" else None)
+    return SpecDecoder(target, head, TreeConfig(3, 2, 6, ngram_branch=2), max_batch=max_batch,
+                       max_seq_len=256, prefix_cache=prefix_cache)
+
+
+def run(dec, seqs: list[Sequence_]) -> None:
+    dec.add_many(seqs)
+    while dec.seqs:
+        dec.step()
+
+
+def ids(n: int, seed: int, vocab: int = 96) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def seq(prompt: list[int], n: int, params: SamplingParams | None = None) -> Sequence_:
+    return Sequence_(prompt, params or SamplingParams(), n, set())
+
+
+def test_shared_prefix_and_the_slots_a_row_gives():
+    assert shared_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 and shared_prefix([1, 2], [1, 2, 3]) == 2
+    assert shared_prefix([], [1]) == 0
+    plain, spec = PrefixRows(0), PrefixRows(1)
+    # a row of 40 slots written (its tokens: those 40 and the next one, not yet in the cache)
+    tokens = list(range(41))
+    assert plain.held_by(tokens, 40).valid == 40 and spec.held_by(tokens, 40, pending=3).valid == 37
+    assert spec.held_by(tokens[:39], 40).valid == 38  # the head pairs slot i with token i + 1
+    held = Held(tokens, 40)
+    assert plain.reusable(held, tokens[:30] + [99]) == 30
+    assert spec.reusable(held, tokens[:30] + [99]) == 29  # slot 29's pair reads token 30
+    assert plain.reusable(held, tokens[:20]) == 19  # one prompt token is always prefilled again
+    assert plain.reusable(held, tokens + [7, 8]) == 40
+    rows = {0: Held(tokens[:10] + [50] * 30, 40), 3: held}
+    assert plain.best(tokens[:30] + [99], rows) == (3, 30)
+    assert plain.best(tokens[:30] + [99], rows, row_ok=lambda r: r != 3) == (None, 0)  # row 0: < MIN_HIT
+    assert plain.best(tokens[:MIN_HIT] + [99], rows) == (3, MIN_HIT)
+
+
+def caches(dec, row: int, n: int) -> list[torch.Tensor]:
+    models = [dec.target] + ([dec.head] if isinstance(dec, SpecDecoder) else [])
+    return [m.cache.kv[:, :, row, :, :n].clone() for m in models]
+
+
+@pytest.mark.parametrize("kind", ["plain", "eagle2", "eagle3"])
+def test_a_next_turn_takes_over_the_last_answer_and_decodes_as_a_fresh_prefill(kind):
+    """A chat's next turn: its prompt is the last prompt, the last answer and more. The row the
+    last sequence left holds them: the new prompt prefills only past them, its caches (the
+    target's; the head's pairs and next-root state) equal those of a decoder without a prefix
+    cache, and its greedy output equals plain greedy decoding's."""
+    target = tiny_target(layers=2)
+    first = seq(ids(30, 1), 20)
+    dec = decoder(kind, target, prefix_cache=True)
+    run(dec, [first])
+    turn = first.prompt + first.output[:-2] + ids(7, 2)  # the answer's tail re-tokenized apart
+    second = seq(turn, 25)
+    dec.add(second)
+    lookahead = 0 if kind == "plain" else 1
+    assert second.prefix_hit == min(len(first.prompt) + len(first.output) - 2 - lookahead,
+                                    first.cached - first.pending)
+    assert second.prefix_hit >= MIN_HIT
+    fresh = decoder(kind, target, prefix_cache=False)
+    if kind != "plain":
+        fresh.head.load_state_dict(dec.head.state_dict())
+    alone = seq(turn, 25)
+    fresh.add(alone)
+    assert alone.prefix_hit == 0 and alone.output == second.output
+    n = len(turn)
+    for ours, ref in zip(caches(dec, 0, n), caches(fresh, 0, n)):
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    if kind != "plain":
+        for name in ("L", "root", "root_g", "root_logp"):
+            torch.testing.assert_close(getattr(dec, name)[0], getattr(fresh, name)[0], atol=1e-5, rtol=1e-5)
+        assert dec.history[0, :n + 1].tolist() == fresh.history[0, :n + 1].tolist()
+    while dec.seqs:
+        dec.step()
+    assert second.output == generate(target, [turn], 25)[0]
+    assert dec.rows.prefix.hits == second.prefix_hit
+    assert dec.rows.prefix.queries == len(first.prompt) + len(turn)
+
+
+@pytest.mark.parametrize("kind", ["plain", "eagle3"])
+def test_rows_that_leave_out_of_order_keep_their_slots_and_active_rows_share_theirs(kind):
+    """Three rows; sequences finish in another order than they joined, so leaving rows swap with
+    the last active one. Each later prompt extends an earlier sequence's (a free row's, swapped
+    in) or an active one's prompt (copied): every hit is taken, and every output is plain greedy
+    decoding's. Without a prefix cache nothing is taken and the outputs are the same."""
+    target = tiny_target(layers=2)
+    base = [ids(24 + 3 * i, 10 + i) for i in range(3)]
+    lengths = [30, 4, 12]
+    outputs = {}
+    for prefix_cache in (True, False):
+        dec = decoder(kind, target, prefix_cache, max_batch=3)
+        firsts = [seq(p, n) for p, n in zip(base, lengths)]
+        run(dec, firsts)
+        if prefix_cache:  # the second left first, from row 1: it swapped with row 2, the last
+            held = dec.rows.prefix.held
+            assert [held[r].tokens for r in range(3)] == [s.prompt + s.output for s in
+                                                          (firsts[0], firsts[2], firsts[1])]
+        later = [seq(firsts[1].prompt + firsts[1].output + ids(5, 20), 16),  # row 2's, into row 0
+                 seq(firsts[0].prompt + firsts[0].output[:10] + ids(3, 21), 8)]  # then row 2's
+        dec.add_many(later)  # hits join alone, each swapping its row in
+        extra = seq(later[0].prompt[:22] + ids(4, 22), 6)  # an active row's prompt
+        dec.add(extra)
+        while dec.seqs:
+            dec.step()
+        for s in later + [extra]:
+            assert s.output == generate(target, [s.prompt], s.max_new_tokens)[0]
+        hits = [s.prefix_hit for s in later + [extra]]
+        if prefix_cache:
+            assert all(h >= MIN_HIT for h in hits), hits
+            assert hits[2] == 22 - (kind != "plain")  # copied from later[0]'s active row
+        else:
+            assert hits == [0, 0, 0]
+        outputs[prefix_cache] = [s.output for s in firsts + later + [extra]]
+    assert outputs[True] == outputs[False]
+
+
+def test_a_lone_join_beside_a_group_and_prompt_logprobs_prefill_everything():
+    """Sequences joining together: a hit joins alone and first, the others as one group (which
+    take nothing, even where a prefix would fit). A sequence that asks for prompt logprobs scores
+    every prompt token, so it prefills its whole prompt."""
+    target = tiny_target(layers=2)
+    dec = decoder("eagle3", target, True, max_batch=4)
+    first = seq(ids(30, 1), 10)
+    run(dec, [first])
+    hit = seq(first.prompt + first.output + ids(4, 3), 6)
+    misses = [seq(ids(20, 4), 6), seq(ids(21, 5), 6)]
+    scored = seq(first.prompt + ids(3, 6), 6)
+    scored.prompt_logprobs = 1
+    run(dec, misses + [hit, scored])
+    assert hit.prefix_hit >= MIN_HIT and [s.prefix_hit for s in misses + [scored]] == [0, 0, 0]
+    assert len(scored.prompt_token_logprobs) == len(scored.prompt) - 1
+    for s in misses + [hit, scored]:
+        assert s.output == generate(target, [s.prompt], 6)[0]
+
+
+def test_sampled_output_with_a_prefix_taken_over_is_the_same_draws():
+    """Seeded sampling: a row that took its prefix over samples the same tokens as one prefilled
+    whole (the same distributions and each request's own generator)."""
+    target = tiny_target(layers=2)
+    first = seq(ids(30, 1), 12)
+    params = SamplingParams(temperature=1.0, seed=7)
+    outs = []
+    for prefix_cache in (True, False):
+        dec = decoder("eagle3", target, prefix_cache)
+        dec.head.load_state_dict(random_head(target, "eagle3", draft_vocab=50).state_dict())
+        run(dec, [seq(first.prompt, 12)])
+        again = seq(first.prompt + ids(6, 2), 30, params)
+        run(dec, [again])
+        assert (again.prefix_hit > 0) == prefix_cache
+        outs.append(again.output)
+    assert outs[0] == outs[1]
+
+
+def test_longrope_rows_share_only_with_the_same_factors(tiny_model_dir):
+    """Phi-3's LongRoPE turns a sequence with one set of factors (long where it may pass the
+    original context): a prompt takes over a row written with the same set, never another."""
+    from eagle_infer.loader import load_model
+
+    target = load_model(tiny_model_dir("phi3"), "fp32", "cpu")
+    original = target.config.long_rope_from()
+    dec = PlainDecoder(target, max_batch=1, max_seq_len=256, prefix_cache=True)
+    first = seq(ids(40, 1, target.config.vocab_size), 8)
+    run(dec, [first])
+    turn = first.prompt + first.output + ids(5, 2, target.config.vocab_size)
+    far = seq(turn, original)  # may pass the original context: long factors
+    run(dec, [far])
+    assert far.prefix_hit == 0 and far.output == generate(target, [turn], original)[0]
+    near = seq(turn + far.output[:3], 8)  # within it: short, the first row's set, which far overwrote
+    run(dec, [near])
+    assert near.prefix_hit == 0
+    near2 = seq(near.prompt + near.output + [1, 2], 8)
+    run(dec, [near2])
+    assert near2.prefix_hit >= MIN_HIT and near2.output == generate(target, [near2.prompt], 8)[0]
+
+
+def test_a_row_left_by_rounds_without_drafts_gives_only_what_the_head_caught_up_on():
+    """Rounds without drafts (more sequences than disable_by_batch_size) leave the head's catch-up
+    for later: a sequence that finishes among them leaves slots the head has not written. A prompt
+    that extends it takes over only what the head holds, and its caches equal a fresh prefill's."""
+    target = tiny_target(layers=2)
+    head = random_head(target, "eagle3", draft_vocab=50)
+    dec = SpecDecoder(target, head, TreeConfig(3, 2, 6), max_batch=3, max_seq_len=256, prefix_cache=True,
+                      disable_by_batch_size=1)
+    firsts = [seq(ids(30, 1), 6), seq(ids(26, 2), 20), seq(ids(28, 3), 20)]
+    run(dec, firsts)
+    left = firsts[0]
+    assert left.pending > 1  # it left with pairs the head had not caught up on
+    turn = left.prompt + left.output + ids(3, 4)
+    later = seq(turn, 8)
+    dec.add(later)
+    assert later.prefix_hit == left.cached - left.pending >= MIN_HIT
+    fresh = SpecDecoder(target, head, TreeConfig(3, 2, 6), max_batch=3, max_seq_len=256)
+    fresh.add(seq(turn, 8))
+    for ours, ref in zip(caches(dec, 0, len(turn)), caches(fresh, 0, len(turn))):
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    while dec.seqs:
+        dec.step()
+    assert later.output == generate(target, [turn], 8)[0]
