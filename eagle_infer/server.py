@@ -346,8 +346,9 @@ def bad_words_ids(tokenizer, words: list[str]) -> list[list[int]]:
 class Engine:
     """Runs the decode loop on its own thread; handlers submit and cancel Jobs thread-safely."""
 
-    def __init__(self, decoder, tokenizer, metrics: Metrics, speculative: bool):
+    def __init__(self, decoder, tokenizer, metrics: Metrics, speculative: bool, prefix_caching: bool = False):
         self.dec, self.metrics, self.speculative = decoder, metrics, speculative
+        self.prefix_caching = prefix_caching  # the decoder's prefix cache: its counters
         self.tokenizer = tokenizer  # decodes outputs on the engine thread (its own instance)
         self.pending: collections.deque[Job] = collections.deque()
         self.cancels: list[Job] = []
@@ -484,7 +485,7 @@ class Engine:
         now = time.perf_counter()
         for job in jobs:
             self.metrics.prompt_tokens.inc(len(job.seq.prompt))
-            if self.dec.rows.prefix is not None:
+            if self.prefix_caching:
                 self.metrics.prefix_cache_queries.inc(len(job.seq.prompt))
                 self.metrics.prefix_cache_hits.inc(job.seq.prefix_hit)
             self.metrics.generation_tokens.inc(len(job.seq.output))
@@ -1304,7 +1305,7 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     # Draft positions a round can accept: the tree's depth, at most its node count.
     depth = tree.max_depth if tree else 0
     metrics = Metrics(depth, model_name=name)
-    engine = Engine(decoder, load_tokenizer(folder), metrics, tree is not None)
+    engine = Engine(decoder, load_tokenizer(folder), metrics, tree is not None, args.prefix_caching)
     return engine, tokenizer, eos, ServerConfig(names, args.api_key, usable, target.config.vocab_size,
                                                 args.stream_interval, tool_parser_of(args),
                                                 args.enable_auto_tool_choice,
