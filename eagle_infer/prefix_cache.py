@@ -22,10 +22,12 @@ MIN_HIT = 16  # fewer shared slots are prefilled again: a join of its own costs 
 
 @dataclass
 class Held:
-    """What a row holds: tokens in slot order, of which the first `valid` slots' KV is theirs."""
+    """What a row holds: tokens in slot order, of which the first `valid` slots' KV is theirs;
+    `left`: when its sequence left (PrefixRows.clock), the least recent is overwritten first."""
 
     tokens: list[int]
     valid: int
+    left: int = 0
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -41,11 +43,30 @@ class PrefixRows:
     def __init__(self, lookahead: int):
         self.lookahead = lookahead
         self.held: dict[int, Held] = {}
-        self.queries = self.hits = 0
+        self.queries = self.hits = self.clock = 0
 
     def held_by(self, tokens: list[int], cached: int, pending: int = 0) -> Held:
         """A sequence's row: `cached` slots written, the head `pending` of them behind."""
         return Held(tokens, max(0, min(cached - pending, len(tokens) - self.lookahead)))
+
+    def keep(self, row: int, held: Held) -> None:
+        """A sequence left `row`, which now holds its slots."""
+        self.clock += 1
+        held.left = self.clock
+        self.held[row] = held
+
+    def spare_for(self, row: int, free: Sequence[int]) -> int | None:
+        """Where the slots `row` holds may go before a new sequence overwrites them: a row of
+        `free` that holds nothing, else the one that holds the least recent sequence, if that
+        one left before row's; None: row's are the least recent (or it holds nothing)."""
+        mine = self.held.get(row)
+        if mine is None:
+            return None
+        empty = [r for r in free if r not in self.held]
+        if empty:
+            return empty[0]
+        oldest = min(free, key=lambda r: self.held[r].left, default=None)
+        return oldest if oldest is not None and self.held[oldest].left < mine.left else None
 
     def reusable(self, held: Held, prompt: Sequence[int]) -> int:
         """Slots of `held` a sequence with this prompt can keep (at least one prompt token is

@@ -259,8 +259,20 @@ class RowTable:
                 t[row] = t[last]
             self.seqs[row] = self.seqs[last]
         if self.prefix is not None:
-            self.prefix.held[last] = self.prefix.held_by(seq.prompt + seq.output, seq.cached, seq.pending)
+            self.prefix.keep(last, self.prefix.held_by(seq.prompt + seq.output, seq.cached, seq.pending))
         self.seqs.pop()
+
+    def _swap_free(self, a: int, b: int) -> None:
+        """Exchange two free rows' slots and what each holds."""
+        held = self.prefix.held
+        n = max(h.valid for h in (held.get(a), held.get(b)) if h is not None)
+        for m in self.models:
+            m.cache.swap_rows(a, b, n)
+        ha, hb = held.pop(a, None), held.pop(b, None)
+        if hb is not None:
+            held[a] = hb
+        if ha is not None:
+            held[b] = ha
 
     def _sources(self, row0: int) -> dict[int, Held]:
         """The rows a prompt joining at row0 may take a prefix from: free ones past it, active ones."""
@@ -278,24 +290,25 @@ class RowTable:
     def claim(self, seqs: Sequence[Sequence_], row_ok: Callable[[int], bool] | None = None) -> list[int]:
         """The rows from next_row() on for sequences about to be prefilled there. With row_ok, a
         lone sequence takes over the longest prefix a row holds (a free row's is swapped in, an
-        active row's copied); returns each one's slots already written (where its prefill starts)."""
+        active row's copied). What the claimed rows held moves to free rows that hold less recent
+        sequences (PrefixRows.spare_for), so the free rows keep the latest ones. Returns each
+        one's slots already written (where its prefill starts)."""
         row0, starts = len(self.seqs), [0] * len(seqs)
         if self.prefix is None:
             return starts
-        held = self.prefix.held
+        held, src = self.prefix.held, None
         if row_ok is not None and len(seqs) == 1 and seqs[0].prompt_logprobs is None:
             src, starts[0] = self.prefix.best(seqs[0].prompt, self._sources(row0), row_ok)
-            if src is not None and src > row0:  # a free row's: swap it in, keeping what row0 held
-                mine = held.pop(row0, None)
-                n = max(held[src].valid, mine.valid if mine else 0)
-                for m in self.models:
-                    m.cache.swap_rows(src, row0, n)
-                del held[src]
-                if mine is not None:
-                    held[src] = mine
-            elif src is not None and src < row0:  # an active row's
-                for m in self.models:
-                    m.cache.copy_prefix(src, row0, starts[0])
+        if src is not None and src > row0:  # a free row's: swap it in, keeping what row0 held
+            self._swap_free(src, row0)
+        free = range(row0 + len(seqs), self.max_batch)
+        for dst in range(row0, row0 + len(seqs)):
+            taken = src is not None and src >= row0 and dst == row0
+            if not taken and (spare := self.prefix.spare_for(dst, free)) is not None:
+                self._swap_free(dst, spare)
+        if src is not None and src < row0:  # an active row's
+            for m in self.models:
+                m.cache.copy_prefix(src, row0, starts[0])
         for i, seq in enumerate(seqs):
             held.pop(row0 + i, None)
             self.prefix.record(len(seq.prompt), starts[i])

@@ -57,6 +57,12 @@ def test_shared_prefix_and_the_slots_a_row_gives():
     assert plain.best(tokens[:30] + [99], rows) == (3, 30)
     assert plain.best(tokens[:30] + [99], rows, row_ok=lambda r: r != 3) == (None, 0)  # row 0: < MIN_HIT
     assert plain.best(tokens[:MIN_HIT] + [99], rows) == (3, MIN_HIT)
+    # where a row's slots go before a new sequence overwrites them: an empty free row, else the
+    # least recent one, if it is older
+    for row in (0, 1, 2):
+        plain.keep(row, Held(tokens, 40))
+    assert plain.spare_for(0, [1, 2, 3]) == 3 and plain.spare_for(5, [1, 2]) is None
+    assert plain.spare_for(2, [0, 1]) == 0 and plain.spare_for(0, [1, 2]) is None
 
 
 def caches(dec, row: int, n: int) -> list[torch.Tensor]:
@@ -220,3 +226,24 @@ def test_a_row_left_by_rounds_without_drafts_gives_only_what_the_head_caught_up_
     while dec.seqs:
         dec.step()
     assert later.output == generate(target, [turn], 8)[0]
+
+
+@pytest.mark.parametrize("kind", ["plain", "eagle3"])
+def test_free_rows_keep_the_latest_sequences_for_their_next_turns(kind):
+    """One conversation at a time over three rows (a server at concurrency 1): each new prompt
+    joins at row 0, and what row 0 held moves to a free row first (one that holds nothing, else
+    the least recent sequence's), so the last three conversations each find their history for
+    a next turn, the oldest is gone, and every output is plain greedy decoding's."""
+    target = tiny_target(layers=2)
+    dec = decoder(kind, target, True, max_batch=3)
+    talks = [seq(ids(20 + i, 30 + i), 8) for i in range(4)]
+    for s in talks:
+        run(dec, [s])
+        assert s.prefix_hit == 0
+    held = dec.rows.prefix.held.values()
+    assert sorted(h.tokens[0] for h in held) == sorted(s.prompt[0] for s in talks[1:])
+    for i in (1, 3, 2, 0):  # the next turns, in another order
+        turn = seq(talks[i].prompt + talks[i].output + ids(3, 40 + i), 8)
+        run(dec, [turn])
+        assert (turn.prefix_hit >= MIN_HIT) == (i != 0), (i, turn.prefix_hit)
+        assert turn.output == generate(target, [turn.prompt], 8)[0]
