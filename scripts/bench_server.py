@@ -345,6 +345,9 @@ def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency
         "latency_p50_s": round(percentile(lat, 50), 3) if lat else None,
         "latency_p90_s": round(percentile(lat, 90), 3) if lat else None,
         "acceptance_length": round(1 + accepted_total / rounds, 3) if rounds else None,
+        "prompt_tokens_mean": round(sum(r["prompt_tokens"] for r in ok) / len(ok), 1) if ok else None,
+        # where the server reports usage.prompt_tokens_details (vLLM: --enable-prompt-tokens-details)
+        "cached_tokens_mean": round(sum(r["cached_tokens"] for r in ok) / len(ok), 1) if ok else None,
     }
     if stream:
         row |= latency_stats(ok)
@@ -395,6 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature (request i seeded with i); 0 = greedy")
     ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature")
+    ap.add_argument("--shared-prefix", default=None, metavar="FILE",
+                    help="a text every first turn starts with (a document the questions are about, a long "
+                         "system prompt: what a prefix cache serves); the rows add cached tokens")
     ap.add_argument("--multi-turn", action="store_true",
                     help="each request a conversation of two turns (MT-bench's), the second sent with the "
                          "first's answer: per-turn prompt, cached tokens, latency (and TTFT with --stream)")
@@ -465,6 +471,9 @@ def server_command(mode: str, args: argparse.Namespace,
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     prompts = mtbench_prompts(args.prompts)
+    if args.shared_prefix:
+        shared = Path(args.shared_prefix).read_text()
+        prompts = [f"{shared}\n\nWith this in mind: {p}" for p in prompts]
     second_turns = mtbench_prompts(args.prompts, turn=1) if args.multi_turn else None
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     levels = sorted(set(args.concurrency))

@@ -759,6 +759,7 @@ def test_bench_server_multi_turn_sends_each_answer_back_with_the_next_turn(serve
     assert row["turn2_prompt_tokens_mean"] > row["turn1_prompt_tokens_mean"] + 6
     assert row["turn2_cached_tokens_mean"] >= row["turn1_prompt_tokens_mean"], row  # the whole first turn
     assert 0 < row["turn2_median_ttft_ms"] and row["turn1_latency_mean_s"] > 0
+    assert 0 < row["cached_tokens_mean"] < row["prompt_tokens_mean"]  # over both turns
     args = bs.build_parser().parse_args(["--multi-turn", "--modes", "spec-nocache"])
     assert bs.server_command("spec-nocache", args, 4)[1] == bs.server_command("spec", args, 4)[1] + [
         "--disable-radix-cache"]
