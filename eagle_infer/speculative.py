@@ -53,7 +53,7 @@ from eagle_infer.generate import (
 from eagle_infer.heads import DraftHead
 from eagle_infer.kernels.tree_accept import kernel_available
 from eagle_infer.model import Transformer, build_attn_mask, causal_mask
-from eagle_infer.prefix_cache import Held, PrefixRows
+from eagle_infer.prefix_cache import MIN_HIT, Held, PrefixRows
 from eagle_infer.sampling import (
     SamplingParams,
     every_token_bitmask,
@@ -365,13 +365,25 @@ def prefill_rows(target: Transformer, seqs: Sequence[Sequence_], row0: int, kv_l
 def join_order(rows: RowTable, target: Transformer,
                seqs: Sequence[Sequence_]) -> list[tuple[list[Sequence_], bool]]:
     """The joins of sequences arriving together: each that takes over a prefix a row holds
-    (prefix_cache) alone and first, before other joins overwrite the free rows; the others per
-    group of similar prompt lengths (join_groups). Pairs (sequences, whether to reuse a prefix)."""
+    (prefix_cache) alone and first, before other joins overwrite the free rows; then the others
+    per group of similar prompt lengths (join_groups), but for those whose prompt starts as one
+    of theirs does (n choices of a prompt, a burst of questions about one document): each of
+    these alone after them, taking that prefix over from its running row. Pairs (sequences,
+    whether to reuse a prefix)."""
     ok = [prefix_row_ok(target, s) for s in seqs]
     hits = [i for i, s in enumerate(seqs) if rows.prefix_hint(s, ok[i])]
-    rest = [i for i in range(len(seqs)) if i not in hits]
-    return [([seqs[i]], True) for i in hits] + [
-        ([seqs[rest[j]] for j in group], False) for group in join_groups([len(seqs[i].prompt) for i in rest])]
+    leaders: list[int] = []
+    followers: list[int] = []
+    for i, s in enumerate(seqs):
+        if i in hits:
+            continue
+        shares = rows.prefix is not None and s.prompt_logprobs is None and any(
+            rows.prefix.reusable(Held(seqs[j].prompt, len(seqs[j].prompt)), s.prompt) >= MIN_HIT
+            for j in leaders)
+        (followers if shares else leaders).append(i)
+    groups = join_groups([len(seqs[i].prompt) for i in leaders])
+    return ([([seqs[i]], True) for i in hits] + [([seqs[leaders[j]] for j in g], False) for g in groups]
+            + [([seqs[i]], True) for i in followers])
 
 
 def prefix_row_ok(target: Transformer, seq: Sequence_) -> Callable[[int], bool]:

@@ -247,3 +247,21 @@ def test_free_rows_keep_the_latest_sequences_for_their_next_turns(kind):
         run(dec, [turn])
         assert (turn.prefix_hit >= MIN_HIT) == (i != 0), (i, turn.prefix_hit)
         assert turn.output == generate(target, [turn.prompt], 8)[0]
+
+
+@pytest.mark.parametrize("kind", ["plain", "eagle3"])
+def test_sequences_arriving_together_with_one_prefix_prefill_it_once(kind):
+    """A burst of prompts that start alike (n choices of a prompt, questions about one document)
+    arriving with others: the first of them and the others join as a group; the rest each take
+    the shared prefix over from the first one's running row, and answer as plain greedy does."""
+    target = tiny_target(layers=2)
+    dec = decoder(kind, target, True, max_batch=5)
+    doc = ids(40, 50)
+    seqs = [seq(doc + ids(4, 51), 6), seq(ids(30, 52), 6), seq(doc + ids(6, 53), 6), seq(doc, 6),
+            seq(doc + ids(2, 54), 6)]
+    run(dec, seqs)
+    lookahead = kind != "plain"
+    assert [s.prefix_hit for s in seqs] == [0, 0, 40 - lookahead, 39, 40 - lookahead]
+    for s in seqs:
+        assert s.output == generate(target, [s.prompt], 6)[0]
+    assert dec.rows.prefix.hits == 3 * 40 - 1 - 2 * lookahead
