@@ -1221,7 +1221,10 @@ def test_compile_flags_reach_the_decoder(default_model_dir):
 
     for algo in ("NONE", "EAGLE3"):
         assert not decoder(algo, "--disable-torch-compile").compiled
+        for flag in ("--disable-radix-cache", "--no-enable-prefix-caching"):  # SGLang's, vLLM's
+            assert decoder(algo, "--disable-torch-compile", flag).rows.prefix is None
         default = decoder(algo)
+        assert default.rows.prefix is not None and default.rows.prefix.lookahead == (algo == "EAGLE3")
         assert default.compiled and default.max_bs == 1 and default.target.cache.kv.shape[2] == 3
         assert getattr(default, "disable_by_batch_size", None) == (2 if algo == "EAGLE3" else None)
         dec = decoder(algo, "--torch-compile-max-bs", "4")
