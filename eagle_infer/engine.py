@@ -26,6 +26,7 @@ from eagle_infer.generate import (
     compiled_kv_len,
     kv_len_for,
     pick_tokens,
+    prefill,
 )
 from eagle_infer.model import Transformer, causal_mask
 from eagle_infer.prefix_cache import PrefixRows
@@ -113,6 +114,16 @@ class PlainDecoder:
         for s in seqs:
             s.cached = len(s.prompt)
         self.rows.admit_many(seqs, firsts)
+
+    @torch.no_grad()
+    def prefill_chunk(self, seq: Sequence_, size: int) -> int:
+        """Chunked prefill (SpecDecoder.prefill_chunk's, the target's part)."""
+        row, done = self.rows.chunk_row(seq)
+        end = done + size
+        prefill(self.target, [seq.prompt[:end]], row0=row, kv_len=kv_len_for(end, self.max_seq_len),
+                max_new_tokens=[len(seq.prompt) - end + seq.max_new_tokens], start=[done])
+        self.rows.chunk_done(seq, row, end)
+        return end
 
     @torch.no_grad()
     def step(self) -> list[tuple[Sequence_, list[int]]]:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 MIN_HIT = 16  # fewer shared slots are prefilled again: a join of its own costs more (vLLM's block)
+PINNED = 1 << 62  # Held.left of a prompt being prefilled in chunks: the last a free row gives up
 
 
 @dataclass
@@ -48,6 +49,20 @@ class PrefixRows:
     def held_by(self, tokens: list[int], cached: int, pending: int = 0) -> Held:
         """A sequence's row: `cached` slots written, the head `pending` of them behind."""
         return Held(tokens, max(0, min(cached - pending, len(tokens) - self.lookahead)))
+
+    def pin(self, row: int, held: Held) -> None:
+        """`row` holds the first chunks of a prompt not yet joined (chunked prefill): free rows
+        give it up last. One at a time: an earlier one (its request gone) is unpinned."""
+        for other in self.held.values():
+            if other.left == PINNED:
+                self.clock += 1
+                other.left = self.clock
+        held.left = PINNED
+        self.held[row] = held
+
+    def row_of(self, held: Held | None) -> int | None:
+        """The free row that holds `held` now (rows swap), or None (overwritten, or taken)."""
+        return next((r for r, h in self.held.items() if h is held), None)
 
     def keep(self, row: int, held: Held) -> None:
         """A sequence left `row`, which now holds its slots."""

@@ -346,9 +346,12 @@ def bad_words_ids(tokenizer, words: list[str]) -> list[list[int]]:
 class Engine:
     """Runs the decode loop on its own thread; handlers submit and cancel Jobs thread-safely."""
 
-    def __init__(self, decoder, tokenizer, metrics: Metrics, speculative: bool, prefix_caching: bool = False):
+    def __init__(self, decoder, tokenizer, metrics: Metrics, speculative: bool, prefix_caching: bool = False,
+                 chunked_prefill_size: int = 0):
         self.dec, self.metrics, self.speculative = decoder, metrics, speculative
         self.prefix_caching = prefix_caching  # the decoder's prefix cache: its counters
+        # with it, a prompt longer than this joins after chunks of it written between rounds
+        self.chunk = max(chunked_prefill_size, 0) if prefix_caching else 0
         self.tokenizer = tokenizer  # decodes outputs on the engine thread (its own instance)
         self.pending: collections.deque[Job] = collections.deque()
         self.cancels: list[Job] = []
@@ -438,6 +441,12 @@ class Engine:
                 log.exception("cancel failed")
                 self._fail_running("internal engine error")
         self._set_running()
+        state = self._prefill_chunk(admit[0]) if admit else "join"
+        if state != "join":  # chunked (the rest wait behind it, in order) or failed
+            with self.cond:
+                self.pending.extendleft(reversed(admit if state == "chunked" else admit[1:]))
+                self.metrics.waiting.set(len(self.pending))
+            admit = []
         joining: list[Job] = []
         for i, job in enumerate(admit):
             if len(joining) == self.dec.free_rows:  # (a cancel had not freed a row) back to the queue
@@ -452,6 +461,25 @@ class Engine:
         if self.dec.seqs:
             self._step()
         self._set_running()
+
+    def _prefill_chunk(self, job: Job) -> str:
+        """Chunked prefill: while requests run, the next chunk of a prompt longer than what is
+        written plus a chunk, between their rounds. "chunked" (the job joins later), "failed",
+        or "join" (it joins now, as any other)."""
+        seq = job.seq
+        if not (self.chunk and self.dec.seqs and self.dec.free_rows and not job.cancelled
+                and len(seq.prompt) - self.dec.rows.prefilled(seq) > self.chunk):
+            return "join"
+        if not self._admissible(job):
+            return "failed"
+        try:
+            done = self.dec.prefill_chunk(seq, self.chunk)
+            log.debug("chunked prefill: %d of %d prompt tokens", done, len(seq.prompt))
+        except Exception as e:
+            log.exception("chunked prefill failed")
+            job.fail(engine_error(f"prefill failed: {type(e).__name__}: {e}"))
+            return "failed"
+        return "chunked"
 
     def _admissible(self, job: Job) -> bool:
         if job.cancelled:
@@ -1118,6 +1146,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "4 there with a batch tree, which a compiled batch needs to pay: docs/measurements.md; "
                     "else the bucket of --max-running-requests)")
     ap.add_argument("--max-running-requests", type=int, default=8)
+    ap.add_argument("--chunked-prefill-size", type=int, default=256, metavar="N",
+                    help="while requests run, a longer prompt is prefilled N tokens between their rounds "
+                         "before it joins, so they do not wait for its whole prefill (with the prefix "
+                         "cache; 0 or -1: in one piece)")
     ap.add_argument("--disable-radix-cache", "--no-enable-prefix-caching", action="store_false",
                     dest="prefix_caching",
                     help="prefill every prompt whole: by default a prompt that starts with tokens a "
@@ -1305,7 +1337,8 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     # Draft positions a round can accept: the tree's depth, at most its node count.
     depth = tree.max_depth if tree else 0
     metrics = Metrics(depth, model_name=name)
-    engine = Engine(decoder, load_tokenizer(folder), metrics, tree is not None, args.prefix_caching)
+    engine = Engine(decoder, load_tokenizer(folder), metrics, tree is not None, args.prefix_caching,
+                    args.chunked_prefill_size)
     return engine, tokenizer, eos, ServerConfig(names, args.api_key, usable, target.config.vocab_size,
                                                 args.stream_interval, tool_parser_of(args),
                                                 args.enable_auto_tool_choice,

@@ -98,6 +98,7 @@ class Sequence_:
     tag: object = None  # caller's handle (the server's request)
     cached: int = 0  # tokens in the caches (L of its row), known on the host: no read to size a step
     prefix_hit: int = 0  # prompt tokens whose slots it took over from another sequence (prefix_cache)
+    partial: Any = None  # chunked prefill: what the free row holding its first chunks holds (Held)
     pending: int = 0  # plain rounds whose pair the draft head has not caught up on yet
     ahead: bool = False  # its row holds the next round's tree, drafted at the end of the last one
     # logprobs (the server's `logprobs`): None = not asked; k = per emitted token, its log-prob
@@ -262,6 +263,31 @@ class RowTable:
             self.prefix.keep(last, self.prefix.held_by(seq.prompt + seq.output, seq.cached, seq.pending))
         self.seqs.pop()
 
+    def prefilled(self, seq: Sequence_) -> int:
+        """Chunked prefill: how many of seq's prompt tokens a free row holds for it (0: none)."""
+        if self.prefix is None or self.prefix.row_of(seq.partial) is None:
+            return 0
+        return seq.partial.valid
+
+    def chunk_row(self, seq: Sequence_) -> tuple[int, int]:
+        """Chunked prefill: the free row holding seq's first prompt tokens and how many; where
+        none does, the last free row (what it held moved aside first, PrefixRows.spare_for), 0."""
+        row = self.prefix.row_of(seq.partial)
+        if row is not None:
+            return row, seq.partial.valid
+        row = self.max_batch - 1
+        if row < len(self.seqs):
+            raise RuntimeError("chunked prefill needs a free row: the batch is full")
+        if (spare := self.prefix.spare_for(row, range(len(self.seqs), row))) is not None:
+            self._swap_free(row, spare)
+        self.prefix.held.pop(row, None)
+        return row, 0
+
+    def chunk_done(self, seq: Sequence_, row: int, end: int) -> None:
+        """Row holds seq's first `end` prompt tokens now (the head's pairs too): pinned for its join."""
+        seq.partial = Held(seq.prompt[:end + self.prefix.lookahead], end)
+        self.prefix.pin(row, seq.partial)
+
     def _swap_free(self, a: int, b: int) -> None:
         """Exchange two free rows' slots and what each holds."""
         held = self.prefix.held
@@ -299,6 +325,8 @@ class RowTable:
         held, src = self.prefix.held, None
         if row_ok is not None and len(seqs) == 1 and seqs[0].prompt_logprobs is None:
             src, starts[0] = self.prefix.best(seqs[0].prompt, self._sources(row0), row_ok)
+        # its own chunks (chunked prefill) are not a hit of the prefix cache
+        own = src is not None and src >= row0 and held[src] is seqs[0].partial
         if src is not None and src > row0:  # a free row's: swap it in, keeping what row0 held
             self._swap_free(src, row0)
         free = range(row0 + len(seqs), self.max_batch)
@@ -311,8 +339,8 @@ class RowTable:
                 m.cache.copy_prefix(src, row0, starts[0])
         for i, seq in enumerate(seqs):
             held.pop(row0 + i, None)
-            self.prefix.record(len(seq.prompt), starts[i])
-            seq.prefix_hit = starts[i]
+            seq.prefix_hit = 0 if own else starts[i]
+            self.prefix.record(len(seq.prompt), seq.prefix_hit)
         return starts
 
     def cancel(self, seq: Sequence_) -> None:
@@ -770,6 +798,23 @@ class SpecDecoder:
         pos, mask = self._catch_up_inputs(start, T, kv_len)
         g_last, logp = self._catch_up(next_tokens, feats, pos, mask, count, row0)
         self.root_g[row0:row0 + B], self.root_logp[row0:row0 + B] = g_last, logp
+
+    @torch.no_grad()
+    def prefill_chunk(self, seq: Sequence_, size: int) -> int:
+        """Chunked prefill (with the prefix cache): the next `size` tokens of a prompt longer
+        than what is written plus `size`, target and head, into a free row ahead of its join,
+        between rounds, so that running sequences do not wait for a long prompt's whole prefill;
+        its join then takes them over (a prefix hit). Returns its prompt tokens written."""
+        row, done = self.rows.chunk_row(seq)
+        end = done + size
+        kv = self.kv_len(end)
+        _, hidden = prefill(self.target, [seq.prompt[:end]], self.layers, row0=row, kv_len=kv,
+                            max_new_tokens=[len(seq.prompt) - end + seq.max_new_tokens], start=[done])
+        nxt = torch.tensor([seq.prompt[done + 1:end + 1]], device=self.device)
+        first = torch.tensor([done], device=self.device)
+        self._draft_extend(row, nxt, self.head.project(hidden), first, first.new_tensor([size]), kv)
+        self.rows.chunk_done(seq, row, end)
+        return end
 
     # -- one round ---------------------------------------------------------------------------
 

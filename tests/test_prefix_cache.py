@@ -4,6 +4,8 @@ equal a fresh prefill's, so decoding goes on exactly as without it."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -65,6 +67,19 @@ def test_shared_prefix_and_the_slots_a_row_gives():
     assert plain.spare_for(2, [0, 1]) == 0 and plain.spare_for(0, [1, 2]) is None
 
 
+def whole_prefill(dec, prompt: list[int], n: int) -> tuple[PlainDecoder | SpecDecoder, Sequence_]:
+    """A decoder without a prefix cache, on copies of dec's target and head (a decoder sets up
+    the caches of the models it is given), that prefilled `prompt` whole into row 0."""
+    target = copy.deepcopy(dec.target)
+    if isinstance(dec, PlainDecoder):
+        fresh = PlainDecoder(target, max_batch=1, max_seq_len=dec.max_seq_len)
+    else:
+        fresh = SpecDecoder(target, copy.deepcopy(dec.head), dec.tree, max_seq_len=dec.max_seq_len)
+    alone = seq(prompt, n)
+    fresh.add(alone)
+    return fresh, alone
+
+
 def caches(dec, row: int, n: int) -> list[torch.Tensor]:
     models = [dec.target] + ([dec.head] if isinstance(dec, SpecDecoder) else [])
     return [m.cache.kv[:, :, row, :, :n].clone() for m in models]
@@ -87,11 +102,8 @@ def test_a_next_turn_takes_over_the_last_answer_and_decodes_as_a_fresh_prefill(k
     assert second.prefix_hit == min(len(first.prompt) + len(first.output) - 2 - lookahead,
                                     first.cached - first.pending)
     assert second.prefix_hit >= MIN_HIT
-    fresh = decoder(kind, target, prefix_cache=False)
-    if kind != "plain":
-        fresh.head.load_state_dict(dec.head.state_dict())
-    alone = seq(turn, 25)
-    fresh.add(alone)
+    fresh, alone = whole_prefill(dec, turn, 25)
+    assert fresh.target.cache is not dec.target.cache
     assert alone.prefix_hit == 0 and alone.output == second.output
     n = len(turn)
     for ours, ref in zip(caches(dec, 0, n), caches(fresh, 0, n)):
@@ -219,8 +231,7 @@ def test_a_row_left_by_rounds_without_drafts_gives_only_what_the_head_caught_up_
     later = seq(turn, 8)
     dec.add(later)
     assert later.prefix_hit == left.cached - left.pending >= MIN_HIT
-    fresh = SpecDecoder(target, head, TreeConfig(3, 2, 6), max_batch=3, max_seq_len=256)
-    fresh.add(seq(turn, 8))
+    fresh, _ = whole_prefill(dec, turn, 8)
     for ours, ref in zip(caches(dec, 0, len(turn)), caches(fresh, 0, len(turn))):
         torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
     while dec.seqs:
@@ -265,3 +276,55 @@ def test_sequences_arriving_together_with_one_prefix_prefill_it_once(kind):
     for s in seqs:
         assert s.output == generate(target, [s.prompt], 6)[0]
     assert dec.rows.prefix.hits == 3 * 40 - 1 - 2 * lookahead
+
+
+@pytest.mark.parametrize("kind", ["plain", "eagle3"])
+def test_a_long_prompt_prefilled_in_chunks_between_rounds_joins_as_if_whole(kind, monkeypatch):
+    """Chunked prefill: a long prompt's chunks go into a free row between the rounds of a running
+    sequence (which keeps decoding), a join in between moves the row aside, and the prompt then
+    joins taking its chunks over: its caches equal a whole prefill's, and both outputs are plain
+    greedy decoding's. A row overwritten before the join starts the chunks again."""
+    target = tiny_target(layers=2)
+    dec = decoder(kind, target, True, max_batch=3)
+    running = seq(ids(12, 60), 40)
+    dec.add(running)
+    long = seq(ids(100, 61), 10)
+    written = []
+    while len(long.prompt) - dec.rows.prefilled(long) > 24:
+        written.append(dec.prefill_chunk(long, 24))
+        dec.step()
+        if len(written) == 2:  # another joins and leaves: the chunks' row moves aside, kept
+            other = seq(ids(10, 62), 2)
+            dec.add(other)
+            dec.step()
+    assert written == [24, 48, 72, 96]
+    hits, starts = dec.rows.prefix.hits, []
+    import eagle_infer.engine
+    import eagle_infer.speculative
+
+    def spy(*args, **kw):
+        starts.append(kw["start"] if "start" in kw else args[5])
+        return prefill_rows(*args, **kw)
+
+    prefill_rows = eagle_infer.speculative.prefill_rows
+    for module in (eagle_infer.engine, eagle_infer.speculative):
+        monkeypatch.setattr(module, "prefill_rows", spy)
+    dec.add(long)
+    assert starts == [[96]]  # the join prefills the last 4 tokens
+    assert long.prefix_hit == 0 and dec.rows.prefix.hits == hits  # its own chunks: no cache hit
+    fresh, _ = whole_prefill(dec, long.prompt, 10)
+    row = dec.seqs.index(long)
+    for ours, ref in zip(caches(dec, row, 100), caches(fresh, 0, 100)):
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    while dec.seqs:
+        dec.step()
+    assert long.output == generate(target, [long.prompt], 10)[0]
+    assert running.output == generate(target, [running.prompt], 40)[0]
+    # overwritten before its join: prefilled() says so, and the chunks start again
+    again = seq(ids(100, 63), 4)
+    assert dec.prefill_chunk(again, 24) == 24 and dec.rows.prefilled(again) == 24
+    dec.add_many([seq(ids(10, 64 + i), 2) for i in range(3)])  # every row, the pinned one too
+    assert dec.rows.prefilled(again) == 0
+    while dec.seqs:
+        dec.step()
+    assert dec.prefill_chunk(again, 24) == 24

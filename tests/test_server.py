@@ -14,6 +14,7 @@ import re
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -620,6 +621,29 @@ def test_a_prompt_that_extends_an_earlier_one_takes_over_its_slots(server, clien
     after = metrics(server)
     assert after["eagle:prefix_cache_hits_total"] - before["eagle:prefix_cache_hits_total"] == cached
     assert after["eagle:prefix_cache_queries_total"] - before["eagle:prefix_cache_queries_total"] == len(turn)
+
+
+def test_a_long_prompt_joining_running_requests_answers_as_plain_decoding(server, client, default_model_fp32,
+                                                                           tokenizer):
+    """Chunked prefill: a prompt longer than --chunked-prefill-size (256) arriving while another
+    request decodes is written a chunk between rounds before it joins; both answer as plain
+    decoding does, and the long one's own chunks are not counted as prefix-cache hits."""
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    story = " ".join(f"Step {i}: the river rose by {i} inches." for i in range(26))
+    long = ids(f"<|im_start|>user\n{story} How far did it rise?<|im_end|>\n<|im_start|>assistant\n")
+    short = ids("<|im_start|>user\nCount to fifty.<|im_end|>\n<|im_start|>assistant\n")
+    assert 300 < len(long) < 400
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(client.completions.create, model=MODEL, prompt=short, max_tokens=120,
+                              temperature=0, extra_body={"ignore_eos": True})
+        time.sleep(1.0)  # decoding by now
+        r = client.completions.create(model=MODEL, prompt=long, max_tokens=12, temperature=0)
+        first = running.result()
+    assert r.choices[0].text == plain_answer(default_model_fp32, tokenizer, long, None, 12)[0]
+    assert r.usage.prompt_tokens_details is None or r.usage.prompt_tokens_details.cached_tokens < 256
+    assert first.choices[0].text == plain_answer(default_model_fp32, tokenizer, short, None, 120)[0]
 
 
 LOAD_REQUESTS = [("chat", "Name three colors.", 8), ("chat", "What is the capital of France?", 10),
