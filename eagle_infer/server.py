@@ -468,6 +468,7 @@ class Engine:
         or "join" (it joins now, as any other)."""
         seq = job.seq
         if not (self.chunk and self.dec.seqs and self.dec.free_rows and not job.cancelled
+                and seq.prompt_logprobs is None  # scored prompts prefill whole (every state)
                 and len(seq.prompt) - self.dec.rows.prefilled(seq) > self.chunk):
             return "join"
         if not self._admissible(job):
@@ -1146,10 +1147,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "4 there with a batch tree, which a compiled batch needs to pay: docs/measurements.md; "
                     "else the bucket of --max-running-requests)")
     ap.add_argument("--max-running-requests", type=int, default=8)
-    ap.add_argument("--chunked-prefill-size", type=int, default=256, metavar="N",
+    ap.add_argument("--chunked-prefill-size", type=int, default=None, metavar="N",
                     help="while requests run, a longer prompt is prefilled N tokens between their rounds "
                          "before it joins, so they do not wait for its whole prefill (with the prefix "
-                         "cache; 0 or -1: in one piece)")
+                         "cache; 0 or -1: in one piece; default 256 on a CPU, SGLang's 8192 on a GPU)")
     ap.add_argument("--disable-radix-cache", "--no-enable-prefix-caching", action="store_false",
                     dest="prefix_caching",
                     help="prefill every prompt whole: by default a prompt that starts with tokens a "
@@ -1337,8 +1338,10 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     # Draft positions a round can accept: the tree's depth, at most its node count.
     depth = tree.max_depth if tree else 0
     metrics = Metrics(depth, model_name=name)
-    engine = Engine(decoder, load_tokenizer(folder), metrics, tree is not None, args.prefix_caching,
-                    args.chunked_prefill_size)
+    chunk = args.chunked_prefill_size
+    if chunk is None:  # ~1 ms a prompt token on a 2-core CPU (the default target): a chunk ~ a round or two
+        chunk = 256 if torch.device(device).type == "cpu" else 8192
+    engine = Engine(decoder, load_tokenizer(folder), metrics, tree is not None, args.prefix_caching, chunk)
     return engine, tokenizer, eos, ServerConfig(names, args.api_key, usable, target.config.vocab_size,
                                                 args.stream_interval, tool_parser_of(args),
                                                 args.enable_auto_tool_choice,

@@ -1247,6 +1247,9 @@ def test_compile_flags_reach_the_decoder(default_model_dir):
         assert not decoder(algo, "--disable-torch-compile").compiled
         for flag in ("--disable-radix-cache", "--no-enable-prefix-caching"):  # SGLang's, vLLM's
             assert decoder(algo, "--disable-torch-compile", flag).rows.prefix is None
+        eager = [*base, "--speculative-algorithm", algo, "--disable-torch-compile"]
+        assert server.build_engine(parse(*eager))[0].chunk == 256  # a CPU's default chunk
+        assert server.build_engine(parse(*eager, "--chunked-prefill-size", "-1"))[0].chunk == 0
         default = decoder(algo)
         assert default.rows.prefix is not None and default.rows.prefix.lookahead == (algo == "EAGLE3")
         assert default.compiled and default.max_bs == 1 and default.target.cache.kv.shape[2] == 3
