@@ -269,6 +269,12 @@ class RowTable:
             return 0
         return seq.partial.valid
 
+    def left_to_prefill(self, seq: Sequence_, target: Transformer) -> int:
+        """Prompt tokens seq's join would prefill now: past its chunks, or past the prefix it
+        would take over (a chat's next turn has little left, however long its prompt)."""
+        hint = self.prefix_hint(seq, prefix_row_ok(target, seq))
+        return len(seq.prompt) - max(self.prefilled(seq), hint)
+
     def chunk_row(self, seq: Sequence_) -> tuple[int, int]:
         """Chunked prefill: the free row holding seq's first prompt tokens and how many; where
         none does, the last free row (what it held moved aside first, PrefixRows.spare_for), 0."""

@@ -97,10 +97,11 @@ def test_a_next_turn_takes_over_the_last_answer_and_decodes_as_a_fresh_prefill(k
     run(dec, [first])
     turn = first.prompt + first.output[:-2] + ids(7, 2)  # the answer's tail re-tokenized apart
     second = seq(turn, 25)
-    dec.add(second)
     lookahead = 0 if kind == "plain" else 1
-    assert second.prefix_hit == min(len(first.prompt) + len(first.output) - 2 - lookahead,
-                                    first.cached - first.pending)
+    hit = min(len(first.prompt) + len(first.output) - 2 - lookahead, first.cached - first.pending)
+    assert dec.rows.left_to_prefill(second, target) == len(turn) - hit  # what chunked prefill weighs
+    dec.add(second)
+    assert second.prefix_hit == hit
     assert second.prefix_hit >= MIN_HIT
     fresh, alone = whole_prefill(dec, turn, 25)
     assert fresh.target.cache is not dec.target.cache
@@ -290,7 +291,7 @@ def test_a_long_prompt_prefilled_in_chunks_between_rounds_joins_as_if_whole(kind
     dec.add(running)
     long = seq(ids(100, 61), 10)
     written = []
-    while len(long.prompt) - dec.rows.prefilled(long) > 24:
+    while dec.rows.left_to_prefill(long, target) > 24:
         written.append(dec.prefill_chunk(long, 24))
         dec.step()
         if len(written) == 2:  # another joins and leaves: the chunks' row moves aside, kept

@@ -644,6 +644,15 @@ def test_a_long_prompt_joining_running_requests_answers_as_plain_decoding(server
     assert r.choices[0].text == plain_answer(default_model_fp32, tokenizer, long, None, 12)[0]
     assert r.usage.prompt_tokens_details is None or r.usage.prompt_tokens_details.cached_tokens < 256
     assert first.choices[0].text == plain_answer(default_model_fp32, tokenizer, short, None, 120)[0]
+    # its next turn, as long, takes the first turn over (RowTable.left_to_prefill: nothing to chunk)
+    turn = long + ids(r.choices[0].text + "<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n")
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(client.completions.create, model=MODEL, prompt=short, max_tokens=120,
+                              temperature=0, extra_body={"ignore_eos": True})
+        time.sleep(1.0)
+        r = client.completions.create(model=MODEL, prompt=turn, max_tokens=6, temperature=0)
+        running.result()
+    assert r.usage.prompt_tokens_details.cached_tokens >= len(long) - 1
 
 
 LOAD_REQUESTS = [("chat", "Name three colors.", 8), ("chat", "What is the capital of France?", 10),
