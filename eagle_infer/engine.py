@@ -40,7 +40,6 @@ from eagle_infer.speculative import (
     join_order,
     penalize_seqs,
     prefill_rows,
-    prefix_row_ok,
 )
 
 
@@ -101,12 +100,12 @@ class PlainDecoder:
             raise RuntimeError(f"{len(seqs)} sequences join but {self.rows.free} rows are free")
         for seq in seqs:
             self.check(seq)
-        for group, reuse in join_order(self.rows, self.target, seqs):
+        for group, reuse in join_order(self.rows, seqs):
             self._join(group, reuse)
 
     def _join(self, seqs: Sequence[Sequence_], reuse: bool = False) -> None:
         row0, k = len(self.seqs), len(seqs)
-        starts = self.rows.claim(seqs, prefix_row_ok(self.target, seqs[0]) if reuse else None)
+        starts = self.rows.claim(seqs, reuse)
         lens = torch.tensor([len(s.prompt) for s in seqs], device=self.device)
         firsts, _ = prefill_rows(self.target, seqs, row0, kv_len_for(int(lens.max()), self.max_seq_len),
                                  start=starts)

@@ -469,7 +469,7 @@ class Engine:
         seq = job.seq
         if not (self.chunk and self.dec.seqs and self.dec.free_rows and not job.cancelled
                 and seq.prompt_logprobs is None  # scored prompts prefill whole (every state)
-                and self.dec.rows.left_to_prefill(seq, self.dec.target) > self.chunk):
+                and self.dec.rows.left_to_prefill(seq) > self.chunk):
             return "join"
         if not self._admissible(job):
             return "failed"

@@ -216,11 +216,11 @@ class SpecStats:
 class RowTable:
     """Which sequence lives in which cache row, kept compact (rows 0..B-1 are the active ones,
     so every step runs on a plain [:B] slice): a sequence that leaves is replaced by the last
-    one, whose cache rows (`models`: objects with a KVCache `cache`) and per-row state move with
-    it. With a prefix cache (`prefix`), the two rows swap instead, so the one left free keeps the
-    leaving sequence's slots, and a joining prompt takes over the longest prefix a row holds
-    (prefix_cache). slack: slots past its cached tokens an active row may still read (its round's
-    tree and drafts)."""
+    one, whose cache rows (`models`: objects with a KVCache `cache`, the target first) and
+    per-row state move with it. With a prefix cache (`prefix`), the two rows swap instead, so the
+    one left free keeps the leaving sequence's slots, and a joining prompt takes over the longest
+    prefix a row holds (prefix_cache). slack: slots past its cached tokens an active row may
+    still read (its round's tree and drafts)."""
 
     def __init__(self, max_batch: int, models: Sequence, per_row: Sequence[Tensor],
                  prefix: PrefixRows | None = None, slack: int = 1):
@@ -269,11 +269,10 @@ class RowTable:
             return 0
         return seq.partial.valid
 
-    def left_to_prefill(self, seq: Sequence_, target: Transformer) -> int:
+    def left_to_prefill(self, seq: Sequence_) -> int:
         """Prompt tokens seq's join would prefill now: past its chunks, or past the prefix it
         would take over (a chat's next turn has little left, however long its prompt)."""
-        hint = self.prefix_hint(seq, prefix_row_ok(target, seq))
-        return len(seq.prompt) - max(self.prefilled(seq), hint)
+        return len(seq.prompt) - max(self.prefilled(seq), self.prefix_hint(seq))
 
     def chunk_row(self, seq: Sequence_) -> tuple[int, int]:
         """Chunked prefill: the free row holding seq's first prompt tokens and how many; where
@@ -313,14 +312,15 @@ class RowTable:
             rows[r] = self.prefix.held_by(s.prompt + s.output, s.cached, s.pending)
         return rows
 
-    def prefix_hint(self, seq: Sequence_, row_ok: Callable[[int], bool]) -> int:
+    def prefix_hint(self, seq: Sequence_) -> int:
         """The prefix seq would take over if it joined now (0: none, or no prefix cache)."""
         if self.prefix is None or seq.prompt_logprobs is not None:  # prompt logprobs need every state
             return 0
+        row_ok = prefix_row_ok(self.models[0], seq)
         return self.prefix.best(seq.prompt, self._sources(len(self.seqs)), row_ok)[1]
 
-    def claim(self, seqs: Sequence[Sequence_], row_ok: Callable[[int], bool] | None = None) -> list[int]:
-        """The rows from next_row() on for sequences about to be prefilled there. With row_ok, a
+    def claim(self, seqs: Sequence[Sequence_], reuse: bool = False) -> list[int]:
+        """The rows from next_row() on for sequences about to be prefilled there. With reuse, a
         lone sequence takes over the longest prefix a row holds (a free row's is swapped in, an
         active row's copied). What the claimed rows held moves to free rows that hold less recent
         sequences (PrefixRows.spare_for), so the free rows keep the latest ones. Returns each
@@ -329,8 +329,9 @@ class RowTable:
         if self.prefix is None:
             return starts
         held, src = self.prefix.held, None
-        if row_ok is not None and len(seqs) == 1 and seqs[0].prompt_logprobs is None:
-            src, starts[0] = self.prefix.best(seqs[0].prompt, self._sources(row0), row_ok)
+        if reuse and len(seqs) == 1 and seqs[0].prompt_logprobs is None:
+            src, starts[0] = self.prefix.best(seqs[0].prompt, self._sources(row0),
+                                              prefix_row_ok(self.models[0], seqs[0]))
         # its own chunks (chunked prefill) are not a hit of the prefix cache
         own = src is not None and src >= row0 and held[src] is seqs[0].partial
         if src is not None and src > row0:  # a free row's: swap it in, keeping what row0 held
@@ -396,16 +397,14 @@ def prefill_rows(target: Transformer, seqs: Sequence[Sequence_], row0: int, kv_l
     return [next_token(picked[i], s.params, s.generator) for i, s in enumerate(seqs)], hidden
 
 
-def join_order(rows: RowTable, target: Transformer,
-               seqs: Sequence[Sequence_]) -> list[tuple[list[Sequence_], bool]]:
+def join_order(rows: RowTable, seqs: Sequence[Sequence_]) -> list[tuple[list[Sequence_], bool]]:
     """The joins of sequences arriving together: each that takes over a prefix a row holds
     (prefix_cache) alone and first, before other joins overwrite the free rows; then the others
     per group of similar prompt lengths (join_groups), but for those whose prompt starts as one
     of theirs does (n choices of a prompt, a burst of questions about one document): each of
     these alone after them, taking that prefix over from its running row. Pairs (sequences,
     whether to reuse a prefix)."""
-    ok = [prefix_row_ok(target, s) for s in seqs]
-    hits = [i for i, s in enumerate(seqs) if rows.prefix_hint(s, ok[i])]
+    hits = [i for i, s in enumerate(seqs) if rows.prefix_hint(s)]
     leaders: list[int] = []
     followers: list[int] = []
     for i, s in enumerate(seqs):
@@ -771,12 +770,12 @@ class SpecDecoder:
             raise RuntimeError(f"{len(seqs)} sequences join but {self.rows.free} rows are free")
         for seq in seqs:
             self.check(seq)
-        for group, reuse in join_order(self.rows, self.target, seqs):
+        for group, reuse in join_order(self.rows, seqs):
             self._join(group, reuse)
 
     def _join(self, seqs: Sequence[Sequence_], reuse: bool = False) -> None:
         row0, k, dev = len(self.seqs), len(seqs), self.device
-        starts = self.rows.claim(seqs, prefix_row_ok(self.target, seqs[0]) if reuse else None)
+        starts = self.rows.claim(seqs, reuse)
         lens = torch.tensor([len(s.prompt) for s in seqs], device=dev)
         start = torch.tensor(starts, device=dev)
         P = int(lens.max())

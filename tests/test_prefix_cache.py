@@ -99,7 +99,7 @@ def test_a_next_turn_takes_over_the_last_answer_and_decodes_as_a_fresh_prefill(k
     second = seq(turn, 25)
     lookahead = 0 if kind == "plain" else 1
     hit = min(len(first.prompt) + len(first.output) - 2 - lookahead, first.cached - first.pending)
-    assert dec.rows.left_to_prefill(second, target) == len(turn) - hit  # what chunked prefill weighs
+    assert dec.rows.left_to_prefill(second) == len(turn) - hit  # what chunked prefill weighs
     dec.add(second)
     assert second.prefix_hit == hit
     assert second.prefix_hit >= MIN_HIT
@@ -291,7 +291,7 @@ def test_a_long_prompt_prefilled_in_chunks_between_rounds_joins_as_if_whole(kind
     dec.add(running)
     long = seq(ids(100, 61), 10)
     written = []
-    while dec.rows.left_to_prefill(long, target) > 24:
+    while dec.rows.left_to_prefill(long) > 24:
         written.append(dec.prefill_chunk(long, 24))
         dec.step()
         if len(written) == 2:  # another joins and leaves: the chunks' row moves aside, kept
