@@ -258,9 +258,7 @@ def logits_to_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if top_p < 1.0:
-        keep = top_p_mask(probs.reshape(-1, probs.shape[-1]), top_p).reshape(probs.shape)
-        probs = probs.masked_fill(~keep, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = top_p_probs(probs.reshape(-1, probs.shape[-1]), top_p).reshape(probs.shape)
     return probs
 
 
@@ -297,11 +295,14 @@ def graph_settings(params: Sequence[SamplingParams], device: torch.device | str)
 TOP_P_CANDIDATES = (64, 1024)
 
 
-def top_p_mask(probs: Tensor, top_p: float) -> Tensor:
-    """probs [R, V] -> bool [R, V]: each row's smallest most-likely prefix whose mass reaches
-    top_p (a token is dropped when the mass strictly before it already does; keeps >= 1)."""
+def top_p_probs(probs: Tensor, top_p: float) -> Tensor:
+    """probs [R, V] -> each row's nucleus renormalised [R, V]: its smallest most-likely prefix
+    whose mass reaches top_p (a token is dropped when the mass strictly before it already does;
+    keeps >= 1), zeros elsewhere. Written from the candidates alone (a zero row, then a scatter of
+    the kept ones): a mask over the whole vocabulary cost more than the candidates' topk
+    (masked_fill of 6 x 49,152: 0.13-0.5 ms on a 2-core Zen 4)."""
     R, V = probs.shape
-    keep = torch.zeros_like(probs, dtype=torch.bool)
+    out = torch.zeros_like(probs)
     rows = torch.arange(R, device=probs.device)  # the rows whose nucleus is not found yet
     for k in [c for c in TOP_P_CANDIDATES if c < V] if probs.device.type == "cpu" else []:
         vals, idx = (probs if rows.numel() == R else probs[rows]).topk(k, dim=-1)
@@ -309,15 +310,16 @@ def top_p_mask(probs: Tensor, top_p: float) -> Tensor:
         # the candidates hold the nucleus when their mass reaches top_p: every other token has
         # at least that much before it
         done = cum[:, -1] >= top_p
-        keep[rows[done]] = keep[rows[done]].scatter(-1, idx[done], (cum - vals)[done] < top_p)
+        kept = torch.where(cum - vals < top_p, vals, 0.0)
+        kept = kept / kept.sum(-1, keepdim=True)
+        if bool(done.all()):
+            return out.index_put_((rows[:, None], idx), kept)
+        out.index_put_((rows[done][:, None], idx[done]), kept[done])
         rows = rows[~done]
-        if rows.numel() == 0:
-            return keep
     # the rest sort whole (every row off a CPU: no boolean indexing, so no host read)
     vals, idx = (probs if rows.numel() == R else probs[rows]).sort(dim=-1, descending=True)
-    keep[rows] = keep[rows].scatter(-1, idx, (vals.cumsum(-1) - vals) < top_p)
-    return keep
-
+    kept = torch.where(vals.cumsum(-1) - vals < top_p, vals, 0.0)
+    return out.index_put_((rows[:, None], idx), kept / kept.sum(-1, keepdim=True))
 
 def sample(probs: Tensor,
            generator: torch.Generator | Sequence[torch.Generator | None] | None = None) -> Tensor:

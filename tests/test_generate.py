@@ -224,10 +224,10 @@ def test_top_p_keeps_smallest_prefix_reaching_p(top_p):
 
 
 def test_top_p_from_candidates_equals_a_full_sort():
-    """top_p_mask sorts only topk candidates (64, then 1,024, then every token) until a row's
+    """top_p_probs sorts only topk candidates (64, then 1,024, then every token) until a row's
     candidates hold top_p: rows peaked (done at 64), broad (at 1,024) and flat (the full sort)
-    in one batch keep exactly what a sort of the whole row keeps."""
-    from eagle_infer.sampling import TOP_P_CANDIDATES, top_p_mask
+    in one batch keep exactly what a sort of the whole row keeps, renormalised, zeros elsewhere."""
+    from eagle_infer.sampling import TOP_P_CANDIDATES, top_p_probs
 
     g = torch.Generator().manual_seed(5)
     V = 5000
@@ -239,8 +239,13 @@ def test_top_p_from_candidates_equals_a_full_sort():
     for tp in (0.01, 0.5, top_p, 0.999):
         sorted_p, order = probs.sort(-1, descending=True)
         drop = (sorted_p.cumsum(-1) - sorted_p) >= tp
-        expected = ~torch.zeros_like(drop).scatter(-1, order, drop)
-        assert torch.equal(top_p_mask(probs, tp), expected), tp
+        keep = ~torch.zeros_like(drop).scatter(-1, order, drop)
+        expected = probs.masked_fill(~keep, 0.0)
+        got = top_p_probs(probs, tp)
+        assert torch.equal(got > 0, keep), tp
+        torch.testing.assert_close(got, expected / expected.sum(-1, keepdim=True))
+        for r in range(4):  # each row alone: the same as in the batch
+            assert torch.equal(top_p_probs(probs[r:r + 1], tp), got[r:r + 1]), (tp, r)
 
 
 @pytest.mark.parametrize("min_p", [0.05, 0.3, 1.0])
