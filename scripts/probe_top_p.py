@@ -56,12 +56,16 @@ def main() -> None:
         rounds.append(logits.clone())
         return made(logits, params)
 
-    speculative.sampling_probs = keep  # the round of two graphs makes its distributions here
+    # the round of two graphs makes its distributions here (every round: at a temperature alone
+    # too, whose rounds are one graph otherwise)
+    speculative.sampling_probs = keep
+    in_graph = SamplingParams.graph_distribution
+    SamplingParams.graph_distribution = property(lambda self: False)
     params = SamplingParams(args.temperature, args.top_p, seed=0)
     tree = TreeConfig.default_for("cpu", dtype="bf16")
     for p in prompts:
         speculative.generate_speculative(target, head, [p], args.max_new_tokens, [params], tree=tree)
-    speculative.sampling_probs = made
+    speculative.sampling_probs, SamplingParams.graph_distribution = made, in_graph
     rows = [r[:, :1] for r in rounds]
     probs = [torch.softmax(r[0].float() / args.temperature, -1) for r in rounds]
     reach = {k: sum(int((p.topk(k, -1).values.sum(-1) >= args.top_p).sum()) for p in probs)
