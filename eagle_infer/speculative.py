@@ -247,15 +247,14 @@ class RowTable:
 
     def remove(self, row: int) -> None:
         last, seq = len(self.seqs) - 1, self.seqs[row]
-        if row != last:
-            if self.prefix is None:
+        if row != last:  # only the slots the rows use
+            n = self.seqs[last].cached + self.slack
+            if self.prefix is None:  # the last row's move in
                 for m in self.models:
-                    m.cache.move_row(last, row)
-            else:  # only the slots either row uses
-                n = max(seq.cached, self.seqs[last].cached + self.slack)
-                n = min(n, self.models[0].cache.kv.shape[4])
+                    m.cache.copy_prefix(last, row, min(n, m.cache.kv.shape[4]))
+            else:  # and the leaving row's out, for the prefix cache
                 for m in self.models:
-                    m.cache.swap_rows(last, row, n)
+                    m.cache.swap_rows(last, row, min(max(seq.cached, n), m.cache.kv.shape[4]))
             for t in self.per_row:
                 t[row] = t[last]
             self.seqs[row] = self.seqs[last]

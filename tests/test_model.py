@@ -438,8 +438,11 @@ def test_longrope_sequences_turn_with_one_set_of_factors(tiny_models):
     generate(ours, [within, past[:90]], 6)
     assert ours.cache.rope_row0[:2].tolist() == [0, 0]
     ours.cache.rope_row0[1] = 7
-    ours.cache.move_row(1, 0)
+    ours.cache.copy_prefix(1, 0, 5)
     assert ours.cache.rope_row0[:2].tolist() == [7, 7]
+    ours.cache.rope_row0[0] = 3
+    ours.cache.swap_rows(0, 1, 5)
+    assert ours.cache.rope_row0[:2].tolist() == [7, 3]
     # compiled steps read each row's choice at run time (Inductor's weight freezing, the fp32
     # default on AVX-512 CPUs, must not fold it in): long, short and long again in one graph
     for n, want in ((24, crossing24), (16, short16), (24, crossing24)):
