@@ -54,11 +54,15 @@ class PrefixRows:
         """`row` holds the first chunks of a prompt not yet joined (chunked prefill): free rows
         give it up last. One at a time: an earlier one (its request gone) is unpinned."""
         for other in self.held.values():
-            if other.left == PINNED:
-                self.clock += 1
-                other.left = self.clock
+            self.unpin(other)
         held.left = PINNED
         self.held[row] = held
+
+    def unpin(self, held: Held) -> None:
+        """A pinned prompt's chunks (its request cancelled) stay as any free row's, the latest."""
+        if held.left == PINNED:
+            self.clock += 1
+            held.left = self.clock
 
     def row_of(self, held: Held | None) -> int | None:
         """The free row that holds `held` now (rows swap), or None (overwritten, or taken)."""

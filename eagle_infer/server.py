@@ -388,8 +388,8 @@ class Engine:
             if job in self.pending:
                 self.pending.remove(job)
                 self.metrics.waiting.set(len(self.pending))
-            else:
-                self.cancels.append(job)
+            # the decoder drops it, running or not (a waiting prompt's chunks unpinned)
+            self.cancels.append(job)
             self.cond.notify()
         self.metrics.finish(job, "abort", time.perf_counter())
 

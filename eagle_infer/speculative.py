@@ -350,9 +350,12 @@ class RowTable:
         return starts
 
     def cancel(self, seq: Sequence_) -> None:
-        """Drop a sequence now (a client went away); its row is reused at once."""
+        """Drop a sequence now (a client went away); its row is reused at once, and a row that
+        holds its chunks (chunked prefill, not joined yet) is no longer pinned for it."""
         if seq in self.seqs:
             self.remove(self.seqs.index(seq))
+        elif self.prefix is not None and seq.partial is not None:
+            self.prefix.unpin(seq.partial)
         seq.done, seq.finish_reason = True, seq.finish_reason or "abort"
 
     def drop_finished(self) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from eagle_infer.engine import PlainDecoder
 from eagle_infer.generate import generate
-from eagle_infer.prefix_cache import MIN_HIT, Held, PrefixRows, shared_prefix
+from eagle_infer.prefix_cache import MIN_HIT, PINNED, Held, PrefixRows, shared_prefix
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import Sequence_, SpecDecoder
 from eagle_infer.tree import TreeConfig
@@ -329,3 +329,8 @@ def test_a_long_prompt_prefilled_in_chunks_between_rounds_joins_as_if_whole(kind
     while dec.seqs:
         dec.step()
     assert dec.prefill_chunk(again, 24) == 24
+    # cancelled before its join (its client gone): its chunks stay as a free row's, unpinned
+    pinned = dec.rows.prefix.held[dec.rows.prefix.row_of(again.partial)]
+    assert pinned.left == PINNED
+    dec.cancel(again)
+    assert pinned.left != PINNED and dec.rows.prefilled(again) == 24 and again.done

@@ -830,6 +830,7 @@ class FakeDecoder:
     def __init__(self, max_batch: int = 2):
         self.max_batch, self.seqs, self.stats = max_batch, [], SpecStats()
         self.joined: list[int] = []  # sizes of the prefill batches
+        self.cancelled: list[Sequence_] = []
 
     @property
     def free_rows(self) -> int:
@@ -858,6 +859,7 @@ class FakeDecoder:
         return out
 
     def cancel(self, seq: Sequence_) -> None:
+        self.cancelled.append(seq)
         if seq in self.seqs:
             self.seqs.remove(seq)
         seq.done = True
@@ -1096,6 +1098,38 @@ def test_joining_requests_share_one_prefill_and_a_failing_one_fails_alone():
     # The batch with a prefill fault is retried one request at a time: only that one fails.
     joined, outcomes = asyncio.run(serve([[1, 2], [7, 1], [3, 4]]))
     assert joined[:2] == [1, 1] and outcomes == ["def", "error", "fgh"]
+
+
+def test_a_waiting_request_cancelled_reaches_the_decoder_and_never_joins():
+    """A request cancelled while it waits is dropped from the queue and handed to the decoder's
+    cancel too (a prompt prefilled in chunks holds a pinned row until its request goes); the
+    running one answers in full."""
+    from eagle_infer.server import Engine, Job, Metrics
+
+    async def serve() -> tuple[FakeDecoder, str, Job]:
+        dec = FakeDecoder(max_batch=1)
+        engine = Engine(dec, FakeTokenizer(), Metrics(1), speculative=True)
+        loop = asyncio.get_running_loop()
+        running, waiting = (Job(p, SamplingParams(), 4, [], {999}, FakeTokenizer(), loop)
+                            for p in ([1, 2], [3, 4]))
+        engine.submit(running)
+        engine.submit(waiting)
+        engine.cancel(waiting)
+        engine.start()
+        text = ""
+        try:
+            while True:
+                event = await asyncio.wait_for(running.events.get(), 10)
+                text += event["delta"]
+                if "finish_reason" in event:
+                    break
+        finally:
+            engine.stop()
+        return dec, text, waiting
+
+    dec, text, waiting = asyncio.run(serve())
+    assert text == "defg" and dec.cancelled == [waiting.seq] and dec.joined == [1]
+    assert waiting.cancelled and waiting.events.empty()
 
 
 def test_a_job_that_does_not_stream_pushes_its_answer_once():
