@@ -441,35 +441,49 @@ class Engine:
                 log.exception("cancel failed")
                 self._fail_running("internal engine error")
         self._set_running()
-        state = self._prefill_chunk(admit[0]) if admit else "join"
-        if state != "join":  # chunked (the rest wait behind it, in order) or failed
-            with self.cond:
-                self.pending.extendleft(reversed(admit if state == "chunked" else admit[1:]))
-                self.metrics.waiting.set(len(self.pending))
-            admit = []
-        joining: list[Job] = []
-        for i, job in enumerate(admit):
-            if len(joining) == self.dec.free_rows:  # (a cancel had not freed a row) back to the queue
-                with self.cond:
-                    self.pending.extendleft(reversed(admit[i:]))
-                    self.metrics.waiting.set(len(self.pending))
-                break
-            if self._admissible(job):
+        # In queue order: the first prompt long enough for chunked prefill gets a chunk written
+        # (it joins with its last one); later long ones wait behind it, and short ones join now,
+        # leaving its pinned row free (SGLang mixes short prefills with a chunked one too).
+        joining, back, chunking = [], [], False
+        for job in admit:
+            if len(joining) >= self.dec.free_rows - chunking:  # (a cancel had not freed a row)
+                back.append(job)
+                continue
+            state = "join"
+            if not chunking:
+                state = self._prefill_chunk(job, room=self.dec.free_rows - len(joining))
+                chunking = state == "chunked"
+            elif self._wants_chunks(job):
+                state = "chunked"
+            if state == "chunked":
+                back.append(job)
+            elif state == "join" and self._admissible(job):
                 joining.append(job)
+        if back:  # to the queue's front, in order
+            with self.cond:
+                self.pending.extendleft(reversed(back))
+                self.metrics.waiting.set(len(self.pending))
         self._add(joining)
         self._set_running()
         if self.dec.seqs:
             self._step()
         self._set_running()
 
-    def _prefill_chunk(self, job: Job) -> str:
-        """Chunked prefill: while requests run, the next chunk of a prompt longer than what is
-        written plus a chunk, between their rounds. "chunked" (the job joins later), "failed",
-        or "join" (it joins now, as any other)."""
+    def _wants_chunks(self, job: Job) -> bool:
+        """Whether the job's prompt, joining now, would prefill more than a chunk while requests
+        run (chunked prefill)."""
         seq = job.seq
-        if not (self.chunk and self.dec.seqs and self.dec.free_rows and not job.cancelled
-                and seq.prompt_logprobs is None  # scored prompts prefill whole (every state)
-                and self.dec.rows.left_to_prefill(seq) > self.chunk):
+        return bool(self.chunk and self.dec.seqs and not job.cancelled
+                    and seq.prompt_logprobs is None  # scored prompts prefill whole (every state)
+                    and self.dec.rows.left_to_prefill(seq) > self.chunk)
+
+    def _prefill_chunk(self, job: Job, room: int) -> str:
+        """Chunked prefill: while requests run, the next chunk of a prompt longer than what is
+        written plus a chunk, between their rounds, into a free row (room: the free rows that
+        the joins before it leave). "chunked" (the job joins later), "failed", or "join" (it
+        joins now, as any other)."""
+        seq = job.seq
+        if not (room > 0 and self._wants_chunks(job)):
             return "join"
         if not self._admissible(job):
             return "failed"

@@ -1100,6 +1100,82 @@ def test_joining_requests_share_one_prefill_and_a_failing_one_fails_alone():
     assert joined[:2] == [1, 1] and outcomes == ["def", "error", "fgh"]
 
 
+class FakeChunkingDecoder(FakeDecoder):
+    """FakeDecoder with chunked prefill: a prompt's chunks counted per sequence; `log` records
+    the chunks and joins in order."""
+
+    def __init__(self, max_batch: int = 3):
+        super().__init__(max_batch)
+        self.rows, self.written, self.log = self, {}, []
+
+    def left_to_prefill(self, seq: Sequence_) -> int:
+        return len(seq.prompt) - self.written.get(id(seq), 0)
+
+    def prefill_chunk(self, seq: Sequence_, size: int) -> int:
+        self.written[id(seq)] = self.written.get(id(seq), 0) + size
+        self.log.append(("chunk", seq.prompt[0]))
+        return self.written[id(seq)]
+
+    def add_many(self, seqs: list[Sequence_]) -> None:
+        self.log += [("join", s.prompt[0]) for s in seqs]
+        super().add_many(seqs)
+
+    def step(self):
+        time.sleep(0.001)  # a round takes time: the running request outlasts the others' arrival
+        return super().step()
+
+
+def test_short_prompts_join_past_a_prompt_prefilled_in_chunks():
+    """Chunked prefill: while a long prompt is written a chunk between rounds, a short prompt
+    queued behind it joins at once (it need not wait for every chunk), a second long one waits
+    for the first's join, and the chunked prompt's row is left free for it (joins stop a row
+    short). Every request answers."""
+    from eagle_infer.server import Engine, Job, Metrics
+
+    async def serve() -> tuple[FakeChunkingDecoder, list[str]]:
+        dec = FakeChunkingDecoder(max_batch=3)
+        engine = Engine(dec, FakeTokenizer(), Metrics(1), speculative=True, prefix_caching=True,
+                        chunked_prefill_size=4)
+        loop = asyncio.get_running_loop()
+
+        def job(prompt: list[int], n: int) -> Job:
+            return Job(prompt, SamplingParams(), n, [], {999}, FakeTokenizer(), loop)
+
+        running = job([1, 2], 100_000)  # cancelled at the end
+        engine.submit(running)
+        engine.start()
+        await asyncio.wait_for(running.events.get(), 10)  # decoding
+        jobs = [job([20] + [5] * 12, 3), job([30, 3], 3), job([40] + [5] * 12, 3), job([50, 3], 3)]
+        for j in jobs:
+            engine.submit(j)
+        texts = []
+        try:
+            for j in jobs:
+                text = ""
+                while True:
+                    event = await asyncio.wait_for(j.events.get(), 10)
+                    text += event.get("delta", "")
+                    if "finish_reason" in event or "error" in event:
+                        break
+                texts.append(text)
+            assert not running.finished
+            engine.cancel(running)
+        finally:
+            engine.stop()
+        return dec, texts
+
+    dec, texts = asyncio.run(serve())
+    log = dec.log
+    assert all(texts[:4]), texts
+    # the short 30 joins after the long 20's first chunk, before its join; the long 40 is chunked
+    # only after 20's last chunk (as 20 joins) and joins after it; the short 50 joins before 40
+    last_chunk_20 = len(log) - 1 - log[::-1].index(("chunk", 20))
+    assert log.index(("chunk", 20)) < log.index(("join", 30)) < log.index(("join", 20)), log
+    assert last_chunk_20 < log.index(("chunk", 40)) < log.index(("join", 40)), log
+    assert log.index(("join", 20)) < log.index(("join", 40)) and log.count(("chunk", 40)) == 3, log
+    assert log.index(("join", 50)) < log.index(("join", 40)), log
+
+
 def test_a_waiting_request_cancelled_reaches_the_decoder_and_never_joins():
     """A request cancelled while it waits is dropped from the queue and handed to the decoder's
     cancel too (a prompt prefilled in chunks holds a pinned row until its request goes); the
