@@ -321,6 +321,7 @@ def top_p_probs(probs: Tensor, top_p: float) -> Tensor:
     kept = torch.where(vals.cumsum(-1) - vals < top_p, vals, 0.0)
     return out.index_put_((rows[:, None], idx), kept / kept.sum(-1, keepdim=True))
 
+
 def sample(probs: Tensor,
            generator: torch.Generator | Sequence[torch.Generator | None] | None = None) -> Tensor:
     """probs [N, V] (rows need not sum to 1) -> token ids [N].

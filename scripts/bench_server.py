@@ -63,6 +63,9 @@ def mtbench_prompts(path: str | None = None, turn: int = 0) -> list[str]:
     return [r["turns"][turn] if "turns" in r else r["prompt"] for r in records]
 
 
+SHORT_PROMPT = 256  # prompt tokens: streamed rows of mixed prompts report TTFT apart either side
+
+
 def percentile(xs: list[float], q: float) -> float:
     """Linear-interpolated q-th percentile (0..100)."""
     if not xs:
@@ -353,6 +356,12 @@ def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency
     }
     if stream:
         row |= latency_stats(ok)
+        # prompts of both kinds (--prompts of mixed lengths): a short one's wait behind long ones
+        short = [r for r in ok if r["prompt_tokens"] <= SHORT_PROMPT]
+        if 0 < len(short) < len(ok):
+            row |= {f"short_prompt_{k}": v for k, v in latency_stats(short).items() if "ttft" in k}
+            long = [r for r in ok if r["prompt_tokens"] > SHORT_PROMPT]
+            row |= {f"long_prompt_{k}": v for k, v in latency_stats(long).items() if "ttft" in k}
     if second_turns:
         row |= turn_stats(results, stream)
     if direct is not None:
