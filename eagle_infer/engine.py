@@ -120,7 +120,7 @@ class PlainDecoder:
         row, done = self.rows.chunk_row(seq)
         end = done + size
         prefill(self.target, [seq.prompt[:end]], row0=row, kv_len=kv_len_for(end, self.max_seq_len),
-                max_new_tokens=[len(seq.prompt) - end + seq.max_new_tokens], start=[done])
+                max_new_tokens=[len(seq.prompt) - end + seq.max_new_tokens], start=[done], logits=False)
         self.rows.chunk_done(seq, row, end)
         return end
 

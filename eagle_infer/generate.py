@@ -98,11 +98,13 @@ def join_groups(lengths: Sequence[int], max_padding: float = 0.1, max_rows: int 
 def prefill(model: Transformer, prompts: Sequence[Sequence[int]], hidden_layers: Sequence[int] = (),
             row0: int = 0, kv_len: int | None = None,
             max_new_tokens: Sequence[int] | None = None,
-            start: Sequence[int] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            start: Sequence[int] | None = None,
+            logits: bool = True) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """Write the prompts (right-padded) into cache rows row0, row0+1, ...; logits [B, V] at each
-    last token, and the requested hidden states [B, T, H] at every position written. max_new_tokens:
-    how many tokens each sequence may add (Transformer.start_rows; None: none). start: slots each
-    row already holds (a prefix taken over, prefix_cache): its prompt is written from there.
+    last token (None without `logits`: a chunk of a prompt, chunked prefill), and the requested
+    hidden states [B, T, H] at every position written. max_new_tokens: how many tokens each
+    sequence may add (Transformer.start_rows; None: none). start: slots each row already holds (a
+    prefix taken over, prefix_cache): its prompt is written from there.
 
     Padding tokens land in slots beyond each prompt, where no later query looks, and are
     overwritten by the first generated tokens.
@@ -116,7 +118,8 @@ def prefill(model: Transformer, prompts: Sequence[Sequence[int]], hidden_layers:
     for i, (p, f) in enumerate(zip(prompts, first)):
         tokens[i, : new[i]] = torch.tensor(p[f:], dtype=torch.long)
     max_lens = lens + torch.tensor(max_new_tokens or [0] * B, device=dev)
-    return forward_padded(model, tokens, torch.tensor(new, device=dev), hidden_layers, row0, kv_len, max_lens,
+    counts = torch.tensor(new, device=dev) if logits else None  # forward_padded's lens: logits at their ends
+    return forward_padded(model, tokens, counts, hidden_layers, row0, kv_len, max_lens,
                           torch.tensor(first, device=dev) if any(first) else None)
 
 

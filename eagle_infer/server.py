@@ -441,29 +441,28 @@ class Engine:
                 log.exception("cancel failed")
                 self._fail_running("internal engine error")
         self._set_running()
-        # In queue order: the first prompt long enough for chunked prefill gets a chunk written
-        # (it joins with its last one); later long ones wait behind it, and short ones join now,
-        # leaving its pinned row free (SGLang mixes short prefills with a chunked one too).
-        joining, back, chunking = [], [], False
+        # In queue order: short prompts join now; the first prompt long enough for chunked
+        # prefill gets its next chunk written after their joins (it joins with its last one),
+        # into a row they leave free; later long ones wait behind it (SGLang mixes short
+        # prefills with a chunked one too).
+        joining, back, chunked = [], [], None
         for job in admit:
-            if len(joining) >= self.dec.free_rows - chunking:  # (a cancel had not freed a row)
+            if len(joining) >= self.dec.free_rows - (chunked is not None):  # no row (a cancel freed none)
                 back.append(job)
+            elif not self._admissible(job):
                 continue
-            state = "join"
-            if not chunking:
-                state = self._prefill_chunk(job, room=self.dec.free_rows - len(joining))
-                chunking = state == "chunked"
             elif self._wants_chunks(job):
-                state = "chunked"
-            if state == "chunked":
                 back.append(job)
-            elif state == "join" and self._admissible(job):
+                chunked = chunked or job
+            else:
                 joining.append(job)
         if back:  # to the queue's front, in order
             with self.cond:
                 self.pending.extendleft(reversed(back))
                 self.metrics.waiting.set(len(self.pending))
         self._add(joining)
+        if chunked is not None:
+            self._prefill_chunk(chunked)
         self._set_running()
         if self.dec.seqs:
             self._step()
@@ -477,24 +476,19 @@ class Engine:
                     and seq.prompt_logprobs is None  # scored prompts prefill whole (every state)
                     and self.dec.rows.left_to_prefill(seq) > self.chunk)
 
-    def _prefill_chunk(self, job: Job, room: int) -> str:
-        """Chunked prefill: while requests run, the next chunk of a prompt longer than what is
-        written plus a chunk, between their rounds, into a free row (room: the free rows that
-        the joins before it leave). "chunked" (the job joins later), "failed", or "join" (it
-        joins now, as any other)."""
-        seq = job.seq
-        if not (room > 0 and self._wants_chunks(job)):
-            return "join"
-        if not self._admissible(job):
-            return "failed"
+    def _prefill_chunk(self, job: Job) -> None:
+        """Chunked prefill: the next chunk of the job's prompt, between rounds, into a free row;
+        the job waits in the queue to join with its last one. A failure fails the job alone."""
         try:
-            done = self.dec.prefill_chunk(seq, self.chunk)
-            log.debug("chunked prefill: %d of %d prompt tokens", done, len(seq.prompt))
+            done = self.dec.prefill_chunk(job.seq, self.chunk)
+            log.debug("chunked prefill: %d of %d prompt tokens", done, len(job.seq.prompt))
         except Exception as e:
             log.exception("chunked prefill failed")
+            with self.cond:
+                if job in self.pending:
+                    self.pending.remove(job)
+                    self.metrics.waiting.set(len(self.pending))
             job.fail(engine_error(f"prefill failed: {type(e).__name__}: {e}"))
-            return "failed"
-        return "chunked"
 
     def _admissible(self, job: Job) -> bool:
         if job.cancelled:

@@ -816,7 +816,8 @@ class SpecDecoder:
         end = done + size
         kv = self.kv_len(end)
         _, hidden = prefill(self.target, [seq.prompt[:end]], self.layers, row0=row, kv_len=kv,
-                            max_new_tokens=[len(seq.prompt) - end + seq.max_new_tokens], start=[done])
+                            max_new_tokens=[len(seq.prompt) - end + seq.max_new_tokens], start=[done],
+                            logits=False)
         nxt = torch.tensor([seq.prompt[done + 1:end + 1]], device=self.device)
         first = torch.tensor([done], device=self.device)
         self._draft_extend(row, nxt, self.head.project(hidden), first, first.new_tensor([size]), kv)

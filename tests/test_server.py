@@ -1127,9 +1127,9 @@ class FakeChunkingDecoder(FakeDecoder):
 
 def test_short_prompts_join_past_a_prompt_prefilled_in_chunks():
     """Chunked prefill: while a long prompt is written a chunk between rounds, a short prompt
-    queued behind it joins at once (it need not wait for every chunk), a second long one waits
-    for the first's join, and the chunked prompt's row is left free for it (joins stop a row
-    short). Every request answers."""
+    queued behind it joins at once (before the iteration's chunk; it need not wait for every
+    chunk), a second long one waits for the first's join, and the chunked prompt's row is left
+    free for it (joins stop a row short). Every request answers."""
     from eagle_infer.server import Engine, Job, Metrics
 
     async def serve() -> tuple[FakeChunkingDecoder, list[str]]:
@@ -1167,13 +1167,14 @@ def test_short_prompts_join_past_a_prompt_prefilled_in_chunks():
     dec, texts = asyncio.run(serve())
     log = dec.log
     assert all(texts[:4]), texts
-    # the short 30 joins after the long 20's first chunk, before its join; the long 40 is chunked
-    # only after 20's last chunk (as 20 joins) and joins after it; the short 50 joins before 40
+    # the short 30 joins before the long 20's chunks are done (a FIFO queue held it behind 20's
+    # join); the long 40 is chunked only after 20's last chunk and joins after it; the short 50
+    # joins before 40 does
     last_chunk_20 = len(log) - 1 - log[::-1].index(("chunk", 20))
-    assert log.index(("chunk", 20)) < log.index(("join", 30)) < log.index(("join", 20)), log
+    assert log.index(("join", 30)) < last_chunk_20 < log.index(("join", 20)), log
     assert last_chunk_20 < log.index(("chunk", 40)) < log.index(("join", 40)), log
     assert log.index(("join", 20)) < log.index(("join", 40)) and log.count(("chunk", 40)) == 3, log
-    assert log.index(("join", 50)) < log.index(("join", 40)), log
+    assert log.count(("chunk", 20)) == 3 and log.index(("join", 50)) < log.index(("join", 40)), log
 
 
 def test_a_waiting_request_cancelled_reaches_the_decoder_and_never_joins():
