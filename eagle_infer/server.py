@@ -445,13 +445,16 @@ class Engine:
         # prefill gets its next chunk written after their joins (it joins with its last one),
         # into a row they leave free; later long ones wait behind it (SGLang mixes short
         # prefills with a chunked one too).
+        # A long prompt is chunked while requests run, or join now beside it: with nothing else,
+        # it joins whole.
+        busy = bool(self.dec.seqs) or any(not self._wants_chunks(job, True) for job in admit)
         joining, back, chunked = [], [], None
         for job in admit:
             if len(joining) >= self.dec.free_rows - (chunked is not None):  # no row (a cancel freed none)
                 back.append(job)
             elif not self._admissible(job):
                 continue
-            elif self._wants_chunks(job):
+            elif self._wants_chunks(job, busy):
                 back.append(job)
                 chunked = chunked or job
             else:
@@ -468,11 +471,11 @@ class Engine:
             self._step()
         self._set_running()
 
-    def _wants_chunks(self, job: Job) -> bool:
+    def _wants_chunks(self, job: Job, busy: bool) -> bool:
         """Whether the job's prompt, joining now, would prefill more than a chunk while requests
-        run (chunked prefill)."""
+        run (busy: chunked prefill)."""
         seq = job.seq
-        return bool(self.chunk and self.dec.seqs and not job.cancelled
+        return bool(self.chunk and busy and not job.cancelled
                     and seq.prompt_logprobs is None  # scored prompts prefill whole (every state)
                     and self.dec.rows.left_to_prefill(seq) > self.chunk)
 

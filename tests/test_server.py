@@ -1177,6 +1177,35 @@ def test_short_prompts_join_past_a_prompt_prefilled_in_chunks():
     assert log.count(("chunk", 20)) == 3 and log.index(("join", 50)) < log.index(("join", 40)), log
 
 
+def test_a_long_prompt_arriving_with_short_ones_is_chunked_while_they_decode():
+    """With nothing running, a long prompt and short ones arriving together: the short ones join
+    at once and the long one is written in chunks while they decode (it joined whole with them
+    before, their first tokens waiting for its prefill); a long prompt alone joins whole."""
+    from eagle_infer.server import Engine, Job, Metrics
+
+    async def serve(prompts: list[list[int]]) -> list[tuple[str, int]]:
+        dec = FakeChunkingDecoder(max_batch=3)
+        engine = Engine(dec, FakeTokenizer(), Metrics(1), speculative=True, prefix_caching=True,
+                        chunked_prefill_size=4)
+        loop = asyncio.get_running_loop()
+        jobs = [Job(p, SamplingParams(), 3, [], {999}, FakeTokenizer(), loop) for p in prompts]
+        for job in jobs:  # queued before the engine starts: admitted together
+            engine.submit(job)
+        engine.start()
+        try:
+            for job in jobs:
+                while "finish_reason" not in await asyncio.wait_for(job.events.get(), 10):
+                    pass
+        finally:
+            engine.stop()
+        return dec.log
+
+    log = asyncio.run(serve([[60] + [5] * 12, [70, 3]]))
+    assert log[0] == ("join", 70) and log.count(("chunk", 60)) >= 1, log
+    assert log.index(("chunk", 60)) < log.index(("join", 60)), log
+    assert asyncio.run(serve([[60] + [5] * 12])) == [("join", 60)]
+
+
 def test_a_waiting_request_cancelled_reaches_the_decoder_and_never_joins():
     """A request cancelled while it waits is dropped from the queue and handed to the decoder's
     cancel too (a prompt prefilled in chunks holds a pinned row until its request goes); the
