@@ -444,9 +444,8 @@ class Engine:
         # In queue order: short prompts join now; the first prompt long enough for chunked
         # prefill gets its next chunk written after their joins (it joins with its last one),
         # into a row they leave free; later long ones wait behind it (SGLang mixes short
-        # prefills with a chunked one too).
-        # A long prompt is chunked while requests run, or join now beside it: with nothing else,
-        # it joins whole.
+        # prefills with a chunked one too). Chunks only while requests run or others join
+        # beside it: a long prompt alone joins whole.
         busy = bool(self.dec.seqs) or any(not self._wants_chunks(job, True) for job in admit)
         joining, back, chunked = [], [], None
         for job in admit:
