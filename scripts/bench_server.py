@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 import sys
 import time
 from collections.abc import Callable
@@ -64,6 +66,21 @@ def mtbench_prompts(path: str | None = None, turn: int = 0) -> list[str]:
 
 
 SHORT_PROMPT = 256  # prompt tokens: streamed rows of mixed prompts report TTFT apart either side
+
+
+def arrival_offsets(n: int, rate: float, seed: int = 0) -> list[float]:
+    """Seconds from the start at which n requests arrive at `rate` a second on average: a
+    seeded Poisson process (exponential gaps, as vLLM's benchmark_serving --request-rate), the
+    first at 0; inf: all at 0."""
+    if rate <= 0:
+        raise ValueError(f"--request-rate must be > 0, got {rate}")
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    out = [0.0]
+    for _ in range(n - 1):
+        out.append(out[-1] + rng.expovariate(rate))
+    return out
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -288,14 +305,17 @@ def alternate(http: httpx.Client, url: str, bodies: list[dict[str, Any]],
 def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency: int, n_requests: int,
               max_tokens: int, ignore_eos: bool, timeout: float,
               direct: DirectDecode | None = None, stream: bool = False, temperature: float = 0.0,
-              top_p: float = 1.0, second_turns: list[str] | None = None) -> dict[str, Any]:
+              top_p: float = 1.0, second_turns: list[str] | None = None,
+              request_rate: float = math.inf) -> dict[str, Any]:
     """One concurrency level; with `direct` (concurrency 1), each request also decoded in this
     process, alternating with the server (`alternate`): the server's tokens/s over the time of its
     requests alone, the direct side's beside it (`direct_tok_per_s`, `server_vs_direct`).
     stream: the requests stream, and the row has TTFT, TPOT and ITL (latency_stats). temperature
     > 0: requests sampled with it and top_p, request i seeded with i (sampling_fields).
     second_turns (--multi-turn): each request is a conversation of two turns (one_conversation),
-    the row has each turn's prompt, cached tokens, latency and TTFT (turn_stats)."""
+    the row has each turn's prompt, cached tokens, latency and TTFT (turn_stats). request_rate:
+    requests sent at these many a second on average (Poisson arrivals, arrival_offsets), at most
+    `concurrency` in flight; inf: each client sends its next request when its last one ends."""
     limits = httpx.Limits(max_connections=concurrency + 1)
     with httpx.Client(headers=headers, timeout=timeout, limits=limits) as http:
         model = http.get(url + "/v1/models").json()["data"][0]["id"]  # vLLM names it in requests
@@ -329,8 +349,14 @@ def run_level(url: str, headers: dict[str, str], prompts: list[str], concurrency
                 results = [r for conv in convs for r in conv]
             wall = time.perf_counter() - t0
         else:
+            offsets = arrival_offsets(len(bodies), request_rate)
+
+            def send(i: int) -> dict[str, Any]:
+                time.sleep(max(0.0, t0 + offsets[i] - time.perf_counter()))
+                return one_request(http, url, bodies[i])
+
             with ThreadPoolExecutor(concurrency) as pool:
-                results = list(pool.map(lambda b: one_request(http, url, b), bodies))
+                results = list(pool.map(send, range(len(bodies))))
             wall = time.perf_counter() - t0
         drafts, accepted = (a - b for a, b in zip(spec_counters(http, url), before))
     ok = [r for r in results if "error" not in r]
@@ -409,6 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature (request i seeded with i); 0 = greedy")
     ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature")
+    ap.add_argument("--request-rate", type=float, default=None,
+                    help="requests a second, Poisson arrivals (vLLM benchmark_serving's flag), at most "
+                         "--concurrency in flight; default: each client sends on when its request ends")
     ap.add_argument("--shared-prefix", default=None, metavar="FILE",
                     help="a text every first turn starts with (a document the questions are about, a long "
                          "system prompt: what a prefix cache serves); the rows add cached tokens")
@@ -495,6 +524,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("error: --direct needs concurrency 1 and a server this script starts (modes spec, none)")
     if args.direct and args.multi_turn:
         sys.exit("error: --direct decodes single requests, not --multi-turn conversations")
+    if args.request_rate is not None and (args.direct or args.multi_turn or args.request_rate <= 0):
+        sys.exit("error: --request-rate is a rate > 0 of single requests (not --direct, --multi-turn)")
 
     def bench(mode: str, url: str) -> None:
         direct = None
@@ -504,7 +535,7 @@ def main(argv: list[str] | None = None) -> None:
             row = {"mode": mode} | run_level(url, headers, prompts, c, max(args.num_requests, c),
                                              args.max_tokens, not args.stop_at_eos, args.timeout,
                                              direct if c == 1 else None, args.stream, args.temperature,
-                                             args.top_p, second_turns)
+                                             args.top_p, second_turns, args.request_rate or math.inf)
             beside = (f", direct {row['direct_tok_per_s']} tok/s ({row['server_vs_direct']}x)"
                       if "direct_tok_per_s" in row else "")
             print(f"{mode} c={c}: {row['output_tok_per_s']} tok/s, p50 {row['latency_p50_s']} s, "

@@ -798,6 +798,30 @@ def test_bench_server_multi_turn_sends_each_answer_back_with_the_next_turn(serve
         "--disable-radix-cache"]
 
 
+def test_bench_server_request_rate_and_ttft_by_prompt_length(server):
+    """scripts/bench_server.py --request-rate: requests arrive at seeded Poisson times (the first
+    at once, exponential gaps averaging 1 / rate; inf: all at once), so the level lasts at least
+    until the last arrival; streamed rows of prompts both under and over 256 tokens report
+    their TTFT apart."""
+    import math
+    import statistics
+
+    bs = load_script("bench_server")
+    offsets = bs.arrival_offsets(2000, 4.0)
+    assert offsets[0] == 0.0 and offsets == sorted(offsets) and offsets == bs.arrival_offsets(2000, 4.0)
+    assert abs(statistics.mean(b - a for a, b in zip(offsets, offsets[1:])) - 0.25) < 0.02
+    assert bs.arrival_offsets(3, math.inf) == [0.0] * 3 and bs.arrival_offsets(3, 4.0, seed=1) != offsets[:3]
+    long = "Tell me about the river. " + " ".join(f"On day {i} the river rose by {i} inches."
+                                                  for i in range(30))
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    row = bs.run_level(server.url, headers, [long, "Name a color."], 2, 4, 4, True, 300, stream=True,
+                       request_rate=4.0)
+    assert row["errors"] == 0 and row["wall_s"] >= bs.arrival_offsets(4, 4.0)[-1], row
+    assert row["short_prompt_median_ttft_ms"] > 0 and row["long_prompt_median_ttft_ms"] > 0, row
+    with pytest.raises(SystemExit, match="request-rate"):
+        bs.main(["--request-rate", "2", "--multi-turn"])
+
+
 def test_sigterm_exits_cleanly(server):
     # Runs last: it stops the shared server.
     t0 = time.time()
