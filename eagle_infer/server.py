@@ -446,14 +446,15 @@ class Engine:
         # into a row they leave free; later long ones wait behind it (SGLang mixes short
         # prefills with a chunked one too). Chunks only while requests run or others join
         # beside it: a long prompt alone joins whole.
-        busy = bool(self.dec.seqs) or any(not self._wants_chunks(job, True) for job in admit)
+        long = [self._long(job) for job in admit]
+        busy = bool(self.dec.seqs) or not all(long)
         joining, back, chunked = [], [], None
-        for job in admit:
+        for job, is_long in zip(admit, long):
             if len(joining) >= self.dec.free_rows - (chunked is not None):  # no row (a cancel freed none)
                 back.append(job)
             elif not self._admissible(job):
                 continue
-            elif self._wants_chunks(job, busy):
+            elif is_long and busy:
                 back.append(job)
                 chunked = chunked or job
             else:
@@ -470,11 +471,11 @@ class Engine:
             self._step()
         self._set_running()
 
-    def _wants_chunks(self, job: Job, busy: bool) -> bool:
-        """Whether the job's prompt, joining now, would prefill more than a chunk while requests
-        run (busy: chunked prefill)."""
+    def _long(self, job: Job) -> bool:
+        """Whether the job's prompt, joining now, would prefill more than a chunk (chunked
+        prefill, while requests run)."""
         seq = job.seq
-        return bool(self.chunk and busy and not job.cancelled
+        return bool(self.chunk and not job.cancelled
                     and seq.prompt_logprobs is None  # scored prompts prefill whole (every state)
                     and self.dec.rows.left_to_prefill(seq) > self.chunk)
 

@@ -311,12 +311,16 @@ class RowTable:
             rows[r] = self.prefix.held_by(s.prompt + s.output, s.cached, s.pending)
         return rows
 
+    def _best(self, seq: Sequence_) -> tuple[int | None, int]:
+        """The row whose prefix seq would take over if it joined now, and its length ((None, 0):
+        none, no prefix cache, or a prompt scored for logprobs, which needs every state)."""
+        if self.prefix is None or seq.prompt_logprobs is not None:
+            return None, 0
+        return self.prefix.best(seq.prompt, self._sources(len(self.seqs)), prefix_row_ok(self.models[0], seq))
+
     def prefix_hint(self, seq: Sequence_) -> int:
         """The prefix seq would take over if it joined now (0: none, or no prefix cache)."""
-        if self.prefix is None or seq.prompt_logprobs is not None:  # prompt logprobs need every state
-            return 0
-        row_ok = prefix_row_ok(self.models[0], seq)
-        return self.prefix.best(seq.prompt, self._sources(len(self.seqs)), row_ok)[1]
+        return self._best(seq)[1]
 
     def claim(self, seqs: Sequence[Sequence_], reuse: bool = False) -> list[int]:
         """The rows from next_row() on for sequences about to be prefilled there. With reuse, a
@@ -328,9 +332,8 @@ class RowTable:
         if self.prefix is None:
             return starts
         held, src = self.prefix.held, None
-        if reuse and len(seqs) == 1 and seqs[0].prompt_logprobs is None:
-            src, starts[0] = self.prefix.best(seqs[0].prompt, self._sources(row0),
-                                              prefix_row_ok(self.models[0], seqs[0]))
+        if reuse and len(seqs) == 1:
+            src, starts[0] = self._best(seqs[0])
         # its own chunks (chunked prefill) are not a hit of the prefix cache
         own = src is not None and src >= row0 and held[src] is seqs[0].partial
         if src is not None and src > row0:  # a free row's: swap it in, keeping what row0 held

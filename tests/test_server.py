@@ -889,6 +889,18 @@ class FakeDecoder:
         seq.done = True
 
 
+async def job_text(job) -> str:
+    """A Job's answer from its events up to its last: the text, or "error" if it failed."""
+    text = ""
+    while True:
+        event = await asyncio.wait_for(job.events.get(), 10)
+        if "error" in event:
+            return "error"
+        text += event["delta"]
+        if "finish_reason" in event:
+            return text
+
+
 def fake_app():
     from eagle_infer.server import Engine, Metrics, ServerConfig, create_app
 
@@ -1100,19 +1112,8 @@ def test_joining_requests_share_one_prefill_and_a_failing_one_fails_alone():
         for job in jobs:  # all queued before the engine starts: they join in its first iteration
             engine.submit(job)
         engine.start()
-        outcomes = []
         try:
-            for job in jobs:
-                text = ""
-                while True:
-                    event = await asyncio.wait_for(job.events.get(), 10)
-                    if "error" in event:
-                        text = "error"
-                        break
-                    text += event["delta"]
-                    if "finish_reason" in event:
-                        break
-                outcomes.append(text)
+            outcomes = [await job_text(job) for job in jobs]
         finally:
             engine.stop()
         return dec.joined, outcomes
@@ -1172,16 +1173,8 @@ def test_short_prompts_join_past_a_prompt_prefilled_in_chunks():
         jobs = [job([20] + [5] * 12, 3), job([30, 3], 3), job([40] + [5] * 12, 3), job([50, 3], 3)]
         for j in jobs:
             engine.submit(j)
-        texts = []
         try:
-            for j in jobs:
-                text = ""
-                while True:
-                    event = await asyncio.wait_for(j.events.get(), 10)
-                    text += event.get("delta", "")
-                    if "finish_reason" in event or "error" in event:
-                        break
-                texts.append(text)
+            texts = [await job_text(j) for j in jobs]
             assert not running.finished
             engine.cancel(running)
         finally:
@@ -1190,7 +1183,7 @@ def test_short_prompts_join_past_a_prompt_prefilled_in_chunks():
 
     dec, texts = asyncio.run(serve())
     log = dec.log
-    assert all(texts[:4]), texts
+    assert all(texts) and "error" not in texts, texts
     # the short 30 joins before the long 20's chunks are done (a FIFO queue held it behind 20's
     # join); the long 40 is chunked only after 20's last chunk and joins after it; the short 50
     # joins before 40 does
@@ -1217,9 +1210,7 @@ def test_a_long_prompt_arriving_with_short_ones_is_chunked_while_they_decode():
             engine.submit(job)
         engine.start()
         try:
-            for job in jobs:
-                while "finish_reason" not in await asyncio.wait_for(job.events.get(), 10):
-                    pass
+            assert "error" not in [await job_text(job) for job in jobs]
         finally:
             engine.stop()
         return dec.log
@@ -1246,13 +1237,8 @@ def test_a_waiting_request_cancelled_reaches_the_decoder_and_never_joins():
         engine.submit(waiting)
         engine.cancel(waiting)
         engine.start()
-        text = ""
         try:
-            while True:
-                event = await asyncio.wait_for(running.events.get(), 10)
-                text += event["delta"]
-                if "finish_reason" in event:
-                    break
+            text = await job_text(running)
         finally:
             engine.stop()
         return dec, text, waiting
