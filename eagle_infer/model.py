@@ -552,10 +552,10 @@ class KVCache(nn.Module):
     def swap_rows(self, a: int, b: int, n: int) -> None:
         """Exchange the first n slots of two rows (a leaving sequence's row keeps its slots for
         a later prompt that starts the same way: prefix_cache). Three copies through a buffer, a
-        few layers (~4 MB) at a time so that it stays in the caches: 0.8 / 3.8 / 6.7 ms at 300 /
+        few layers (~4 MB) at a time so that it stays in the caches: 0.6 / 3.6 / 6.7 ms at 300 /
         1,000 / 2,048 slots of the default target's bf16 cache, where an index_put of both rows
-        (head[:, :, [a, b]] = head[:, :, [b, a]]) took 3.1 / 23 / 44 and one buffer for all
-        layers 0.4 / 3.4 / 20 (scripts/probe_kv_rows.py, Zen 4)."""
+        (head[:, :, [a, b]] = head[:, :, [b, a]]) took 2.5 / 22 / 44 (scripts/probe_kv_rows.py,
+        Zen 4); one buffer for all layers at once took ~20 ms at 2,048 slots (an ad hoc probe)."""
         head = self.kv.narrow(4, 0, n)
         step = max(1, SWAP_BYTES // (head[0, :, a].numel() * head.element_size()))
         for layers in head.split(step):

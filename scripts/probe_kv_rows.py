@@ -1,8 +1,8 @@
 """What moving cache rows costs: a sequence that leaves a batch gives its row to the last one
 (RowTable.remove: `KVCache.copy_prefix` of the used slots without the prefix cache, `swap_rows`
-with it). Times each on a cache shaped like a target's (the default target's by default, bf16),
-for a few used lengths, beside the ways they replaced: a whole row's copy and an index_put of
-both rows at once.
+with it). Times each (the median of --reps calls) on a cache shaped like a target's (the
+default target's by default, bf16), for a few used lengths, beside the ways they replaced: a
+whole row's copy and an index_put of both rows at once.
 
     python scripts/probe_kv_rows.py --slots 300 1000 2048 --json results/x.json
 """
@@ -11,23 +11,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 
-from eagle_infer.bench import machine_info
+from eagle_infer.bench import machine_info, median_seconds
 from eagle_infer.default_model import resolve_model_path
 from eagle_infer.model import KVCache, ModelConfig
 
 
 def ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t) / reps * 1e3
+    return median_seconds(fn, reps) * 1e3
 
 
 def main() -> None:
