@@ -372,12 +372,14 @@ def attn_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, gqa: bool,
-              causal: bool = False, window: int = 0) -> Tensor:
+              causal: bool = False, window: int = 0, offset: int = 0) -> Tensor:
     """SDPA of q [B, heads, T, D] over keys/values [B, kv_heads, S, D] with mask [B, 1, T, S]
     (bool, or additive in q's dtype). `causal`: the mask is the causal mask of slots 0..T-1 (a
-    prefill from the start, which wrote those slots; right padding is past every real row): on a
-    CPU, a causal kernel over those T slots, which skips the blocks above the diagonal and the
-    slots past T that the mask covers: kernels/avx2_attention's causal_attention while the kernel
+    prefill from the start, which wrote those slots; right padding is past every real row), or
+    with `offset` of slots offset..offset+T-1 past the offset slots every row holds (a chunk of a
+    prompt, or the rest of one past a prefix hit): on a
+    CPU, a causal kernel over those slots, which skips the blocks above the diagonal and the
+    slots past them that the mask covers: kernels/avx2_attention's causal_attention while the kernel
     is enabled (a 1,089-token prefill's attention, 30 layers, bf16, 2-core AMD EPYC Zen 4: 0.30 s
     against SDPA's causal kernel's 0.47-0.54 s), else SDPA's (1.27 s -> 0.6 s against the mask
     over kv_len on a Zen 2); not on CUDA, where SDPA takes enable_gqa in its flash kernel alone (no
@@ -394,8 +396,8 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, gqa: bool,
     if causal and q.device.type == "cpu":
         T = q.shape[2]
         if avx2_attention.causal_applies(q):
-            return torch.ops.eagle.causal_attention(q, keys, values, window)
-        if not window or T <= window:
+            return torch.ops.eagle.causal_attention(q, keys, values, window, offset)
+        if not offset and (not window or T <= window):
             return F.scaled_dot_product_attention(q, keys[:, :, :T], values[:, :, :T], is_causal=True,
                                                   enable_gqa=gqa)
     if avx2_attention.applies(q, mask):
@@ -581,7 +583,8 @@ class StepInputs(NamedTuple):
     write_index: Tensor  # [2 * B * kv_heads * T] (KVCache.write_index)
     row0: int
     kv_len: int
-    causal: bool = False  # bias is the causal mask of slots 0..T-1 (a prefill from the start)
+    causal: bool = False  # bias is the causal mask of slots offset..offset+T-1 (a prefill)
+    offset: int = 0  # with causal: the slots every row holds before its T new ones
     local: tuple[Tensor, Tensor, Tensor] | None = None  # the sliding layers' (cos, sin, bias) (Gemma 3)
     window: int = 0  # every layer's window, which bias holds (ModelConfig.window_everywhere)
 
@@ -625,7 +628,7 @@ class Attention(nn.Module):
             out = softcapped_attention(q.transpose(1, 2), keys, values, bias, self.softcap)
         else:
             # [B, heads, T, D]
-            out = attention(q.transpose(1, 2), keys, values, bias, nkv != nh, s.causal, window)
+            out = attention(q.transpose(1, 2), keys, values, bias, nkv != nh, s.causal, window, s.offset)
         return self.o_proj(out.transpose(1, 2).reshape(B * T, -1))
 
 
@@ -719,7 +722,8 @@ class Transformer(nn.Module):
         hidden_layers: Sequence[int] = (),
         compute_logits: bool = True,
         row0: int = 0,  # batch row b uses cache row row0 + b
-        causal: bool = False,  # mask is the causal mask of slots 0..T-1 (a prefill from the start)
+        causal: bool = False,  # mask is the causal mask of slots offset..offset+T-1 (a prefill)
+        offset: int = 0,  # with causal: the slots every row holds before its T new ones
     ) -> tuple[Tensor | None, list[Tensor]]:
         """Returns logits [B, K, V] (or None) and the hidden states asked for, each [B, T, H]."""
         assert self.cache is not None, "call setup_cache() before forward()"
@@ -742,7 +746,7 @@ class Transformer(nn.Module):
                 if c.local_rope_theta else (cos, sin)
             local = (*local_rope, attn_bias(mask & window, x.dtype))
         s = StepInputs(self.cache, (B, T), cos, sin, attn_bias(mask, x.dtype),
-                       self.cache.write_index(slots, row0), row0, mask.shape[-1], causal, local,
+                       self.cache.write_index(slots, row0), row0, mask.shape[-1], causal, offset, local,
                        every_window)
         wanted = sorted(set(hidden_layers) - {len(self.layers)})
         taps: dict[int, Tensor]

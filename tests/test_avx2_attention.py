@@ -159,14 +159,43 @@ def test_causal_kernel_is_causal_sdpa(T, dtype, D, window):
         torch.testing.assert_close(out.double(), ref.to(dtype).double(), rtol=8e-3, atol=4e-3)
 
 
+@pytest.mark.parametrize("T", [5, 37])
+@pytest.mark.parametrize("offset", [13, 64])  # mid a 16-key tile; on one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 20])
+def test_causal_kernel_past_an_offset_is_masked_sdpa(T, offset, dtype, window):
+    """causal_attention with an offset (a chunk of a prompt past the slots its row holds):
+    position offset + t over slots 0..offset+t (its window's latest), SDPA with that mask, and no
+    slot after offset + T read (NaN there)."""
+    avx2_attention.load()
+    torch.manual_seed(0)
+    B, H, KVH, D = 2, 9, 3, 64
+    q = (2 * torch.randn(B, T, H + 2 * KVH, D)).to(dtype)[:, :, :H].transpose(1, 2)
+    S = offset + T
+    keys, values = cache_views(B, KVH, S + 20, dtype=dtype, D=D)
+    keys[:, :, S:], values[:, :, S:] = float("nan"), float("nan")
+    pos, slot = offset + torch.arange(T), torch.arange(S)
+    seen = (slot[None] <= pos[:, None]) & ((slot[None] > pos[:, None] - window) if window else True)
+    ref = F.scaled_dot_product_attention(q.double(), keys[:, :, :S].double(), values[:, :, :S].double(),
+                                         attn_mask=seen, enable_gqa=True)
+    out = torch.ops.eagle.causal_attention(q, keys, values, window, offset)
+    assert out.shape == (B, H, T, D) and out.transpose(1, 2).is_contiguous()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out.double(), ref.to(dtype).double(), rtol=8e-3, atol=4e-3)
+
+
 def test_causal_kernel_names_bad_input():
     avx2_attention.load()
     keys, values = cache_views(1, 3, 10)
     q = torch.randn(1, 9, 4, 64)
     with pytest.raises(RuntimeError, match="fp32 or bf16 only"):
         torch.ops.eagle.causal_attention(q.double(), keys, values)
-    with pytest.raises(RuntimeError, match="at least T keys"):
+    with pytest.raises(RuntimeError, match="at least offset \\+ T keys"):
         torch.ops.eagle.causal_attention(torch.randn(1, 9, 11, 64), keys, values)
+    with pytest.raises(RuntimeError, match="at least offset \\+ T keys"):
+        torch.ops.eagle.causal_attention(q, keys, values, 0, 7)
     with pytest.raises(RuntimeError, match="heads a multiple of kv heads"):
         torch.ops.eagle.causal_attention(torch.randn(1, 8, 4, 64), keys, values)
     with pytest.raises(RuntimeError, match="head size 64, 128 or 256"):
@@ -197,6 +226,43 @@ def test_prefill_runs_the_causal_kernel_only_while_enabled(attention_kernel_on):
             outs.append(attention(q, keys, values, torch.zeros(1, 1, 30, 40), True, causal=True))
     assert len(calls) == 1  # the first, enabled, call
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_prefill_in_chunks_runs_the_causal_kernel_past_each_offset(attention_kernel_on):
+    """A prompt prefilled in chunks (generate.prefill with start: chunked prefill, a prefix hit's
+    rest) runs each chunk's attention on causal_attention past the slots its row holds (offset),
+    and ends with the logits and cache of a whole prefill."""
+    from eagle_infer.generate import prefill
+
+    cfg = ModelConfig(model_type="llama", vocab_size=96, hidden_size=192, intermediate_size=64,
+                      num_layers=2, num_heads=3, num_kv_heads=1, head_dim=64,
+                      max_position_embeddings=512, eos_token_ids=[])
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval().requires_grad_(False)
+    model.setup_cache(1, 256)
+    prompt = torch.randint(0, 96, (100,)).tolist()
+    whole, _ = prefill(model, [prompt])
+    kv = model.cache.kv[..., :100, :].clone()
+    offsets = []
+    real = torch.ops.eagle.causal_attention
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(torch.ops.eagle, name)
+
+        @staticmethod
+        def causal_attention(q, keys, values, window=0, offset=0):
+            offsets.append(offset)
+            return real(q, keys, values, window, offset)
+
+    model.cache.kv.zero_()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.ops, "eagle", Spy())
+        for start, end in ((0, 40), (40, 80), (80, 100)):
+            logits, _ = prefill(model, [prompt[:end]], start=[start], logits=end == 100)
+    assert offsets == [0] * 2 + [40] * 2 + [80] * 2  # two layers a chunk
+    torch.testing.assert_close(logits, whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.cache.kv[..., :100, :], kv, rtol=1e-5, atol=1e-5)
 
 
 def test_kv_write_runs_in_cpp_once_loaded():

@@ -710,6 +710,8 @@ constexpr int64_t kQBlock = 16;  // query positions a task
 constexpr int64_t kKeyBlock = 8;  // keys a transposed block: one 8-float register a d
 constexpr int64_t kTileRows = 6;  // rows of a score or P V tile: 6 x 2 sums, 2 operands, 1 broadcast
 
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
 // Keys kb*8 .. kb*8+7 of one (batch, kv head), K [S][D] rows `row` apart, as kt [D][8] fp32 (keys
 // past S zero), and the same values' rows as vf [8][D] fp32.
 template <int D, typename KV>
@@ -771,9 +773,11 @@ inline void tile_of(int64_t rows, const float* a, int64_t lda, const float* b0, 
 // first row's first key.
 template <int D, typename KV>
 void causal_task(const KV* q, int64_t q_h, int64_t q_t, const float* kt, const float* vf, int64_t G, int64_t t0,
-                 int64_t t1, int64_t window, KV* out, int64_t out_h, int64_t out_t, std::vector<float>& buf) {
-  const int64_t R = (t1 - t0) * G, ld = t0 + kQBlock;  // scores of keys 0..ld-1 a row (from j0 on)
-  const int64_t j0 = window ? std::max<int64_t>(0, t0 - window + 1) / (2 * kKeyBlock) * (2 * kKeyBlock) : 0;
+                 int64_t t1, int64_t offset, int64_t window, KV* out, int64_t out_h, int64_t out_t,
+                 std::vector<float>& buf) {
+  // scores of keys 0..ld-1 a row (from j0 on); p0: the task's first position
+  const int64_t R = (t1 - t0) * G, p0 = offset + t0, ld = round_up(p0 + kQBlock, 2 * kKeyBlock);
+  const int64_t j0 = window ? std::max<int64_t>(0, p0 - window + 1) / (2 * kKeyBlock) * (2 * kKeyBlock) : 0;
   buf.resize(R * (2 * D + ld + 1));
   float *qs = buf.data(), *o = qs + R * D, *sums = o + R * D, *sc = sums + R;
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
@@ -789,7 +793,7 @@ void causal_task(const KV* q, int64_t q_h, int64_t q_t, const float* kt, const f
   alignas(32) float lanes[8];
   for (int64_t r = 0; r < R; r++) {  // p = exp(s - max) over the row's keys lo..t, 0 around them
     float* s = sc + r * ld;
-    const int64_t n = t0 + r / G + 1, lo = window ? std::max<int64_t>(0, n - window) : 0;
+    const int64_t n = p0 + r / G + 1, lo = window ? std::max<int64_t>(0, n - window) : 0;
     // a block's lanes before lo or past n masked
     auto live = [&](int64_t j) {
       const __m256 l = _mm256_sub_ps(iota, _mm256_set1_ps(static_cast<float>(lo - j)));
@@ -815,7 +819,7 @@ void causal_task(const KV* q, int64_t q_h, int64_t q_t, const float* kt, const f
     std::fill(s + (n + 7) / 8 * 8, s + ld, 0.f);
   }
   for (int64_t r = 0; r < R; r += kTileRows) {
-    const int64_t rows = std::min(kTileRows, R - r), n = t0 + (r + rows - 1) / G + 1;
+    const int64_t rows = std::min(kTileRows, R - r), n = p0 + (r + rows - 1) / G + 1;
     for (int64_t d0 = 0; d0 < D; d0 += 16)  // P V: 16 of d a tile, over keys j0..n
       tile_of(rows, sc + r * ld + j0, ld, vf + j0 * D + d0, vf + j0 * D + d0 + 8, D, n - j0, o + r * D + d0, D);
   }
@@ -827,10 +831,13 @@ void causal_task(const KV* q, int64_t q_h, int64_t q_t, const float* kt, const f
 }
 
 template <typename KV, int D>
-void causal(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t window, at::Tensor& out) {
+void causal(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t offset, int64_t window,
+            at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), KVH = keys.size(1), G = H / KVH;
-  const int64_t qblocks = (T + kQBlock - 1) / kQBlock, blocks = qblocks * kQBlock / kKeyBlock;
-  const int64_t per_head = qblocks * kQBlock * D;
+  // keys widened: up to the last task's ld (causal_task), those past offset + T zero
+  const int64_t qblocks = (T + kQBlock - 1) / kQBlock, S = offset + T;
+  const int64_t blocks = round_up(offset + qblocks * kQBlock, 2 * kKeyBlock) / kKeyBlock;
+  const int64_t per_head = blocks * kKeyBlock * D;
   // every (batch, kv head)'s K (transposed in blocks of 8 keys) and V as fp32, then the tasks
   std::vector<float> kt(B * KVH * per_head), vf(B * KVH * per_head);
   const KV *kp = keys.data_ptr<KV>(), *vp = values.data_ptr<KV>(), *qp = q.data_ptr<KV>();
@@ -839,7 +846,7 @@ void causal(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
     for (int64_t i = begin; i < end; i++) {
       const int64_t bk = i / blocks, kb = i % blocks, off = bk / KVH * keys.stride(0) + bk % KVH * keys.stride(1);
       const int64_t at = bk * per_head + kb * kKeyBlock * D;
-      widen_block<D>(kp + off, vp + off, keys.stride(2), T, kb, kt.data() + at, vf.data() + at);
+      widen_block<D>(kp + off, vp + off, keys.stride(2), S, kb, kt.data() + at, vf.data() + at);
     }
   });
   // tasks from the last query block down (the costliest first), each taken by the next free thread
@@ -851,16 +858,19 @@ void causal(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
       const int64_t qb = qblocks - 1 - i / (B * KVH), bk = i % (B * KVH), b = bk / KVH, h = bk % KVH;
       const int64_t t0 = qb * kQBlock, t1 = std::min(T, t0 + kQBlock);
       causal_task<D>(qp + b * q.stride(0) + h * G * q.stride(1), q.stride(1), q.stride(2),
-                     kt.data() + bk * per_head, vf.data() + bk * per_head, G, t0, t1, window,
+                     kt.data() + bk * per_head, vf.data() + bk * per_head, G, t0, t1, offset, window,
                      op + b * out.stride(0) + h * G * out.stride(1), out.stride(1), out.stride(2), buf);
     }
   });
 }
 
-// q [B, H, T, D] (any strides, rows contiguous), keys / values [B, KVH, S >= T, D] cache views
-// (slots 0..T-1 used) -> out [B, H, T, D], a view of a contiguous [B, T, H, D] (what o_proj reads);
-// D 64, 128 or 256. window > 0: each position sees its `window` latest (a sliding layer's prefill).
-at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t window) {
+// q [B, H, T, D] (any strides, rows contiguous), keys / values [B, KVH, S >= offset + T, D] cache
+// views (slots 0..offset+T-1 used: query t at position offset + t, a chunk's or a prefix hit's
+// prefill past the offset slots a row holds) -> out [B, H, T, D], a view of a contiguous [B, T, H, D]
+// (what o_proj reads); D 64, 128 or 256. window > 0: each position sees its `window` latest (a
+// sliding layer's prefill).
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t window,
+                            int64_t offset) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && keys.scalar_type() == dtype &&
                   values.scalar_type() == dtype,
@@ -869,17 +879,18 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const a
               "causal_attention: q [B, H, T, D], keys / values [B, KVH, S, D]");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), KVH = keys.size(1), D = q.size(3);
   TORCH_CHECK((D == 64 || D == 128 || D == 256) && keys.size(3) == D && values.sizes() == keys.sizes() &&
-                  keys.size(0) == B && KVH > 0 && H % KVH == 0 && keys.size(2) >= T && T > 0,
-              "causal_attention: head size 64, 128 or 256, heads a multiple of kv heads and at least T keys, got q ",
-              q.sizes(), " keys ", keys.sizes(), " values ", values.sizes());
+                  keys.size(0) == B && KVH > 0 && H % KVH == 0 && offset >= 0 && keys.size(2) >= offset + T &&
+                  T > 0,
+              "causal_attention: head size 64, 128 or 256, heads a multiple of kv heads and at least offset + T keys, "
+              "got q ", q.sizes(), " keys ", keys.sizes(), " values ", values.sizes(), " offset ", offset);
   TORCH_CHECK(q.stride(3) == 1 && keys.stride(3) == 1 && values.strides() == keys.strides(),
               "causal_attention: rows must be contiguous and keys and values share strides");
   TORCH_CHECK(window >= 0, "causal_attention: window must be >= 0 (0: none), got ", window);
   at::Tensor out = at::empty({B, T, H, D}, q.options()).transpose(1, 2);
   with_head_size(D, [&](auto d) {
     constexpr int HD = decltype(d)::value;
-    dtype == at::kBFloat16 ? causal<at::BFloat16, HD>(q, keys, values, window, out)
-                           : causal<float, HD>(q, keys, values, window, out);
+    dtype == at::kBFloat16 ? causal<at::BFloat16, HD>(q, keys, values, offset, window, out)
+                           : causal<float, HD>(q, keys, values, offset, window, out);
   });
   return out;
 }
@@ -933,7 +944,7 @@ TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("avx2_attention_split_phase() -> int", &avx2_attention_split_phase);
   m.def("avx2_attention_set_bf16_scores(str mode) -> str", &set_bf16_scores);
   m.def("avx2_attention_bf16_scores() -> str", &bf16_scores);
-  m.def("causal_attention(Tensor q, Tensor keys, Tensor values, int window=0) -> Tensor");
+  m.def("causal_attention(Tensor q, Tensor keys, Tensor values, int window=0, int offset=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(eagle, CPU, m) {
