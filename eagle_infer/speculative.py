@@ -275,17 +275,28 @@ class RowTable:
 
     def chunk_row(self, seq: Sequence_) -> tuple[int, int]:
         """Chunked prefill: the free row holding seq's first prompt tokens and how many; where
-        none does, the last free row (what it held moved aside first, PrefixRows.spare_for), 0."""
+        none does, the last free row, holding the longest prefix of seq's prompt a row holds (a
+        free row's swapped in, an active row's copied, as a join takes one over: a chat's next
+        turn, a shared system prompt) and its length (seq.prefix_hit), else 0 (what the row
+        held moved aside first, PrefixRows.spare_for)."""
         row = self.prefix.row_of(seq.partial)
         if row is not None:
             return row, seq.partial.valid
-        row = self.max_batch - 1
-        if row < len(self.seqs):
+        row, active = self.max_batch - 1, len(self.seqs)
+        if row < active:
             raise RuntimeError("chunked prefill needs a free row: the batch is full")
-        if (spare := self.prefix.spare_for(row, range(len(self.seqs), row))) is not None:
+        src, hit = self._best(seq)
+        if src is not None and src >= active:
+            if src != row:
+                self._swap_free(src, row)
+        elif (spare := self.prefix.spare_for(row, range(active, row))) is not None:
             self._swap_free(row, spare)
+        if src is not None and src < active:
+            for m in self.models:
+                m.cache.copy_prefix(src, row, hit)
         self.prefix.held.pop(row, None)
-        return row, 0
+        seq.prefix_hit = hit
+        return row, hit
 
     def chunk_done(self, seq: Sequence_, row: int, end: int) -> None:
         """Row holds seq's first `end` prompt tokens now (the head's pairs too): pinned for its join."""
@@ -334,7 +345,8 @@ class RowTable:
         held, src = self.prefix.held, None
         if reuse and len(seqs) == 1:
             src, starts[0] = self._best(seqs[0])
-        # its own chunks (chunked prefill) are not a hit of the prefix cache
+        # its own chunks (chunked prefill) are not a hit of the prefix cache, the prefix they
+        # started past is (chunk_row)
         own = src is not None and src >= row0 and held[src] is seqs[0].partial
         if src is not None and src > row0:  # a free row's: swap it in, keeping what row0 held
             self._swap_free(src, row0)
@@ -348,7 +360,7 @@ class RowTable:
                 m.cache.copy_prefix(src, row0, starts[0])
         for i, seq in enumerate(seqs):
             held.pop(row0 + i, None)
-            seq.prefix_hit = 0 if own else starts[i]
+            seq.prefix_hit = seq.prefix_hit if own else starts[i]  # its chunks': where they started
             self.prefix.record(len(seq.prompt), seq.prefix_hit)
         return starts
 

@@ -280,6 +280,42 @@ def test_sequences_arriving_together_with_one_prefix_prefill_it_once(kind):
 
 
 @pytest.mark.parametrize("kind", ["plain", "eagle3"])
+@pytest.mark.parametrize("source", ["free", "active"])
+def test_chunks_start_past_the_prefix_a_row_holds(kind, source):
+    """Chunked prefill of a prompt that starts with what a row holds (a chat's next turn over a
+    chunk long, a shared system prompt): its first chunk starts past that prefix, taken from a
+    free row (swapped into the chunk row) or an active one (copied), and counted as a cache hit;
+    its caches after the join equal a whole prefill's and its output is plain greedy decoding's."""
+    target = tiny_target(layers=2)
+    dec = decoder(kind, target, True, max_batch=3)
+    first = seq(ids(40, 70), 8)
+    if source == "free":
+        run(dec, [first])  # it left: a free row holds its prompt and answer
+    else:
+        dec.add(first)
+        dec.step()  # decoding, its prompt in its row
+    held = dec.rows.prefix_hint(seq(first.prompt + ids(60, 71), 1))
+    assert held >= 30
+    nxt = seq(first.prompt + ids(60, 71), 6)
+    starts = []
+    while dec.rows.left_to_prefill(nxt) > 24:
+        starts.append(dec.rows.prefilled(nxt))
+        dec.prefill_chunk(nxt, 24)
+    assert starts[0] == 0 and dec.rows.prefilled(nxt) == held + 24 * len(starts), starts
+    hits = dec.rows.prefix.hits
+    dec.add(nxt)
+    assert nxt.prefix_hit == held and dec.rows.prefix.hits == hits + held
+    fresh, _ = whole_prefill(dec, nxt.prompt, 6)
+    row = dec.seqs.index(nxt)
+    for ours, ref in zip(caches(dec, row, len(nxt.prompt)), caches(fresh, 0, len(nxt.prompt))):
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    while dec.seqs:
+        dec.step()
+    assert nxt.output == generate(target, [nxt.prompt], 6)[0]
+    assert first.output == generate(target, [first.prompt], 8)[0]
+
+
+@pytest.mark.parametrize("kind", ["plain", "eagle3"])
 def test_a_long_prompt_prefilled_in_chunks_between_rounds_joins_as_if_whole(kind, monkeypatch):
     """Chunked prefill: a long prompt's chunks go into a free row between the rounds of a running
     sequence (which keeps decoding), a join in between moves the row aside, and the prompt then
