@@ -30,7 +30,7 @@ from eagle_infer.generate import (
 )
 from eagle_infer.model import Transformer, causal_mask
 from eagle_infer.prefix_cache import PrefixRows
-from eagle_infer.sampling import SamplingParams, grammar_bitmask
+from eagle_infer.sampling import SamplingParams, grammar_bitmask, graph_settings, step_uniforms
 from eagle_infer.speculative import (
     RowTable,
     Sequence_,
@@ -132,22 +132,28 @@ class PlainDecoder:
             return []
         L = self.L[:B]
         L_max = max(s.cached for s in self.seqs)  # = L.max(), from the host: no read
+        params, gens = [s.params for s in self.seqs], [s.generator for s in self.seqs]
+        # the graph's token is every row's: the argmax (among what each row's grammar allows), or
+        # each row's draw (temperature and min-p alone)
+        argmax = all(p.graph_argmax for p in params)
+        drawn = not argmax and all(p.graph_distribution for p in params)
         if self.compiled_step is not None and batch_bucket(B) <= self.max_bs:
             kv = compiled_kv_len(L_max + 1, self.max_seq_len, self.compiled_step.mode)
             matchers = [s.matcher for s in self.seqs]
             bitmask = grammar_bitmask(matchers, self.target.config.vocab_size, self.device)
-            logits, greedy = self.compiled_step(self.last[:B], L, kv, bitmask)
+            sampling = (*graph_settings(params, self.device), step_uniforms(params, gens, self.device)) \
+                if drawn else None
+            logits, chosen = self.compiled_step(self.last[:B], L, kv, bitmask, sampling)
             logits = logits[:, None]
         else:
             mask = causal_mask(L, 1, kv_len_for(L_max + 1, self.max_seq_len))
             logits, _ = self.target(self.last[:B, None], L[:, None], L[:, None], mask)
-            greedy = None
-        params, gens = [s.params for s in self.seqs], [s.generator for s in self.seqs]
-        if greedy is not None and all(p.graph_argmax for p in params):
-            nxt = greedy  # the graph's argmax, among what each row's grammar allows
-        else:
+            chosen = None
+        if chosen is not None and (argmax or drawn):
+            nxt = chosen
+        else:  # chosen: the argmax, the greedy rows' token
             picked = penalize_seqs(logits, self.seqs)
-            nxt = pick_tokens(picked[:, 0], params, gens, greedy if picked is logits else None)
+            nxt = pick_tokens(picked[:, 0], params, gens, chosen if picked is logits else None)
         self.L[:B] += 1
         self.last[:B] = nxt
         results = []
@@ -164,7 +170,8 @@ def warm_up(dec: PlainDecoder | SpecDecoder) -> list[int]:
     """Compile every batch bucket's graphs before serving: a bucket's first step compiles them
     (tens of seconds a graph on a 2-core CPU), which would otherwise stall the first requests
     that reach it. Runs a 4-token prompt for two tokens at each bucket up to the decoder's
-    max_bs, greedy, sampled at a temperature, then with top-p (a speculative decoder runs a greedy
+    max_bs, greedy, sampled at a temperature, then with top-p (a plain decoder's step at a
+    temperature draws its tokens in a graph of its own; a speculative decoder runs a greedy
     round's verify to catch-up, and the next round's draft phase, as one graph; a round sampled
     at a temperature (and min-p) as one too; one with top-p, top-k or penalties as two, its
     distributions made eagerly between), then resets the

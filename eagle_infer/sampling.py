@@ -340,9 +340,26 @@ def sample(probs: Tensor,
         u = torch.cat([uniforms(1, g) for g in generator])
     else:
         u = uniforms(probs.shape[0], generator)
+    return inverse_cdf(probs, u[:, 0])
+
+
+def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """probs [N, V] (rows need not sum to 1), u [N] uniforms in [0, 1) -> token ids [N]: each
+    row's CDF inverted at its uniform (sample's draw; a compiled step's too, the uniforms drawn
+    before it)."""
     cdf = probs.double().cumsum(-1)  # [N, V]; float64 so 49k small terms add up exactly enough
-    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
-    return idx.squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    idx = torch.searchsorted(cdf, u[:, None].double() * cdf[:, -1:], right=True)
+    return idx[:, 0].clamp(max=probs.shape[-1] - 1)
+
+
+def step_uniforms(params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+                  device: torch.device | str) -> Tensor:
+    """[B] float64: the uniform each sampled row's next token is drawn at, from its own generator
+    (sample's draw, so a seeded row's tokens are the same whether a compiled step or pick_tokens
+    samples it); 0 for greedy rows, which draw none."""
+    return torch.cat([torch.zeros(1, dtype=torch.float64, device=device) if p.greedy else
+                      torch.rand(1, generator=g, device=device, dtype=torch.float64)
+                      for p, g in zip(params, generators)])
 
 
 def next_token(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

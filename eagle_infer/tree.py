@@ -31,7 +31,13 @@ from torch import Tensor
 from eagle_infer.errors import UserError
 from eagle_infer.kernels.tree_accept import fused_accept_greedy, fused_accept_sampling, kernel_available
 from eagle_infer.model import build_attn_mask
-from eagle_infer.sampling import SamplingParams, greedy_tokens, logits_to_probs, masked_greedy_tokens
+from eagle_infer.sampling import (
+    SamplingParams,
+    greedy_tokens,
+    inverse_cdf,
+    logits_to_probs,
+    masked_greedy_tokens,
+)
 
 
 @dataclass(frozen=True)
@@ -575,8 +581,7 @@ def walk_sampling(tree: DraftTree, probs: Tensor, u: Tensor, max_depth: int) -> 
             bonus_p = torch.where(stop[:, None], resid, bonus_p)
         node = torch.where(moved & ~done, kids.gather(1, first.clamp(min=0)[:, None])[:, 0], node)
         done = done | stop
-    # Inverse CDF at the last uniform (as sampling.sample, with a pre-drawn number).
-    cdf = bonus_p.double().cumsum(-1)
-    bonus = torch.searchsorted(cdf, u[:, -1:].double() * cdf[:, -1:], right=True)[:, 0].clamp_(max=V - 1)
+    # the bonus: the inverse CDF at the last uniform (sampling.sample's, with a pre-drawn number)
+    bonus = inverse_cdf(bonus_p, u[:, -1])
     n = torch.gather(tree.depth, 1, node[:, None])[:, 0]
     return Acceptance(_path_from_leaf(tree, node, max_depth), n, bonus)

@@ -80,6 +80,34 @@ def test_compiled_sampled_rounds_match_eager():
         assert out[1] == generate(target, prompts[1:], 20)[0]
 
 
+def test_compiled_plain_steps_draw_sampled_tokens_in_the_graph_as_eager_does(monkeypatch):
+    """Plain decoding sampled at a temperature and min-p (greedy rows beside): the compiled step
+    draws each row's token in its graph, at the uniform the row's generator gives pick_tokens
+    eagerly, so seeded, generate and the server's decoder draw the same tokens compiled as
+    eager, the greedy row plain greedy's; pick_tokens runs for generate's prefill token alone."""
+    import eagle_infer.engine
+    import eagle_infer.generate
+
+    target = tiny_target(layers=2)
+    prompts = prompts_for(target.config.vocab_size, lens=(5, 9, 3))
+    params = [SamplingParams(temperature=0.8, min_p=0.02, seed=1), SamplingParams(),
+              SamplingParams(temperature=1.3, seed=2)]
+    eager = generate(target, prompts, 20, params)
+    picks = []
+    real = eagle_infer.generate.pick_tokens
+    for module in (eagle_infer.generate, eagle_infer.engine):
+        monkeypatch.setattr(module, "pick_tokens", lambda *a: picks.append(1) or real(*a))
+    assert generate(target, prompts, 20, params, compile=True) == eager and len(picks) == 1
+    assert eager[1] == generate(target, prompts[1:2], 20)[0] and eager[0] != eager[2]
+    picks.clear()
+    dec = PlainDecoder(target, **SHAPES).compile()
+    seqs = [Sequence_(p, sp, 20, set()) for p, sp in zip(prompts, params)]
+    dec.add_many(seqs)
+    while dec.seqs:
+        dec.step()
+    assert [s.output for s in seqs] == eager and not picks  # its first tokens: next_token's
+
+
 def test_compiled_plain_decode_exact_one_graph_per_batch_bucket():
     """Prompt lengths and batch sizes vary; once the cache is sized, each batch bucket (1, 2, 4,
     8) compiles one graph and every other call reuses it: no recompile storm."""
@@ -175,7 +203,7 @@ def check_decoders_at_batch_buckets(device: str, mode: str | None) -> None:
         # spec: draft phase, greedy round, sampled round, top-p's verify and the rest, a bucket each
         if mode is None:
             if isinstance(dec, PlainDecoder):
-                want = 3  # buckets 1, 2, 4
+                want = 2 * 3  # greedy and sampled at a temperature, buckets 1, 2, 4
             elif dec.disable_by_batch_size:
                 want = 3  # bucket 2 without drafts: the target's step, the deferred catch-up
             elif dec.batch_tree:
