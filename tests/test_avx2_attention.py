@@ -7,6 +7,8 @@ causal_attention (a prefill's), computes SDPA's causal attention over the first 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -202,28 +204,36 @@ def test_causal_kernel_names_bad_input():
         torch.ops.eagle.causal_attention(torch.randn(1, 9, 4, 96), *cache_views(1, 3, 10, D=96))
 
 
+@contextlib.contextmanager
+def causal_attention_calls():
+    """torch.ops.eagle.causal_attention spied on while the block runs: yields the list of its
+    calls' (window, offset)."""
+    ops, calls = torch.ops.eagle, []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        @staticmethod
+        def causal_attention(q, keys, values, window=0, offset=0):
+            calls.append((window, offset))
+            return ops.causal_attention(q, keys, values, window, offset)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.ops, "eagle", Spy())
+        yield calls
+
+
 def test_prefill_runs_the_causal_kernel_only_while_enabled(attention_kernel_on):
     """model.attention(..., causal=True), a prefill from slot 0: the kernel while enabled, else
     SDPA's causal kernel; both the same attention."""
     q, (keys, values) = torch.randn(1, 9, 30, 64), cache_views(1, 3, 40)
-    calls = []
-    real = torch.ops.eagle.causal_attention
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(torch.ops.eagle, name)
-
-        @staticmethod
-        def causal_attention(*args):
-            calls.append(args)
-            return real(*args)
-
-    outs = []
+    outs, calls = [], []
     for on in (True, False):
         avx2_attention.enable(on)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(torch.ops, "eagle", Spy())
+        with causal_attention_calls() as made:
             outs.append(attention(q, keys, values, torch.zeros(1, 1, 30, 40), True, causal=True))
+        calls += made
     assert len(calls) == 1  # the first, enabled, call
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
@@ -243,24 +253,11 @@ def test_a_prefill_in_chunks_runs_the_causal_kernel_past_each_offset(attention_k
     prompt = torch.randint(0, 96, (100,)).tolist()
     whole, _ = prefill(model, [prompt])
     kv = model.cache.kv[..., :100, :].clone()
-    offsets = []
-    real = torch.ops.eagle.causal_attention
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(torch.ops.eagle, name)
-
-        @staticmethod
-        def causal_attention(q, keys, values, window=0, offset=0):
-            offsets.append(offset)
-            return real(q, keys, values, window, offset)
-
     model.cache.kv.zero_()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.ops, "eagle", Spy())
+    with causal_attention_calls() as calls:
         for start, end in ((0, 40), (40, 80), (80, 100)):
             logits, _ = prefill(model, [prompt[:end]], start=[start], logits=end == 100)
-    assert offsets == [0] * 2 + [40] * 2 + [80] * 2  # two layers a chunk
+    assert [offset for _, offset in calls] == [0] * 2 + [40] * 2 + [80] * 2  # two layers a chunk
     torch.testing.assert_close(logits, whole, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model.cache.kv[..., :100, :], kv, rtol=1e-5, atol=1e-5)
 
