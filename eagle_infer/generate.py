@@ -147,10 +147,10 @@ def forward_padded(model: Transformer, tokens: torch.Tensor, lens: torch.Tensor 
     kv_len = kv_len or kv_len_for(T if start is None else int(start.max()) + T, model.max_seq_len)
     mask = causal_mask(first, T, kv_len)
     # rows that all start at one slot (from 0, or a chunk's): a causal mask past that slot
-    offsets = set(first.tolist())
+    starts = [0] if start is None else start.tolist()
     logits, hidden = model(tokens, pos, pos, mask, logits_at=None if lens is None else (lens - 1)[:, None],
                            hidden_layers=hidden_layers, compute_logits=lens is not None, row0=row0,
-                           causal=len(offsets) == 1, offset=offsets.pop())
+                           causal=len(set(starts)) == 1, offset=starts[0])
     return (None if logits is None else logits[:, 0]), hidden
 
 

@@ -159,6 +159,9 @@ class TreeConfig:
         category (16 prompts), interleaved: bf16 2/4/6+g4 146.8 tokens/s against 2/4/6 128.9 (τ
         2.135 against 1.836; 2/4/4+g4 137.1, 1/4/3+g4 130.9); int8 1/4/3+g4 232.8 against 1/4/3
         208.9 (τ 1.742 against 1.529; 2/4/4+g4 225.3). A GPU keeps none until measured there.
+        Again on the Zen 4 with the shipped head (τ 2.21, 16 prompts, 2 rounds,
+        results/ab_trees_ngram6_bf16_zen4.json): 2/4/6+g6 level with 2/4/6+g4 (169.0 / 163.3
+        against 169.0 / 161.3 tokens/s, 1.70x plain), 2/4/8 behind with either branch (157-164).
 
         On a CPU with AMX (the bf16 kernel on the tiles) bigger trees raise τ but the draft steps
         and attention still grow with them: 2/4/6+g4 was level with 2/4/8+g4, 2/4/10+g4 and
