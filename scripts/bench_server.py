@@ -250,12 +250,14 @@ DirectDecode = Callable[[dict[str, Any]], tuple[int, str, int]]
 
 def direct_decoding(mode: str, args: argparse.Namespace, max_concurrency: int) -> DirectDecode:
     """--direct: what our server loads from the same flags (eagle_infer.server.build_engine: target,
-    dtype, head, tree, compiled steps), in this process, decoding as the bench does: speculative,
-    generate_speculative's loop on the server's decoder (add the prompt, step until it ends);
-    plain, eagle_infer.generate.generate (the bench's plain, compiled where the server compiles).
-    No HTTP, no engine thread, no text per token. Graphs compile at the first requests (the warm-up)."""
+    dtype, head, tree, compiled steps), in this process, decoding as the bench does:
+    generate_speculative's loop on the server's decoder, plain or speculative (add the prompt,
+    step until it ends), so its prefix cache takes the hits the server's does (a prefix's bits
+    differ from a fresh prefill's in bf16: plain decoding by `generate` once parted from the
+    server's answer at the second request). No HTTP, no engine thread, no text per token. Graphs
+    compile at the first requests (the warm-up)."""
     from eagle_infer import server as srv
-    from eagle_infer.generate import chat_prompt_ids, generate
+    from eagle_infer.generate import chat_prompt_ids
     from eagle_infer.speculative import Sequence_
 
     _, flags, _ = server_command(mode, args, max_concurrency)
@@ -264,17 +266,11 @@ def direct_decoding(mode: str, args: argparse.Namespace, max_concurrency: int) -
 
     def decode(body: dict[str, Any]) -> tuple[int, str, int]:
         prompt = chat_prompt_ids(tok, body["messages"])
-        stop = set() if body["ignore_eos"] else eos
-        if mode == "none":
-            out = generate(dec.target, [prompt], body["max_tokens"], body_params(body),
-                           eos_token_ids=list(stop), compile=dec.compiled)[0]
-        else:
-            seq = Sequence_(prompt, body_params(body), body["max_tokens"], stop)
-            dec.add_many([seq])
-            while dec.seqs:
-                dec.step()
-            out = seq.output
-        return len(prompt), tok.decode(out, skip_special_tokens=True), len(out)
+        seq = Sequence_(prompt, body_params(body), body["max_tokens"], set() if body["ignore_eos"] else eos)
+        dec.add_many([seq])
+        while dec.seqs:
+            dec.step()
+        return len(prompt), tok.decode(seq.output, skip_special_tokens=True), len(seq.output)
 
     return decode
 
