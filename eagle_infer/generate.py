@@ -450,7 +450,7 @@ def generate(
     cur = torch.tensor(lens, device=dev)  # [B] tokens in the cache so far
     top = max(lens)  # = cur.max(), kept on the host: the kv length needs no device read
     # the compiled step's token: the argmax among what each grammar allows (or its draw, below)
-    greedy = None
+    chosen = None
     masked = all(p.graph_argmax for p in params)  # that argmax is every row's token
     # or the compiled step draws every row's token (temperature and min-p alone)
     drawn = step is not None and not masked and all(p.graph_distribution for p in params)
@@ -459,13 +459,13 @@ def generate(
     outputs: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     for _ in range(max_new_tokens):
-        if any(p.penalized for p in params) and not (masked and greedy is not None):
-            logits, greedy = penalize(logits[:, None], params, prompts, outputs, [eos] * B,
+        if any(p.penalized for p in params) and not (masked and chosen is not None):
+            logits, chosen = penalize(logits[:, None], params, prompts, outputs, [eos] * B,
                                       matchers=matchers)[:, 0], None
-        if drawn and greedy is not None:  # the step's draw
-            nxt = greedy
-        else:
-            nxt = pick_tokens(logits, params, generators, greedy)  # [B]
+        if drawn and chosen is not None:  # the step's draw
+            nxt = chosen
+        else:  # chosen: the argmax, the greedy rows' token
+            nxt = pick_tokens(logits, params, generators, chosen)  # [B]
         for b, t in enumerate(nxt.tolist()):  # the step's one host read
             if done[b]:
                 continue
@@ -481,7 +481,7 @@ def generate(
             if masked:
                 bitmask = grammar_bitmask(matchers, model.config.vocab_size, dev)
             sampling = (*settings, step_uniforms(params, generators, dev)) if drawn else None
-            logits, greedy = step(nxt, cur, compiled_kv_len(top + 1, model.max_seq_len, step.mode), bitmask,
+            logits, chosen = step(nxt, cur, compiled_kv_len(top + 1, model.max_seq_len, step.mode), bitmask,
                                   sampling)
         else:
             kv = kv_len_for(top + 1, model.max_seq_len)

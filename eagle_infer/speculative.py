@@ -286,14 +286,15 @@ class RowTable:
         if row < active:
             raise RuntimeError("chunked prefill needs a free row: the batch is full")
         src, hit = self._best(seq)
-        if src is not None and src >= active:
+        if src is not None and src >= active:  # a free row's prefix: swapped in
             if src != row:
                 self._swap_free(src, row)
-        elif (spare := self.prefix.spare_for(row, range(active, row))) is not None:
-            self._swap_free(row, spare)
-        if src is not None and src < active:
-            for m in self.models:
-                m.cache.copy_prefix(src, row, hit)
+        else:
+            if (spare := self.prefix.spare_for(row, range(active, row))) is not None:
+                self._swap_free(row, spare)
+            if src is not None:  # an active row's: copied
+                for m in self.models:
+                    m.cache.copy_prefix(src, row, hit)
         self.prefix.held.pop(row, None)
         seq.prefix_hit = hit
         return row, hit
