@@ -559,6 +559,7 @@ class SpecDecoder:
         self._greedy_round = self._greedy_round_ahead if draft_ahead else self._verify_commit_greedy
         self.greedy_round_fn = self._greedy_round
         self.plain_round_fn = self._plain_round_greedy  # greedy rounds without drafts
+        self.plain_sampled_fn = self._plain_round_sampled  # and those at a temperature (and min-p)
         # sampled rounds whose distributions the graph computes (graph_distribution): one call too
         self._sampled_round = self._sampled_round_ahead if draft_ahead else self._verify_commit_sampled
         self.sampled_round_fn = self._sampled_round
@@ -713,6 +714,20 @@ class SpecDecoder:
         logits, hidden = self._verify(tokens, L[:, None], L[:, None], mask)
         return logits, masked_greedy_tokens(logits, bitmask)[:, 0], self.head.project(hidden)[:, 0]
 
+    def _plain_round_sampled(self, tokens: Tensor, L: Tensor, kv_ref: Tensor, temperature: Tensor,
+                             log_min_p: Tensor, u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """_plain_round_greedy for rows whose distributions the graph computes
+        (SamplingParams.graph_distribution: graph_probs of temperature [B] and log_min_p [B]): the
+        next token [B] is the walk's bonus for a tree of the root alone at the uniforms u
+        (tree.sampling_uniforms, drawn before the step), the draw an eager round makes after its
+        verify (accept_sampling), so seeded rows give the same tokens; one graph when compiled."""
+        mask = causal_mask(L, 1, kv_ref.shape[-1])  # [B, 1, kv_len]
+        logits, hidden = self._verify(tokens, L[:, None], L[:, None], mask)
+        zero = torch.zeros_like(tokens)  # [B, 1]
+        root = DraftTree(tokens, zero, zero, (zero == 0)[:, :, None])  # the root alone
+        bonus = walk_sampling(root, graph_probs(logits, temperature, log_min_p), u, 0).bonus
+        return logits, bonus, self.head.project(hidden)[:, 0]
+
     def _catch_up(self, next_tokens: Tensor, feats: Tensor, pos: Tensor, mask: Tensor, count: Tensor,
                   row0: int = 0) -> tuple[Tensor, Tensor]:
         """Draft catch-up over pairs (feature_i, token_i+1) [B, T] at positions pos (= their
@@ -727,8 +742,8 @@ class SpecDecoder:
         """torch.compile the draft phase (its num_steps - 1 draft forwards and the tree's
         construction: _draft_tree), a greedy round's rest (_verify_commit_greedy, or
         _greedy_round_ahead with the next round's draft phase), a sampled round's verify and its
-        rest (_sampled_tail_only or _sampled_tail_ahead), and the catch-up after rounds without
-        drafts, each lazily, with full graphs: the batch in
+        rest (_sampled_tail_only or _sampled_tail_ahead), rounds without drafts (greedy, or sampled
+        at a temperature) and the catch-up after them, each lazily, with full graphs: the batch in
         buckets of 1, 2, 4, 8, then multiples of 8 (BucketedStep; a bucket over max_bs, default
         the bucket of max_batch, runs eagerly). On CPU Inductor traces the kv length as a symbol
         (one graph per batch bucket); on CUDA, mode="reduce-overhead" (compile_mode_for) compiles
@@ -749,12 +764,12 @@ class SpecDecoder:
         # Argument mask_arg of each step carries the kv length (a mask, a kv_ref or the history, whose
         # length it is).
         (self.draft_tree_fn, self.greedy_round_fn, self.sampled_round_fn, self.verify_fn,
-         self.sampled_tail_fn, self.catch_up_fn, self.plain_round_fn) = (
+         self.sampled_tail_fn, self.catch_up_fn, self.plain_round_fn, self.plain_sampled_fn) = (
             BucketedStep(f, compile_step(f, mode, inductor, options), max_bs, clone=graphs, mask_arg=arg,
                          max_kv=self.max_seq_len)
             for f, arg in ((self._draft_tree, 4), (self._greedy_round, 5), (self._sampled_round, 5),
                            (self._verify, 3), (self._sampled_tail, 5), (self._catch_up, 3),
-                           (self._plain_round_greedy, 2)))
+                           (self._plain_round_greedy, 2), (self._plain_round_sampled, 2)))
         return self
 
     def kv_len(self, needed: int) -> int:
@@ -989,16 +1004,23 @@ class SpecDecoder:
         it will need waits in the row's pending buffer for one catch-up over all of them, when
         the buffer fills or speculation resumes (_catch_up_pending); a catch-up a round (a head
         forward and its draft logits for every row) cost an int8 batch-4 round ~20% (docs/measurements.md).
-        Not counted in tau: its sequences record no round."""
+        Not counted in tau: its sequences record no round. Greedy rows, and rows at a temperature
+        and min-p alone (their bonus drawn in the graph: _plain_round_sampled), run one call; others
+        the verify, then their distributions and the walk eagerly."""
         dev, L = self.device, self.L[:B]
         kv = self.kv_len(max(s.cached for s in self.seqs) + 1)
         params = [s.params for s in self.seqs]
         zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
         tree = DraftTree(self.root[:B, None], zero, zero, torch.ones(B, 1, 1, dtype=torch.bool, device=dev))
         with record_function("spec.plain_round"):  # the root alone as a tree
+            kv_ref = torch.empty(B, kv, dtype=torch.bool, device=dev)
             if all(p.graph_argmax for p in params):
-                kv_ref = torch.empty(B, kv, dtype=torch.bool, device=dev)
                 logits, bonus, feat = self.plain_round_fn(tree.tokens, L, kv_ref, self._grammar_bitmask(tree))
+            elif all(p.graph_distribution for p in params):  # drawn in the graph, at uniforms drawn first
+                u = sampling_uniforms([s.generator for s in self.seqs], 0, 1, tree.tokens,
+                                      fused=kernel_available(tree.tokens) and not self.compiled)
+                settings = graph_settings(params, dev)
+                logits, bonus, feat = self.plain_sampled_fn(tree.tokens, L, kv_ref, *settings, u)
             else:  # the bonus drawn from the target as in any round
                 logits, hidden = self.verify_fn(tree.tokens, L[:, None], L[:, None], causal_mask(L, 1, kv))
                 bonus = accept_sampling(tree, penalize_seqs(logits, self.seqs), params,

@@ -5,6 +5,11 @@ default: CompiledDecode's sampled step) against the graph's logits sampled eager
 prompts, seeded: both ways must draw the same tokens (checked).
 
     python scripts/probe_plain_sampled.py --temperature 0.7 --json results/x.json
+
+`--plain-rounds B`: the speculative decoder's rounds without drafts instead (what the server
+runs above --speculative-disable-by-batch-size): the shipped EAGLE-3 head, B prompts decoded
+together, every round without drafts (disable_by_batch_size 0), each bonus drawn in the round's
+graph (_plain_round_sampled) against the eager round's distributions and walk after its verify.
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ from pathlib import Path
 import torch
 
 from eagle_infer.bench import load_prompts, machine_info
-from eagle_infer.default_model import ensure_default_model
+from eagle_infer.default_model import default_head_path, ensure_default_model
 from eagle_infer.generate import generate
+from eagle_infer.heads import load_head_for
 from eagle_infer.loader import load_model, load_tokenizer
 from eagle_infer.sampling import SamplingParams
+from eagle_infer.speculative import SpecDecoder, generate_speculative
+from eagle_infer.tree import TreeConfig
 
 
 def main() -> None:
@@ -31,20 +39,34 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=4, help="passes over the prompts each way, alternating")
+    ap.add_argument("--plain-rounds", type=int, default=0, metavar="B",
+                    help="the speculative decoder's rounds without drafts, B prompts at once")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     path = ensure_default_model()
     target = load_model(path, args.dtype, "cpu")
     prompts = load_prompts(None, args.num_prompts, load_tokenizer(path))
     in_graph = SamplingParams.graph_distribution
+    B = args.plain_rounds
+    if B:
+        head = load_head_for(default_head_path("eagle3"), target)
+        tree = TreeConfig.default_for("cpu", dtype=args.dtype)  # unused: no round drafts
+        dec = SpecDecoder(target, head, tree, max_batch=B, max_seq_len=1024,
+                          disable_by_batch_size=0).compile()
 
     def run(way: str) -> tuple[float, list[list[int]]]:
         SamplingParams.graph_distribution = in_graph if way == "in_graph" else property(lambda self: False)
         outs, tokens, start = [], 0, time.perf_counter()
-        for i, p in enumerate(prompts):
-            params = SamplingParams(temperature=args.temperature, seed=i)
-            outs += generate(target, [p], args.max_new_tokens, params, eos_token_ids=[], compile=True)
-            tokens += len(outs[-1])
+        for i in range(0, len(prompts), max(B, 1)):
+            params = [SamplingParams(temperature=args.temperature, seed=j) for j in range(i, i + max(B, 1))]
+            if B:
+                outs += generate_speculative(target, dec.head, prompts[i:i + B], args.max_new_tokens,
+                                             params[:len(prompts[i:i + B])], decoder=dec, tree=dec.tree,
+                                             eos_token_ids=[])[0]
+            else:
+                outs += generate(target, [prompts[i]], args.max_new_tokens, params[0], eos_token_ids=[],
+                                 compile=True)
+        tokens = sum(len(o) for o in outs)
         return tokens / (time.perf_counter() - start), outs
 
     for way in ("in_graph", "eager"):  # compiles both graphs, untimed
@@ -59,7 +81,9 @@ def main() -> None:
     SamplingParams.graph_distribution = in_graph
     same = outputs["in_graph"] == outputs["eager"]
     medians = {way: statistics.median(s) for way, s in speed.items()}
-    print(f"{args.dtype}, temperature {args.temperature}, {len(prompts)} prompts x {args.max_new_tokens}, "
+    what = f"rounds without drafts, batch {B}" if B else "plain steps"
+    print(f"{what}, {args.dtype}, temperature {args.temperature}, {len(prompts)} prompts x "
+          f"{args.max_new_tokens}, "
           f"{torch.get_num_threads()} threads: in-graph {medians['in_graph']:.1f}, "
           f"eager {medians['eager']:.1f} tokens/s (medians of {args.rounds}); same tokens: {same}")
     if args.json:

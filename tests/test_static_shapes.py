@@ -205,7 +205,8 @@ def check_decoders_at_batch_buckets(device: str, mode: str | None) -> None:
             if isinstance(dec, PlainDecoder):
                 want = 2 * 3  # greedy and sampled at a temperature, buckets 1, 2, 4
             elif dec.disable_by_batch_size:
-                want = 3  # bucket 2 without drafts: the target's step, the deferred catch-up
+                want = 4  # bucket 2 without drafts: the target's step greedy and sampled at a
+                # temperature, top-p's verify, the deferred catch-up
             elif dec.batch_tree:
                 want = 5  # bucket 2 on its tree
             else:
@@ -302,3 +303,29 @@ def test_cuda_plain_generate_compiled_replays_graphs():
     out: list = []
     assert cuda_graph_launches(lambda: out.append(generate(target, prompts, 20, compile=True))) >= 19
     assert out == [ref]
+
+
+def test_compiled_plain_rounds_draw_sampled_tokens_in_the_graph_as_eager_does(monkeypatch):
+    """Rounds without drafts (disable_by_batch_size) sampled at a temperature and min-p, greedy
+    rows beside: the target's step draws each bonus in its graph (_plain_round_sampled) at the
+    uniforms the eager round draws after its verify (accept_sampling), so seeded, the in-graph
+    draw compiled and eager gives the eager round's tokens, and the greedy row plain greedy's."""
+    target, head = tiny_pair()
+    prompts = prompts_for(target.config.vocab_size, lens=(5, 9, 3))
+    params = [SamplingParams(temperature=0.8, min_p=0.02, seed=1), SamplingParams(),
+              SamplingParams(temperature=1.3, seed=2)]
+
+    def decode(dec: SpecDecoder) -> list[list[int]]:
+        out, _ = generate_speculative(target, head, prompts, 20, params, tree=TREE, decoder=dec)
+        assert dec.stats.plain_rounds > 0 and dec.stats.rounds == 0
+        return out
+
+    in_graph = decode(SpecDecoder(target, head, TREE, disable_by_batch_size=0, **SHAPES))
+    compiled = SpecDecoder(target, head, TREE, disable_by_batch_size=0, **SHAPES).compile()
+    compiled.verify_fn = None  # the eager round's verify: unused
+    assert decode(compiled) == in_graph
+    with monkeypatch.context() as m:  # every row through the eager round: distributions, then the walk
+        m.setattr(SamplingParams, "graph_distribution", property(lambda self: False))
+        eager = decode(SpecDecoder(target, head, TREE, disable_by_batch_size=0, **SHAPES))
+    assert in_graph == eager and in_graph[0] != in_graph[2]
+    assert in_graph[1] == generate(target, prompts[1:2], 20)[0]
