@@ -1401,8 +1401,8 @@ def test_compile_flags_reach_the_decoder(default_model_dir):
     assert server.compile_settings(compiled, "cuda") == (None, None)
     capped = parse("--enable-torch-compile", "--torch-compile-max-bs", "2")
     assert server.compile_settings(capped, "cpu") == (None, 2)
-    shrinking = (3, server.TreeConfig(1, 4, 3, ngram_branch=4))  # a batch tree: compiled up to 4
-    assert server.compile_settings(parse(), "cpu", shrinking) == (None, 4)
+    shrinking = (3, server.TreeConfig(1, 4, 3, ngram_branch=4))  # a batch tree: compiled up to 8
+    assert server.compile_settings(parse(), "cpu", shrinking) == (None, 8)
     assert server.compile_settings(capped, "cpu", shrinking) == (None, 2)
     assert server.compile_settings(parse(), "cuda", shrinking) == ("reduce-overhead", None)
     base = ["--model-path", str(default_model_dir), "--dtype", "fp32", "--device", "cpu",
