@@ -907,8 +907,7 @@ class SpecDecoder:
             if greedy:
                 round_fn, inputs = self.greedy_round_fn, (self._grammar_bitmask(tree),)
             else:  # each row's uniforms from its generator, as the eager walk draws them after a verify
-                u = sampling_uniforms([s.generator for s in self.seqs], depth, N, tree.tokens,
-                                      fused=kernel_available(tree.tokens) and not self.compiled)
+                u = self._walk_uniforms(depth, N, tree.tokens)
                 round_fn, inputs = self.sampled_round_fn, (*graph_settings(params, dev), u)
             with record_function("spec.verify_commit"):
                 logits, path, n, bonus, path_tokens, g_last, logp, history, *next_tree = round_fn(
@@ -922,9 +921,7 @@ class SpecDecoder:
             t2 = time.perf_counter()
             with record_function("spec.sampling_inputs"):  # eager: per-request settings, generators
                 probs = sampling_probs(penalize_seqs(logits, self.seqs, tree), params)
-                # compiled, the walk is traced as torch ops (its graph), so draw for those
-                u = sampling_uniforms([s.generator for s in self.seqs], depth, N, probs,
-                                      fused=kernel_available(probs) and not self.compiled)
+                u = self._walk_uniforms(depth, N, probs)
             t3 = time.perf_counter()
             with record_function("spec.accept_commit_catch_up"):
                 path, n, bonus, path_tokens, g_last, logp, history, *next_tree = self.sampled_tail_fn(
@@ -998,6 +995,13 @@ class SpecDecoder:
         t = self.ahead_tree
         return [t.tokens[:B, :N], t.parent[:B, :N], t.depth[:B, :N], t.mask[:B, :N, :N]]
 
+    def _walk_uniforms(self, depth: int, N: int, like: Tensor) -> Tensor:
+        """The walk's uniforms for the running rows' trees of N nodes and depth `depth`, each row's
+        from its own generator (tree.sampling_uniforms), in the layout the walk will read: a
+        compiled step traces the torch walk, so it gets that one's, never the CUDA kernel's."""
+        return sampling_uniforms([s.generator for s in self.seqs], depth, N, like,
+                                 fused=kernel_available(like) and not self.compiled)
+
     def _plain_round(self, B: int) -> list[tuple[Sequence_, list[int]]]:
         """A round without drafts (more than disable_by_batch_size sequences running): the target's
         step on each root and its next token, as plain decoding. The head does not run: the pair
@@ -1017,8 +1021,7 @@ class SpecDecoder:
             if all(p.graph_argmax for p in params):
                 logits, bonus, feat = self.plain_round_fn(tree.tokens, L, kv_ref, self._grammar_bitmask(tree))
             elif all(p.graph_distribution for p in params):  # drawn in the graph, at uniforms drawn first
-                u = sampling_uniforms([s.generator for s in self.seqs], 0, 1, tree.tokens,
-                                      fused=kernel_available(tree.tokens) and not self.compiled)
+                u = self._walk_uniforms(0, 1, tree.tokens)
                 settings = graph_settings(params, dev)
                 logits, bonus, feat = self.plain_sampled_fn(tree.tokens, L, kv_ref, *settings, u)
             else:  # the bonus drawn from the target as in any round
