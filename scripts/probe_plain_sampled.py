@@ -56,18 +56,17 @@ def main() -> None:
 
     def run(way: str) -> tuple[float, list[list[int]]]:
         SamplingParams.graph_distribution = in_graph if way == "in_graph" else property(lambda self: False)
-        outs, tokens, start = [], 0, time.perf_counter()
+        outs, start = [], time.perf_counter()
         for i in range(0, len(prompts), max(B, 1)):
-            params = [SamplingParams(temperature=args.temperature, seed=j) for j in range(i, i + max(B, 1))]
+            batch = prompts[i:i + max(B, 1)]
+            params = [SamplingParams(temperature=args.temperature, seed=i + j) for j in range(len(batch))]
             if B:
-                outs += generate_speculative(target, dec.head, prompts[i:i + B], args.max_new_tokens,
-                                             params[:len(prompts[i:i + B])], decoder=dec, tree=dec.tree,
-                                             eos_token_ids=[])[0]
+                outs += generate_speculative(target, dec.head, batch, args.max_new_tokens, params,
+                                             decoder=dec, tree=dec.tree, eos_token_ids=[])[0]
             else:
-                outs += generate(target, [prompts[i]], args.max_new_tokens, params[0], eos_token_ids=[],
+                outs += generate(target, batch, args.max_new_tokens, params[0], eos_token_ids=[],
                                  compile=True)
-        tokens = sum(len(o) for o in outs)
-        return tokens / (time.perf_counter() - start), outs
+        return sum(len(o) for o in outs) / (time.perf_counter() - start), outs
 
     for way in ("in_graph", "eager"):  # compiles both graphs, untimed
         run(way)
