@@ -416,11 +416,7 @@ class Engine:
                     self.cond.wait()
                 if self.stopping:
                     break
-                cancels, self.cancels = self.cancels, []
-                admit = []
-                while self.pending and len(admit) < self.dec.free_rows + len(cancels):
-                    admit.append(self.pending.popleft())
-                self.metrics.waiting.set(len(self.pending))
+                cancels, admit = self._take()
             try:
                 self._iteration(cancels, admit)
             except Exception:  # a bug here must not stop the server
@@ -432,6 +428,16 @@ class Engine:
                     job.fail(engine_error("internal engine error"))
                 time.sleep(0.05)
         self._shutdown()
+
+    def _take(self) -> tuple[list[Job], list[Job]]:
+        """Under the lock: the cancels to apply and the queued jobs to admit this iteration (as
+        many as rows are free once the cancels have run)."""
+        cancels, self.cancels = self.cancels, []
+        admit = []
+        while self.pending and len(admit) < self.dec.free_rows + len(cancels):
+            admit.append(self.pending.popleft())
+        self.metrics.waiting.set(len(self.pending))
+        return cancels, admit
 
     def _iteration(self, cancels: list[Job], admit: list[Job]) -> None:
         for job in cancels:

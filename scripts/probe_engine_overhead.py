@@ -75,8 +75,7 @@ def main() -> None:
         engine.submit(job)
         while not job.finished:  # Engine._loop's iterations, on this thread
             with engine.cond:
-                cancels, engine.cancels = engine.cancels, []
-                admit = [engine.pending.popleft() for _ in range(len(engine.pending))]
+                cancels, admit = engine._take()
             engine._iteration(cancels, admit)
         return job.seq.output
 
