@@ -15,7 +15,8 @@ start-up, the bench's untimed warm-up at batch > 1).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -166,7 +167,8 @@ class PlainDecoder:
         return results
 
 
-def warm_up(dec: PlainDecoder | SpecDecoder) -> list[int]:
+def warm_up(dec: PlainDecoder | SpecDecoder,
+            progress: Callable[[int, list[int], float], None] | None = None) -> list[int]:
     """Compile every batch bucket's graphs before serving: a bucket's first step compiles them
     (tens of seconds a graph on a 2-core CPU), which would otherwise stall the first requests
     that reach it. Runs a 4-token prompt for two tokens at each bucket up to the decoder's
@@ -178,7 +180,8 @@ def warm_up(dec: PlainDecoder | SpecDecoder) -> list[int]:
     statistics; at a batch that runs rounds without drafts, long enough for the head's deferred
     catch-up (max_pending + 2 tokens), whose graph is its own. With a batch tree, also the
     batches on either side of its first batch (a bucket may hold both trees). Returns the batch
-    sizes run."""
+    sizes run; progress(size, sizes, seconds) after each (the server logs it: a first start
+    compiles for minutes on a 2-core CPU)."""
     buckets = [b for b in range(1, dec.max_bs + 1) if batch_bucket(b) == b]
     sizes = {min(b, dec.max_batch) for b in buckets}  # a size per bucket the server reaches
     batch_tree = getattr(dec, "batch_tree", None)  # SpecDecoder only
@@ -187,11 +190,14 @@ def warm_up(dec: PlainDecoder | SpecDecoder) -> list[int]:
     sizes = sorted(sizes)
     disable = getattr(dec, "disable_by_batch_size", None)
     for n in sizes:
+        t0 = time.perf_counter()
         tokens = dec.max_pending + 2 if disable is not None and n > disable else 2
         for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=0),
                        SamplingParams(temperature=1.0, top_p=0.9, seed=0)):
             dec.add_many([Sequence_([1, 2, 3, 4], params, tokens, set()) for _ in range(n)])
             while dec.seqs:
                 dec.step()
+        if progress is not None:
+            progress(n, sizes, time.perf_counter() - t0)
     dec.stats = SpecStats()
     return sizes

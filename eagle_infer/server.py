@@ -1344,9 +1344,11 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
         if warm:
             t0 = time.perf_counter()
             log.info("%s: compiling the decode steps for batches up to %d before serving "
-                     "(--disable-%s to skip)", kind, decoder.max_bs,
+                     "(--disable-%s to skip; minutes at a first start on a few CPU cores, seconds "
+                     "later from torch's compile cache)", kind, decoder.max_bs,
                      "cuda-graph" if mode else "torch-compile")
-            sizes = warm_up(decoder)
+            sizes = warm_up(decoder, lambda n, sizes, s: log.info(
+                "%s: batch size %d of %s compiled and run in %.1f s", kind, n, sizes, s))
             log.info("%s: batch sizes %s warmed up in %.1f s", kind, sizes, time.perf_counter() - t0)
         else:
             log.info("%s for batches up to %d: each batch bucket compiles at its first step",

@@ -198,7 +198,10 @@ def check_decoders_at_batch_buckets(device: str, mode: str | None) -> None:
         # cache rows for the padded bucket of 4 where it is compiled, else one a sequence
         rows = 4 if dec.max_bs == 4 else dec.max_batch
         assert dec.max_bs == (max_bs or 4) and target.cache.kv.shape[2] == rows
-        assert warm_up(dec) == [1, 2, 3][:dec.max_bs] and dec.stats.rounds == 0 and not dec.seqs
+        seen: list = []  # what warm_up reports as it goes (the server logs it)
+        sizes = warm_up(dec, lambda n, all_sizes, s, seen=seen: seen.append((n, all_sizes)))
+        assert sizes == [1, 2, 3][:dec.max_bs] and dec.stats.rounds == 0 and not dec.seqs
+        assert seen == [(n, sizes) for n in sizes]
         graphs = counters["stats"]["unique_graphs"]
         # spec: draft phase, greedy round, sampled round, top-p's verify and the rest, a bucket each
         if mode is None:
