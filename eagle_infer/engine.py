@@ -167,8 +167,21 @@ class PlainDecoder:
         return results
 
 
+def warm_up_sizes(dec: PlainDecoder | SpecDecoder) -> list[int]:
+    """The batch sizes warm_up runs: one per batch bucket up to the decoder's max_bs (at most
+    max_batch), and with a batch tree the batches on either side of its first batch (a bucket
+    may hold both trees)."""
+    buckets = [b for b in range(1, dec.max_bs + 1) if batch_bucket(b) == b]
+    sizes = {min(b, dec.max_batch) for b in buckets}  # a size per bucket the server reaches
+    batch_tree = getattr(dec, "batch_tree", None)  # SpecDecoder only
+    if batch_tree:
+        sizes |= {n for n in (batch_tree[0] - 1, batch_tree[0]) if n <= min(dec.max_bs, dec.max_batch)}
+    return sorted(sizes)
+
+
 def warm_up(dec: PlainDecoder | SpecDecoder,
-            progress: Callable[[int, list[int], float], None] | None = None) -> list[int]:
+            progress: Callable[[int, list[int], float], None] | None = None,
+            sizes: list[int] | None = None) -> list[int]:
     """Compile every batch bucket's graphs before serving: a bucket's first step compiles them
     (tens of seconds a graph on a 2-core CPU), which would otherwise stall the first requests
     that reach it. Runs a 4-token prompt for two tokens at each bucket up to the decoder's
@@ -178,16 +191,10 @@ def warm_up(dec: PlainDecoder | SpecDecoder,
     at a temperature (and min-p) as one too; one with top-p, top-k or penalties as two, its
     distributions made eagerly between), then resets the
     statistics; at a batch that runs rounds without drafts, long enough for the head's deferred
-    catch-up (max_pending + 2 tokens), whose graph is its own. With a batch tree, also the
-    batches on either side of its first batch (a bucket may hold both trees). Returns the batch
-    sizes run; progress(size, sizes, seconds) after each (the server logs it: a first start
-    compiles for minutes on a 2-core CPU)."""
-    buckets = [b for b in range(1, dec.max_bs + 1) if batch_bucket(b) == b]
-    sizes = {min(b, dec.max_batch) for b in buckets}  # a size per bucket the server reaches
-    batch_tree = getattr(dec, "batch_tree", None)  # SpecDecoder only
-    if batch_tree:
-        sizes |= {n for n in (batch_tree[0] - 1, batch_tree[0]) if n <= min(dec.max_bs, dec.max_batch)}
-    sizes = sorted(sizes)
+    catch-up (max_pending + 2 tokens), whose graph is its own. The batch sizes are
+    warm_up_sizes' (or `sizes`); returns them. progress(size, sizes, seconds) after each (the
+    server logs it: a first start compiles for minutes on a 2-core CPU)."""
+    sizes = warm_up_sizes(dec) if sizes is None else sizes
     disable = getattr(dec, "disable_by_batch_size", None)
     for n in sizes:
         t0 = time.perf_counter()

@@ -42,14 +42,16 @@ class ServerProcess:
             full_env.pop("PYTHONPATH", None)
         full_env.update(env or {})
         cmd = [*program, "--port", str(self.port), *args]
+        self.started = time.time()
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=out, stderr=subprocess.STDOUT)
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log.read_text()[-chars:] if self.log.is_file() else ""
 
-    def wait_ready(self, timeout: float = 240) -> None:
-        """Poll /health until it answers 200; RuntimeError (with the log's tail) if the server
+    def wait_ready(self, timeout: float = 240) -> float:
+        """Poll /health until it answers 200 and return the seconds since the process started
+        (its start-up: loading, compiling); RuntimeError (with the log's tail) if the server
         exits or is not ready within `timeout` seconds."""
         t0 = time.time()
         while time.time() - t0 < timeout:
@@ -57,7 +59,7 @@ class ServerProcess:
                 raise RuntimeError(f"the server exited ({self.proc.returncode}); its log:\n{self.log_tail()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
+                    return time.time() - self.started
             except httpx.TransportError:
                 pass
             time.sleep(0.5)

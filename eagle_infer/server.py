@@ -1278,7 +1278,7 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     import torch
 
     from eagle_infer.default_model import DEFAULT_MODEL_NAME, resolve_model_path
-    from eagle_infer.engine import PlainDecoder, warm_up
+    from eagle_infer.engine import PlainDecoder
     from eagle_infer.heads import load_head_for
     from eagle_infer.loader import (
         default_device,
@@ -1347,7 +1347,7 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
                      "(--disable-%s to skip; minutes at a first start on a few CPU cores, seconds "
                      "later from torch's compile cache)", kind, decoder.max_bs,
                      "cuda-graph" if mode else "torch-compile")
-            sizes = warm_up(decoder, lambda n, sizes, s: log.info(
+            sizes = warm_up_beside_a_helper(args, decoder, mode, lambda n, sizes, s: log.info(
                 "%s: batch size %d of %s compiled and run in %.1f s", kind, n, sizes, s))
             log.info("%s: batch sizes %s warmed up in %.1f s", kind, sizes, time.perf_counter() - t0)
         else:
@@ -1368,6 +1368,75 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
                                                 args.stream_interval, tool_parser_of(args),
                                                 args.enable_auto_tool_choice,
                                                 chat_template_of(args.chat_template), args.reasoning_parser)
+
+
+def warm_up_beside_a_helper(args: argparse.Namespace, decoder: Any, mode: str | None,
+                            progress: Callable[[int, list[int], float], None]) -> list[int]:
+    """engine.warm_up, with a helper process that builds the same decoder from the same flags
+    and compiles every other batch bucket's graphs meanwhile, into torch's on-disk compile
+    cache; this process then compiles those buckets from the cache in seconds. Compiling is
+    mostly one core's work (Dynamo's tracing, then one C++ compile a graph: Inductor's C++
+    wrapper), so on a first start with two cores or more the two share it: the EAGLE-3
+    server's batches 1-8 on a 2-core Zen 4, cold, took 300 s alone (batch sizes 1, 2, 3, 8:
+    100, 98, 71, 31 s), 180 s with the helper. Once a start with the same flags has filled
+    the cache (a marker file there says so: warmed_marker), the helper's start and its model's
+    loading cost more than they save (19 s alone, 25 s with it), so later starts go alone.
+    Inductor steps only (a CUDA graph is the process's own); where the helper fails, this
+    process compiles its buckets itself."""
+    import multiprocessing
+    import os
+
+    import torch
+
+    from eagle_infer.engine import warm_up, warm_up_sizes
+    from eagle_infer.generate import batch_bucket
+
+    sizes = warm_up_sizes(decoder)
+    buckets = sorted({batch_bucket(n) for n in sizes})
+    theirs = [n for n in sizes if buckets.index(batch_bucket(n)) % 2 == 1]
+    if mode is not None or not theirs or len(os.sched_getaffinity(0)) < 2:
+        return warm_up(decoder, progress)
+    marker = warmed_marker(args)
+    if marker.exists():
+        return warm_up(decoder, progress)
+    helper = multiprocessing.get_context("spawn").Process(
+        target=warm_up_in_helper, args=(args, theirs, torch.get_num_threads()), daemon=True)
+    helper.start()
+    log.info("batch sizes %s compile in a helper process meanwhile", theirs)
+    warm_up(decoder, progress, [n for n in sizes if n not in theirs])
+    helper.join()
+    if helper.exitcode != 0:
+        log.warning("the compile helper exited with %s: batch sizes %s compile here", helper.exitcode, theirs)
+    warm_up(decoder, progress, theirs)
+    marker.touch()
+    return sizes
+
+
+def warmed_marker(args: argparse.Namespace) -> Path:
+    """A file in torch's compile cache for the server's flags (those that cannot change its
+    graphs left out) and torch's version: a start with them has compiled every bucket there."""
+    import hashlib
+
+    import torch
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    skip = ("host", "port", "api_key", "served_model_name", "log_level")
+    flags = json.dumps({k: v for k, v in sorted(vars(args).items()) if k not in skip}, default=str)
+    key = hashlib.sha256(f"{torch.__version__} {flags}".encode()).hexdigest()[:16]
+    return Path(cache_dir()) / f"eagle_infer_warmed_{key}"
+
+
+def warm_up_in_helper(args: argparse.Namespace, sizes: list[int], threads: int) -> None:
+    """warm_up_beside_a_helper's helper: the server's decoder, built from its flags, compiled
+    at `sizes` (into torch's compile cache, which the server then reads) with the server's
+    thread count (Inductor's C++ kernels are written for it: another misses the cache)."""
+    import torch
+
+    from eagle_infer.engine import warm_up
+
+    torch.set_num_threads(threads)
+    logging.basicConfig(level=logging.WARNING)
+    warm_up(build_engine(args)[0].dec, sizes=sizes)
 
 
 def tool_parser_of(args: argparse.Namespace) -> str | None:

@@ -515,6 +515,7 @@ def main(argv: list[str] | None = None) -> None:
     levels = sorted(set(args.concurrency))
     rows: list[dict[str, Any]] = []
     envs: dict[str, dict[str, str]] = {}
+    startup_s: dict[str, float] = {}  # each server's launch to its first healthy answer
 
     if args.direct and (args.url or 1 not in levels or not {"spec", "none"} & set(args.modes)):
         sys.exit("error: --direct needs concurrency 1 and a server this script starts (modes spec, none)")
@@ -548,15 +549,16 @@ def main(argv: list[str] | None = None) -> None:
             print("starting:", *(f"{k}={v}" for k, v in env.items()), *(program or ["eagle_infer.server"]),
                   *flags, file=sys.stderr)
             try:
-                server.wait_ready(args.startup_timeout)
+                startup_s[mode] = round(server.wait_ready(args.startup_timeout), 1)
+                print(f"{mode}: ready after {startup_s[mode]} s", file=sys.stderr)
                 bench(mode, server.url)
             except RuntimeError as e:
                 sys.exit(f"error: {e}")
             finally:
                 server.stop()
     config = {k: v for k, v in vars(args).items() if k != "api_key"}
-    Path(args.out).write_text(json.dumps({"config": config, "environment_added": envs, "results": rows},
-                                         indent=2) + "\n")
+    Path(args.out).write_text(json.dumps({"config": config, "environment_added": envs, "startup_s": startup_s,
+                                          "results": rows}, indent=2) + "\n")
     print(markdown(rows))
     print(f"\nwritten: {args.out}", file=sys.stderr)
 

@@ -76,9 +76,9 @@ class Server(ServerProcess):
     def __init__(self, args: list[str], log: Path):
         super().__init__(args, log, env={"OMP_NUM_THREADS": "1"})
 
-    def wait_ready(self, timeout: float = 240) -> None:
+    def wait_ready(self, timeout: float = 240) -> float:
         try:
-            super().wait_ready(timeout)
+            return super().wait_ready(timeout)
         except RuntimeError as e:
             pytest.fail(str(e))
 
@@ -93,7 +93,9 @@ def server(default_model_dir, tmp_path_factory):
     srv = Server(SERVER_FLAGS + ["--speculative-draft-model-path", str(head)], tmp / "server.log")
     srv.head = head
     try:
-        srv.wait_ready()
+        launched = time.time()
+        # the seconds from the process's launch to its first healthy answer (bench_server's startup_s)
+        assert 0 < srv.wait_ready() <= time.time() - launched + 1
         yield srv
     finally:
         srv.stop()
@@ -1379,6 +1381,51 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
         server.resolve_draft(server.build_parser().parse_args(["--speculative-algorithm", "EAGLE3"]))
     (tmp_path / "missing-head").mkdir()
     assert server.resolve_draft(server.build_parser().parse_args([]))[0] == "EAGLE3"
+
+
+def test_first_start_compiles_every_other_batch_bucket_in_a_helper(default_model_dir, tmp_path, monkeypatch,
+                                                                   caplog):
+    """A first start (an empty compile cache) compiles batch bucket 2 in a helper process while
+    it compiles bucket 1, then takes bucket 2's graphs from the cache the helper filled, and
+    leaves a marker: a later start with the same flags warms up alone. The compiled steps decode
+    as the eager ones do."""
+    import logging
+
+    from torch._dynamo.utils import counters
+
+    from eagle_infer import server
+    from eagle_infer.speculative import Sequence_
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # cold; the helper inherits it
+    caplog.set_level(logging.INFO, logger="eagle_infer.server")
+    flags = ["--model-path", str(default_model_dir), "--dtype", "bf16", "--device", "cpu",
+             "--speculative-algorithm", "NONE", "--max-running-requests", "2", "--context-length", "256"]
+
+    def decode(dec) -> list[list[int]]:  # two prompts at once: batch 2
+        seqs = [Sequence_([1, 2, 3, 4, 5 + i], SamplingParams(), 8, set()) for i in range(2)]
+        dec.add_many(seqs)
+        while dec.seqs:
+            dec.step()
+        return [s.output for s in seqs]
+
+    def helper_lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "helper" in r.getMessage()]
+
+    args = server.build_parser().parse_args(flags + ["--torch-compile-max-bs", "2"])
+    assert not server.warmed_marker(args).exists()
+    torch._dynamo.reset()  # this process's graphs: compiled here or read from the disk cache
+    counters.clear()
+    dec = server.build_engine(args, warm=True)[0].dec
+    assert helper_lines() == ["batch sizes [2] compile in a helper process meanwhile"], helper_lines()
+    # bucket 1's two graphs (greedy, sampled) compiled here, bucket 2's read from the helper's
+    inductor = counters["inductor"]
+    assert (inductor["fxgraph_cache_miss"], inductor["fxgraph_cache_hit"]) == (2, 2), dict(inductor)
+    assert server.warmed_marker(args).exists()
+    caplog.clear()
+    assert server.warm_up_beside_a_helper(args, dec, None, lambda *_: None) == [1, 2]  # a later start
+    assert helper_lines() == []
+    eager = server.build_engine(server.build_parser().parse_args(flags + ["--disable-torch-compile"]))[0].dec
+    assert decode(dec) == decode(eager)
 
 
 def test_compile_flags_reach_the_decoder(default_model_dir):
