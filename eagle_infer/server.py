@@ -1381,8 +1381,10 @@ def warm_up_beside_a_helper(args: argparse.Namespace, decoder: Any, mode: str | 
     100, 98, 71, 31 s), 180 s with the helper. Once a start with the same flags has filled
     the cache (a marker file there says so: warmed_marker), the helper's start and its model's
     loading cost more than they save (19 s alone, 25 s with it), so later starts go alone.
-    Inductor steps only (a CUDA graph is the process's own); where the helper fails, this
-    process compiles its buckets itself."""
+    Inductor steps on a CPU only (a CUDA graph is the process's own), and only where the memory
+    available holds a second copy of the decoder's weights and caches with room to spare (a
+    larger target compiles alone); where the helper fails, this process compiles its buckets
+    itself."""
     import multiprocessing
     import os
 
@@ -1394,10 +1396,18 @@ def warm_up_beside_a_helper(args: argparse.Namespace, decoder: Any, mode: str | 
     sizes = warm_up_sizes(decoder)
     buckets = sorted({batch_bucket(n) for n in sizes})
     theirs = [n for n in sizes if buckets.index(batch_bucket(n)) % 2 == 1]
-    if mode is not None or not theirs or len(os.sched_getaffinity(0)) < 2:
+    on_cpu = decoder.target.cache.kv.device.type == "cpu"
+    if mode is not None or not on_cpu or not theirs or len(os.sched_getaffinity(0)) < 2:
         return warm_up(decoder, progress)
     marker = warmed_marker(args)
     if marker.exists():
+        return warm_up(decoder, progress)
+    modules = [decoder.target] + ([decoder.head] if hasattr(decoder, "head") else [])
+    needed = 2 * sum(t.numel() * t.element_size() for m in modules for t in [*m.parameters(), *m.buffers()])
+    available = available_memory()
+    if available is not None and available < needed:
+        log.info("no compile helper: %.1f GB of memory available, a second decoder wants ~%.1f",
+                 available / 1e9, needed / 1e9)
         return warm_up(decoder, progress)
     helper = multiprocessing.get_context("spawn").Process(
         target=warm_up_in_helper, args=(args, theirs, torch.get_num_threads()), daemon=True)
@@ -1410,6 +1420,18 @@ def warm_up_beside_a_helper(args: argparse.Namespace, decoder: Any, mode: str | 
     warm_up(decoder, progress, theirs)
     marker.touch()
     return sizes
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the kernel says are available to a new process (Linux's MemAvailable),
+    None where /proc/meminfo does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def warmed_marker(args: argparse.Namespace) -> Path:

@@ -1383,49 +1383,78 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
     assert server.resolve_draft(server.build_parser().parse_args([]))[0] == "EAGLE3"
 
 
-def test_first_start_compiles_every_other_batch_bucket_in_a_helper(default_model_dir, tmp_path, monkeypatch,
-                                                                   caplog):
+# test_first_start_compiles_every_other_batch_bucket_in_a_helper's server side, in a fresh
+# process as a server starts: one that ran other tests carries their process-wide settings into
+# its graphs, and the helper's (a fresh process) then miss its cache.
+FIRST_START = """
+import json, logging, sys
+from torch._dynamo.utils import counters
+from eagle_infer import server
+from eagle_infer.sampling import SamplingParams
+from eagle_infer.speculative import Sequence_
+
+lines = []
+handler = logging.Handler()
+handler.emit = lambda record: lines.append(record.getMessage())
+logging.getLogger("eagle_infer.server").addHandler(handler)
+logging.getLogger("eagle_infer.server").setLevel(logging.INFO)
+
+def decode(dec):  # two prompts at once: batch 2
+    seqs = [Sequence_([1, 2, 3, 4, 5 + i], SamplingParams(), 8, set()) for i in range(2)]
+    dec.add_many(seqs)
+    while dec.seqs:
+        dec.step()
+    return [s.output for s in seqs]
+
+def helper_lines():
+    return [line for line in lines if "helper" in line]
+
+flags = sys.argv[1:]
+args = server.build_parser().parse_args(flags + ["--torch-compile-max-bs", "2"])
+out = {"marker_before": server.warmed_marker(args).exists()}
+dec = server.build_engine(args, warm=True)[0].dec
+out |= {"first": helper_lines(), "inductor": dict(counters["inductor"]),
+        "marker_after": server.warmed_marker(args).exists(), "compiled": decode(dec)}
+lines.clear()
+server.warm_up_beside_a_helper(args, dec, None, lambda *_: None)  # a later start
+out["later"] = helper_lines()
+lines.clear()
+server.warmed_marker(args).unlink()  # a first start again, without the memory for a second decoder
+server.available_memory = lambda: 0
+server.warm_up_beside_a_helper(args, dec, None, lambda *_: None)
+out["no_memory"] = helper_lines()
+eager = server.build_engine(server.build_parser().parse_args(flags + ["--disable-torch-compile"]))[0].dec
+print(json.dumps(out | {"eager": decode(eager)}))
+"""
+
+
+def test_first_start_compiles_every_other_batch_bucket_in_a_helper(default_model_dir, tmp_path):
     """A first start (an empty compile cache) compiles batch bucket 2 in a helper process while
     it compiles bucket 1, then takes bucket 2's graphs from the cache the helper filled, and
-    leaves a marker: a later start with the same flags warms up alone. The compiled steps decode
-    as the eager ones do."""
-    import logging
+    leaves a marker: a later start with the same flags warms up alone, and so does a start
+    without the memory for the helper's decoder. The compiled steps decode as the eager ones."""
+    import os
+    import subprocess
+    import sys
 
-    from torch._dynamo.utils import counters
+    from eagle_infer.launch import REPO
 
-    from eagle_infer import server
-    from eagle_infer.speculative import Sequence_
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # cold; the helper inherits it
-    caplog.set_level(logging.INFO, logger="eagle_infer.server")
     flags = ["--model-path", str(default_model_dir), "--dtype", "bf16", "--device", "cpu",
              "--speculative-algorithm", "NONE", "--max-running-requests", "2", "--context-length", "256"]
-
-    def decode(dec) -> list[list[int]]:  # two prompts at once: batch 2
-        seqs = [Sequence_([1, 2, 3, 4, 5 + i], SamplingParams(), 8, set()) for i in range(2)]
-        dec.add_many(seqs)
-        while dec.seqs:
-            dec.step()
-        return [s.output for s in seqs]
-
-    def helper_lines() -> list[str]:
-        return [r.getMessage() for r in caplog.records if "helper" in r.getMessage()]
-
-    args = server.build_parser().parse_args(flags + ["--torch-compile-max-bs", "2"])
-    assert not server.warmed_marker(args).exists()
-    torch._dynamo.reset()  # this process's graphs: compiled here or read from the disk cache
-    counters.clear()
-    dec = server.build_engine(args, warm=True)[0].dec
-    assert helper_lines() == ["batch sizes [2] compile in a helper process meanwhile"], helper_lines()
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), OMP_NUM_THREADS="1",
+               PYTHONPATH=str(REPO))  # cold; the helper inherits it
+    run = subprocess.run([sys.executable, "-c", FIRST_START, *flags], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert not out["marker_before"] and out["marker_after"]
+    assert out["first"] == ["batch sizes [2] compile in a helper process meanwhile"], out
     # bucket 1's two graphs (greedy, sampled) compiled here, bucket 2's read from the helper's
-    inductor = counters["inductor"]
-    assert (inductor["fxgraph_cache_miss"], inductor["fxgraph_cache_hit"]) == (2, 2), dict(inductor)
-    assert server.warmed_marker(args).exists()
-    caplog.clear()
-    assert server.warm_up_beside_a_helper(args, dec, None, lambda *_: None) == [1, 2]  # a later start
-    assert helper_lines() == []
-    eager = server.build_engine(server.build_parser().parse_args(flags + ["--disable-torch-compile"]))[0].dec
-    assert decode(dec) == decode(eager)
+    assert (out["inductor"]["fxgraph_cache_miss"], out["inductor"]["fxgraph_cache_hit"]) == (2, 2), out
+    assert out["later"] == []
+    (line,) = out["no_memory"]
+    assert line.startswith("no compile helper: 0.0 GB of memory available, a second decoder wants"), line
+    assert out["compiled"] == out["eager"]
 
 
 def test_compile_flags_reach_the_decoder(default_model_dir):
