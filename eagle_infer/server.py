@@ -1390,6 +1390,7 @@ def warm_up_beside_a_helper(args: argparse.Namespace, decoder: Any, mode: str | 
 
     import torch
 
+    from eagle_infer import cpu_linears
     from eagle_infer.engine import warm_up, warm_up_sizes
     from eagle_infer.generate import batch_bucket
 
@@ -1404,7 +1405,7 @@ def warm_up_beside_a_helper(args: argparse.Namespace, decoder: Any, mode: str | 
         return warm_up(decoder, progress)
     modules = [decoder.target] + ([decoder.head] if hasattr(decoder, "head") else [])
     needed = 2 * sum(t.numel() * t.element_size() for m in modules for t in [*m.parameters(), *m.buffers()])
-    available = available_memory()
+    available = cpu_linears.available_memory_bytes()
     if available is not None and available < needed:
         log.info("no compile helper: %.1f GB of memory available, a second decoder wants ~%.1f",
                  available / 1e9, needed / 1e9)
@@ -1420,18 +1421,6 @@ def warm_up_beside_a_helper(args: argparse.Namespace, decoder: Any, mode: str | 
     warm_up(decoder, progress, theirs)
     marker.touch()
     return sizes
-
-
-def available_memory() -> int | None:
-    """Bytes of memory the kernel says are available to a new process (Linux's MemAvailable),
-    None where /proc/meminfo does not say."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def warmed_marker(args: argparse.Namespace) -> Path:

@@ -1389,7 +1389,7 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
 FIRST_START = """
 import json, logging, sys
 from torch._dynamo.utils import counters
-from eagle_infer import server
+from eagle_infer import cpu_linears, server
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import Sequence_
 
@@ -1420,9 +1420,10 @@ server.warm_up_beside_a_helper(args, dec, None, lambda *_: None)  # a later star
 out["later"] = helper_lines()
 lines.clear()
 server.warmed_marker(args).unlink()  # a first start again, without the memory for a second decoder
-server.available_memory = lambda: 0
+available, cpu_linears.available_memory_bytes = cpu_linears.available_memory_bytes, lambda: 0
 server.warm_up_beside_a_helper(args, dec, None, lambda *_: None)
 out["no_memory"] = helper_lines()
+cpu_linears.available_memory_bytes = available  # it also picks the Linears of the model loaded next
 eager = server.build_engine(server.build_parser().parse_args(flags + ["--disable-torch-compile"]))[0].dec
 print(json.dumps(out | {"eager": decode(eager)}))
 """
