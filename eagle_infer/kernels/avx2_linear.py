@@ -1,9 +1,10 @@
 """fp32 Linears of a few rows on AVX2 + FMA (avx2_linear.cpp): a decode step's one row and a
 verify's tree of rows, over weights packed in 24-column panels, as torch.ops.eagle.avx2_linear.
 
-The C++ source is built once per machine by torch's extension builder (a C++ compiler, which
-Inductor needs anyway, and ninja) into its cache (~/.cache/torch_extensions or
-$TORCH_EXTENSIONS_DIR; ~20 s the first time on the AVX2 EPYC), then loaded from there. Compiled steps
+The C++ source is built once per machine (and version of the sources: build) by torch's extension
+builder (a C++ compiler, which Inductor needs anyway, and ninja) into its cache
+(~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR; ~20 s the first time on the AVX2 EPYC), then
+loaded from there. Compiled steps
 see the op as an external call with a known output shape (register_fake below).
 
     wp = pack(linear.weight)                       # [ceil(N / 24), K, 24]
@@ -13,6 +14,7 @@ see the op as an external call with a known output shape (register_fake below).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -28,45 +30,51 @@ def supported() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def build(name: str, source: Path, isa: list[str] = ()) -> None:
+def build(name: str, source: Path, isa: Sequence[str] = (), text: str | None = None,
+          include: Path | None = None) -> None:
     """Build (first time on a machine) and load a C++ op library for AVX2 + FMA CPUs, this one's
-    and avx2_attention's (and with `isa`'s extra flags bf16_linear's)."""
+    and avx2_attention's (and with `isa`'s extra flags bf16_linear's): `source` (or `text`, a
+    version of it) and this folder's headers (and `include`, a header read first: -include),
+    copied into torch's extension cache under a name with their hash and the flags'. Every
+    checkout or install with the same sources loads one build, and other sources build beside it:
+    torch's builder rebuilds a library whose source path changed, so two checkouts sharing one
+    name rebuilt each other's at every switch (~37 s on the Zen 4)."""
+    import os
     import zlib
 
     from torch.utils import cpp_extension
 
-    # the shared headers' hash in the flags: torch rebuilds when the flags or the source change;
+    text = source.read_text() if text is None else text
+    headers = sorted(source.parent.glob("*.h")) + ([include] if include else [])
     # OpenMP: at::parallel_for's threads (and decoder_layers' own region)
-    headers = zlib.crc32(b"".join(p.read_bytes() for p in sorted(source.parent.glob("*.h"))))
-    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", f"-DEAGLE_KERNEL_HEADERS_CRC={headers}", *isa]
-    cpp_extension.load(name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                       is_python_module=False, verbose=False)
+    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", *isa]
+    crc = zlib.crc32("\0".join([text, *flags]).encode() + b"".join(h.read_bytes() for h in headers))
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    folder = root / "eagle_sources" / f"{name}_{crc:08x}"
+    copies = {folder / h.name: h.read_bytes() for h in headers} | {folder / source.name: text.encode()}
+    folder.mkdir(parents=True, exist_ok=True)
+    for path, data in copies.items():
+        if not path.exists():  # an unchanged copy keeps its time: ninja rebuilds what is newer
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            tmp.write_bytes(data)
+            tmp.replace(path)  # whole, beside another process building the same library
+    forced = ["-include", str(folder / include.name)] if include else []
+    cpp_extension.load(f"{name}_{crc:08x}", [str(folder / source.name)], extra_cflags=flags + forced,
+                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
 
-def build_copy(name: str, text: str, namespace: str, isa: list[str] = (),
+def build_copy(name: str, text: str, namespace: str, isa: Sequence[str] = (),
                include: Path | None = None) -> None:
     """Build `text`, a version of one of this folder's C++ sources, as library `name` with its ops
     under torch.ops.<namespace> instead of eagle (its TORCH_LIBRARY_FRAGMENT / _IMPL(eagle, ...)
     blocks renamed), against this folder's headers as they are now; `include`: a header of its own
-    read before the source (-include). In a folder named by the sources' hash, so torch's build
-    cache keeps it. How a probe runs a kernel beside another revision of itself, and how the tests
-    run bf16_linear's AVX-512 build on emulated intrinsics."""
-    import tempfile
-    import zlib
-
+    read before the source (-include). How a probe runs a kernel beside another revision of
+    itself, and how the tests run bf16_linear's AVX-512 build on emulated intrinsics."""
     for macro in ("TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY_IMPL"):
         if f"{macro}(eagle," not in text:
             raise ValueError(f"{name}: the source has no {macro}(eagle, ...) block to rename")
         text = text.replace(f"{macro}(eagle,", f"{macro}({namespace},")
-    headers = sorted(Path(__file__).parent.glob("*.h")) + ([include] if include else [])
-    crc = zlib.crc32(text.encode() + b"".join(h.read_bytes() for h in headers))
-    folder = Path(tempfile.gettempdir()) / f"{name}_{crc:08x}"
-    folder.mkdir(exist_ok=True)
-    for header in headers:
-        (folder / header.name).write_bytes(header.read_bytes())
-    (folder / f"{name}.cpp").write_text(text)
-    forced = ["-include", str(folder / include.name)] if include else []
-    build(name, folder / f"{name}.cpp", [*isa, *forced])
+    build(name, SOURCE.with_name(f"{name}.cpp"), isa, text, include)
 
 
 def source_at(rev: str, source: Path) -> str:
