@@ -751,7 +751,7 @@ class Transformer(nn.Module):
         wanted = sorted(set(hidden_layers) - {len(self.layers)})
         taps: dict[int, Tensor]
         if decoder_layers.applies(self, B, T):  # the layers as one C++ call (kernels/decoder_layers)
-            out = torch.ops.eagle.decoder_layers(self.fused_layers.id, x, cos, sin, s.bias, s.write_index,
+            out = torch.ops.eagle.decoder_layers(self.fused_layers.handle, x, cos, sin, s.bias, s.write_index,
                                                  self.cache.kv, row0, B, wanted)  # [1 + taps, B*T, H]
             x, taps = out[0], dict(zip(wanted, out[1:]))
         else:

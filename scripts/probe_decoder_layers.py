@@ -99,12 +99,14 @@ def main() -> None:
     build_baseline(args.baseline, args.linear_baseline)
     tensors, kinds, dims, eps, _ = decoder_layers.stack_arguments(model)  # what attach registered
     old_id = torch.ops.eagle_old.register_stack(tensors, kinds, dims, eps)
+    # revisions before Dec 7 name the stack by an int argument, later ones by a one-value tensor
+    by_int = str(torch.ops.eagle_old.decoder_layers.default._schema.arguments[0].type) == "int"
     model.setup_cache(1, max(2 * max(args.kv), 256))
     results = []
     for kv in args.kv:
         for T in args.rows:
             new_args = step_arguments(model, T, kv)
-            old_args = (old_id, *new_args[1:])
+            old_args = (old_id if by_int else torch.tensor(old_id), *new_args[1:])
             identical = torch.equal(torch.ops.eagle.decoder_layers(*new_args),
                                     torch.ops.eagle_old.decoder_layers(*old_args))
             builds = (("baseline", torch.ops.eagle_old.decoder_layers, old_args),

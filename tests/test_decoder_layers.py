@@ -215,8 +215,7 @@ def test_bf16_and_int8_layers_round_where_the_python_layers_do(attention_kernel_
 
 
 def test_compiled_steps_call_the_op(attention_kernel_on):
-    target = tiny_target()
-    target.setup_cache(1, 64)
+    targets = [tiny_target(), tiny_target()]
     graphs = []
 
     def keep_graph(gm, inputs):
@@ -225,8 +224,14 @@ def test_compiled_steps_call_the_op(attention_kernel_on):
 
     tokens, pos = torch.tensor([[3]]), torch.tensor([[4]])
     mask = causal_mask(torch.tensor([4]), 1, 16)
-    torch._dynamo.reset()
-    torch.compile(target, backend=keep_graph, fullgraph=True)(tokens, pos, pos, mask)
+    for target in targets:
+        target.setup_cache(1, 64)
+        torch._dynamo.reset()
+        torch.compile(target, backend=keep_graph, fullgraph=True)(tokens, pos, pos, mask)
+    # the stack's id is an input, not a constant: one graph for either target (torch's compile
+    # cache serves a graph to any process, whatever id its target got)
+    assert targets[0].fused_layers.id != targets[1].fused_layers.id
+    assert graphs[0].code == graphs[1].code
     calls = [n.target for n in graphs[-1].graph.nodes if n.op == "call_function"]
     op, linear = torch.ops.eagle.decoder_layers, torch.ops.eagle.avx2_linear
     assert sum(t in (op, op.default) for t in calls) == 1
@@ -281,18 +286,18 @@ def test_bad_input_and_released_stacks_get_clear_errors(attention_kernel_on):
     x, cos = torch.randn(1, 128), torch.randn(1, 1, 1, 64)
     bias, index = torch.zeros(1, 1, 1, 16), torch.tensor([0, 64, 128, 192])
     op, stack = torch.ops.eagle.decoder_layers, target.fused_layers
-    out = op(stack.id, x, cos, cos, bias, index, target.cache.kv, 0, 1, [1])
+    out = op(stack.handle, x, cos, cos, bias, index, target.cache.kv, 0, 1, [1])
     assert out.shape == (2, 1, 128)
     with pytest.raises(RuntimeError, match="write_index"):
-        op(stack.id, x, cos, cos, bias, index[:3], target.cache.kv, 0, 1, [])
+        op(stack.handle, x, cos, cos, bias, index[:3], target.cache.kv, 0, 1, [])
     with pytest.raises(RuntimeError, match="write index .* outside the cache"):
-        op(stack.id, x, cos, cos, bias, index * 1000, target.cache.kv, 0, 1, [])
+        op(stack.handle, x, cos, cos, bias, index * 1000, target.cache.kv, 0, 1, [])
     with pytest.raises(RuntimeError, match="kv"):
-        op(stack.id, x, cos, cos, bias, index, target.cache.kv[:2], 0, 1, [])
+        op(stack.handle, x, cos, cos, bias, index, target.cache.kv[:2], 0, 1, [])
     with pytest.raises(RuntimeError, match="x in .* dtype|x's dtype"):
-        op(stack.id, x, cos.double(), cos, bias, index, target.cache.kv, 0, 1, [])
+        op(stack.handle, x, cos.double(), cos, bias, index, target.cache.kv, 0, 1, [])
     with pytest.raises(RuntimeError, match=r"x \[B\*T, 128\] in the stack's dtype"):
-        op(stack.id, torch.randn(1, 64), cos, cos, bias, index, target.cache.kv, 0, 1, [])
+        op(stack.handle, torch.randn(1, 64), cos, cos, bias, index, target.cache.kv, 0, 1, [])
     tensors, kinds, dims, eps, _ = decoder_layers.stack_arguments(tiny_target(arch="qwen3"))
     tensors[13 + 2] = torch.empty(0)  # layer 1 without its query norm
     with pytest.raises(RuntimeError, match="query and key norms of 128 values .* in every layer, or in none"):
@@ -301,7 +306,7 @@ def test_bad_input_and_released_stacks_get_clear_errors(attention_kernel_on):
     del target, stack
     gc.collect()
     with pytest.raises(RuntimeError, match=f"no registered stack {stack_id}"):
-        op(stack_id, x, cos, cos, bias, index, torch.zeros(3, 2, 1, 2, 64, 64), 0, 1, [])
+        op(torch.tensor(stack_id), x, cos, cos, bias, index, torch.zeros(3, 2, 1, 2, 64, 64), 0, 1, [])
 
 
 def test_the_loader_attaches_the_layers_with_our_kernels(attention_kernel_on, default_model_dir):

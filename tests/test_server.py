@@ -1384,8 +1384,8 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
 
 
 # test_first_start_compiles_every_other_batch_bucket_in_a_helper's server side, in a fresh
-# process as a server starts: one that ran other tests carries their process-wide settings into
-# its graphs, and the helper's (a fresh process) then miss its cache.
+# process as a server starts (until the fused layers' stack id became a graph input, a worker that
+# had loaded other tests' targets baked another id into its graphs and missed the helper's cache).
 FIRST_START = """
 import json, logging, sys
 from torch._dynamo.utils import counters

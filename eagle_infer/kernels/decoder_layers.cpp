@@ -341,9 +341,14 @@ at::Tensor layers_impl(const Stack& s, const at::Tensor& x_in, const at::Tensor&
 // cos, signed sin [B, T, 1, D] (model.rope_at), bias [B, 1, T, S] additive mask, write_index
 // [2 * B * kv_heads * T] (KVCache.write_index) into each layer's cache, kv [layers, 2, rows, kv_heads,
 // max_seq, D] (KVCache.kv) written there; batch row b reads cache row row0 + b.
-at::Tensor decoder_layers(int64_t id, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                          const at::Tensor& bias, const at::Tensor& write_index, at::Tensor& kv, int64_t row0,
-                          int64_t batch, std::vector<int64_t> taps) {
+at::Tensor decoder_layers(const at::Tensor& handle, const at::Tensor& x, const at::Tensor& cos,
+                          const at::Tensor& sin, const at::Tensor& bias, const at::Tensor& write_index, at::Tensor& kv,
+                          int64_t row0, int64_t batch, std::vector<int64_t> taps) {
+  // The id comes in a tensor: an int argument would be a constant of each compiled graph, and a
+  // graph compiled for stack 1 would miss the compile cache in a process whose target is stack 2.
+  TORCH_CHECK(handle.numel() == 1 && handle.scalar_type() == at::kLong && handle.device().is_cpu(),
+              "decoder_layers: the stack's id as one int64 CPU value (Stack.handle)");
+  const int64_t id = *handle.data_ptr<int64_t>();
   const Stack* s;
   {
     std::lock_guard<std::mutex> lock(registry_mutex);
@@ -388,7 +393,7 @@ TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("register_stack(Tensor[] tensors, int[] kinds, int[] dims, float eps) -> int", &register_stack);
   m.def("release_stack(int id) -> ()", &release_stack);
   m.def(
-      "decoder_layers(int id, Tensor x, Tensor cos, Tensor sin, Tensor bias, Tensor write_index, Tensor(a!) kv, "
+      "decoder_layers(Tensor id, Tensor x, Tensor cos, Tensor sin, Tensor bias, Tensor write_index, Tensor(a!) kv, "
       "int row0, int batch, int[] taps) -> Tensor");
 }
 

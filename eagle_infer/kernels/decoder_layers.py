@@ -6,11 +6,13 @@ step one OpenMP parallel region (the kernels' range functions: kernel_calls.h).
 
     stack = attach(model)          # the loader does, after the weights are packed or quantized
     # model.forward then runs its layers as one call wherever applies(model, rows) holds:
-    out = torch.ops.eagle.decoder_layers(stack.id, x, cos, sin, bias, write_index, kv, row0, B, taps)
+    out = torch.ops.eagle.decoder_layers(stack.handle, x, cos, sin, bias, write_index, kv, row0, B, taps)
     # out [1 + len(taps), B*T, H]: x after the last layer, then the inputs of layers `taps`
 
-The weights are registered once and named by an integer: a compiled step passes and guards a
-handful of step tensors instead of every weight (measured: ~300 tensor guards and ~250 kernel
+The weights are registered once and named by an integer, passed in a one-value tensor (a graph
+input, so a compiled step's graph is the same whichever id its target got: torch's compile cache
+serves it to any process); a compiled step passes and guards a handful of step tensors instead of
+every weight (measured: ~300 tensor guards and ~250 kernel
 and op calls a step before, ~2.4 of a 8.0 ms int8 step on the main thread outside kernels; Zen 4).
 $EAGLE_FUSED_LAYERS=0 keeps the Python layers (for A/B runs).
 """
@@ -41,7 +43,7 @@ def load() -> None:
     build("eagle_decoder_layers", SOURCE)
 
     @torch.library.register_fake("eagle::decoder_layers")
-    def _(id: int, x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor, write_index: Tensor, kv: Tensor,
+    def _(id: Tensor, x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor, write_index: Tensor, kv: Tensor,
           row0: int, batch: int, taps: list[int]) -> Tensor:
         return x.new_empty(1 + len(taps), *x.shape)
 
@@ -52,6 +54,7 @@ class Stack:
 
     def __init__(self, id: int, max_rows: int):
         self.id, self.max_rows = id, max_rows
+        self.handle = torch.tensor(id)  # the op's argument
 
     def __deepcopy__(self, memo: dict) -> None:
         """A deep copy of a model has weights of its own, which this stack does not hold: the copy
