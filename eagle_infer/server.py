@@ -65,7 +65,7 @@ from eagle_infer.reasoning import PARSERS as REASONING_PARSERS
 from eagle_infer.reasoning import ReasoningParser
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import Sequence_, TokenLogprob
-from eagle_infer.tool_calls import PARSERS, ToolPlan, ToolStream
+from eagle_infer.tool_calls import PARSERS, ToolPlan, ToolStream, merge_deltas
 from eagle_infer.tree import TreeConfig
 
 log = logging.getLogger("eagle_infer.server")
@@ -964,10 +964,11 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                     delta |= {"reasoning": thought} if thought else {}
                     text = text or None
                 if index in tool_streams:
-                    delta |= (tool_streams[index].feed(text) or {}) if text else {}
+                    fed = tool_streams[index].feed(text) if text else None
                     if finish is not None:
                         last, finish = tool_streams[index].end(finish)
-                        delta |= last or {}
+                        fed = merge_deltas(fed, last)
+                    delta |= fed or {}
                 elif text is not None:
                     delta["content"] = text
                 if not (delta or lp or finish):  # text a ToolStream holds back

@@ -17,8 +17,12 @@ as vLLM did before: a named call's arguments as bare JSON, "required" as a JSON 
 schema unless the tool says `"strict": false` (vLLM 0.32 pins them only for `"strict": true`).
 Where a tool says `"strict": true`, "auto" answers are decoded under a grammar too (vLLM 0.32's):
 free text, but a call, once its envelope begins, in the envelope around its tool's schema.
-Streaming, a bare named call's arguments stream as the text does; other forced calls come whole at
-the end; an "auto" answer streams its content up to where a call starts and its calls at the end.
+Streaming, an "auto" answer streams its content up to where a call starts; a call in hermes'
+envelope (auto or forced) streams as vLLM's hermes parser streams it: its id and name once
+`{"name": ..., "arguments": ` is written, then its arguments as the model writes them, in
+json.dumps' form (the pieces add up to the whole answer's arguments); a bare named call's arguments
+stream as the text does; other calls (llama3_json, "required" without an envelope, a call not
+written in that order) come whole at the end.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import os
 import re
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # (content or None, [(name, arguments as JSON text)]); no calls: the whole text as content
@@ -106,12 +110,20 @@ class Parser:
     # the forms of one call, (text before the function's name, text after its arguments), a
     # forced call is written in; none: forced calls are bare JSON
     envelope: tuple[tuple[str, str], ...] = ()
+    # the tag a call written as {"name": ..., "arguments": ...} starts with, whose calls stream
+    # (ToolStream); empty: calls come whole at the end
+    start_tag: str = ""
 
 
 ARGUMENTS_AFTER_NAME = '", "arguments": '
 HERMES_ENVELOPE = (('<tool_call>\n{"name": "', "}\n</tool_call>"), ('<tool_call>{"name": "', "}</tool_call>"))
-PARSERS = {"hermes": Parser(parse_hermes, hermes_content_end, HERMES_ENVELOPE),
+PARSERS = {"hermes": Parser(parse_hermes, hermes_content_end, HERMES_ENVELOPE, HERMES_START),
            "llama3_json": Parser(parse_llama3_json, llama3_content_end)}
+
+
+# a streamed call's head, after its start tag: its name, then where its arguments' value begins
+CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+CALL_HEAD_DONE = re.compile(r'"arguments"\s*:\s*\S')  # past where CALL_HEAD would have matched
 
 
 def tool_call_id() -> str:
@@ -210,18 +222,117 @@ class ToolPlan:
         return self.parser.parse(text)
 
     def message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
-        """A whole answer's message fields (content, tool_calls) and finish reason: "tool_calls"
-        where "auto" found calls or a "required" answer ended (vLLM's)."""
+        """A whole answer's message fields (content, tool_calls) and finish reason."""
         content, calls = self.parse(text)
         if self.mode == "auto":
             if not calls:
                 return {"content": text}, finish
             return {"content": content, "tool_calls": [call_object(n, a) for n, a in calls]}, "tool_calls"
         fields = {"content": "", "tool_calls": [call_object(n, a) for n, a in calls]}
-        return fields, ("tool_calls" if self.mode == "required" and finish == "stop" else finish)
+        return fields, self.finish_with_calls(finish)
+
+    def finish_with_calls(self, finish: str | None) -> str | None:
+        """The finish reason of an answer with calls: "tool_calls" for "auto", and for "required"
+        where it ended (vLLM's)."""
+        with_calls = self.mode == "auto" or (self.mode == "required" and finish == "stop")
+        return "tool_calls" if with_calls else finish
 
     def stream(self) -> ToolStream:
         return ToolStream(self)
+
+
+@dataclass
+class StreamedCall:
+    """A call whose id and name went out and whose arguments (a JSON object, from `start` in the
+    answer's text) stream as vLLM streams them: re-serialised as json.dumps writes them (", ",
+    ": ", strings and numbers in its form), so the pieces add up to a whole answer's arguments."""
+
+    start: int
+    read: int  # how much of the text the value's scan has read
+    end: int | None = None  # where the value ends, once its brackets close
+    depth: int = 0
+    string: str | None = None  # a string being read, from its opening quote
+    string_sent: int = 0  # how much of its json.dumps form went out
+    token: str = ""  # a number or literal being read
+
+    def feed(self, text: str) -> str:
+        """The arguments' next piece from the text read so far."""
+        out, i = [], self.read
+        while i < len(text) and self.end is None:
+            ch, i = text[i], i + 1
+            if self.string is not None:
+                self.string += ch
+                if ch == '"' and (len(self.string) - len(self.string[:-1].rstrip("\\")) - 1) % 2 == 0:
+                    out.append(self._string_piece(closed=True))
+                    self.string = None
+                continue
+            if ch.isspace() or ch in '{}[],:"':
+                out.append(self._token_piece())
+            if ch == '"':
+                self.string, self.string_sent = ch, 0
+            elif ch in "{[":
+                self.depth += 1
+                out.append(ch)
+            elif ch in "}]":
+                self.depth -= 1
+                out.append(ch)
+                self.end = i if self.depth == 0 else None
+            elif ch in ",:":
+                out.append(ch + " ")
+            elif not ch.isspace():
+                self.token += ch
+        self.read = i
+        if self.string is not None:
+            out.append(self._string_piece(closed=False))
+        return "".join(out)
+
+    def _token_piece(self) -> str:
+        token, self.token = self.token, ""
+        try:
+            return json.dumps(json.loads(token)) if token else ""
+        except ValueError:
+            return token
+
+    def _string_piece(self, closed: bool) -> str:
+        """What of the string's json.dumps form has not gone out: all of it once closed, else the
+        form of its longest prefix that is whole (not inside an escape or a surrogate pair)."""
+        assert self.string is not None
+        form = None
+        for cut in range(len(self.string), max(len(self.string) - 12, 0), -1):
+            try:
+                value = json.loads(self.string[:cut] + ("" if closed else '"'))
+            except ValueError:
+                if closed:  # not JSON after all: the rest as written
+                    return self.string[self.string_sent:]
+                continue
+            if not closed and value and "\ud800" <= value[-1] <= "\udbff":
+                continue
+            form = json.dumps(value, ensure_ascii=False)
+            form = form if closed else form[:-1]
+            break
+        if form is None:
+            return ""
+        piece, self.string_sent = form[self.string_sent:], max(self.string_sent, len(form))
+        return piece
+
+
+def merge_deltas(*deltas: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Deltas of one chunk as one: the content joined, a call's pieces (by index) in one entry."""
+    content, calls = "", {}
+    for delta in deltas:
+        content += (delta or {}).get("content", "")
+        for call in (delta or {}).get("tool_calls", []):
+            if call["index"] not in calls:
+                calls[call["index"]] = call | {"function": dict(call.get("function", {}))}
+                continue
+            into = calls[call["index"]]
+            into.update({k: v for k, v in call.items() if k != "function"})
+            fn = into.setdefault("function", {})
+            fn.update({k: v for k, v in call.get("function", {}).items() if k != "arguments"})
+            if "arguments" in call.get("function", {}):
+                fn["arguments"] = fn.get("arguments", "") + call["function"]["arguments"]
+    merged = {"content": content} if content else {}
+    return (merged | {"tool_calls": list(calls.values())} if calls else merged) or None
 
 
 @dataclass
@@ -233,19 +344,65 @@ class ToolStream:
     text: str = ""
     sent: int = 0  # content (auto) or arguments (named) already sent
     call_id: str | None = None
+    calls: list[StreamedCall] = field(default_factory=list)  # the calls streamed so far
+    scanned: int = 0  # where the next call's start tag may be
+    whole: bool = False  # a call not in the streamed form: the rest come whole at the end
+
+    @property
+    def streams_calls(self) -> bool:
+        parser = self.plan.parser
+        return bool(parser and parser.start_tag) and (self.plan.mode == "auto" or self.plan.enveloped)
 
     def feed(self, delta: str) -> dict[str, Any] | None:
         """The delta fields for newly released text, or None while there is nothing to send."""
         self.text += delta
         if self.plan.mode == "named" and not self.plan.enveloped:
             return self._named_arguments()
+        out: dict[str, Any] = {}
         if self.plan.mode == "auto":
             assert self.plan.parser is not None
             end = self.plan.parser.content_end(self.text)
             if end > self.sent:
-                piece, self.sent = self.text[self.sent:end], end
-                return {"content": piece}
-        return None
+                out["content"], self.sent = self.text[self.sent:end], end
+        return merge_deltas(out, self._stream_calls()) if self.streams_calls else (out or None)
+
+    def _stream_calls(self) -> dict[str, Any] | None:
+        """The tool-call deltas the text released: a new call's id and name, its arguments' text."""
+        assert self.plan.parser is not None
+        tag, pieces = self.plan.parser.start_tag, []
+        while not self.whole:
+            if self.calls and self.calls[-1].end is None:  # a call's arguments stream
+                call = self.calls[-1]
+                piece = call.feed(self.text)
+                if piece:
+                    pieces.append({"tool_calls": [{"index": len(self.calls) - 1,
+                                                   "function": {"arguments": piece}}]})
+                if call.end is None:
+                    break
+                self.scanned = call.end
+                continue
+            at = self.text.find(tag, self.scanned)
+            if at < 0:
+                break
+            rest = self.text[at + len(tag):]
+            head = CALL_HEAD.match(rest)
+            if head is None:  # not written yet, or not in this form
+                self.whole = CALL_HEAD_DONE.search(rest) is not None or tag in rest
+                break
+            if head.end() == len(rest):  # the arguments' value has not begun
+                break
+            try:
+                name = json.loads(f'"{head[1]}"')
+            except ValueError:
+                name = None
+            if rest[head.end()] != "{" or not name:  # arguments not an object: whole at the end
+                self.whole = True
+                break
+            start = at + len(tag) + head.end()
+            self.calls.append(StreamedCall(start, start))
+            pieces.append({"tool_calls": [{"index": len(self.calls) - 1, "id": tool_call_id(),
+                                           "type": "function", "function": {"name": name, "arguments": ""}}]})
+        return merge_deltas(*pieces)
 
     def _named_arguments(self) -> dict[str, Any] | None:
         piece, self.sent = self.text[self.sent:], len(self.text)
@@ -261,8 +418,13 @@ class ToolStream:
         """The last delta (what was held back) and the finish reason, once the answer is whole."""
         if self.plan.mode == "named" and not self.plan.enveloped:
             return self._named_arguments(), finish
-        fields, finish = self.plan.message(self.text, finish)
+        fields, whole_finish = self.plan.message(self.text, finish)
         calls = fields.get("tool_calls") or []
+        if self.calls:  # calls went out: the answer is theirs; the ones after them come whole
+            rest = [{"index": i} | c for i, c in enumerate(calls) if i >= len(self.calls)]
+            cut = self.calls[-1].end is None  # its arguments unfinished (max_tokens): say so
+            finish = finish if cut else self.plan.finish_with_calls(finish)
+            return ({"tool_calls": rest} if rest else None), finish
         delta: dict[str, Any] = {}
         if self.plan.mode == "auto":
             content = (fields["content"] or "") if calls else self.text
@@ -270,4 +432,4 @@ class ToolStream:
                 delta["content"] = content[self.sent:]
         if calls:
             delta["tool_calls"] = [{"index": i} | c for i, c in enumerate(calls)]
-        return delta or None, finish
+        return delta or None, whole_finish

@@ -102,7 +102,9 @@ def test_streamed_deltas_add_up_to_the_whole_answer():
     assert all("<" not in d.get("content", "") for d in deltas)
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
     assert finish == "tool_calls"
-    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather")]
+    named = [(c["index"], c["function"]["name"]) for c in calls if "name" in c["function"]]
+    assert named == [(0, "get_weather")]
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Paris"}'
     # text that only looked like the start of a tag is content after all
     deltas, finish = stream_deltas(ToolPlan("auto", parser=PARSERS["hermes"]), ["a <tool", "s b"], "stop")
     assert "".join(d["content"] for d in deltas) == "a <tools b" and finish == "stop"
@@ -125,6 +127,64 @@ def test_streamed_deltas_add_up_to_the_whole_answer():
     deltas, finish = stream_deltas(ToolPlan("required"), ['[{"name": "f", ', '"parameters": {}}]'], "stop")
     assert len(deltas) == 1 and deltas[0]["tool_calls"][0]["function"]["name"] == "f"
     assert finish == "tool_calls"
+
+
+def calls_of(deltas: list[dict]) -> list[tuple[str, str, str]]:
+    """The streamed calls as a client adds them up: (id, name, arguments) by index."""
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        for c in d.get("tool_calls", []):
+            entry = calls.setdefault(c["index"], ["", "", ""])
+            entry[0] += c.get("id", "")
+            entry[1] += c.get("function", {}).get("name", "")
+            entry[2] += c.get("function", {}).get("arguments", "")
+    return [tuple(calls[i]) for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_hermes_calls_stream_their_name_then_their_arguments(size):
+    """In hermes' envelope a call streams as vLLM's hermes parser streams it: the id and name once
+    its head is written, then the arguments as they come; added up, the calls a whole answer's
+    message holds, in any cut of the text; a call not written as {"name", "arguments"} comes
+    whole at the end."""
+    calls = ('<tool_call>\n{"name": "get_weather", "arguments": {\n'
+             '  "city": "Par\\"is} \\u00e9\\ud83d\\ude00\\\\",\n'
+             '  "n":[1,{"a" : 2.50e1, "b": true}], "s": "\\/"}}\n</tool_call>\n'
+             '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    text = "Let me look. " + calls
+    pieces = [text[i:i + size] for i in range(0, len(text), size)]
+    whole, whole_finish = ToolPlan("auto", parser=PARSERS["hermes"]).message(text, "stop")
+    for plan in (ToolPlan("auto", parser=PARSERS["hermes"]), ToolPlan("required", parser=PARSERS["hermes"])):
+        deltas, finish = stream_deltas(plan, pieces, "stop")
+        assert finish == whole_finish == "tool_calls"
+        got = calls_of(deltas)
+        # as a whole answer's: json.dumps' form of what the model wrote (pretty-printed, escapes)
+        assert [(n, a) for _, n, a in got] == [(c["function"]["name"], c["function"]["arguments"])
+                                               for c in whole["tool_calls"]]
+        assert json.loads(got[0][2])["city"] == 'Par"is} \u00e9\U0001F600\\'
+        assert all(i.startswith("chatcmpl-tool-") and len(i) > 20 for i, _, _ in got)  # an id each, once
+        content = "".join(d.get("content", "") for d in deltas)
+        assert content == ("Let me look. " if plan.mode == "auto" else "")
+        if size == 1:  # each call's name went out before its arguments were whole
+            names = [k for k, d in enumerate(deltas)
+                     if any("name" in c["function"] for c in d.get("tool_calls", []))]
+            assert len(names) == 2 and names[0] < len(deltas) - 40
+    # cut short by max_tokens: what came went out, the finish reason stays "length"
+    cut = text[:text.index("Par")]
+    deltas, finish = stream_deltas(ToolPlan("auto", parser=PARSERS["hermes"]),
+                                   [cut[i:i + size] for i in range(0, len(cut), size)], "length")
+    assert finish == "length" and calls_of(deltas)[0][1:] == ("get_weather", '{"city": "')
+    for k in range(len(text)):  # every prefix: what went out is a prefix of the whole arguments
+        got = calls_of(stream_deltas(ToolPlan("auto", parser=PARSERS["hermes"]), [text[:k]], "length")[0])
+        if got:
+            assert whole["tool_calls"][0]["function"]["arguments"].startswith(got[0][2]), text[:k]
+    # other orders, or arguments that are not an object: whole at the end, as parsed
+    for odd in ('<tool_call>{"arguments": {"x": 1}, "name": "f"}</tool_call>',
+                '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>'):
+        deltas, finish = stream_deltas(ToolPlan("auto", parser=PARSERS["hermes"]), list(odd), "stop")
+        whole, _ = ToolPlan("auto", parser=PARSERS["hermes"]).message(odd, "stop")
+        assert len(deltas) == 1 and calls_of(deltas)[0][1:] == (
+            whole["tool_calls"][0]["function"]["name"], whole["tool_calls"][0]["function"]["arguments"])
 
 
 def request(**kw) -> ChatRequest:
