@@ -18,11 +18,11 @@ schema unless the tool says `"strict": false` (vLLM 0.32 pins them only for `"st
 Where a tool says `"strict": true`, "auto" answers are decoded under a grammar too (vLLM 0.32's):
 free text, but a call, once its envelope begins, in the envelope around its tool's schema.
 Streaming, an "auto" answer streams its content up to where a call starts; a call in hermes'
-envelope (auto or forced) streams as vLLM's hermes parser streams it: its id and name once
-`{"name": ..., "arguments": ` is written, then its arguments as the model writes them, in
-json.dumps' form (the pieces add up to the whole answer's arguments); a bare named call's arguments
-stream as the text does; other calls (llama3_json, "required" without an envelope, a call not
-written in that order) come whole at the end.
+envelope (auto or forced) or llama3_json's ("auto") streams as vLLM's parsers stream it: its id
+and name once `{"name": ..., "arguments": ` is written, then its arguments as the model writes
+them, in json.dumps' form (the pieces add up to the whole answer's arguments); a bare named call's
+arguments stream as the text does; other calls ("required" without an envelope, a call not written
+in that order) come whole at the end.
 """
 
 from __future__ import annotations
@@ -103,6 +103,63 @@ def llama3_content_end(text: str) -> int:
     return len(text)
 
 
+def call_head(keys: str) -> tuple[re.Pattern, re.Pattern]:
+    """Streaming: a call's head, `{"name": "...", "<key>": ` up to where its arguments begin (its
+    name the group), and text past where a head would have matched (the key's value begun)."""
+    return (re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:' + keys + r')"\s*:\s*'),
+            re.compile(r'"(?:' + keys + r')"\s*:\s*\S'))
+
+
+HERMES_HEAD, LLAMA3_HEAD = call_head("arguments"), call_head("arguments|parameters")
+# next_call's answers: a call's (name, where its arguments begin); WAIT: not yet known; WHOLE:
+# a call not in the streamed form (it and the rest come whole at the end)
+WAIT, WHOLE = "wait", "whole"
+Head = tuple[str, int] | str
+
+
+def head_at(text: str, at: int, pattern: tuple[re.Pattern, re.Pattern]) -> Head:
+    """The call whose head (`pattern`: call_head's) starts at `at`, its arguments an object, or
+    WAIT / WHOLE."""
+    rest = text[at:]
+    head = pattern[0].match(rest)
+    if head is None:
+        return WHOLE if pattern[1].search(rest) else WAIT
+    if head.end() == len(rest):  # the arguments' value has not begun
+        return WAIT
+    try:
+        name = json.loads(f'"{head[1]}"')
+    except ValueError:
+        return WHOLE
+    return (name, at + head.end()) if rest[head.end()] == "{" and name else WHOLE
+
+
+def hermes_next_call(text: str, pos: int) -> Head:
+    """Streaming: the next call's head past `pos` (after the last call's arguments): in a tag."""
+    at = text.find(HERMES_START, pos)
+    if at < 0:
+        return WAIT
+    found = head_at(text, at + len(HERMES_START), HERMES_HEAD)
+    return WHOLE if found == WAIT and HERMES_START in text[at + 1:] else found
+
+
+def llama3_next_call(text: str, pos: int) -> Head:
+    """Streaming: the next call's head past `pos`: the answer's first object (after whitespace and
+    the python tag), then each one after a `;`; anything else is not a call (the whole parse
+    decides)."""
+    rest = text[pos:].lstrip()
+    if pos == 0 and rest.startswith(LLAMA_TAG):
+        rest = rest[len(LLAMA_TAG):].lstrip()
+    elif pos == 0 and LLAMA_TAG.startswith(rest):
+        return WAIT
+    elif pos > 0 and rest:
+        if rest[0] != ";":
+            return WHOLE
+        rest = rest[1:].lstrip()
+    if not rest:
+        return WAIT
+    return head_at(text, len(text) - len(rest), LLAMA3_HEAD) if rest[0] == "{" else WHOLE
+
+
 @dataclass(frozen=True)
 class Parser:
     parse: Callable[[str], Parsed]
@@ -110,20 +167,15 @@ class Parser:
     # the forms of one call, (text before the function's name, text after its arguments), a
     # forced call is written in; none: forced calls are bare JSON
     envelope: tuple[tuple[str, str], ...] = ()
-    # the tag a call written as {"name": ..., "arguments": ...} starts with, whose calls stream
-    # (ToolStream); empty: calls come whole at the end
-    start_tag: str = ""
+    # streaming: the next call's head past a position (hermes_next_call), whose arguments then
+    # stream (ToolStream); None: calls come whole at the end
+    next_call: Callable[[str, int], Head] | None = None
 
 
 ARGUMENTS_AFTER_NAME = '", "arguments": '
 HERMES_ENVELOPE = (('<tool_call>\n{"name": "', "}\n</tool_call>"), ('<tool_call>{"name": "', "}</tool_call>"))
-PARSERS = {"hermes": Parser(parse_hermes, hermes_content_end, HERMES_ENVELOPE, HERMES_START),
-           "llama3_json": Parser(parse_llama3_json, llama3_content_end)}
-
-
-# a streamed call's head, after its start tag: its name, then where its arguments' value begins
-CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
-CALL_HEAD_DONE = re.compile(r'"arguments"\s*:\s*\S')  # past where CALL_HEAD would have matched
+PARSERS = {"hermes": Parser(parse_hermes, hermes_content_end, HERMES_ENVELOPE, hermes_next_call),
+           "llama3_json": Parser(parse_llama3_json, llama3_content_end, next_call=llama3_next_call)}
 
 
 def tool_call_id() -> str:
@@ -351,7 +403,7 @@ class ToolStream:
     @property
     def streams_calls(self) -> bool:
         parser = self.plan.parser
-        return bool(parser and parser.start_tag) and (self.plan.mode == "auto" or self.plan.enveloped)
+        return bool(parser and parser.next_call) and (self.plan.mode == "auto" or self.plan.enveloped)
 
     def feed(self, delta: str) -> dict[str, Any] | None:
         """The delta fields for newly released text, or None while there is nothing to send."""
@@ -369,7 +421,7 @@ class ToolStream:
     def _stream_calls(self) -> dict[str, Any] | None:
         """The tool-call deltas the text released: a new call's id and name, its arguments' text."""
         assert self.plan.parser is not None
-        tag, pieces = self.plan.parser.start_tag, []
+        pieces = []
         while not self.whole:
             if self.calls and self.calls[-1].end is None:  # a call's arguments stream
                 call = self.calls[-1]
@@ -381,24 +433,11 @@ class ToolStream:
                     break
                 self.scanned = call.end
                 continue
-            at = self.text.find(tag, self.scanned)
-            if at < 0:
+            head = self.plan.parser.next_call(self.text, self.scanned)
+            if isinstance(head, str):
+                self.whole = head == WHOLE
                 break
-            rest = self.text[at + len(tag):]
-            head = CALL_HEAD.match(rest)
-            if head is None:  # not written yet, or not in this form
-                self.whole = CALL_HEAD_DONE.search(rest) is not None or tag in rest
-                break
-            if head.end() == len(rest):  # the arguments' value has not begun
-                break
-            try:
-                name = json.loads(f'"{head[1]}"')
-            except ValueError:
-                name = None
-            if rest[head.end()] != "{" or not name:  # arguments not an object: whole at the end
-                self.whole = True
-                break
-            start = at + len(tag) + head.end()
+            name, start = head
             self.calls.append(StreamedCall(start, start))
             pieces.append({"tool_calls": [{"index": len(self.calls) - 1, "id": tool_call_id(),
                                            "type": "function", "function": {"name": name, "arguments": ""}}]})

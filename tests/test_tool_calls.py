@@ -187,6 +187,26 @@ def test_hermes_calls_stream_their_name_then_their_arguments(size):
             whole["tool_calls"][0]["function"]["name"], whole["tool_calls"][0]["function"]["arguments"])
 
 
+def test_llama3_json_calls_stream_their_name_then_their_arguments():
+    """llama3_json's calls stream too (vLLM's llama3_json parser streams them): after the python
+    tag, each object's name once written, then its "parameters"; added up, the whole answer's."""
+    text = ('<|python_tag|>{"name": "get_weather", "parameters": {"city" : "Rome", "days": [1,2]}};\n'
+            '{"name": "get_time", "arguments": {}}')
+    plan = ToolPlan("auto", parser=PARSERS["llama3_json"])
+    whole, whole_finish = plan.message(text, "stop")
+    deltas, finish = stream_deltas(plan, list(text), "stop")
+    assert finish == whole_finish == "tool_calls" and not any("content" in d for d in deltas)
+    assert [(n, a) for _, n, a in calls_of(deltas)] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]]
+    assert [(n, a) for _, n, a in calls_of(deltas)][0] == ("get_weather", '{"city": "Rome", "days": [1, 2]}')
+    first = next(k for k, d in enumerate(deltas) if "tool_calls" in d)
+    assert first < text.index("Rome")  # the name went out before the arguments were whole
+    # not calls after all: content, whole at the end, as before
+    for other in ("{there}", "{not a call", "Hi {there}"):
+        deltas, finish = stream_deltas(plan, list(other), "stop")
+        assert "".join(d.get("content", "") for d in deltas) == other and not calls_of(deltas)
+
+
 def request(**kw) -> ChatRequest:
     return ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]} | kw)
 
