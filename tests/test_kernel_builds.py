@@ -1,21 +1,31 @@
 """Our C++ kernels build from a copy of their sources named by its contents (avx2_linear.build):
 two checkouts (or installs) of the same sources hand torch's extension builder the same library
 and source path, so neither rebuilds the other's library (torch rebuilds one whose source path
-changed); other sources, or other flags, get a library of their own beside it."""
+changed), and build with the environment's ninja; other sources, other flags or another torch
+get a library of their own beside it."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 from pathlib import Path
+
+import torch
 
 from eagle_infer.kernels import avx2_linear, decoder_layers
 
 
 def test_checkouts_of_the_same_sources_share_one_build(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    calls = []
-    monkeypatch.setattr("torch.utils.cpp_extension.load",
-                        lambda name, sources, **kw: calls.append((name, sources, kw["extra_cflags"])))
+    calls, paths = [], []
+
+    def load(name, sources, **kw):
+        calls.append((name, sources, kw["extra_cflags"]))
+        paths.append(os.environ["PATH"])
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", load)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # a process that did not activate the environment
     kernels = Path(decoder_layers.SOURCE).parent
     checkouts = []
     for where in ("a", "b"):
@@ -41,3 +51,13 @@ def test_checkouts_of_the_same_sources_share_one_build(tmp_path, monkeypatch):
     names = [name for name, _, _ in calls[3:]]
     assert len({a_name, *names}) == 3 and source.read_bytes() == (kernels / "decoder_layers.cpp").read_bytes()
     assert "-mavx512f" in calls[-1][2]
+    # the environment's ninja first on PATH while torch builds (where it has one), not after
+    bin_dir = str(Path(sys.executable).parent)
+    if (Path(bin_dir) / "ninja").exists():
+        assert all(p == bin_dir + os.pathsep + "/usr/bin:/bin" for p in paths)
+    assert os.environ["PATH"] == "/usr/bin:/bin"
+
+    # another install of torch (another environment's headers): a library of its own
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "other" / "torch" / "__init__.py"))
+    avx2_linear.build("eagle_decoder_layers", checkouts[0] / "decoder_layers.cpp")
+    assert calls[-1][0] not in {a_name, *names}

@@ -35,11 +35,15 @@ def build(name: str, source: Path, isa: Sequence[str] = (), text: str | None = N
     """Build (first time on a machine) and load a C++ op library for AVX2 + FMA CPUs, this one's
     and avx2_attention's (and with `isa`'s extra flags bf16_linear's): `source` (or `text`, a
     version of it) and this folder's headers (and `include`, a header read first: -include),
-    copied into torch's extension cache under a name with their hash and the flags'. Every
-    checkout or install with the same sources loads one build, and other sources build beside it:
-    torch's builder rebuilds a library whose source path changed, so two checkouts sharing one
-    name rebuilt each other's at every switch (~37 s on the Zen 4)."""
+    copied into torch's extension cache under a name with their hash, the flags' and torch's
+    install's. Every checkout with the same sources and torch loads one build, and others build
+    beside it: torch's builder rebuilds a library whose command changed (the source's path,
+    torch's headers' path), so two checkouts sharing one name rebuilt each other's at every
+    switch (~37 s on the Zen 4). The build runs the ninja of this interpreter's environment where
+    it has one (the `ninja` package), as a process that activated it would: ninja 1.13 and 1.11
+    hash a command differently, so a library one built the other rebuilt."""
     import os
+    import sys
     import zlib
 
     from torch.utils import cpp_extension
@@ -48,7 +52,8 @@ def build(name: str, source: Path, isa: Sequence[str] = (), text: str | None = N
     headers = sorted(source.parent.glob("*.h")) + ([include] if include else [])
     # OpenMP: at::parallel_for's threads (and decoder_layers' own region)
     flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", *isa]
-    crc = zlib.crc32("\0".join([text, *flags]).encode() + b"".join(h.read_bytes() for h in headers))
+    crc = zlib.crc32("\0".join([text, *flags, str(Path(torch.__file__).parent)]).encode()
+                     + b"".join(h.read_bytes() for h in headers))
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
     folder = root / "eagle_sources" / f"{name}_{crc:08x}"
     copies = {folder / h.name: h.read_bytes() for h in headers} | {folder / source.name: text.encode()}
@@ -59,8 +64,14 @@ def build(name: str, source: Path, isa: Sequence[str] = (), text: str | None = N
             tmp.write_bytes(data)
             tmp.replace(path)  # whole, beside another process building the same library
     forced = ["-include", str(folder / include.name)] if include else []
-    cpp_extension.load(f"{name}_{crc:08x}", [str(folder / source.name)], extra_cflags=flags + forced,
-                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    path, bin_dir = os.environ.get("PATH", ""), str(Path(sys.executable).parent)
+    if (Path(bin_dir) / "ninja").exists() and not path.startswith(bin_dir + os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + path
+    try:
+        cpp_extension.load(f"{name}_{crc:08x}", [str(folder / source.name)], extra_cflags=flags + forced,
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    finally:
+        os.environ["PATH"] = path
 
 
 def build_copy(name: str, text: str, namespace: str, isa: Sequence[str] = (),
