@@ -4,8 +4,9 @@
   it (finish_reason "stop", as OpenAI's and vLLM's);
 - "required": one or more calls of any of the tools (one with `parallel_tool_calls: false`;
   finish_reason "tool_calls");
-- "auto": the model decides; a tool-call parser (`--tool-call-parser`, vLLM's hermes or
-  llama3_json format) finds the calls in its text, what comes before them is the content;
+- "auto": the model decides; a tool-call parser (`--tool-call-parser`, vLLM's hermes,
+  llama3_json or pythonic format) finds the calls in its text, what comes before them is the
+  content;
 - "none": tools are only shown to the chat template.
 
 Forced calls (named, "required") are decoded under a grammar (grammar.py), so they are exact
@@ -27,6 +28,7 @@ in that order) come whole at the end.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -41,6 +43,7 @@ Parsed = tuple[str | None, list[tuple[str, str]]]
 HERMES_START = "<tool_call>"
 HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 LLAMA_TAG = "<|python_tag|>"
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's
 
 
 def parse_hermes(text: str) -> Parsed:
@@ -80,6 +83,33 @@ def parse_llama3_json(text: str) -> Parsed:
     return (None, calls) if calls else (text, [])
 
 
+def parse_pythonic(text: str) -> Parsed:
+    """Llama 3.2 / 4's pythonic calls (vLLM's pythonic and llama4_pythonic parsers): the whole
+    answer a Python list of calls by keyword, `[get_weather(city="Paris"), get_time()]`, within
+    Llama 4's python tags or not; each argument a literal (JSON's values, Python's spelling of
+    them: True, None); calls leave no content. Anything else (a positional argument, a value that
+    is not a literal, text around the list) leaves the whole text as content. Parsed, not run."""
+    body = text.strip()
+    if body.startswith(PYTHON_START):
+        body = body[len(PYTHON_START):].removesuffix(PYTHON_END).strip()
+    if not (body.startswith("[") and body.endswith("]")):
+        return text, []
+    try:
+        listed = ast.parse(body, mode="eval").body
+        if not (isinstance(listed, ast.List) and listed.elts):
+            return text, []
+        calls = []
+        for call in listed.elts:
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args
+                    and all(k.arg for k in call.keywords)):
+                return text, []
+            args = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+            calls.append((call.func.id, json.dumps(args, ensure_ascii=False)))
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):  # TypeError: a set, bytes
+        return text, []
+    return None, calls
+
+
 def hermes_content_end(text: str) -> int:
     """Streaming: how much of `text` is content for certain: up to a call's start tag, less an
     end that could still grow into one."""
@@ -92,15 +122,20 @@ def hermes_content_end(text: str) -> int:
     return len(text)
 
 
-def llama3_content_end(text: str) -> int:
-    """Streaming: an answer that starts as a call (`{` or the python tag, after whitespace) may be
-    all calls, so none of it is content until it ends; any other answer is content."""
-    head = text.lstrip()
-    if not head:
-        return 0
-    if head.startswith("{") or head.startswith(LLAMA_TAG) or LLAMA_TAG.startswith(head):
-        return 0
-    return len(text)
+def calls_first_content_end(opening: str, tag: str) -> Callable[[str], int]:
+    """Streaming, for a format whose calls are the whole answer: one that starts as calls
+    (`opening`, or `tag`, after whitespace) may be all calls, so none of it is content until it
+    ends; any other answer is content."""
+    def content_end(text: str) -> int:
+        head = text.lstrip()
+        if not head or head.startswith(opening) or head.startswith(tag) or tag.startswith(head):
+            return 0
+        return len(text)
+    return content_end
+
+
+llama3_content_end = calls_first_content_end("{", LLAMA_TAG)
+pythonic_content_end = calls_first_content_end("[", PYTHON_START)
 
 
 def call_head(keys: str) -> tuple[re.Pattern, re.Pattern]:
@@ -175,7 +210,9 @@ class Parser:
 ARGUMENTS_AFTER_NAME = '", "arguments": '
 HERMES_ENVELOPE = (('<tool_call>\n{"name": "', "}\n</tool_call>"), ('<tool_call>{"name": "', "}</tool_call>"))
 PARSERS = {"hermes": Parser(parse_hermes, hermes_content_end, HERMES_ENVELOPE, hermes_next_call),
-           "llama3_json": Parser(parse_llama3_json, llama3_content_end, next_call=llama3_next_call)}
+           "llama3_json": Parser(parse_llama3_json, llama3_content_end, next_call=llama3_next_call),
+           "pythonic": Parser(parse_pythonic, pythonic_content_end)}
+PARSERS["llama4_pythonic"] = PARSERS["pythonic"]  # vLLM's two names; the one parser reads Llama 4's tags
 
 
 def tool_call_id() -> str:

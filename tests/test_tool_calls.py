@@ -15,6 +15,7 @@ from eagle_infer.tool_calls import (
     ToolPlan,
     parse_hermes,
     parse_llama3_json,
+    parse_pythonic,
     parse_required,
     required_schema,
 )
@@ -43,6 +44,28 @@ def test_llama3_json_calls():
     assert parse_llama3_json(nested) == (None, [("a", '{"inner": {"name": "x", "parameters": {}}}')])
     for plain in ("Just text.", "A set {1, 2} is not a call.", '{"answer": 42}'):
         assert parse_llama3_json(plain) == (plain, [])
+
+
+def test_pythonic_calls():
+    """vLLM's pythonic format (Llama 3.2 / 4): a list of calls by keyword with literal values, in
+    Llama 4's python tags or not; anything else is content, and nothing is run."""
+    two = '[get_weather(city="Paris", days=[1, 2], opts={"unit": "c"}, hourly=True), get_time()]'
+    calls = [("get_weather", '{"city": "Paris", "days": [1, 2], "opts": {"unit": "c"}, "hourly": true}'),
+             ("get_time", "{}")]
+    assert parse_pythonic(two) == (None, calls)
+    assert parse_pythonic(f"<|python_start|>{two}<|python_end|>") == (None, calls)
+    assert parse_pythonic(" [f(x=None, y='é')]\n") == (None, [("f", '{"x": null, "y": "é"}')])
+    for plain in ("Just text.", "[1, 2, 3]", "[f(1)]", "[f(x=g())]", "[f(x={1, 2})]", "[f(**kw)]",
+                  "[__import__(name='os')] and more", "[f(x=1)", "[]"):
+        assert parse_pythonic(plain) == (plain, [])
+    assert PARSERS["llama4_pythonic"] is PARSERS["pythonic"]
+    # streamed: an answer that opens as a list is held whole; one that does not is content
+    plan = ToolPlan("auto", parser=PARSERS["pythonic"])
+    deltas, finish = stream_deltas(plan, ["[get_weather(", 'city="Rome")]'], "stop")
+    assert [list(d) for d in deltas] == [["tool_calls"]] and finish == "tool_calls"
+    assert deltas[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    deltas, finish = stream_deltas(plan, ["It is", " [sunny]"], "stop")
+    assert [d["content"] for d in deltas] == ["It is", " [sunny]"] and finish == "stop"
 
 
 def test_required_schema_lists_each_tool_and_gathers_defs():
