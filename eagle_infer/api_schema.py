@@ -276,6 +276,30 @@ class CompletionRequest(Generation):
         return self.logprobs
 
 
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt's tokens, or chat messages' through the chat template (as a chat
+    request would prompt the model)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True  # a prompt's (BOS); messages get the template's
+    messages: list[Message] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    tool_dicts = ChatRequest.tool_dicts
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's /detokenize: token ids to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def check_logprobs(k: int | None, param: str) -> None:
     if k is not None and not 0 <= k <= MAX_LOGPROBS:
         raise ApiError(400, f"{param} must be in [0, {MAX_LOGPROBS}], got {k}", param=param,

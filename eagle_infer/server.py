@@ -35,12 +35,12 @@ from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -49,8 +49,10 @@ from eagle_infer.api_schema import (
     ApiError,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
     Generation,
     LogprobEntry,
+    TokenizeRequest,
     chat_logprobs,
     check_logprobs,
     completion_logprobs,
@@ -68,6 +70,7 @@ from eagle_infer.speculative import Sequence_, TokenLogprob
 from eagle_infer.tool_calls import PARSERS, ToolPlan, ToolStream, merge_deltas
 from eagle_infer.tree import TreeConfig
 
+Body = TypeVar("Body", bound=BaseModel)  # a request body's schema
 log = logging.getLogger("eagle_infer.server")
 
 DEFAULT_HEAD = default_head_path("eagle3")
@@ -689,7 +692,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             raise ApiError(401, "invalid API key: pass it as 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
-    async def parse(request: Request, schema: type[Generation]) -> Generation:
+    async def parse(request: Request, schema: type[Body]) -> Body:
         check_auth(request)
         size = request.headers.get("content-length")
         if size and size.isdigit() and int(size) > MAX_BODY_BYTES:
@@ -1007,15 +1010,31 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         finally:  # also when the client disconnects mid-stream (sse-starlette cancels us)
             cancel_all(jobs)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        req = await parse(request, ChatRequest)
-        assert isinstance(req, ChatRequest)
+    def template_prompt(req: ChatRequest | TokenizeRequest,
+                        tool_dicts: list[dict[str, Any]] | None) -> list[int]:
+        """A chat request's prompt: its messages (and tools) through the chat template."""
         if not req.messages:
             raise ApiError(400, "messages must not be empty", param="messages", code="invalid_value")
         if req.add_generation_prompt and req.continue_final_message:
             raise ApiError(400, "continue_final_message needs add_generation_prompt: false",
                            param="continue_final_message", code="invalid_value")
+        msgs = [m.for_template() for m in req.messages]
+        clash = template_parameters() & set(req.chat_template_kwargs or {})
+        if clash:
+            raise ApiError(400, f"chat_template_kwargs: {', '.join(sorted(clash))} is a parameter of "
+                                "apply_chat_template, not a template variable",
+                           param="chat_template_kwargs", code="invalid_value")
+        try:
+            return chat_prompt_ids(tokenizer, msgs, tool_dicts, cfg.chat_template, req.add_generation_prompt,
+                                   req.continue_final_message, **(req.chat_template_kwargs or {}))
+        except Exception as e:
+            raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages",
+                           code="invalid_value") from None
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await parse(request, ChatRequest)
+        assert isinstance(req, ChatRequest)
         tools = req.tool_plan(PARSERS[cfg.tool_parser] if cfg.tool_parser else None, cfg.auto_tools)
         tool_dicts = req.tool_dicts()
         try:
@@ -1025,19 +1044,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             tool_grammar = None if auto_free else tools.grammar(tool_dicts or [], parallel)
         except ValueError as e:
             raise ApiError(400, str(e), param="tools", code="invalid_value") from None
-        msgs = [m.for_template() for m in req.messages]
-        clash = template_parameters() & set(req.chat_template_kwargs or {})
-        if clash:
-            raise ApiError(400, f"chat_template_kwargs: {', '.join(sorted(clash))} is a parameter of "
-                                "apply_chat_template, not a template variable",
-                           param="chat_template_kwargs", code="invalid_value")
-        try:
-            prompt = chat_prompt_ids(tokenizer, msgs, tool_dicts, cfg.chat_template,
-                                     req.add_generation_prompt, req.continue_final_message,
-                                     **(req.chat_template_kwargs or {}))
-        except Exception as e:
-            raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages",
-                           code="invalid_value") from None
+        prompt = template_prompt(req, tool_dicts)
         reasoning, gate = None, ()
         if cfg.reasoning_parser is not None:
             parser = REASONING_PARSERS[cfg.reasoning_parser]
@@ -1065,6 +1072,27 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             prompts.append(list(one))
         jobs = make_jobs(req, prompts, "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS)
         return await run(request, jobs, req, "completion")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = await parse(request, TokenizeRequest)
+        assert isinstance(req, TokenizeRequest)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "give either prompt or messages", param="prompt", code="invalid_value")
+        if req.prompt is not None:
+            ids = list(tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+        else:
+            ids = template_prompt(req, req.tool_dicts())
+        return {"count": len(ids), "max_model_len": cfg.context, "tokens": ids,
+                "token_strs": tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = await parse(request, DetokenizeRequest)
+        assert isinstance(req, DetokenizeRequest)
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise ApiError(400, f"token ids must be in [0, {vocab})", param="tokens", code="invalid_value")
+        return {"prompt": tokenizer.decode(req.tokens)}
 
     def model_card(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": 0, "owned_by": "eagle-spec",

@@ -268,6 +268,36 @@ def test_bad_requests_get_openai_errors_and_the_server_survives(server, client):
     assert m['eagle:http_requests_total{status="400"}'] >= 16
 
 
+def test_tokenize_and_detokenize_as_vllm(server, client, tokenizer):
+    """vLLM's /tokenize (a prompt, or messages through the chat template: the tokens a chat request
+    prompts with) and /detokenize; bad bodies get 400s, a bad key 401."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(server.url + path, json=body, headers=auth, timeout=60)
+
+    text = "Speculative decoding, losslessly."
+    out = post("/tokenize", {"model": MODEL, "prompt": text, "return_token_strs": True}).json()
+    ids = list(tokenizer(text)["input_ids"])
+    assert out["tokens"] == ids and out["count"] == len(ids)
+    card = httpx.get(server.url + "/v1/models", headers=auth).json()["data"][0]
+    assert out["max_model_len"] == card["max_model_len"]
+    assert out["token_strs"] == tokenizer.convert_ids_to_tokens(ids)
+    assert post("/detokenize", {"tokens": ids}).json() == {"prompt": tokenizer.decode(ids)}
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+    out = post("/tokenize", {"messages": msgs}).json()
+    usage = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1).usage
+    assert out["count"] == usage.prompt_tokens and out["token_strs"] is None
+    assert tokenizer.decode(out["tokens"]).rstrip().endswith("assistant")  # the generation prompt
+    for path, body in (("/tokenize", {}), ("/tokenize", {"prompt": "a", "messages": msgs}),
+                       ("/tokenize", {"messages": []}), ("/detokenize", {"tokens": [-1]}),
+                       ("/detokenize", {"tokens": "abc"})):
+        r = post(path, body)
+        assert r.status_code == 400 and r.json()["error"]["message"], (path, body)
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "a"}, timeout=60).status_code == 401
+    assert post("/tokenize", {"model": "nope", "prompt": "a"}).status_code == 404
+
+
 def test_penalties_logit_bias_and_stop_tokens_answer_as_plain_decoding(server, client, default_model_fp32,
                                                                         tokenizer):
     """OpenAI's frequency and presence penalties, vLLM's repetition_penalty and logit_bias reach
