@@ -332,12 +332,11 @@ class ToolPlan:
 
 @dataclass
 class StreamedCall:
-    """A call whose id and name went out and whose arguments (a JSON object, from `start` in the
-    answer's text) stream as vLLM streams them: re-serialised as json.dumps writes them (", ",
-    ": ", strings and numbers in its form), so the pieces add up to a whole answer's arguments."""
+    """A call whose id and name went out and whose arguments (a JSON object in the answer's
+    text) stream as vLLM streams them: re-serialised as json.dumps writes them (", ", ": ",
+    strings and numbers in its form), so the pieces add up to a whole answer's arguments."""
 
-    start: int
-    read: int  # how much of the text the value's scan has read
+    read: int  # how far into the text the value's scan has read (from where the value starts)
     end: int | None = None  # where the value ends, once its brackets close
     depth: int = 0
     string: str | None = None  # a string being read, from its opening quote
@@ -434,7 +433,7 @@ class ToolStream:
     sent: int = 0  # content (auto) or arguments (named) already sent
     call_id: str | None = None
     calls: list[StreamedCall] = field(default_factory=list)  # the calls streamed so far
-    scanned: int = 0  # where the next call's start tag may be
+    scanned: int = 0  # where the next call may start (past the last call's arguments)
     whole: bool = False  # a call not in the streamed form: the rest come whole at the end
 
     @property
@@ -475,7 +474,7 @@ class ToolStream:
                 self.whole = head == WHOLE
                 break
             name, start = head
-            self.calls.append(StreamedCall(start, start))
+            self.calls.append(StreamedCall(start))
             pieces.append({"tool_calls": [{"index": len(self.calls) - 1, "id": tool_call_id(),
                                            "type": "function", "function": {"name": name, "arguments": ""}}]})
         return merge_deltas(*pieces)

@@ -4,8 +4,8 @@ verify's tree of rows, over weights packed in 24-column panels, as torch.ops.eag
 The C++ source is built once per machine (and version of the sources: build) by torch's extension
 builder (a C++ compiler, which Inductor needs anyway, and ninja) into its cache
 (~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR; ~20 s the first time on the AVX2 EPYC), then
-loaded from there. Compiled steps
-see the op as an external call with a known output shape (register_fake below).
+loaded from there. Compiled steps see the op as an external call with a known output shape
+(register_fake below).
 
     wp = pack(linear.weight)                       # [ceil(N / 24), K, 24]
     y = torch.ops.eagle.avx2_linear(x, wp, N)      # == F.linear(x, linear.weight), fp32
@@ -64,14 +64,14 @@ def build(name: str, source: Path, isa: Sequence[str] = (), text: str | None = N
             tmp.write_bytes(data)
             tmp.replace(path)  # whole, beside another process building the same library
     forced = ["-include", str(folder / include.name)] if include else []
-    path, bin_dir = os.environ.get("PATH", ""), str(Path(sys.executable).parent)
-    if (Path(bin_dir) / "ninja").exists() and not path.startswith(bin_dir + os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + path
+    search, bin_dir = os.environ.get("PATH", ""), str(Path(sys.executable).parent)
+    if (Path(bin_dir) / "ninja").exists() and not search.startswith(bin_dir + os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + search
     try:
         cpp_extension.load(f"{name}_{crc:08x}", [str(folder / source.name)], extra_cflags=flags + forced,
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     finally:
-        os.environ["PATH"] = path
+        os.environ["PATH"] = search
 
 
 def build_copy(name: str, text: str, namespace: str, isa: Sequence[str] = (),

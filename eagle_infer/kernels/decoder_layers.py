@@ -12,8 +12,8 @@ step one OpenMP parallel region (the kernels' range functions: kernel_calls.h).
 The weights are registered once and named by an integer, passed in a one-value tensor (a graph
 input, so a compiled step's graph is the same whichever id its target got: torch's compile cache
 serves it to any process); a compiled step passes and guards a handful of step tensors instead of
-every weight (measured: ~300 tensor guards and ~250 kernel
-and op calls a step before, ~2.4 of a 8.0 ms int8 step on the main thread outside kernels; Zen 4).
+every weight (measured: ~300 tensor guards and ~250 kernel and op calls a step before, ~2.4 of a
+8.0 ms int8 step on the main thread outside kernels; Zen 4).
 $EAGLE_FUSED_LAYERS=0 keeps the Python layers (for A/B runs).
 """
 
