@@ -5,8 +5,8 @@
 - "required": one or more calls of any of the tools (one with `parallel_tool_calls: false`;
   finish_reason "tool_calls");
 - "auto": the model decides; a tool-call parser (`--tool-call-parser`, vLLM's hermes,
-  llama3_json or pythonic format) finds the calls in its text, what comes before them is the
-  content;
+  llama3_json, pythonic or phi4_mini_json format) finds the calls in its text, what comes before
+  them is the content;
 - "none": tools are only shown to the chat template.
 
 Forced calls (named, "required") are decoded under a grammar (grammar.py), so they are exact
@@ -44,6 +44,7 @@ HERMES_START = "<tool_call>"
 HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 LLAMA_TAG = "<|python_tag|>"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's
+PHI4_START = "functools["
 
 
 def parse_hermes(text: str) -> Parsed:
@@ -110,16 +111,37 @@ def parse_pythonic(text: str) -> Parsed:
     return None, calls
 
 
-def hermes_content_end(text: str) -> int:
-    """Streaming: how much of `text` is content for certain: up to a call's start tag, less an
-    end that could still grow into one."""
-    at = text.find(HERMES_START)
-    if at >= 0:
-        return at
-    for k in range(min(len(HERMES_START) - 1, len(text)), 0, -1):
-        if text.endswith(HERMES_START[:k]):
-            return len(text) - k
-    return len(text)
+def parse_phi4_mini_json(text: str) -> Parsed:
+    """Phi-4-mini's calls (vLLM's phi4_mini_json parser): `functools[{"name": ..., "arguments":
+    {...}}, ...]` (or "parameters"); the content is the text before it. A list that does not parse
+    (read as JSON to its end, nested brackets and all) leaves the whole text as content."""
+    at = text.find(PHI4_START)
+    if at < 0:
+        return text, []
+    try:
+        items, _ = json.JSONDecoder().raw_decode(text, at + len(PHI4_START) - 1)
+        calls = [(c["name"], json.dumps(c["arguments"] if "arguments" in c else c["parameters"],
+                                        ensure_ascii=False)) for c in items]
+    except (ValueError, KeyError, TypeError):
+        return text, []
+    return (text[:at] or None, calls) if calls else (text, [])
+
+
+def tag_content_end(tag: str) -> Callable[[str], int]:
+    """Streaming, for a format whose calls start at `tag`: how much of the text is content for
+    certain: up to the tag, less an end that could still grow into it."""
+    def content_end(text: str) -> int:
+        at = text.find(tag)
+        if at >= 0:
+            return at
+        for k in range(min(len(tag) - 1, len(text)), 0, -1):
+            if text.endswith(tag[:k]):
+                return len(text) - k
+        return len(text)
+    return content_end
+
+
+hermes_content_end = tag_content_end(HERMES_START)
 
 
 def calls_first_content_end(opening: str, tag: str) -> Callable[[str], int]:
@@ -211,7 +233,8 @@ ARGUMENTS_AFTER_NAME = '", "arguments": '
 HERMES_ENVELOPE = (('<tool_call>\n{"name": "', "}\n</tool_call>"), ('<tool_call>{"name": "', "}</tool_call>"))
 PARSERS = {"hermes": Parser(parse_hermes, hermes_content_end, HERMES_ENVELOPE, hermes_next_call),
            "llama3_json": Parser(parse_llama3_json, llama3_content_end, next_call=llama3_next_call),
-           "pythonic": Parser(parse_pythonic, pythonic_content_end)}
+           "pythonic": Parser(parse_pythonic, pythonic_content_end),
+           "phi4_mini_json": Parser(parse_phi4_mini_json, tag_content_end(PHI4_START))}
 PARSERS["llama4_pythonic"] = PARSERS["pythonic"]  # vLLM's two names; the one parser reads Llama 4's tags
 
 

@@ -15,6 +15,7 @@ from eagle_infer.tool_calls import (
     ToolPlan,
     parse_hermes,
     parse_llama3_json,
+    parse_phi4_mini_json,
     parse_pythonic,
     parse_required,
     required_schema,
@@ -66,6 +67,20 @@ def test_pythonic_calls():
     assert deltas[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
     deltas, finish = stream_deltas(plan, ["It is", " [sunny]"], "stop")
     assert [d["content"] for d in deltas] == ["It is", " [sunny]"] and finish == "stop"
+
+
+def test_phi4_mini_json_calls():
+    """vLLM's phi4_mini_json format: `functools[...]`, a JSON list of calls read to its end (nested
+    brackets too, where vLLM's regex stops at the first `]`), the text before it the content."""
+    text = 'Sure. functools[{"name": "a", "arguments": {"xs": [1, [2]]}}, {"name": "b", "parameters": {}}]'
+    assert parse_phi4_mini_json(text) == ("Sure. ", [("a", '{"xs": [1, [2]]}'), ("b", "{}")])
+    assert parse_phi4_mini_json(text[6:]) == (None, [("a", '{"xs": [1, [2]]}'), ("b", "{}")])
+    for plain in ("No call.", "functools[{not json}]", 'functools[{"arguments": {}}]', "functools[]"):
+        assert parse_phi4_mini_json(plain) == (plain, [])
+    plan = ToolPlan("auto", parser=PARSERS["phi4_mini_json"])
+    deltas, finish = stream_deltas(plan, [text[i:i + 4] for i in range(0, len(text), 4)], "stop")
+    assert "".join(d.get("content", "") for d in deltas) == "Sure. " and finish == "tool_calls"
+    assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", [])] == ["a", "b"]
 
 
 def test_required_schema_lists_each_tool_and_gathers_defs():
