@@ -363,7 +363,7 @@ class StreamedCall:
     end: int | None = None  # where the value ends, once its brackets close
     depth: int = 0
     string: str | None = None  # a string being read, from its opening quote
-    string_sent: int = 0  # how much of its json.dumps form went out
+    string_sent: int = 0  # how many of its characters went out (in json.dumps' form): whole escapes
     token: str = ""  # a number or literal being read
 
     def feed(self, text: str) -> str:
@@ -380,7 +380,8 @@ class StreamedCall:
             if ch.isspace() or ch in '{}[],:"':
                 out.append(self._token_piece())
             if ch == '"':
-                self.string, self.string_sent = ch, 0
+                self.string, self.string_sent = ch, 1
+                out.append(ch)
             elif ch in "{[":
                 self.depth += 1
                 out.append(ch)
@@ -405,26 +406,27 @@ class StreamedCall:
             return token
 
     def _string_piece(self, closed: bool) -> str:
-        """What of the string's json.dumps form has not gone out: all of it once closed, else the
-        form of its longest prefix that is whole (not inside an escape or a surrogate pair)."""
+        """The string's text since the last piece, in json.dumps' form: up to its closing quote
+        once closed, else up to where its text is whole (not inside an escape or a surrogate
+        pair). json.dumps escapes a string a character at a time, so pieces of whole escapes add
+        up to the whole string's form, and each piece reads only the new text."""
         assert self.string is not None
-        form = None
-        for cut in range(len(self.string), max(len(self.string) - 12, 0), -1):
+        end = len(self.string) - 1 if closed else len(self.string)
+        for cut in range(end, max(end - 12, self.string_sent) - 1, -1):
             try:
-                value = json.loads(self.string[:cut] + ("" if closed else '"'))
+                value = json.loads(f'"{self.string[self.string_sent:cut]}"')
             except ValueError:
                 if closed:  # not JSON after all: the rest as written
-                    return self.string[self.string_sent:]
+                    break
                 continue
             if not closed and value and "\ud800" <= value[-1] <= "\udbff":
                 continue
-            form = json.dumps(value, ensure_ascii=False)
-            form = form if closed else form[:-1]
-            break
-        if form is None:
-            return ""
-        piece, self.string_sent = form[self.string_sent:], max(self.string_sent, len(form))
-        return piece
+            self.string_sent = cut
+            return json.dumps(value, ensure_ascii=False)[1:-1] + ('"' if closed else "")
+        if closed:
+            rest, self.string_sent = self.string[self.string_sent:], len(self.string)
+            return rest
+        return ""
 
 
 def merge_deltas(*deltas: dict[str, Any] | None) -> dict[str, Any] | None:
