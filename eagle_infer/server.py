@@ -1127,10 +1127,22 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
 # Command line
 
 
+def json_object(text: str) -> dict[str, Any]:
+    """An argument that is a JSON object (vLLM's --speculative-config)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m eagle_infer.server", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", default="default", help="HF folder; 'default' = embedded SmolLM2")
+    ap.add_argument("--model-path", "--model", default="default",
+                    help="HF folder; 'default' = embedded SmolLM2")
     ap.add_argument("--speculative-algorithm", type=str.upper, choices=["EAGLE", "EAGLE3", "NONE"],
                     default=None, help="EAGLE (EAGLE-2 head), EAGLE3, or NONE (plain decoding); "
                     "default: EAGLE3 with the reference head when it is present, else NONE")
@@ -1153,6 +1165,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "3:1/4/3+g4, 2:1/4/3+g4 with int8 weights; on AMD CPUs with AVX512-BF16: "
                          "3:1/4/2+g4 (bf16 weights); with rounds without drafts above 4 requests; "
                          "else none")
+    ap.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
+                    help='vLLM\'s flag: {"method": "eagle3" or "eagle", "model": HEAD_FOLDER, '
+                         '"num_speculative_tokens": K, "disable_by_batch_size": N}, the same as '
+                         "--speculative-algorithm, --speculative-draft-model-path, a chain of K drafts "
+                         "(--speculative-num-steps K --speculative-eagle-topk 1 "
+                         "--speculative-num-draft-tokens K+1) and --speculative-disable-by-batch-size; "
+                         "leave num_speculative_tokens out for the default tree")
     ap.add_argument("--speculative-token-map", default=None, help="FR-Spec token map (EAGLE-2 heads)")
     ap.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                     help="while more than N requests are running, rounds draft nothing: a plain "
@@ -1168,7 +1187,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "follows the quantized target, whose activations round to bf16 "
                          "(docs/measurements.md)")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    ap.add_argument("--context-length", type=int, default=2048)
+    ap.add_argument("--context-length", "--max-model-len", type=int, default=2048)
     # Compiled steps, with SGLang's flag names: CUDA graphs by default on CUDA, torch.compile
     # by default on a CPU (compile_settings), every compiled bucket warmed up before serving.
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None, dest="cuda_graph_max_bs",
@@ -1192,7 +1211,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "compile to the start-up and batches decode more tokens/s without speculation; "
                     "8 there with a batch tree, which a compiled batch needs to pay: docs/runtime.md; "
                     "else the bucket of --max-running-requests)")
-    ap.add_argument("--max-running-requests", type=int, default=8)
+    ap.add_argument("--max-running-requests", "--max-num-seqs", type=int, default=8)
     ap.add_argument("--chunked-prefill-size", type=int, default=None, metavar="N",
                     help="while requests run, a longer prompt is prefilled N tokens between their rounds "
                          "before it joins, so they do not wait for its whole prefill (with the prefix "
@@ -1216,7 +1235,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "tools' JSON schemas")
     ap.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                     help="the format the model writes its tool calls in: hermes "
-                         "(<tool_call>{...}</tool_call>, Hermes / Qwen), llama3_json (Llama 3.x's JSON)")
+                         "(<tool_call>{...}</tool_call>, Hermes / Qwen), llama3_json (Llama 3.x's JSON), "
+                         "pythonic / llama4_pythonic (Llama 3.2 / 4's [f(x=1)]), phi4_mini_json "
+                         "(Phi-4-mini's functools[...])")
     ap.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                     help="a thinking model's chat answers split into message.reasoning (the text before "
                          "</think>) and content (vLLM's flag and field): deepseek_r1, qwen3 (whose "
@@ -1277,6 +1298,47 @@ def compile_settings(args: argparse.Namespace, device_type: str,
     return None
 
 
+SPECULATIVE_CONFIG_FLAGS = {"method": "speculative_algorithm", "model": "speculative_draft_model_path",
+                            "disable_by_batch_size": "speculative_disable_by_batch_size"}
+
+
+def apply_speculative_config(args: argparse.Namespace) -> None:
+    """vLLM's --speculative-config, written into the flags it stands for (SPECULATIVE_CONFIG_FLAGS,
+    num_speculative_tokens K as a chain: K steps, top-1, K + 1 nodes). Refuses a method other
+    than EAGLE's, a key it does not know and a flag given both ways."""
+    conf = args.speculative_config
+    if conf is None:
+        return
+    known = {*SPECULATIVE_CONFIG_FLAGS, "num_speculative_tokens", "draft_tensor_parallel_size"}
+    unknown = sorted(set(conf) - known)
+    if unknown:
+        raise UserError(f"--speculative-config: {', '.join(unknown)} not supported here (it takes "
+                        f"{', '.join(sorted(known))})")
+    if conf.get("draft_tensor_parallel_size", 1) != 1:
+        raise UserError("--speculative-config: draft_tensor_parallel_size must be 1 (one process)")
+    values = dict(conf)
+    if "method" in values:
+        method = str(values["method"]).lower()
+        if method not in ("eagle", "eagle3"):
+            raise UserError(f"--speculative-config: method {method!r} is not served here: eagle "
+                            f"(EAGLE-2 heads) or eagle3")
+        values["method"] = method.upper()
+    k = values.pop("num_speculative_tokens", None)
+    flags = {flag: values[key] for key, flag in SPECULATIVE_CONFIG_FLAGS.items() if key in values}
+    if k is not None:
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise UserError(f"--speculative-config: num_speculative_tokens must be a positive integer, "
+                            f"got {k!r}")
+        flags |= {"speculative_num_steps": k, "speculative_eagle_topk": 1,
+                  "speculative_num_draft_tokens": k + 1}
+    for flag, value in flags.items():
+        if getattr(args, flag) is not None:
+            raise UserError(f"--speculative-config and --{flag.replace('_', '-')} both given: "
+                            f"pass one of them")
+        setattr(args, flag, value)
+    args.speculative_config = None  # applied
+
+
 def resolve_draft(args: argparse.Namespace) -> tuple[str, Path | None]:
     """(algorithm, head folder): fall back to NONE only when nothing speculative was asked for
     explicitly and the reference head is missing."""
@@ -1328,6 +1390,7 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
     if args.speculative_disable_by_batch_size is not None and args.speculative_disable_by_batch_size < 0:
         raise UserError("--speculative-disable-by-batch-size must be >= 0")
+    apply_speculative_config(args)
     algo, head_path = resolve_draft(args)
     device = args.device or default_device()
     # Validate the flags before the slow loading.

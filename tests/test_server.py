@@ -1324,6 +1324,48 @@ def test_stop_prefix_len():
     assert stop_prefix_len("ab", ["abc", "bx"]) == 2
 
 
+def test_vllm_flag_names_map_onto_ours(monkeypatch, tmp_path, capsys):
+    """A vLLM command line's flags: --model, --max-model-len and --max-num-seqs name ours;
+    --speculative-config's method, model and disable_by_batch_size set their flags and
+    num_speculative_tokens K a chain of K drafts; what it cannot mean here is refused by name."""
+    from eagle_infer import server
+    from eagle_infer.errors import UserError
+
+    monkeypatch.setenv("EAGLE_BF16_DOT", "fma")
+    args = server.build_parser().parse_args(["--model", "/m", "--max-model-len", "4096",
+                                             "--max-num-seqs", "4"])
+    assert (args.model_path, args.context_length, args.max_running_requests) == ("/m", 4096, 4)
+    head = tmp_path / "head"
+    head.mkdir()
+
+    def applied(conf: str, *flags: str):
+        args = server.build_parser().parse_args(["--speculative-config", conf, *flags])
+        server.apply_speculative_config(args)
+        return args
+
+    args = applied(json.dumps({"method": "eagle", "model": str(head), "num_speculative_tokens": 3,
+                               "disable_by_batch_size": 2, "draft_tensor_parallel_size": 1}))
+    assert server.resolve_draft(args) == ("EAGLE", head)
+    assert server.resolve_tree(args, "cpu") == server.TreeConfig(3, 1, 4, ngram_branch=4)
+    assert server.resolve_disable_by_batch_size(args, "cpu") == 2
+    args = applied(json.dumps({"method": "EAGLE3", "model": str(head)}))  # no K: the default tree
+    assert server.resolve_draft(args) == ("EAGLE3", head)
+    assert server.resolve_tree(args, "cpu") == server.TreeConfig(2, 4, 4, ngram_branch=4)
+    for conf, flags, error in (
+            ({"method": "ngram", "num_speculative_tokens": 3}, (), "method 'ngram' is not served here"),
+            ({"method": "eagle3", "prompt_lookup_max": 4}, (), "prompt_lookup_max not supported here"),
+            ({"num_speculative_tokens": 0}, (), "num_speculative_tokens must be a positive integer"),
+            ({"draft_tensor_parallel_size": 2}, (), "draft_tensor_parallel_size must be 1"),
+            ({"num_speculative_tokens": 3}, ("--speculative-num-steps", "2"),
+             "--speculative-config and --speculative-num-steps both given")):
+        with pytest.raises(UserError, match=re.escape(error)):
+            applied(json.dumps(conf), *flags)
+    for bad in ("{method: eagle3}", "[1]"):
+        with pytest.raises(SystemExit):
+            server.build_parser().parse_args(["--speculative-config", bad])
+        assert "--speculative-config: not " in capsys.readouterr().err
+
+
 def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monkeypatch, tmp_path, caplog):
     from eagle_infer import server
     from eagle_infer.errors import UserError
