@@ -317,6 +317,13 @@ class Capturer:
         t0 = time.perf_counter()
         extra = _sel(self.cfg, "capture.vllm_args", None)
         extra = OmegaConf.to_container(extra) if isinstance(extra, DictConfig) else dict(extra or {})
+        if not torch.cuda.is_available() and "enable_chunked_prefill" not in extra:
+            # vLLM 0.32 for CPU dies on a seeded sampled request whose prompt is prefilled in
+            # chunks ("CPU Generator does not use offset": it rewinds the generator of a chunk's
+            # discarded token, a CUDA-only call), which a batch of prompts over its token budget
+            # gets; whole prompts never chunk (the budget then at least the context, vLLM's rule).
+            budget = max(int(extra.get("max_num_batched_tokens", 8192)), self.context)
+            extra |= {"enable_chunked_prefill": False, "max_num_batched_tokens": budget}
         self.vllm = VLLMEngine(folder, dtype=name, max_model_len=self.context, seed=int(self.cfg.seed),
                                **extra)
         log(f"vLLM engine for regeneration ({name}) up in {time.perf_counter() - t0:.0f}s")

@@ -391,3 +391,33 @@ def test_segment_prompts_min_length_keeps_the_band_between(tmp_path, tokenizer):
     every, band = ids(), ids("--min-length", "37")
     assert band and len(band) < len(every)  # both sides of 37 occur: the filter is exercised
     assert band == {k: n for k, n in every.items() if n >= 37}
+
+
+def test_vllm_regeneration_on_a_cpu_prefills_whole_prompts(tmp_path, default_model_fp32, tokenizer,
+                                                            monkeypatch):
+    """capture.backend=vllm on a CPU starts vLLM without chunked prefill (vLLM 0.32 for CPU dies
+    on a seeded sampled request prefilled in chunks: "CPU Generator does not use offset"), its
+    token budget at least the context; capture.vllm_args' own enable_chunked_prefill is kept,
+    and on CUDA nothing is added."""
+    from eagle_infer import vllm_client
+    from eagle_train.capture import Capturer
+
+    started: list[dict] = []
+    monkeypatch.setattr(vllm_client, "VLLMEngine", lambda folder, **kw: started.append(kw))
+
+    def vllm_args(*over: str) -> dict:
+        cfg = compose([*CAPTURE_OVERRIDES, "capture.backend=vllm", *over, f"workdir={tmp_path}"])
+        cap = Capturer(cfg, None, tokenizer, [], default_model_fp32.config, {2})
+        cap.start_vllm(tmp_path, torch.float32)
+        return started.pop()
+
+    got = vllm_args()
+    assert got["enable_chunked_prefill"] is False and got["max_num_batched_tokens"] >= got["max_model_len"]
+    small = "+capture.vllm_args.max_num_batched_tokens=512"
+    got = vllm_args(small)  # raised to the context
+    assert got["enable_chunked_prefill"] is False
+    assert got["max_num_batched_tokens"] == got["max_model_len"] > 512
+    got = vllm_args("+capture.vllm_args.enable_chunked_prefill=true", small)
+    assert got["enable_chunked_prefill"] is True and got["max_num_batched_tokens"] == 512
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "enable_chunked_prefill" not in vllm_args()
