@@ -1237,7 +1237,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the format the model writes its tool calls in: hermes "
                          "(<tool_call>{...}</tool_call>, Hermes / Qwen), llama3_json (Llama 3.x's JSON), "
                          "pythonic / llama4_pythonic (Llama 3.2 / 4's [f(x=1)]), phi4_mini_json "
-                         "(Phi-4-mini's functools[...])")
+                         "(Phi-4-mini's functools[...]), mistral ([TOOL_CALLS] in any tokenizer version's "
+                         "format; call ids of 9 characters, as Mistral's templates take them)")
     ap.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                     help="a thinking model's chat answers split into message.reasoning (the text before "
                          "</think>) and content (vLLM's flag and field): deepseek_r1, qwen3 (whose "

@@ -5,8 +5,8 @@
 - "required": one or more calls of any of the tools (one with `parallel_tool_calls: false`;
   finish_reason "tool_calls");
 - "auto": the model decides; a tool-call parser (`--tool-call-parser`, vLLM's hermes,
-  llama3_json, pythonic or phi4_mini_json format) finds the calls in its text, what comes before
-  them is the content;
+  llama3_json, pythonic, phi4_mini_json or mistral format) finds the calls in its text, what comes
+  before them is the content;
 - "none": tools are only shown to the chat template.
 
 Forced calls (named, "required") are decoded under a grammar (grammar.py), so they are exact
@@ -19,8 +19,9 @@ schema unless the tool says `"strict": false` (vLLM 0.32 pins them only for `"st
 Where a tool says `"strict": true`, "auto" answers are decoded under a grammar too (vLLM 0.32's):
 free text, but a call, once its envelope begins, in the envelope around its tool's schema.
 Streaming, an "auto" answer streams its content up to where a call starts; a call in hermes'
-envelope (auto or forced) or llama3_json's ("auto") streams as vLLM's parsers stream it: its id
-and name once `{"name": ..., "arguments": ` is written, then its arguments as the model writes
+envelope (auto or forced), llama3_json's or Mistral's `name{` ("auto") streams as vLLM's parsers
+stream it: its id and name once `{"name": ..., "arguments": ` (or Mistral's head) is written, then
+its arguments as the model writes
 them, in json.dumps' form (the pieces add up to the whole answer's arguments); a bare named call's
 arguments stream as the text does; other calls ("required" without an envelope, a call not written
 in that order) come whole at the end.
@@ -31,7 +32,9 @@ from __future__ import annotations
 import ast
 import json
 import os
+import random
 import re
+import string
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +48,8 @@ HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOT
 LLAMA_TAG = "<|python_tag|>"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's
 PHI4_START = "functools["
+MISTRAL_TAG, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+MISTRAL_NAME = re.compile(r"\s*([A-Za-z0-9_.-]+)(\[ARGS\])?\s*")
 
 
 def parse_hermes(text: str) -> Parsed:
@@ -122,6 +127,34 @@ def parse_phi4_mini_json(text: str) -> Parsed:
         items, _ = json.JSONDecoder().raw_decode(text, at + len(PHI4_START) - 1)
         calls = [(c["name"], json.dumps(c["arguments"] if "arguments" in c else c["parameters"],
                                         ensure_ascii=False)) for c in items]
+    except (ValueError, KeyError, TypeError):
+        return text, []
+    return (text[:at] or None, calls) if calls else (text, [])
+
+
+def parse_mistral(text: str) -> Parsed:
+    """Mistral's calls (vLLM's mistral parser), each after the `[TOOL_CALLS]` token, in the
+    tokenizer's format: a JSON list of {"name", "arguments"} (before v11: Mistral 7B v0.3),
+    `name{...}` (v11: Mistral Small 3) or `name[ARGS]{...}` (v13); the text before the first
+    is the content. A call that does not parse leaves the whole text as content."""
+    at = text.find(MISTRAL_TAG)
+    if at < 0:
+        return text, []
+    decoder, calls = json.JSONDecoder(), []
+    try:
+        for piece in text[at + len(MISTRAL_TAG):].split(MISTRAL_TAG):
+            body = piece.strip()
+            if body.startswith("["):
+                items, _ = decoder.raw_decode(body)
+                calls += [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items]
+                continue
+            name = MISTRAL_NAME.match(body)
+            if name is None or not body[name.end():].startswith("{"):
+                return text, []
+            args, _ = decoder.raw_decode(body, name.end())
+            if not isinstance(args, dict):
+                return text, []
+            calls.append((name[1], json.dumps(args, ensure_ascii=False)))
     except (ValueError, KeyError, TypeError):
         return text, []
     return (text[:at] or None, calls) if calls else (text, [])
@@ -217,6 +250,36 @@ def llama3_next_call(text: str, pos: int) -> Head:
     return head_at(text, len(text) - len(rest), LLAMA3_HEAD) if rest[0] == "{" else WHOLE
 
 
+def mistral_next_call(text: str, pos: int) -> Head:
+    """Streaming: the next call's head past `pos`: `[TOOL_CALLS]name{` or `[TOOL_CALLS]name[ARGS]{`
+    (its arguments then stream); a JSON list after the token (the format before v11) is WHOLE."""
+    at = text.find(MISTRAL_TAG, pos)
+    if at < 0:
+        return WAIT
+    start = at + len(MISTRAL_TAG)
+    rest = text[start:]
+    if not rest.strip():
+        return WAIT
+    name = MISTRAL_NAME.match(rest)
+    if rest.lstrip().startswith("[") or name is None:
+        return WHOLE
+    after = rest[name.end():]
+    if after.startswith("{"):
+        return name[1], start + name.end()
+    if not after or (not name[2] and MISTRAL_ARGS.startswith(after)):  # the head still being written
+        return WAIT
+    return WHOLE
+
+
+def tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def mistral_call_id() -> str:
+    """Mistral's templates take only call ids of 9 letters and digits (vLLM's mistral ids)."""
+    return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+
 @dataclass(frozen=True)
 class Parser:
     parse: Callable[[str], Parsed]
@@ -227,6 +290,7 @@ class Parser:
     # streaming: the next call's head past a position (hermes_next_call), whose arguments then
     # stream (ToolStream); None: calls come whole at the end
     next_call: Callable[[str, int], Head] | None = None
+    call_id: Callable[[], str] = tool_call_id  # a new call's id
 
 
 ARGUMENTS_AFTER_NAME = '", "arguments": '
@@ -234,17 +298,15 @@ HERMES_ENVELOPE = (('<tool_call>\n{"name": "', "}\n</tool_call>"), ('<tool_call>
 PARSERS = {"hermes": Parser(parse_hermes, hermes_content_end, HERMES_ENVELOPE, hermes_next_call),
            "llama3_json": Parser(parse_llama3_json, llama3_content_end, next_call=llama3_next_call),
            "pythonic": Parser(parse_pythonic, pythonic_content_end),
-           "phi4_mini_json": Parser(parse_phi4_mini_json, tag_content_end(PHI4_START))}
+           "phi4_mini_json": Parser(parse_phi4_mini_json, tag_content_end(PHI4_START)),
+           "mistral": Parser(parse_mistral, tag_content_end(MISTRAL_TAG), next_call=mistral_next_call,
+                             call_id=mistral_call_id)}
 PARSERS["llama4_pythonic"] = PARSERS["pythonic"]  # vLLM's two names; the one parser reads Llama 4's tags
 
 
-def tool_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
-
-
-def call_object(name: str, arguments: str) -> dict[str, Any]:
+def call_object(name: str, arguments: str, call_id: Callable[[], str] = tool_call_id) -> dict[str, Any]:
     """A message's tool call (OpenAI's shape; a streamed delta's adds its "index")."""
-    return {"id": tool_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def parameters_schema(fn: dict[str, Any]) -> dict[str, Any]:
@@ -322,6 +384,10 @@ class ToolPlan:
             return "json_schema", parameters_schema(fns[0])
         return "json_schema", required_schema(tools, parallel)
 
+    def call_id(self) -> str:
+        """A new call's id, in the parser's form (Mistral's templates take 9 characters)."""
+        return (self.parser.call_id if self.parser is not None else tool_call_id)()
+
     def parse(self, text: str) -> Parsed:
         if self.enveloped:
             assert self.parser is not None
@@ -339,8 +405,9 @@ class ToolPlan:
         if self.mode == "auto":
             if not calls:
                 return {"content": text}, finish
-            return {"content": content, "tool_calls": [call_object(n, a) for n, a in calls]}, "tool_calls"
-        fields = {"content": "", "tool_calls": [call_object(n, a) for n, a in calls]}
+            return ({"content": content, "tool_calls": [call_object(n, a, self.call_id) for n, a in calls]},
+                    "tool_calls")
+        fields = {"content": "", "tool_calls": [call_object(n, a, self.call_id) for n, a in calls]}
         return fields, self.finish_with_calls(finish)
 
     def finish_with_calls(self, finish: str | None) -> str | None:
@@ -500,7 +567,7 @@ class ToolStream:
                 break
             name, start = head
             self.calls.append(StreamedCall(start))
-            pieces.append({"tool_calls": [{"index": len(self.calls) - 1, "id": tool_call_id(),
+            pieces.append({"tool_calls": [{"index": len(self.calls) - 1, "id": self.plan.call_id(),
                                            "type": "function", "function": {"name": name, "arguments": ""}}]})
         return merge_deltas(*pieces)
 
@@ -509,7 +576,7 @@ class ToolStream:
         if self.call_id is None:
             if not piece:
                 return None
-            self.call_id = tool_call_id()
+            self.call_id = self.plan.call_id()
             return {"tool_calls": [{"index": 0, "id": self.call_id, "type": "function",
                                     "function": {"name": self.plan.name, "arguments": piece}}]}
         return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]} if piece else None

@@ -15,6 +15,7 @@ from eagle_infer.tool_calls import (
     ToolPlan,
     parse_hermes,
     parse_llama3_json,
+    parse_mistral,
     parse_phi4_mini_json,
     parse_pythonic,
     parse_required,
@@ -81,6 +82,48 @@ def test_phi4_mini_json_calls():
     deltas, finish = stream_deltas(plan, [text[i:i + 4] for i in range(0, len(text), 4)], "stop")
     assert "".join(d.get("content", "") for d in deltas) == "Sure. " and finish == "tool_calls"
     assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", [])] == ["a", "b"]
+
+
+MISTRAL_FORMATS = {  # one answer, two calls, in each tokenizer version's format
+    "v3": 'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Par\\"is", "days": [1, [2]]}}, '
+          '{"name": "get_time", "arguments": {}}]',
+    "v11": 'Sure. [TOOL_CALLS]get_weather{"city": "Par\\"is", "days": [1, [2]]}[TOOL_CALLS]get_time{}',
+    "v13": 'Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Par\\"is", "days": [1, [2]]}'
+           '[TOOL_CALLS]get_time[ARGS]{}',
+}
+
+
+@pytest.mark.parametrize("version", sorted(MISTRAL_FORMATS))
+def test_mistral_calls_in_each_tokenizer_versions_format(version):
+    """vLLM's mistral format after the [TOOL_CALLS] token (kept in the text: tools keep special
+    tokens): a JSON list (before v11), name{...} (v11) or name[ARGS]{...} (v13), the text before
+    it the content; call ids of 9 letters and digits, as Mistral's templates require back. v11's
+    and v13's calls stream their name, then their arguments (the whole answer's, added up, at
+    any cut); the list comes whole at the end."""
+    text = MISTRAL_FORMATS[version]
+    want = [("get_weather", '{"city": "Par\\"is", "days": [1, [2]]}'), ("get_time", "{}")]
+    assert parse_mistral(text) == ("Sure. ", want)
+    assert parse_mistral(text[6:]) == (None, want)
+    for plain in ("No call.", "[TOOL_CALLS]", "[TOOL_CALLS]f", "[TOOL_CALLS]f[1]", "[TOOL_CALLS][{not json}]",
+                  '[TOOL_CALLS][{"arguments": {}}]', "[TOOL_CALLS]f{}x[TOOL_CALLS]", '[TOOL_CALLS]f"x"'):
+        assert parse_mistral(plain) == (plain, []), plain
+    plan = ToolPlan("auto", parser=PARSERS["mistral"])
+    whole, whole_finish = plan.message(text, "stop")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]] == want
+    for size in (1, 4, 1000):
+        deltas, finish = stream_deltas(plan, [text[i:i + size] for i in range(0, len(text), size)], "stop")
+        assert finish == whole_finish == "tool_calls"
+        assert "".join(d.get("content", "") for d in deltas) == "Sure. "
+        got = calls_of(deltas)
+        assert [(n, a) for _, n, a in got] == want
+        assert all(len(i) == 9 and i.isalnum() for i, _, _ in got)
+        if size == 1:  # v11 / v13: the first call's name before its arguments; the list: whole at the end
+            first = next(k for k, d in enumerate(deltas) if "tool_calls" in d)
+            assert (first == len(deltas) - 1) == (version == "v3")
+    for k in range(len(text)):  # every prefix: what went out is a prefix of the whole arguments
+        got = calls_of(stream_deltas(plan, [text[:k]], "length")[0])
+        if got:
+            assert want[len(got) - 1][1].startswith(got[-1][2]), text[:k]
 
 
 def test_required_schema_lists_each_tool_and_gathers_defs():
