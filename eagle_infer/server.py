@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -594,6 +594,8 @@ class ServerConfig:
     auto_tools: bool = False  # --enable-auto-tool-choice: tool_choice "auto" answered
     chat_template: str | None = None  # --chat-template (None: the tokenizer's)
     reasoning_parser: str | None = None  # --reasoning-parser (reasoning.PARSERS)
+    # --generation-config: a request's sampling fields where it leaves them out, and max_tokens
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def _is_type_tag(loc: int | str) -> bool:
@@ -716,6 +718,10 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         if req.model is not None and req.model not in cfg.model_names:
             raise ApiError(404, f"model '{req.model}' does not exist; this server serves "
                                 f"'{cfg.model_names[0]}'", param="model", code="model_not_found")
+        if isinstance(req, Generation):  # the model's sampling defaults where the request has none
+            unset = {k: v for k, v in cfg.sampling_defaults.items()
+                     if k in SAMPLING_DEFAULT_FIELDS and k not in req.model_fields_set}
+            req = req.model_copy(update=unset) if unset else req
         return req
 
     def max_tokens_for(req: Generation, prompt: list[int], prompt_param: str, default_max: int | None) -> int:
@@ -728,8 +734,8 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
             max_tokens = req.max_completion_tokens
         room = cfg.context - len(prompt)
-        if max_tokens is None:
-            max_tokens = min(room, default_max or room)
+        if max_tokens is None:  # the least of the room, the endpoint's default and the model's
+            max_tokens = min(m for m in (room, default_max, cfg.sampling_defaults.get("max_tokens")) if m)
         if max_tokens <= 0:
             raise ApiError(400, f"max_tokens must be > 0, got {max_tokens}", param="max_tokens",
                            code="invalid_value")
@@ -1243,6 +1249,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a thinking model's chat answers split into message.reasoning (the text before "
                          "</think>) and content (vLLM's flag and field): deepseek_r1, qwen3 (whose "
                          "chat_template_kwargs enable_thinking false makes the whole answer content)")
+    ap.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                    help="default sampling of requests that leave it out (vLLM's flag): auto = the model's "
+                         "generation_config.json (temperature, top_p, top_k, min_p, repetition / presence / "
+                         "frequency penalties; max_new_tokens as max_tokens), as vLLM and SGLang serve; "
+                         "vllm = OpenAI's neutral defaults; or the generation_config.json of FOLDER")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--api-key", default=None)
@@ -1338,6 +1349,35 @@ def apply_speculative_config(args: argparse.Namespace) -> None:
                             f"pass one of them")
         setattr(args, flag, value)
     args.speculative_config = None  # applied
+
+
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                           "frequency_penalty")
+
+
+def sampling_defaults_of(source: str, model_folder: Path) -> dict[str, Any]:
+    """--generation-config: the sampling fields (SAMPLING_DEFAULT_FIELDS, and max_new_tokens as
+    max_tokens) that a generation_config.json sets away from transformers' defaults, vLLM's
+    reading of it; "vllm": none; auto: the model's, FOLDER: that folder's."""
+    from transformers import GenerationConfig
+
+    if source == "vllm":
+        return {}
+    folder = model_folder if source == "auto" else Path(source).expanduser()
+    if source != "auto" and not (folder / "generation_config.json").is_file():
+        raise UserError(f"--generation-config {source}: no generation_config.json in {folder}")
+    try:
+        diff = GenerationConfig.from_pretrained(folder).to_diff_dict()
+    except OSError:  # the model has none
+        return {}
+    out = {k: diff[k] for k in SAMPLING_DEFAULT_FIELDS if diff.get(k) is not None}
+    if diff.get("max_new_tokens") is not None:
+        out["max_tokens"] = int(diff["max_new_tokens"])
+    if out:
+        log.warning("default sampling of requests that leave it out is the %s's generation_config.json: %s "
+                    "(--generation-config vllm for OpenAI's neutral defaults)",
+                    "model" if source == "auto" else source, out)
+    return out
 
 
 def resolve_draft(args: argparse.Namespace) -> tuple[str, Path | None]:
@@ -1460,7 +1500,8 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     return engine, tokenizer, eos, ServerConfig(names, args.api_key, usable, target.config.vocab_size,
                                                 args.stream_interval, tool_parser_of(args),
                                                 args.enable_auto_tool_choice,
-                                                chat_template_of(args.chat_template), args.reasoning_parser)
+                                                chat_template_of(args.chat_template), args.reasoning_parser,
+                                                sampling_defaults_of(args.generation_config, folder))
 
 
 def warm_up_beside_a_helper(args: argparse.Namespace, decoder: Any, mode: str | None,

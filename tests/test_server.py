@@ -992,6 +992,51 @@ def reasoning_app(tokenizer, answer: str, parser: str | None):
     return engine, create_app(engine, tokenizer, {eos}, cfg)
 
 
+def test_generation_config_sets_the_sampling_requests_leave_out(tokenizer, tmp_path):
+    """--generation-config auto (vLLM's default): the model's generation_config.json sampling
+    fields (those away from transformers' defaults) fill what a request leaves out, its
+    max_new_tokens the default max_tokens (capped by the room); what a request sets stays; vllm:
+    OpenAI's neutral defaults; a folder: its file, a folder without one refused by name."""
+    from transformers import GenerationConfig
+
+    from eagle_infer.errors import UserError
+    from eagle_infer.server import Engine, Metrics, ServerConfig, create_app, sampling_defaults_of
+
+    GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.05,
+                     max_new_tokens=40, bos_token_id=1, eos_token_id=2).save_pretrained(tmp_path / "m")
+    GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(tmp_path / "plain")
+    want = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05, "max_tokens": 40}
+    assert sampling_defaults_of("auto", tmp_path / "m") == want
+    assert sampling_defaults_of(str(tmp_path / "m"), tmp_path / "plain") == want
+    assert sampling_defaults_of("vllm", tmp_path / "m") == {}
+    assert sampling_defaults_of("auto", tmp_path / "plain") == sampling_defaults_of("auto", tmp_path) == {}
+    with pytest.raises(UserError, match="no generation_config.json in"):
+        sampling_defaults_of(str(tmp_path), tmp_path / "m")
+
+    eos = tokenizer.eos_token_id
+    decoder = ScriptedDecoder(list(tokenizer("Hi.", add_special_tokens=False)["input_ids"]) + [eos])
+    engine = Engine(decoder, tokenizer, Metrics(1), speculative=True)
+    app = create_app(engine, tokenizer, {eos}, ServerConfig(["fake"], None, 2048, len(tokenizer),
+                                                            sampling_defaults=want))
+
+    async def ask(path: str, body: dict) -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
+            assert (await http.post(path, json=body)).status_code == 200
+
+    engine.start()
+    try:
+        chat = {"messages": [{"role": "user", "content": "Hi"}]}
+        asyncio.run(ask("/v1/chat/completions", chat))
+        asyncio.run(ask("/v1/chat/completions", chat | {"temperature": 0, "top_k": -1, "max_tokens": 100}))
+        asyncio.run(ask("/v1/completions", {"prompt": "Hi", "top_p": 1.0}))
+    finally:
+        engine.stop()
+    got = [(s.params.temperature, s.params.top_p, s.params.top_k, s.params.repetition_penalty,
+            s.max_new_tokens) for s in decoder.added]
+    assert got == [(0.6, 0.9, 20, 1.05, 40), (0.0, 0.9, 0, 1.05, 100), (0.6, 1.0, 20, 1.05, 16)]
+
+
 @pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
 def test_reasoning_parser_splits_the_answer_into_reasoning_and_content(tokenizer, parser):
     """--reasoning-parser (vLLM's flag): a chat answer's text before </think> is message.reasoning
