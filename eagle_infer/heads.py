@@ -320,6 +320,10 @@ class DraftHead(nn.Module):
             self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+            # Training only (draft.fc_input_scale): fc reads its input times this [3h] scale, and
+            # the checkpoint holds the weight with the scale folded in (head_state_dict), so a
+            # saved head is the plain architecture every engine loads.
+            self.register_buffer("fc_input_scale", None, persistent=False)
         else:
             self.fc = nn.Linear(2 * h, h, bias=cfg.fc_bias)
             self.layers = nn.ModuleList([DraftLayer(cfg)])
@@ -356,7 +360,10 @@ class DraftHead(nn.Module):
     def project(self, target_states: Sequence[Tensor]) -> Tensor:
         """Target states (as listed by target_layers) -> the head's input feature [B, T, h]."""
         if self.eagle3:
-            return self.fc(torch.cat(list(target_states), dim=-1))
+            x = torch.cat(list(target_states), dim=-1)
+            if self.fc_input_scale is not None:
+                x = x * self.fc_input_scale
+            return self.fc(x)
         return target_states[0]
 
     @property
@@ -440,6 +447,9 @@ class DraftHead(nn.Module):
         sd = {k: v for k, v in self.state_dict().items() if k not in ("token_map", "draft_lm_head")}
         if self.eagle3:
             sd["d2t"], sd["t2d"] = self.d2t, self.t2d
+            if self.fc_input_scale is not None:  # fc(x * s) = (W diag(s)) x
+                w = sd["fc.weight"]
+                sd["fc.weight"] = (w.float() * self.fc_input_scale.float()).to(w.dtype)
         return sd
 
 

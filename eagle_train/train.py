@@ -191,8 +191,9 @@ def load_draft_vocab(cfg: DictConfig, vocab_size: int, dvs: int) -> tuple[Tensor
     return d2t, t2d
 
 
-def build_head(cfg: DictConfig, target: TargetIO, manifest: dict):
-    """A fresh head sized for the target; EAGLE-3 reads the capture's aux layers."""
+def build_head(cfg: DictConfig, target: TargetIO, manifest: dict, fc_input_scale: Tensor | None = None):
+    """A fresh head sized for the target; EAGLE-3 reads the capture's aux layers. fc_input_scale
+    [3h] (draft.fc_input_scale, fc_input_scale_of): EAGLE-3's fc trains on its input times it."""
     from eagle_infer.heads import DraftHead, HeadConfig
 
     kind = draft_kind(cfg)
@@ -218,10 +219,47 @@ def build_head(cfg: DictConfig, target: TargetIO, manifest: dict):
         head.t2d.copy_(t2d)
     if kind == "eagle3" and bool(sel(cfg, "draft.readout_from_target", False)):
         readout_from_target(head, target)
+    if fc_input_scale is not None:
+        head.fc_input_scale = fc_input_scale.float()
     init_from = sel(cfg, "train.init_from")
     if init_from:
         warm_start(head, abspath(init_from), target)
     return head
+
+
+def fc_input_scale_of(mode: str, dataset, online, num_samples: int = 64) -> tuple[Tensor, dict]:
+    """EAGLE-3's fc input scale [k*H] for draft.fc_input_scale, from the aux states of the
+    capture's first num_samples samples (positions 1..: position 0's attention-sink outliers
+    would set the scale of the rest): "channel" scales each channel to RMS 1, "layer" each aux
+    layer's states (one factor a layer). The target's outlier dimensions (RMS in the hundreds
+    to thousands at a late layer) otherwise dominate fc's output at init, and under Adam, whose
+    step per weight ignores the input's size, move it hundreds of times faster than the other
+    inputs. Deterministic in the capture, so a resumed run recomputes the same scale. Returns
+    the scale and a summary of the RMS for the log."""
+    if mode not in ("channel", "layer"):
+        raise UserError(f"draft.fc_input_scale={mode!r}: use channel, layer or null")
+    collate = make_collate(1 << 30, keep_aux=True)
+    sq, count = None, 0
+    for i in range(min(num_samples, len(dataset))):
+        batch = collate([dataset[i]])
+        if online is not None:
+            batch = online.fill(batch)
+        a = batch["aux"][0, 1:].float()  # [T-1, k*H]
+        sq = a.square().sum(0) + (0 if sq is None else sq)
+        count += a.shape[0]
+    if sq is None or count == 0:
+        raise UserError("draft.fc_input_scale: the capture's first samples hold no aux states")
+    rms = (sq / count).sqrt()  # [k*H]
+    k = len(dataset.aux_layer_ids)
+    per_layer = rms.view(k, -1).square().mean(-1).sqrt()  # [k]
+    if mode == "layer":
+        rms = per_layer.repeat_interleave(rms.numel() // k)
+    # A dead channel is left at the scale of its layer's typical one, not blown up.
+    floor = per_layer.repeat_interleave(rms.numel() // k) * 1e-2
+    scale = 1.0 / torch.maximum(rms, floor)
+    info = {"mode": mode, "positions": count, "layer_rms": [round(float(r), 3) for r in per_layer],
+            "channel_rms_max": [round(float(r), 1) for r in (sq / count).sqrt().view(k, -1).amax(-1)]}
+    return scale, info
 
 
 def readout_from_target(head, target: TargetIO) -> None:
@@ -260,6 +298,9 @@ def warm_start(head, path: Path, target: TargetIO) -> None:
     except RuntimeError as e:  # e.g. an EAGLE-2 fc with / without bias
         first = str(e).splitlines()[0]
         raise UserError(f"train.init_from={path} does not fit this run's head: {first}") from None
+    if head.eagle3 and head.fc_input_scale is not None:
+        with torch.no_grad():  # the saved weight has the scale folded in: the same function
+            head.fc.weight.div_(head.fc_input_scale)
     log(f"train: weights initialised from {path}")
 
 
@@ -542,7 +583,7 @@ def fingerprint(cfg: DictConfig, manifest: dict) -> dict:
         "kind": draft_kind(cfg),
         "model": str(sel(cfg, "model.name", "")),
         "draft": {k: v for k, v in (sel(cfg, "draft", {}) or {}).items()
-                  if not (k in ("readout_from_target", "freeze_lm_head") and not v)},
+                  if not (k in ("readout_from_target", "freeze_lm_head", "fc_input_scale") and not v)},
         "capture_samples": sum(s["samples"] for s in manifest.get("shards", [])),
         "capture_tokens": sum(s["tokens"] for s in manifest.get("shards", [])),
         # Options left unset are left out, so heads trained before they existed stay complete.
@@ -679,7 +720,15 @@ class TrainRecipe:
                 aux_layers=None if self.kind == "eagle3" else [],
                 tf32=bool(sel(cfg, "train.online_tf32", False)))
 
-        head = build_head(cfg, self.target, self.manifest).to(self.device)
+        scale = None
+        mode = sel(cfg, "draft.fc_input_scale") if self.kind == "eagle3" else None
+        if mode:
+            scale, info = fc_input_scale_of(str(mode), self.dataset, self.online)
+            if self.is_main:
+                log(f"train: fc inputs scaled per {info['mode']} over {info['positions']:,} positions "
+                    f"(aux layers' RMS {info['layer_rms']}, largest channel RMS {info['channel_rms_max']}); "
+                    f"the saved head has the scale folded into fc.weight")
+        head = build_head(cfg, self.target, self.manifest, scale).to(self.device)
         if self.kind == "eagle3" and bool(sel(cfg, "draft.freeze_lm_head", False)):
             head.lm_head.weight.requires_grad_(False)  # AdamW skips it: no grad ever
         self.loss_kw = loss_settings(cfg)

@@ -21,8 +21,14 @@ declare -A RUNS=(
   [accum2]="train.grad_accum=2"
   [lr3e-4]="train.lr=3e-4"
   [vocab16k]="draft.draft_vocab_size=16384 tokenmap_dir=$A/tokenmaps"
+  # against batch1 (the default since those runs): fc's aux inputs at RMS 1
+  [batch1-fcscale-channel]="train.batch_size=1 draft.fc_input_scale=channel"
+  [batch1-fcscale-layer]="train.batch_size=1 draft.fc_input_scale=layer"
+  [batch1-seed1]="train.batch_size=1 seed=1"  # a second draw of the two, for the noise
+  [batch1-fcscale-channel-seed1]="train.batch_size=1 draft.fc_input_scale=channel seed=1"
 )
-NAMES=("${@:-readout-frozen batch1 batch2 accum2 lr3e-4 vocab16k readout-trained}")
+NAMES=("${@:-readout-frozen batch1 batch2 accum2 lr3e-4 vocab16k readout-trained batch1-fcscale-channel
+  batch1-fcscale-layer batch1-seed1 batch1-fcscale-channel-seed1}")
 
 # The 16k draft vocabulary: the reference FR-Spec ranking (tokenmaps/, mined from the reference
 # on-policy capture like the 8k one), its first 16,384 ids.

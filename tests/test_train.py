@@ -462,9 +462,12 @@ def _train(cfg, stop_after=None):
     return summary, head
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle2"])  # eagle2: input noise, so the RNG must resume too
+# eagle2: input noise, so the RNG must resume too; eagle3-scaled: the fc input scale recomputed
+@pytest.mark.parametrize("kind", ["eagle3", "eagle2", "eagle3-scaled"])
 def test_checkpoint_resume_equals_uninterrupted_run(env, tmp_path, kind):
     over = {"train.epochs": 2, "train.grad_accum": 2, "train.batch_size": 2}  # 3 per epoch -> 6 steps
+    if kind == "eagle3-scaled":
+        kind, over = "eagle3", over | {"draft.fc_input_scale": "channel"}
     cfg_a = make_cfg(env, tmp_path / "a", kind, **over)
     summary_a, _ = _train(cfg_a)
     assert summary_a["finished"] and summary_a["step"] == 6
@@ -543,6 +546,47 @@ def test_init_from_a_trained_head_starts_from_its_weights(env, tmp_path):
     with pytest.raises(UserError, match="eagle3 head, but this run trains eagle2"):
         cfg2 = make_cfg(env, tmp_path / "e2", "eagle2", **{"train.init_from": str(first)})
         build_head(cfg2, target, manifest)
+
+
+def test_fc_input_scale_trains_on_unit_rms_inputs_and_saves_the_plain_architecture(env, tmp_path):
+    """draft.fc_input_scale: EAGLE-3's fc trains on aux states scaled to RMS 1 (per channel, or
+    per aux layer) over positions 1.. of the capture; the saved head has the scale folded into
+    fc.weight, so it holds the keys of an unscaled head and, loaded as any head is, projects the
+    states as the training head did; a warm start from it divides the scale back out."""
+    from eagle_infer.errors import UserError
+    from eagle_train.shards import CaptureSet
+    from eagle_train.train import build_head, fc_input_scale_of, load_target_io
+
+    data = CaptureSet([env["capture"]], require_aux=True)
+    aux = torch.cat([data[i]["aux"][1:].float() for i in range(len(data))])  # [N, 3H]
+    scale, info = fc_input_scale_of("channel", data, None)
+    torch.testing.assert_close((aux * scale).square().mean(0).sqrt(), torch.ones(aux.shape[1]))
+    assert info["positions"] == aux.shape[0] and len(info["layer_rms"]) == len(AUX)
+    per_layer, _ = fc_input_scale_of("layer", data, None)
+    scaled = (aux * per_layer).view(aux.shape[0], len(AUX), -1)
+    torch.testing.assert_close(scaled.square().mean((0, 2)).sqrt(), torch.ones(len(AUX)))
+    assert per_layer.view(len(AUX), -1).std(-1).max() == 0 and not torch.equal(per_layer, scale)
+    with pytest.raises(UserError, match="fc_input_scale='token'"):
+        fc_input_scale_of("token", data, None)
+
+    _, plain = _train(make_cfg(env, tmp_path / "plain", **{"train.max_steps": 3}))
+    cfg = make_cfg(env, tmp_path / "scaled", **{"train.max_steps": 3, "draft.fc_input_scale": "channel"})
+    _, head = _train(cfg)
+    torch.testing.assert_close(head.fc_input_scale, scale)
+    saved = _head_params(tmp_path / "scaled" / "head")
+    assert saved.keys() == _head_params(tmp_path / "plain" / "head").keys()
+    target = load_target_io(env["target_dir"])
+    loaded = load_head(tmp_path / "scaled" / "head", target.config, target.embed_tokens,
+                       target.lm_head_weight, dtype=torch.float32)
+    assert loaded.fc_input_scale is None
+    states = [data[0]["aux"][None].float()]
+    with torch.no_grad():
+        want = head.project(states)
+        torch.testing.assert_close(loaded.project(states), want, atol=0.05, rtol=0.02)  # bf16 weights
+        warm_cfg = make_cfg(env, tmp_path / "warm", **{"train.init_from": str(tmp_path / "scaled" / "head")})
+        warm = build_head(warm_cfg, target, data.manifest, scale)
+        torch.testing.assert_close(warm.project(states), loaded.project(states))
+        torch.testing.assert_close(warm.fc.weight * scale, loaded.fc.weight)
 
 
 def test_readout_from_target_and_frozen_lm_head(env, tmp_path):
