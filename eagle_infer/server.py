@@ -1211,6 +1211,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--disable-torch-compile", action="store_false", dest="enable_torch_compile",
                     help="CPU: run the decode steps eagerly (no compile at start-up)")
     ap.set_defaults(enable_torch_compile=None)
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="vLLM's flag: no compiled steps (--disable-torch-compile and --disable-cuda-graph)")
     ap.add_argument("--torch-compile-max-bs", type=int, default=None,
                     help="with torch.compile: largest batch bucket (1, 2, 4, 8, 16, ...) compiled; "
                     "larger batches run eagerly (default: 1 on a CPU, where each bucket adds its "
@@ -1227,6 +1229,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prefill every prompt whole: by default a prompt that starts with tokens a "
                          "cache row holds (an earlier request's prompt and answer: a chat's next turn, a "
                          "shared system prompt) takes those slots over and prefills the rest")
+    ap.add_argument("--enable-prefix-caching", action="store_true", dest="prefix_caching",
+                    help="vLLM's flag: prefix caching, on by default")
     ap.add_argument("--stream-interval", type=int, default=1, metavar="N",
                     help="a streamed request's text every N tokens (the first token's at once): fewer, "
                          "larger chunks (SGLang's and vLLM's flag; a speculative round's tokens share a "
@@ -1254,6 +1258,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "generation_config.json (temperature, top_p, top_k, min_p, repetition / presence / "
                          "frequency penalties; max_new_tokens as max_tokens), as vLLM and SGLang serve; "
                          "vllm = OpenAI's neutral defaults; or the generation_config.json of FOLDER")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                    help="vLLM's flag: 1 (one process serves here; our heads serve in vLLM and SGLang "
+                         "for tensor parallelism)")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="vLLM's flag, accepted: no model code is downloaded or run here (the "
+                         "architectures are built in)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--api-key", default=None)
@@ -1312,6 +1322,21 @@ def compile_settings(args: argparse.Namespace, device_type: str,
 
 SPECULATIVE_CONFIG_FLAGS = {"method": "speculative_algorithm", "model": "speculative_draft_model_path",
                             "disable_by_batch_size": "speculative_disable_by_batch_size"}
+
+
+def apply_vllm_flags(args: argparse.Namespace) -> None:
+    """vLLM's flags that stand for ours (--speculative-config, --enforce-eager), and the ones
+    that ask for what one process cannot be (--tensor-parallel-size above 1), refused by name."""
+    apply_speculative_config(args)
+    if args.tensor_parallel_size != 1:
+        raise UserError(f"--tensor-parallel-size {args.tensor_parallel_size}: one process serves here "
+                        f"(serve our heads in vLLM or SGLang for tensor parallelism)")
+    if args.enforce_eager:
+        if args.enable_torch_compile:
+            raise UserError("--enforce-eager and --enable-torch-compile both given: pass one of them")
+        args.enable_torch_compile, args.use_cuda_graph = False, False
+    if args.trust_remote_code:
+        log.info("--trust-remote-code: nothing to trust, no model code is downloaded or run here")
 
 
 def apply_speculative_config(args: argparse.Namespace) -> None:
@@ -1422,6 +1447,7 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     )
     from eagle_infer.speculative import SpecDecoder
 
+    apply_vllm_flags(args)  # first: their values go through the flags' checks
     if args.max_running_requests < 1:
         raise UserError("--max-running-requests must be >= 1")
     if args.stream_interval < 1:
@@ -1431,7 +1457,6 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
     if args.speculative_disable_by_batch_size is not None and args.speculative_disable_by_batch_size < 0:
         raise UserError("--speculative-disable-by-batch-size must be >= 0")
-    apply_speculative_config(args)
     algo, head_path = resolve_draft(args)
     device = args.device or default_device()
     # Validate the flags before the slow loading.

@@ -21,10 +21,9 @@ free text, but a call, once its envelope begins, in the envelope around its tool
 Streaming, an "auto" answer streams its content up to where a call starts; a call in hermes'
 envelope (auto or forced), llama3_json's or Mistral's `name{` ("auto") streams as vLLM's parsers
 stream it: its id and name once `{"name": ..., "arguments": ` (or Mistral's head) is written, then
-its arguments as the model writes
-them, in json.dumps' form (the pieces add up to the whole answer's arguments); a bare named call's
-arguments stream as the text does; other calls ("required" without an envelope, a call not written
-in that order) come whole at the end.
+its arguments as the model writes them, in json.dumps' form (the pieces add up to the whole
+answer's arguments); a bare named call's arguments stream as the text does; other calls
+("required" without an envelope, a call not written in that order) come whole at the end.
 """
 
 from __future__ import annotations

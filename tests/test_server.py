@@ -1372,7 +1372,8 @@ def test_stop_prefix_len():
 def test_vllm_flag_names_map_onto_ours(monkeypatch, tmp_path, capsys):
     """A vLLM command line's flags: --model, --max-model-len and --max-num-seqs name ours;
     --speculative-config's method, model and disable_by_batch_size set their flags and
-    num_speculative_tokens K a chain of K drafts; what it cannot mean here is refused by name."""
+    num_speculative_tokens K a chain of K drafts; --enforce-eager turns the compiled steps off;
+    what they cannot mean here is refused by name."""
     from eagle_infer import server
     from eagle_infer.errors import UserError
 
@@ -1409,6 +1410,16 @@ def test_vllm_flag_names_map_onto_ours(monkeypatch, tmp_path, capsys):
         with pytest.raises(SystemExit):
             server.build_parser().parse_args(["--speculative-config", bad])
         assert "--speculative-config: not " in capsys.readouterr().err
+    # --enforce-eager: no compiled steps on either device; -tp above 1 refused; the rest accepted
+    eager = server.build_parser().parse_args(["--enforce-eager", "--trust-remote-code",
+                                              "--enable-prefix-caching", "-tp", "1"])
+    server.apply_vllm_flags(eager)
+    assert server.compile_settings(eager, "cpu") is None and server.compile_settings(eager, "cuda") is None
+    assert eager.prefix_caching and server.compile_settings(server.build_parser().parse_args([]), "cpu")
+    for flags, error in ((["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: one process"),
+                         (["--enforce-eager", "--enable-torch-compile"], "--enforce-eager and --enable")):
+        with pytest.raises(UserError, match=re.escape(error)):
+            server.apply_vllm_flags(server.build_parser().parse_args(flags))
 
 
 def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monkeypatch, tmp_path, caplog):
