@@ -118,9 +118,13 @@ def spec_counters(http: httpx.Client, url: str) -> tuple[float, float]:
 def chat_body(model: str, prompt: str, max_tokens: int, ignore_eos: bool,
               stream: bool = False, sampling: dict[str, Any] | None = None) -> dict[str, Any]:
     """A chat request of one user message: greedy, or sampled with `sampling`'s fields
-    (temperature, top_p, seed: `sampling_fields`)."""
+    (temperature, top_p, seed: `sampling_fields`). The other sampling fields are sent neutral:
+    both servers would otherwise fill them from the model's generation_config.json (vLLM's
+    --generation-config auto), which --direct's decoding does not read."""
     return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": ignore_eos, "stream": stream} | (sampling or {})
+            "temperature": 0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+            "presence_penalty": 0.0, "frequency_penalty": 0.0, "ignore_eos": ignore_eos,
+            "stream": stream} | (sampling or {})
 
 
 def sampling_fields(temperature: float, top_p: float, i: int) -> dict[str, Any] | None:
