@@ -1258,6 +1258,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "generation_config.json (temperature, top_p, top_k, min_p, repetition / presence / "
                          "frequency penalties; max_new_tokens as max_tokens), as vLLM and SGLang serve; "
                          "vllm = OpenAI's neutral defaults; or the generation_config.json of FOLDER")
+    ap.add_argument("--override-generation-config", type=json_object, default=None, metavar="JSON",
+                    help='vLLM\'s flag: sampling defaults over --generation-config\'s, e.g. '
+                         '\'{"temperature": 0.5, "max_new_tokens": 256}\'')
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                     help="vLLM's flag: 1 (one process serves here; our heads serve in vLLM and SGLang "
                          "for tensor parallelism)")
@@ -1380,28 +1383,38 @@ SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition
                            "frequency_penalty")
 
 
-def sampling_defaults_of(source: str, model_folder: Path) -> dict[str, Any]:
+def sampling_defaults_of(source: str, model_folder: Path, override: dict[str, Any] | None = None
+                         ) -> dict[str, Any]:
     """--generation-config: the sampling fields (SAMPLING_DEFAULT_FIELDS, and max_new_tokens as
     max_tokens) that a generation_config.json sets away from transformers' defaults, vLLM's
-    reading of it; "vllm": none; auto: the model's, FOLDER: that folder's."""
+    reading of it; "vllm": none; auto: the model's, FOLDER: that folder's; then
+    --override-generation-config's over them."""
     from transformers import GenerationConfig
 
-    if source == "vllm":
-        return {}
+    unknown = sorted(set(override or {}) - {*SAMPLING_DEFAULT_FIELDS, "max_new_tokens"})
+    if unknown:
+        raise UserError(f"--override-generation-config: {', '.join(unknown)} not a sampling field "
+                        f"(it takes {', '.join([*SAMPLING_DEFAULT_FIELDS, 'max_new_tokens'])})")
+    diff: dict[str, Any] = {}
     folder = model_folder if source == "auto" else Path(source).expanduser()
-    if source != "auto" and not (folder / "generation_config.json").is_file():
+    if source not in ("auto", "vllm") and not (folder / "generation_config.json").is_file():
         raise UserError(f"--generation-config {source}: no generation_config.json in {folder}")
-    try:
-        diff = GenerationConfig.from_pretrained(folder).to_diff_dict()
-    except OSError:  # the model has none
-        return {}
+    if source != "vllm":
+        try:
+            diff = GenerationConfig.from_pretrained(folder).to_diff_dict()
+        except OSError:  # the model has none
+            pass
+    bad = [k for k, v in (override or {}).items() if not isinstance(v, (int, float)) or isinstance(v, bool)]
+    if bad:
+        raise UserError(f"--override-generation-config: {', '.join(bad)} must be a number")
+    diff |= override or {}
     out = {k: diff[k] for k in SAMPLING_DEFAULT_FIELDS if diff.get(k) is not None}
     if diff.get("max_new_tokens") is not None:
         out["max_tokens"] = int(diff["max_new_tokens"])
     if out:
-        log.warning("default sampling of requests that leave it out is the %s's generation_config.json: %s "
-                    "(--generation-config vllm for OpenAI's neutral defaults)",
-                    "model" if source == "auto" else source, out)
+        log.warning("requests that leave sampling fields out get %s (--generation-config %s%s; vllm for "
+                    "OpenAI's neutral defaults)", out, source,
+                    " with --override-generation-config" if override else "")
     return out
 
 
@@ -1526,7 +1539,8 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
                                                 args.stream_interval, tool_parser_of(args),
                                                 args.enable_auto_tool_choice,
                                                 chat_template_of(args.chat_template), args.reasoning_parser,
-                                                sampling_defaults_of(args.generation_config, folder))
+                                                sampling_defaults_of(args.generation_config, folder,
+                                                                     args.override_generation_config))
 
 
 def warm_up_beside_a_helper(args: argparse.Namespace, decoder: Any, mode: str | None,

@@ -996,7 +996,8 @@ def test_generation_config_sets_the_sampling_requests_leave_out(tokenizer, tmp_p
     """--generation-config auto (vLLM's default): the model's generation_config.json sampling
     fields (those away from transformers' defaults) fill what a request leaves out, its
     max_new_tokens the default max_tokens (capped by the room); what a request sets stays; vllm:
-    OpenAI's neutral defaults; a folder: its file, a folder without one refused by name."""
+    OpenAI's neutral defaults; a folder: its file, a folder without one refused by name;
+    --override-generation-config over either."""
     from transformers import GenerationConfig
 
     from eagle_infer.errors import UserError
@@ -1012,6 +1013,14 @@ def test_generation_config_sets_the_sampling_requests_leave_out(tokenizer, tmp_p
     assert sampling_defaults_of("auto", tmp_path / "plain") == sampling_defaults_of("auto", tmp_path) == {}
     with pytest.raises(UserError, match="no generation_config.json in"):
         sampling_defaults_of(str(tmp_path), tmp_path / "m")
+    # --override-generation-config: over the file's (or over none, with vllm); only sampling numbers
+    assert sampling_defaults_of("auto", tmp_path / "m", {"temperature": 0.3, "max_new_tokens": 8}) == (
+        want | {"temperature": 0.3, "max_tokens": 8})
+    assert sampling_defaults_of("vllm", tmp_path / "m", {"top_k": 5}) == {"top_k": 5}
+    for bad, error in (({"temprature": 0.3}, "temprature not a sampling field"),
+                       ({"temperature": "hot"}, "temperature must be a number")):
+        with pytest.raises(UserError, match=error):
+            sampling_defaults_of("auto", tmp_path / "m", bad)
 
     eos = tokenizer.eos_token_id
     decoder = ScriptedDecoder(list(tokenizer("Hi.", add_special_tokens=False)["input_ids"]) + [eos])
