@@ -719,6 +719,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             raise ApiError(404, f"model '{req.model}' does not exist; this server serves "
                                 f"'{cfg.model_names[0]}'", param="model", code="model_not_found")
         if isinstance(req, Generation):  # the model's sampling defaults where the request has none
+            # (its max_tokens is max_tokens_for's, where the request has none either)
             unset = {k: v for k, v in cfg.sampling_defaults.items()
                      if k in SAMPLING_DEFAULT_FIELDS and k not in req.model_fields_set}
             req = req.model_copy(update=unset) if unset else req
@@ -1477,6 +1478,8 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     tree = None if algo == "NONE" else resolve_tree(args, torch.device(device).type, dtype)
     batch_tree = None if tree is None else resolve_batch_tree(args, torch.device(device).type, dtype)
     folder = resolve_model_path(args.model_path)
+    sampling_defaults = sampling_defaults_of(args.generation_config, folder, args.override_generation_config)
+    chat_template = chat_template_of(args.chat_template)
     log.info("loading %s (%s, %s, %d CPU threads)", folder, dtype, device, torch.get_num_threads())
     target = load_model(folder, dtype, device, quantization=args.quantization)
     tokenizer = load_tokenizer(folder)
@@ -1538,9 +1541,7 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     return engine, tokenizer, eos, ServerConfig(names, args.api_key, usable, target.config.vocab_size,
                                                 args.stream_interval, tool_parser_of(args),
                                                 args.enable_auto_tool_choice,
-                                                chat_template_of(args.chat_template), args.reasoning_parser,
-                                                sampling_defaults_of(args.generation_config, folder,
-                                                                     args.override_generation_config))
+                                                chat_template, args.reasoning_parser, sampling_defaults)
 
 
 def warm_up_beside_a_helper(args: argparse.Namespace, decoder: Any, mode: str | None,

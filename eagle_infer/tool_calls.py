@@ -303,9 +303,9 @@ PARSERS = {"hermes": Parser(parse_hermes, hermes_content_end, HERMES_ENVELOPE, h
 PARSERS["llama4_pythonic"] = PARSERS["pythonic"]  # vLLM's two names; the one parser reads Llama 4's tags
 
 
-def call_object(name: str, arguments: str, call_id: Callable[[], str] = tool_call_id) -> dict[str, Any]:
+def call_object(name: str, arguments: str, call_id: str) -> dict[str, Any]:
     """A message's tool call (OpenAI's shape; a streamed delta's adds its "index")."""
-    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def parameters_schema(fn: dict[str, Any]) -> dict[str, Any]:
@@ -404,9 +404,9 @@ class ToolPlan:
         if self.mode == "auto":
             if not calls:
                 return {"content": text}, finish
-            return ({"content": content, "tool_calls": [call_object(n, a, self.call_id) for n, a in calls]},
+            return ({"content": content, "tool_calls": [call_object(n, a, self.call_id()) for n, a in calls]},
                     "tool_calls")
-        fields = {"content": "", "tool_calls": [call_object(n, a, self.call_id) for n, a in calls]}
+        fields = {"content": "", "tool_calls": [call_object(n, a, self.call_id()) for n, a in calls]}
         return fields, self.finish_with_calls(finish)
 
     def finish_with_calls(self, finish: str | None) -> str | None:
