@@ -682,6 +682,8 @@ class Transformer(nn.Module):
         self.max_seq_len = 0
         self.cache: KVCache | None = None
         self.fused_layers: decoder_layers.Stack | None = None  # decoder_layers.attach
+        # generate.compiled_decode's steps by compile mode: kept here so they go with the model
+        self.compiled_decode_steps: dict[str | None, object] = {}
 
     def _apply(self, fn, recurse: bool = True):
         # .to() / .float() / .cuda() make new weights, which a fused stack (holding the old ones)

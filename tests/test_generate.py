@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import copy
+import gc
 import io
 import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
 from eagle_infer.errors import UserError
-from eagle_infer.generate import StreamPrinter, chat_prompt_ids, generate
+from eagle_infer.generate import StreamPrinter, chat_prompt_ids, compiled_decode, generate
 from eagle_infer.sampling import SamplingParams, greedy_tokens, logits_to_probs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -177,6 +180,31 @@ def test_greedy_tokens_is_argmax_compiled_too():
         got = compiled(x)
         assert got.dtype == torch.int64 and torch.equal(got, x.argmax(-1)), (got, x.argmax(-1))
     assert compiled(logits)[0, 1] == 7 and compiled(logits)[0, 2] == 11 and compiled(logits)[1, 4] == 2999
+
+
+def test_compiled_decode_is_built_once_and_goes_with_its_model(tiny_model_dir):
+    """generate(compile=True) builds a model's compiled step once and reuses it; a deep copy
+    compiles its own (the original's graphs read the original's weights); the step is freed with
+    its model (a module-wide table kept every compiled model alive: a test building servers grew
+    a worker to 15 GB)."""
+    from eagle_infer.loader import load_model
+
+    target = load_model(tiny_model_dir("llama"), "fp32", "cpu")
+    prompts = [[5, 6, 7, 8]]
+    eager = generate(target, prompts, 6)
+    assert generate(target, prompts, 6, compile=True) == eager
+    step = compiled_decode(target)
+    assert target.compiled_decode_steps == {None: step}
+    assert generate(target, prompts, 6, compile=True) == eager and compiled_decode(target) is step
+    copied = copy.deepcopy(target)
+    with torch.no_grad():
+        copied.lm_head.weight.mul_(-1)  # other weights, other tokens
+    assert compiled_decode(copied) is not step
+    assert generate(copied, prompts, 6, compile=True) == generate(copied, prompts, 6) != eager
+    gone = weakref.ref(target)
+    del target, step
+    gc.collect()
+    assert gone() is None
 
 
 def test_temperature_only_is_softmax():
