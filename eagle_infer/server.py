@@ -67,7 +67,7 @@ from eagle_infer.reasoning import PARSERS as REASONING_PARSERS
 from eagle_infer.reasoning import ReasoningParser
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import Sequence_, TokenLogprob
-from eagle_infer.tool_calls import PARSERS, ToolPlan, ToolStream, merge_deltas
+from eagle_infer.tool_calls import PARSERS, ToolPlan, ToolStream, history_ids, merge_deltas
 from eagle_infer.tree import TreeConfig
 
 Body = TypeVar("Body", bound=BaseModel)  # a request body's schema
@@ -1026,6 +1026,9 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             raise ApiError(400, "continue_final_message needs add_generation_prompt: false",
                            param="continue_final_message", code="invalid_value")
         msgs = [m.for_template() for m in req.messages]
+        parser = PARSERS[cfg.tool_parser] if cfg.tool_parser else None
+        if parser is not None and parser.history_id is not None:
+            msgs = history_ids(msgs, parser.history_id)
         clash = template_parameters() & set(req.chat_template_kwargs or {})
         if clash:
             raise ApiError(400, f"chat_template_kwargs: {', '.join(sorted(clash))} is a parameter of "

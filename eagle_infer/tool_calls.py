@@ -279,6 +279,14 @@ def mistral_call_id() -> str:
     return "".join(random.choices(string.ascii_letters + string.digits, k=9))
 
 
+def mistral_history_id(call_id: str) -> str:
+    """A call id in a request's history as Mistral's templates take it: an id of more than 9
+    characters (another server's, "call_..." or "chatcmpl-tool-...") cut to its last 9, as vLLM
+    cuts them for Mistral models, so a conversation begun elsewhere goes on here; the calls and
+    the tool turns answering them are cut alike, so they still pair."""
+    return call_id[-9:]
+
+
 @dataclass(frozen=True)
 class Parser:
     parse: Callable[[str], Parsed]
@@ -290,6 +298,21 @@ class Parser:
     # stream (ToolStream); None: calls come whole at the end
     next_call: Callable[[str, int], Head] | None = None
     call_id: Callable[[], str] = tool_call_id  # a new call's id
+    history_id: Callable[[str], str] | None = None  # a history's call ids as the template takes them
+
+
+def history_ids(messages: list[dict[str, Any]], history_id: Callable[[str], str]) -> list[dict[str, Any]]:
+    """messages (Message.for_template's) with each assistant call's id and each tool turn's
+    tool_call_id through history_id."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = m | {"tool_calls": [c | {"id": history_id(c["id"])} if isinstance(c.get("id"), str) else c
+                                    for c in m["tool_calls"]]}
+        if isinstance(m.get("tool_call_id"), str):
+            m = m | {"tool_call_id": history_id(m["tool_call_id"])}
+        out.append(m)
+    return out
 
 
 ARGUMENTS_AFTER_NAME = '", "arguments": '
@@ -299,7 +322,7 @@ PARSERS = {"hermes": Parser(parse_hermes, hermes_content_end, HERMES_ENVELOPE, h
            "pythonic": Parser(parse_pythonic, pythonic_content_end),
            "phi4_mini_json": Parser(parse_phi4_mini_json, tag_content_end(PHI4_START)),
            "mistral": Parser(parse_mistral, tag_content_end(MISTRAL_TAG), next_call=mistral_next_call,
-                             call_id=mistral_call_id)}
+                             call_id=mistral_call_id, history_id=mistral_history_id)}
 PARSERS["llama4_pythonic"] = PARSERS["pythonic"]  # vLLM's two names; the one parser reads Llama 4's tags
 
 

@@ -1046,6 +1046,43 @@ def test_generation_config_sets_the_sampling_requests_leave_out(tokenizer, tmp_p
     assert got == [(0.6, 0.9, 20, 1.05, 40), (0.0, 0.9, 0, 1.05, 100), (0.6, 1.0, 20, 1.05, 16)]
 
 
+# Mistral's templates' rule on call ids (their raise_exception), and the ids written into the prompt
+MISTRAL_ID_TEMPLATE = (
+    "{%- for m in messages %}{%- for c in m.tool_calls or [] %}"
+    "{%- if c.id is not string or c.id|length != 9 %}{{ raise_exception('Tool call IDs should be "
+    "alphanumeric strings with length 9!') }}{%- endif %}[CALL {{ c.id }}]{%- endfor %}"
+    "{%- if m.role == 'tool' %}{%- if m.tool_call_id|length != 9 %}{{ raise_exception('Tool call IDs "
+    "should be alphanumeric strings with length 9!') }}{%- endif %}[RESULT {{ m.tool_call_id }}]"
+    "{%- endif %}{{ m.content or '' }}{%- endfor %}")
+
+
+def test_mistral_parser_cuts_a_historys_long_call_ids_to_nine(tokenizer):
+    """--tool-call-parser mistral: call ids of more than 9 characters in a request's history
+    (another server's) are cut to their last 9, the calls and the tool turns answering them alike,
+    as vLLM does for Mistral models, so the template's 9-character rule takes them; with another
+    parser the ids go through as sent (the template refuses them: a 400 naming its message)."""
+    from eagle_infer.server import Engine, Metrics, ServerConfig, create_app
+
+    call = {"id": "call_98660886abc", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_98660886abc", "content": "5"}]
+
+    async def tokenize(parser: str) -> httpx.Response:
+        engine = Engine(ScriptedDecoder([tokenizer.eos_token_id]), tokenizer, Metrics(1), speculative=True)
+        cfg = ServerConfig(["fake"], None, 2048, len(tokenizer), tool_parser=parser,
+                           chat_template=MISTRAL_ID_TEMPLATE)
+        app = create_app(engine, tokenizer, {tokenizer.eos_token_id}, cfg)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
+            return await http.post("/tokenize", json={"messages": msgs, "add_generation_prompt": False})
+
+    ok = asyncio.run(tokenize("mistral"))
+    assert ok.status_code == 200, ok.text
+    assert tokenizer.decode(ok.json()["tokens"]) == "Hi[CALL 660886abc][RESULT 660886abc]5"
+    refused = asyncio.run(tokenize("hermes"))
+    assert refused.status_code == 400 and "length 9" in refused.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
 def test_reasoning_parser_splits_the_answer_into_reasoning_and_content(tokenizer, parser):
     """--reasoning-parser (vLLM's flag): a chat answer's text before </think> is message.reasoning
