@@ -8,6 +8,8 @@ change weights.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import os
 import sys
@@ -106,6 +108,20 @@ def pytest_configure(config):
     n = int(os.environ.get("EAGLE_TEST_THREADS", "1"))
     if n > 0:
         torch.set_num_threads(n)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    # At the end of each module, what its tests dropped goes back to the system: models left in
+    # reference cycles wait for a collection that counts objects, not bytes, and glibc keeps
+    # freed heap. A module building 16 servers held 9.3 GB after its test (0.6 GB after both),
+    # and two workers with conformance's servers filled a 24 GB machine.
+    if nextitem is None or nextitem.module is not item.module:
+        gc.collect()
+        if sys.platform == "linux":
+            try:
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+            except (OSError, AttributeError):  # not glibc (musl)
+                pass
 
 
 def _hf_config(arch: str):

@@ -9,6 +9,7 @@ through a fake decoder; the plain decoder is checked against `generate` on a tin
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import re
 import signal
@@ -1659,6 +1660,7 @@ def test_compile_flags_reach_the_decoder(default_model_dir):
     base = ["--model-path", str(default_model_dir), "--dtype", "fp32", "--device", "cpu",
             "--max-running-requests", "3", "--context-length", "256"]
     def decoder(algo: str, *flags: str):
+        gc.collect()  # the last one's model (in reference cycles): 1.6 GB each, 16 built here
         return server.build_engine(parse(*base, "--speculative-algorithm", algo, *flags))[0].dec
 
     for algo in ("NONE", "EAGLE3"):
@@ -1672,10 +1674,13 @@ def test_compile_flags_reach_the_decoder(default_model_dir):
         assert default.rows.prefix is not None and default.rows.prefix.lookahead == (algo == "EAGLE3")
         assert default.compiled and default.max_bs == 1 and default.target.cache.kv.shape[2] == 3
         assert getattr(default, "disable_by_batch_size", None) == (2 if algo == "EAGLE3" else None)
+        del default  # one server's model at a time (decoder collects the last)
         dec = decoder(algo, "--torch-compile-max-bs", "4")
         assert dec.compiled and dec.max_bs == 4 and dec.target.cache.kv.shape[2] == 4
+        del dec
         capped = decoder(algo, "--enable-torch-compile", "--torch-compile-max-bs", "2")
         assert capped.max_bs == 2 and capped.target.cache.kv.shape[2] == 3
+        del capped
     shrinking = decoder("EAGLE3", "--disable-torch-compile", "--speculative-batch-tree", "2:1/4/3+g4")
     assert shrinking.batch_tree == (2, server.TreeConfig(1, 4, 3, ngram_branch=4))
     assert shrinking.tree_for(1) is shrinking.tree and shrinking.max_pending == shrinking.tree.slots_past_end
