@@ -110,11 +110,12 @@ def pytest_configure(config):
         torch.set_num_threads(n)
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own, which tears the module's fixtures down
 def pytest_runtest_teardown(item, nextitem):
-    # At the end of each module, what its tests dropped goes back to the system: models left in
-    # reference cycles wait for a collection that counts objects, not bytes, and glibc keeps
-    # freed heap. A module building 16 servers held 9.3 GB after its test (0.6 GB after both),
-    # and two workers with conformance's servers filled a 24 GB machine.
+    # At the end of each module, what its tests and fixtures dropped goes back to the system:
+    # models left in reference cycles wait for a collection that counts objects, not bytes, and
+    # glibc keeps freed heap. A module building 16 servers held 9.3 GB after its test (0.6 GB
+    # after both), and two workers with conformance's servers filled a 24 GB machine.
     if nextitem is None or nextitem.module is not item.module:
         gc.collect()
         if sys.platform == "linux":
