@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
@@ -596,6 +597,8 @@ class ServerConfig:
     reasoning_parser: str | None = None  # --reasoning-parser (reasoning.PARSERS)
     # --generation-config: a request's sampling fields where it leaves them out, and max_tokens
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    log_requests: bool = False  # --enable-log-requests: a line per request
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])  # CORS (vLLM's and SGLang's default)
 
 
 def _is_type_tag(loc: int | str) -> bool:
@@ -659,6 +662,9 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
 
     app = FastAPI(title="eagle-spec", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(RequestCounter, metrics=engine.metrics)
+    # browsers' cross-origin calls, as vLLM and SGLang allow them (any origin by default)
+    app.add_middleware(CORSMiddleware, allow_origins=cfg.allowed_origins, allow_credentials=False,
+                       allow_methods=["*"], allow_headers=["*"])
 
     def error_response(err: ApiError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status)
@@ -846,6 +852,11 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                                 skip_special_tokens=skip_special,
                                 include_stop=req.include_stop_str_in_output, stop_ids=stop_ids,
                                 prompt_logprobs=req.prompt_logprobs))
+        if cfg.log_requests:
+            log.info("request: %d prompt(s) of %s tokens, n=%d, max_tokens %s, temperature %s, top_p %s, "
+                     "top_k %s, min_p %s, seed %s, stream %s%s", len(prompts), [len(p) for p in prompts],
+                     req.n, max_tokens, params.temperature, params.top_p, params.top_k, params.min_p,
+                     params.seed, req.stream, ", a grammar" if params.grammar is not None else "")
         return jobs
 
     def cancel_all(jobs: list[Job]) -> None:
@@ -1137,6 +1148,17 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
 # Command line
 
 
+def json_list(text: str) -> list[Any]:
+    """An argument that is a JSON list (vLLM's --allowed-origins)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, list):
+        raise argparse.ArgumentTypeError(f"not a JSON list: {text!r}")
+    return value
+
+
 def json_object(text: str) -> dict[str, Any]:
     """An argument that is a JSON object (vLLM's --speculative-config)."""
     try:
@@ -1146,6 +1168,18 @@ def json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
     return value
+
+
+DTYPE_NAMES = {"auto": "auto", "fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16",
+               "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16"}
+
+
+def dtype_flag(text: str) -> str:
+    """--dtype: ours (fp32, bf16, fp16) or vLLM's and SGLang's names for them (float32, bfloat16, ...)."""
+    if text.lower() not in DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a dtype: auto, fp32 (float32, float), bf16 "
+                                         f"(bfloat16), fp16 (float16, half)")
+    return DTYPE_NAMES[text.lower()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1189,9 +1223,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "speculation resumes when the batch shrinks (vLLM's name). Default: 2 on a CPU, "
                          "1 with int8 weights (where a batch's trees make the verify compute-bound: "
                          "docs/measurements.md), 4 with a batch tree, never on a GPU")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+    ap.add_argument("--dtype", default="auto", type=dtype_flag, metavar="{auto,fp32,bf16,fp16}",
                     help="auto = bf16 where the hardware runs it fast (CUDA, AVX512-BF16 / AMX CPUs), "
-                    "else fp32; greedy output is token-identical to plain decoding in fp32")
+                    "else fp32; greedy output is token-identical to plain decoding in fp32 (vLLM's and "
+                    "SGLang's names too: float32 / float, bfloat16, float16 / half)")
     ap.add_argument("--quantization", default="none", choices=["none", "int8"],
                     help="int8: the target's (and head's) Linears weight-only int8 (CPU): decoding "
                          "follows the quantized target, whose activations round to bf16 "
@@ -1274,8 +1309,45 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--api-key", default=None)
-    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                    help="the model's name in responses and /v1/models (the first; requests may name "
+                         "any of them, or the model's path)")
     ap.add_argument("--log-level", default="info")
+    # vLLM's and SGLang's names for what a command line brought over from them sets
+    ap.add_argument("--seed", "--random-seed", type=int, default=None,
+                    help="seeds the generator that requests without a seed sample from, at the start "
+                         "of serving (vLLM's --seed, SGLang's --random-seed)")
+    ap.add_argument("--enable-log-requests", "--log-requests", action="store_true", dest="log_requests",
+                    help="log each request's prompt lengths and sampling settings (vLLM's and SGLang's "
+                         "flags); off by default")
+    ap.add_argument("--disable-log-requests", action="store_false", dest="log_requests",
+                    help="vLLM's older flag: requests are not logged (the default)")
+    ap.add_argument("--disable-log-stats", action="store_true",
+                    help="vLLM's flag, accepted: no statistics are logged periodically here (/metrics "
+                         "serves them)")
+    ap.add_argument("--uvicorn-log-level", default=None,
+                    help="uvicorn's log level (vLLM's flag; default: --log-level)")
+    ap.add_argument("--gpu-memory-utilization", "--mem-fraction-static", type=float, default=None,
+                    metavar="FRACTION",
+                    help="vLLM's and SGLang's flags, accepted: the KV cache here holds "
+                         "--max-running-requests x --context-length tokens, whatever the memory")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto"],
+                    help="the KV cache is in the model's dtype (vLLM's and SGLang's auto)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                    help="vLLM's flag: with chunked prefill, a long prompt's chunk (--chunked-prefill-size)")
+    ap.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                    help="vLLM's flag: --no-enable-chunked-prefill prefills every prompt in one piece "
+                         "(--chunked-prefill-size -1); chunked by default")
+    ap.add_argument("--tokenizer", "--tokenizer-path", default=None, metavar="FOLDER",
+                    help="the tokenizer's folder (default: the model's)")
+    ap.add_argument("--tokenizer-mode", default="auto", choices=["auto", "hf"],
+                    help="the folder's Hugging Face tokenizer (vLLM's auto and hf)")
+    ap.add_argument("--allowed-origins", type=json_list, default=["*"], metavar="JSON",
+                    help='CORS: the origins browsers may call from (vLLM\'s flag; default ["*"], as vLLM '
+                         "and SGLang)")
+    ap.add_argument("--root-path", default=None, help="the path a proxy serves the API under (uvicorn's)")
+    ap.add_argument("--ssl-keyfile", default=None)
+    ap.add_argument("--ssl-certfile", default=None)
     return ap
 
 
@@ -1332,8 +1404,10 @@ SPECULATIVE_CONFIG_FLAGS = {"method": "speculative_algorithm", "model": "specula
 
 
 def apply_vllm_flags(args: argparse.Namespace) -> None:
-    """vLLM's flags that stand for ours (--speculative-config, --enforce-eager), and the ones
-    that ask for what one process cannot be (--tensor-parallel-size above 1), refused by name."""
+    """vLLM's flags that stand for ours (--speculative-config, --enforce-eager,
+    --max-num-batched-tokens and --[no-]enable-chunked-prefill for --chunked-prefill-size), the
+    ones that ask for what one process cannot be (--tensor-parallel-size above 1), refused by
+    name, and those with nothing to set here (--gpu-memory-utilization), said so."""
     apply_speculative_config(args)
     if args.tensor_parallel_size != 1:
         raise UserError(f"--tensor-parallel-size {args.tensor_parallel_size}: one process serves here "
@@ -1344,6 +1418,23 @@ def apply_vllm_flags(args: argparse.Namespace) -> None:
         args.enable_torch_compile, args.use_cuda_graph = False, False
     if args.trust_remote_code:
         log.info("--trust-remote-code: nothing to trust, no model code is downloaded or run here")
+    if args.gpu_memory_utilization is not None:
+        if not 0.0 < args.gpu_memory_utilization <= 1.0:
+            raise UserError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+        log.info("--gpu-memory-utilization: not used here, the KV cache holds --max-running-requests "
+                 "x --context-length tokens")
+    chunking = args.enable_chunked_prefill, args.max_num_batched_tokens
+    if chunking != (None, None):
+        if args.chunked_prefill_size is not None:
+            raise UserError("--chunked-prefill-size and --max-num-batched-tokens / --[no-]enable-chunked-"
+                            "prefill both given: pass one of them")
+        if args.enable_chunked_prefill is False:
+            args.chunked_prefill_size = 0
+        elif args.max_num_batched_tokens is not None:
+            if args.max_num_batched_tokens < 1:
+                raise UserError(f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}")
+            args.chunked_prefill_size = args.max_num_batched_tokens
+        args.enable_chunked_prefill = args.max_num_batched_tokens = None  # applied
 
 
 def apply_speculative_config(args: argparse.Namespace) -> None:
@@ -1481,11 +1572,14 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     tree = None if algo == "NONE" else resolve_tree(args, torch.device(device).type, dtype)
     batch_tree = None if tree is None else resolve_batch_tree(args, torch.device(device).type, dtype)
     folder = resolve_model_path(args.model_path)
+    tokenizer_folder = folder if args.tokenizer is None else Path(args.tokenizer).expanduser()
+    if not tokenizer_folder.is_dir():
+        raise UserError(f"--tokenizer {args.tokenizer}: no such folder")
     sampling_defaults = sampling_defaults_of(args.generation_config, folder, args.override_generation_config)
     chat_template = chat_template_of(args.chat_template)
     log.info("loading %s (%s, %s, %d CPU threads)", folder, dtype, device, torch.get_num_threads())
     target = load_model(folder, dtype, device, quantization=args.quantization)
-    tokenizer = load_tokenizer(folder)
+    tokenizer = load_tokenizer(tokenizer_folder)
     ctx = args.context_length
     if ctx < 16 or ctx > target.config.max_position_embeddings:
         raise UserError(f"--context-length must be in [16, {target.config.max_position_embeddings}] "
@@ -1530,9 +1624,10 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
         else:
             log.info("%s for batches up to %d: each batch bucket compiles at its first step",
                      kind, decoder.max_bs)
-    name = args.served_model_name or (DEFAULT_MODEL_NAME if str(args.model_path) == "default"
-                                      else Path(folder).name)
-    names = list(dict.fromkeys([name, str(args.model_path), Path(folder).name]))
+    served = args.served_model_name or [DEFAULT_MODEL_NAME if str(args.model_path) == "default"
+                                        else Path(folder).name]
+    name = served[0]
+    names = list(dict.fromkeys([*served, str(args.model_path), Path(folder).name]))
     eos = eos_ids(target.config, tokenizer)  # the config's has generation_config.json's
     # Draft positions a round can accept: the tree's depth, at most its node count.
     depth = tree.max_depth if tree else 0
@@ -1540,11 +1635,13 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     chunk = args.chunked_prefill_size
     if chunk is None:  # ~1 ms a prompt token on a 2-core CPU (the default target): a chunk ~ a round or two
         chunk = 256 if torch.device(device).type == "cpu" else 8192
-    engine = Engine(decoder, load_tokenizer(folder), metrics, tree is not None, args.prefix_caching, chunk)
+    engine = Engine(decoder, load_tokenizer(tokenizer_folder), metrics, tree is not None, args.prefix_caching,
+                    chunk)
     return engine, tokenizer, eos, ServerConfig(names, args.api_key, usable, target.config.vocab_size,
                                                 args.stream_interval, tool_parser_of(args),
                                                 args.enable_auto_tool_choice,
-                                                chat_template, args.reasoning_parser, sampling_defaults)
+                                                chat_template, args.reasoning_parser, sampling_defaults,
+                                                args.log_requests, args.allowed_origins)
 
 
 def warm_up_beside_a_helper(args: argparse.Namespace, decoder: Any, mode: str | None,
@@ -1608,7 +1705,9 @@ def warmed_marker(args: argparse.Namespace) -> Path:
     import torch
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    skip = ("host", "port", "api_key", "served_model_name", "log_level")
+    skip = ("host", "port", "api_key", "served_model_name", "log_level", "seed", "log_requests",
+            "disable_log_stats", "uvicorn_log_level", "gpu_memory_utilization", "tokenizer_mode",
+            "allowed_origins", "root_path", "ssl_keyfile", "ssl_certfile")
     flags = json.dumps({k: v for k, v in sorted(vars(args).items()) if k not in skip}, default=str)
     key = hashlib.sha256(f"{torch.__version__} {flags}".encode()).hexdigest()[:16]
     return Path(cache_dir()) / f"eagle_infer_warmed_{key}"
@@ -1673,6 +1772,7 @@ def in_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
 
 @cli_errors
 def main(argv: list[str] | None = None) -> None:
+    import torch
     import uvicorn
 
     args = build_parser().parse_args(argv)
@@ -1692,8 +1792,12 @@ def main(argv: list[str] | None = None) -> None:
     noop: Callable[[int, Any], None] = lambda signum, frame: None
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, noop)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=30)
+    if args.seed is not None:  # after the warm-up's draws: a fresh server answers alike
+        torch.manual_seed(args.seed)
+    config = uvicorn.Config(app, host=args.host, port=args.port,
+                            log_level=args.uvicorn_log_level or args.log_level,
+                            root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile,
+                            ssl_certfile=args.ssl_certfile, timeout_graceful_shutdown=30)
     try:
         uvicorn.Server(config).run()
     finally:

@@ -1469,6 +1469,76 @@ def test_vllm_flag_names_map_onto_ours(monkeypatch, tmp_path, capsys):
             server.apply_vllm_flags(server.build_parser().parse_args(flags))
 
 
+def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokenizer, caplog, capsys):
+    """Flags a vLLM or SGLang command line brings: --dtype in their spellings, several
+    --served-model-name (the first answers), --tokenizer, --max-num-batched-tokens as the prefill
+    chunk and --no-enable-chunked-prefill as none, --enable-log-requests a line per request,
+    --gpu-memory-utilization accepted (said unused), CORS for any origin as theirs; what does not
+    fit is refused by name."""
+    from eagle_infer import server
+    from eagle_infer.errors import UserError
+    from eagle_infer.server import Engine, Metrics, ServerConfig, create_app
+
+    def parse(*flags: str):
+        return server.build_parser().parse_args(list(flags))
+
+    for given, ours in (("bfloat16", "bf16"), ("BF16", "bf16"), ("half", "fp16"), ("float16", "fp16"),
+                        ("float", "fp32"), ("float32", "fp32"), ("auto", "auto")):
+        assert parse("--dtype", given).dtype == ours
+    with pytest.raises(SystemExit):
+        parse("--dtype", "float8")
+    assert "'float8' is not a dtype" in capsys.readouterr().err
+    for flags, chunk in ((["--max-num-batched-tokens", "64"], 64), (["--no-enable-chunked-prefill"], 0),
+                         (["--enable-chunked-prefill"], None), ([], None)):
+        args = parse(*flags)
+        server.apply_vllm_flags(args)
+        assert args.chunked_prefill_size == chunk, flags
+    for flags, error in ((["--max-num-batched-tokens", "64", "--chunked-prefill-size", "32"], "both given"),
+                         (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
+                         (["--mem-fraction-static", "1.5"], "--gpu-memory-utilization must be in (0, 1]")):
+        with pytest.raises(UserError, match=re.escape(error)):
+            server.apply_vllm_flags(parse(*flags))
+
+    caplog.set_level("INFO", logger="eagle_infer.server")
+    args = parse("--model-path", str(default_model_dir), "--dtype", "float32", "--device", "cpu",
+                 "--speculative-algorithm", "NONE", "--disable-torch-compile", "--context-length", "256",
+                 "--served-model-name", "smol", "smol-alias", "--tokenizer", str(default_model_dir),
+                 "--max-num-batched-tokens", "64", "--gpu-memory-utilization", "0.9", "--enable-log-requests")
+    engine, _, _, cfg = server.build_engine(args)
+    assert cfg.model_names[:2] == ["smol", "smol-alias"] and engine.metrics.model_name == "smol"
+    assert engine.chunk == 64 and cfg.log_requests and cfg.allowed_origins == ["*"]
+    assert "--gpu-memory-utilization: not used here" in caplog.text
+    del engine
+    with pytest.raises(UserError, match="--tokenizer /nowhere: no such folder"):
+        server.build_engine(parse("--tokenizer", "/nowhere", "--device", "cpu"))
+
+    eos = tokenizer.eos_token_id
+    engine = Engine(ScriptedDecoder(list(tokenizer("Hi.", add_special_tokens=False)["input_ids"]) + [eos]),
+                    tokenizer, Metrics(1), speculative=True)
+    app = create_app(engine, tokenizer, {eos}, ServerConfig(["smol"], None, 2048, len(tokenizer),
+                                                            log_requests=True))
+
+    async def ask() -> tuple[httpx.Response, httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
+            web = {"Origin": "https://ui.example"}
+            preflight = await http.options("/v1/chat/completions", headers=web | {
+                "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
+            answer = await http.post("/v1/chat/completions", headers=web, json={
+                "messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 5, "seed": 3})
+            return preflight, answer
+
+    engine.start()
+    try:
+        preflight, answer = asyncio.run(ask())
+    finally:
+        engine.stop()
+    assert preflight.status_code == 200 and answer.status_code == 200, (preflight.text, answer.text)
+    assert answer.headers["access-control-allow-origin"] == "*"
+    assert re.search(r"request: 1 prompt\(s\) of \[\d+\] tokens, n=1, max_tokens \[5\], temperature 0.0.*seed 3",
+                     caplog.text)
+
+
 def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monkeypatch, tmp_path, caplog):
     from eagle_infer import server
     from eagle_infer.errors import UserError
