@@ -1524,8 +1524,9 @@ def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokeni
             web = {"Origin": "https://ui.example"}
             preflight = await http.options("/v1/chat/completions", headers=web | {
                 "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
-            answer = await http.post("/v1/chat/completions", headers=web, json={
-                "messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 5, "seed": 3})
+            chat = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 5,
+                    "seed": 3}
+            answer = await http.post("/v1/chat/completions", headers=web, json=chat)
             return preflight, answer
 
     engine.start()
@@ -1535,8 +1536,8 @@ def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokeni
         engine.stop()
     assert preflight.status_code == 200 and answer.status_code == 200, (preflight.text, answer.text)
     assert answer.headers["access-control-allow-origin"] == "*"
-    assert re.search(r"request: 1 prompt\(s\) of \[\d+\] tokens, n=1, max_tokens \[5\], temperature 0.0.*seed 3",
-                     caplog.text)
+    logged = r"request: 1 prompt\(s\) of \[\d+\] tokens, n=1, max_tokens \[5\], temperature 0.0.*seed 3"
+    assert re.search(logged, caplog.text)
 
 
 def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monkeypatch, tmp_path, caplog):
