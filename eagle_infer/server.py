@@ -599,6 +599,7 @@ class ServerConfig:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     log_requests: bool = False  # --enable-log-requests: a line per request
     allowed_origins: list[str] = field(default_factory=lambda: ["*"])  # CORS (vLLM's and SGLang's default)
+    listed: int = 1  # the first model_names (--served-model-name's) /v1/models lists, as vLLM
 
 
 def _is_type_tag(loc: int | str) -> bool:
@@ -1122,7 +1123,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         check_auth(request)
-        return {"object": "list", "data": [model_card(cfg.model_names[0])]}
+        return {"object": "list", "data": [model_card(name) for name in cfg.model_names[:cfg.listed]]}
 
     @app.get("/v1/models/{name:path}")
     async def model(request: Request, name: str) -> dict[str, Any]:
@@ -1641,7 +1642,7 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
                                                 args.stream_interval, tool_parser_of(args),
                                                 args.enable_auto_tool_choice,
                                                 chat_template, args.reasoning_parser, sampling_defaults,
-                                                args.log_requests, args.allowed_origins)
+                                                args.log_requests, args.allowed_origins, len(served))
 
 
 def warm_up_beside_a_helper(args: argparse.Namespace, decoder: Any, mode: str | None,

@@ -1506,6 +1506,7 @@ def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokeni
                  "--max-num-batched-tokens", "64", "--gpu-memory-utilization", "0.9", "--enable-log-requests")
     engine, _, _, cfg = server.build_engine(args)
     assert cfg.model_names[:2] == ["smol", "smol-alias"] and engine.metrics.model_name == "smol"
+    assert cfg.listed == 2  # /v1/models lists both, as vLLM (below)
     assert engine.chunk == 64 and cfg.log_requests and cfg.allowed_origins == ["*"]
     assert "--gpu-memory-utilization: not used here" in caplog.text
     del engine
@@ -1515,10 +1516,10 @@ def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokeni
     eos = tokenizer.eos_token_id
     engine = Engine(ScriptedDecoder(list(tokenizer("Hi.", add_special_tokens=False)["input_ids"]) + [eos]),
                     tokenizer, Metrics(1), speculative=True)
-    app = create_app(engine, tokenizer, {eos}, ServerConfig(["smol"], None, 2048, len(tokenizer),
-                                                            log_requests=True))
+    app = create_app(engine, tokenizer, {eos}, ServerConfig(["smol", "smol-alias", "/m"], None, 2048,
+                                                            len(tokenizer), log_requests=True, listed=2))
 
-    async def ask() -> tuple[httpx.Response, httpx.Response]:
+    async def ask() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
             web = {"Origin": "https://ui.example"}
@@ -1526,16 +1527,17 @@ def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokeni
                 "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
             chat = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 5,
                     "seed": 3}
-            answer = await http.post("/v1/chat/completions", headers=web, json=chat)
-            return preflight, answer
+            answer = await http.post("/v1/chat/completions", headers=web, json=chat | {"model": "/m"})
+            return preflight, answer, await http.get("/v1/models")
 
     engine.start()
     try:
-        preflight, answer = asyncio.run(ask())
+        preflight, answer, models = asyncio.run(ask())
     finally:
         engine.stop()
     assert preflight.status_code == 200 and answer.status_code == 200, (preflight.text, answer.text)
-    assert answer.headers["access-control-allow-origin"] == "*"
+    assert answer.headers["access-control-allow-origin"] == "*" and answer.json()["model"] == "smol"
+    assert [m["id"] for m in models.json()["data"]] == ["smol", "smol-alias"]
     logged = r"request: 1 prompt\(s\) of \[\d+\] tokens, n=1, max_tokens \[5\], temperature 0.0.*seed 3"
     assert re.search(logged, caplog.text)
 
