@@ -67,6 +67,7 @@ PARSERS = {
     "deepseek_r1": ReasoningParser("deepseek_r1"),
     "qwen3": ReasoningParser("qwen3", implicit_ends=("<tool_call>",)),
 }
+PARSERS["deepseek-r1"] = PARSERS["deepseek_r1"]  # SGLang's name
 
 
 @dataclass

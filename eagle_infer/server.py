@@ -1288,11 +1288,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "(<tool_call>{...}</tool_call>, Hermes / Qwen), llama3_json (Llama 3.x's JSON), "
                          "pythonic / llama4_pythonic (Llama 3.2 / 4's [f(x=1)]), phi4_mini_json "
                          "(Phi-4-mini's functools[...]), mistral ([TOOL_CALLS] in any tokenizer version's "
-                         "format; call ids of 9 characters, as Mistral's templates take them)")
+                         "format; call ids of 9 characters, as Mistral's templates take them); SGLang's "
+                         "qwen25 / qwen (hermes) and llama3 (llama3_json) too")
     ap.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                     help="a thinking model's chat answers split into message.reasoning (the text before "
                          "</think>) and content (vLLM's flag and field): deepseek_r1, qwen3 (whose "
-                         "chat_template_kwargs enable_thinking false makes the whole answer content)")
+                         "chat_template_kwargs enable_thinking false makes the whole answer content); "
+                         "SGLang's deepseek-r1 too")
     ap.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                     help="default sampling of requests that leave it out (vLLM's flag): auto = the model's "
                          "generation_config.json (temperature, top_p, top_k, min_p, repetition / presence / "
@@ -1301,7 +1303,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--override-generation-config", type=json_object, default=None, metavar="JSON",
                     help='vLLM\'s flag: sampling defaults over --generation-config\'s, e.g. '
                          '\'{"temperature": 0.5, "max_new_tokens": 256}\'')
-    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+    ap.add_argument("--tensor-parallel-size", "-tp", "--tp-size", type=int, default=1,
                     help="vLLM's flag: 1 (one process serves here; our heads serve in vLLM and SGLang "
                          "for tensor parallelism)")
     ap.add_argument("--trust-remote-code", action="store_true",
@@ -1323,6 +1325,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "flags); off by default")
     ap.add_argument("--disable-log-requests", action="store_false", dest="log_requests",
                     help="vLLM's older flag: requests are not logged (the default)")
+    ap.add_argument("--enable-metrics", action="store_true",
+                    help="SGLang's flag, accepted: /metrics is always served here")
     ap.add_argument("--disable-log-stats", action="store_true",
                     help="vLLM's flag, accepted: no statistics are logged periodically here (/metrics "
                          "serves them)")
@@ -1707,8 +1711,8 @@ def warmed_marker(args: argparse.Namespace) -> Path:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     skip = ("host", "port", "api_key", "served_model_name", "log_level", "seed", "log_requests",
-            "disable_log_stats", "uvicorn_log_level", "gpu_memory_utilization", "tokenizer_mode",
-            "allowed_origins", "root_path", "ssl_keyfile", "ssl_certfile")
+            "disable_log_stats", "enable_metrics", "uvicorn_log_level", "gpu_memory_utilization",
+            "tokenizer_mode", "allowed_origins", "root_path", "ssl_keyfile", "ssl_certfile")
     flags = json.dumps({k: v for k, v in sorted(vars(args).items()) if k not in skip}, default=str)
     key = hashlib.sha256(f"{torch.__version__} {flags}".encode()).hexdigest()[:16]
     return Path(cache_dir()) / f"eagle_infer_warmed_{key}"

@@ -324,6 +324,8 @@ PARSERS = {"hermes": Parser(parse_hermes, hermes_content_end, HERMES_ENVELOPE, h
            "mistral": Parser(parse_mistral, tag_content_end(MISTRAL_TAG), next_call=mistral_next_call,
                              call_id=mistral_call_id, history_id=mistral_history_id)}
 PARSERS["llama4_pythonic"] = PARSERS["pythonic"]  # vLLM's two names; the one parser reads Llama 4's tags
+# SGLang's names for the same formats: qwen25 and qwen (Qwen's <tool_call> tags, hermes'), llama3
+PARSERS |= {"qwen25": PARSERS["hermes"], "qwen": PARSERS["hermes"], "llama3": PARSERS["llama3_json"]}
 
 
 def call_object(name: str, arguments: str, call_id: str) -> dict[str, Any]:

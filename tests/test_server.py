@@ -1470,7 +1470,8 @@ def test_vllm_flag_names_map_onto_ours(monkeypatch, tmp_path, capsys):
 
 
 def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokenizer, caplog, capsys):
-    """Flags a vLLM or SGLang command line brings: --dtype in their spellings, several
+    """Flags a vLLM or SGLang command line brings: SGLang's parser names (qwen25, qwen, llama3,
+    deepseek-r1) and --tp-size, --dtype in their spellings, several
     --served-model-name (the first answers), --tokenizer, --max-num-batched-tokens as the prefill
     chunk and --no-enable-chunked-prefill as none, --enable-log-requests a line per request,
     --gpu-memory-utilization accepted (said unused), CORS for any origin as theirs; what does not
@@ -1482,6 +1483,15 @@ def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokeni
     def parse(*flags: str):
         return server.build_parser().parse_args(list(flags))
 
+    sglang = parse("--tool-call-parser", "qwen25", "--reasoning-parser", "deepseek-r1", "--tp-size", "1",
+                   "--enable-metrics")
+    assert (sglang.tool_call_parser, sglang.reasoning_parser, sglang.tensor_parallel_size) == (
+        "qwen25", "deepseek-r1", 1)
+    from eagle_infer.reasoning import PARSERS as REASONING
+    from eagle_infer.tool_calls import PARSERS as TOOLS
+
+    assert TOOLS["qwen25"] is TOOLS["qwen"] is TOOLS["hermes"] and TOOLS["llama3"] is TOOLS["llama3_json"]
+    assert REASONING["deepseek-r1"] is REASONING["deepseek_r1"]
     for given, ours in (("bfloat16", "bf16"), ("BF16", "bf16"), ("half", "fp16"), ("float16", "fp16"),
                         ("float", "fp32"), ("float32", "fp32"), ("auto", "auto")):
         assert parse("--dtype", given).dtype == ours
