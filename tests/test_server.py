@@ -31,6 +31,7 @@ from eagle_infer.model import ModelConfig, Transformer
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.server import bad_words_ids
 from eagle_infer.speculative import Sequence_, SpecStats
+from eagle_infer.tree import TreeConfig
 
 API_KEY = "test-key"
 TOOLS_TEMPLATE = Path(__file__).resolve().parents[1] / "conf" / "chat_templates" / "smollm2_tools.jinja"
@@ -1421,7 +1422,7 @@ def test_vllm_flag_names_map_onto_ours(monkeypatch, tmp_path, capsys):
     --speculative-config's method, model and disable_by_batch_size set their flags and
     num_speculative_tokens K a chain of K drafts; --enforce-eager turns the compiled steps off;
     what they cannot mean here is refused by name."""
-    from eagle_infer import server
+    from eagle_infer import server, server_flags
     from eagle_infer.errors import UserError
 
     monkeypatch.setenv("EAGLE_BF16_DOT", "fma")
@@ -1433,17 +1434,17 @@ def test_vllm_flag_names_map_onto_ours(monkeypatch, tmp_path, capsys):
 
     def applied(conf: str, *flags: str):
         args = server.build_parser().parse_args(["--speculative-config", conf, *flags])
-        server.apply_speculative_config(args)
+        server_flags.apply_speculative_config(args)
         return args
 
     args = applied(json.dumps({"method": "eagle", "model": str(head), "num_speculative_tokens": 3,
                                "disable_by_batch_size": 2, "draft_tensor_parallel_size": 1}))
     assert server.resolve_draft(args) == ("EAGLE", head)
-    assert server.resolve_tree(args, "cpu") == server.TreeConfig(3, 1, 4, ngram_branch=4)
+    assert server.resolve_tree(args, "cpu") == TreeConfig(3, 1, 4, ngram_branch=4)
     assert server.resolve_disable_by_batch_size(args, "cpu") == 2
     args = applied(json.dumps({"method": "EAGLE3", "model": str(head)}))  # no K: the default tree
     assert server.resolve_draft(args) == ("EAGLE3", head)
-    assert server.resolve_tree(args, "cpu") == server.TreeConfig(2, 4, 4, ngram_branch=4)
+    assert server.resolve_tree(args, "cpu") == TreeConfig(2, 4, 4, ngram_branch=4)
     for conf, flags, error in (
             ({"method": "ngram", "num_speculative_tokens": 3}, (), "method 'ngram' is not served here"),
             ({"method": "eagle3", "prompt_lookup_max": 4}, (), "prompt_lookup_max not supported here"),
@@ -1562,56 +1563,56 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
         "127.0.0.1", 30000, 2048, 8)
     assert args.dtype == "auto"
     # No tree flag: the device's tree; a flag given overrides only its own field.
-    assert server.resolve_tree(args, "cuda") == server.TreeConfig(5, 4, 16)
-    assert server.resolve_tree(args, "cpu") == server.TreeConfig(2, 4, 4, ngram_branch=4)  # fp32
+    assert server.resolve_tree(args, "cuda") == TreeConfig(5, 4, 16)
+    assert server.resolve_tree(args, "cpu") == TreeConfig(2, 4, 4, ngram_branch=4)  # fp32
     from eagle_infer.kernels import bf16_linear
 
     monkeypatch.setattr(bf16_linear, "avx512_bf16_supported", lambda: False)  # AVX2: a verify's rows dearer
     monkeypatch.setattr(bf16_linear, "fma_halves", lambda: False)
-    assert server.resolve_tree(args, "cpu", "bf16") == server.TreeConfig(1, 4, 4, ngram_branch=4)
+    assert server.resolve_tree(args, "cpu", "bf16") == TreeConfig(1, 4, 4, ngram_branch=4)
     monkeypatch.setattr(bf16_linear, "fma_halves", lambda: True)  # Zen 1: dearer still
-    assert server.resolve_tree(args, "cpu", "bf16") == server.TreeConfig(1, 4, 2, ngram_branch=4)
-    assert server.resolve_tree(args, "cpu", "fp32") == server.TreeConfig(2, 4, 4, ngram_branch=4)
+    assert server.resolve_tree(args, "cpu", "bf16") == TreeConfig(1, 4, 2, ngram_branch=4)
+    assert server.resolve_tree(args, "cpu", "fp32") == TreeConfig(2, 4, 4, ngram_branch=4)
     int8_args = server.build_parser().parse_args(["--quantization", "int8"])
-    assert server.resolve_tree(int8_args, "cpu", "bf16") == server.TreeConfig(1, 4, 2, ngram_branch=4)
-    assert server.resolve_tree(int8_args, "cpu", "fp32") == server.TreeConfig(1, 4, 3, ngram_branch=4)
+    assert server.resolve_tree(int8_args, "cpu", "bf16") == TreeConfig(1, 4, 2, ngram_branch=4)
+    assert server.resolve_tree(int8_args, "cpu", "fp32") == TreeConfig(1, 4, 3, ngram_branch=4)
     monkeypatch.setattr(bf16_linear, "avx512_bf16_supported", lambda: True)
     int8 = server.build_parser().parse_args(["--quantization", "int8"])
     monkeypatch.setenv("EAGLE_BF16_DOT", "vdpbf16ps")  # the tree follows the multiply
-    assert server.resolve_tree(args, "cpu", "bf16") == server.TreeConfig(2, 4, 6, ngram_branch=4)
-    assert server.resolve_tree(int8, "cpu", "bf16") == server.TreeConfig(1, 4, 3, ngram_branch=4)
+    assert server.resolve_tree(args, "cpu", "bf16") == TreeConfig(2, 4, 6, ngram_branch=4)
+    assert server.resolve_tree(int8, "cpu", "bf16") == TreeConfig(1, 4, 3, ngram_branch=4)
     monkeypatch.setenv("EAGLE_BF16_DOT", "amx")  # a verify's rows cheap on the tiles (two panels in bf16)
-    assert server.resolve_tree(args, "cpu", "bf16") == server.TreeConfig(2, 4, 8, ngram_branch=6)
-    assert server.resolve_tree(int8, "cpu", "bf16") == server.TreeConfig(2, 4, 6, ngram_branch=4)
-    assert server.resolve_tree(int8, "cpu", "fp32") == server.TreeConfig(1, 4, 3, ngram_branch=4)  # not ours
+    assert server.resolve_tree(args, "cpu", "bf16") == TreeConfig(2, 4, 8, ngram_branch=6)
+    assert server.resolve_tree(int8, "cpu", "bf16") == TreeConfig(2, 4, 6, ngram_branch=4)
+    assert server.resolve_tree(int8, "cpu", "fp32") == TreeConfig(1, 4, 3, ngram_branch=4)  # not ours
     # --help names every default (TreeConfig.cpu_defaults_text, from the same table)
     help_text = " ".join(server.build_parser().format_help().split())
     assert "2/4/6+g4 (2/4/8+g6 on AMX, 1/4/4+g4 on AVX2 only, 1/4/2+g4 on AMD Zen 1)" in help_text
     for kernel in ("fma", "vdpbf16ps", "amx", "avx2", "avx2_128"):
         for dtype, quantization in (("bf16", "none"), ("fp32", "none"), ("bf16", "int8")):
-            assert server.TreeConfig.cpu_default(dtype, quantization, kernel).label() in help_text
+            assert TreeConfig.cpu_default(dtype, quantization, kernel).label() in help_text
     monkeypatch.setenv("EAGLE_BF16_DOT", "fma")
     one = server.build_parser().parse_args(["--speculative-num-draft-tokens", "8"])
-    assert server.resolve_tree(one, "cpu") == server.TreeConfig(2, 4, 8, ngram_branch=4)
+    assert server.resolve_tree(one, "cpu") == TreeConfig(2, 4, 8, ngram_branch=4)
     off = server.build_parser().parse_args(["--speculative-ngram-branch", "0"])
-    assert server.resolve_tree(off, "cpu", "bf16") == server.TreeConfig(2, 4, 6)
+    assert server.resolve_tree(off, "cpu", "bf16") == TreeConfig(2, 4, 6)
     gpu = server.build_parser().parse_args(["--speculative-ngram-branch", "6"])
-    assert server.resolve_tree(gpu, "cuda") == server.TreeConfig(5, 4, 16, ngram_branch=6)
+    assert server.resolve_tree(gpu, "cuda") == TreeConfig(5, 4, 16, ngram_branch=6)
     # Rounds without drafts above 2 running requests on a CPU (1 with int8 weights), never on a GPU
     assert server.resolve_disable_by_batch_size(args, "cpu") == 2
     assert server.resolve_disable_by_batch_size(args, "cuda") is None
     int8 = server.build_parser().parse_args(["--quantization", "int8"])
     assert server.resolve_disable_by_batch_size(int8, "cpu") == 1
-    assert server.resolve_tree(int8, "cpu") == server.TreeConfig(1, 4, 3, ngram_branch=4)  # int8: one step
-    assert server.resolve_tree(int8, "cuda") == server.TreeConfig(5, 4, 16)
+    assert server.resolve_tree(int8, "cpu") == TreeConfig(1, 4, 3, ngram_branch=4)  # int8: one step
+    assert server.resolve_tree(int8, "cuda") == TreeConfig(5, 4, 16)
     given = server.build_parser().parse_args(["--speculative-disable-by-batch-size", "8"])
     assert server.resolve_disable_by_batch_size(given, "cpu") == 8
     assert server.resolve_disable_by_batch_size(given, "cuda") == 8
     # A tree that shrinks as the batch grows: by default in bf16 where the kernel multiplies on AMX
     # tiles (int8 weights too) or on vdpbf16ps (bf16 weights), speculating then up to 4 requests;
     # "none" turns it off, a flag gives another
-    small = (3, server.TreeConfig(1, 4, 3, ngram_branch=4))
-    dot = (3, server.TreeConfig(1, 4, 2, ngram_branch=4))
+    small = (3, TreeConfig(1, 4, 3, ngram_branch=4))
+    dot = (3, TreeConfig(1, 4, 2, ngram_branch=4))
     for multiply, bf16_tree, int8_tree in (("amx", small, (2, small[1])), ("fma", None, None),
                                            ("vdpbf16ps", dot, None)):
         monkeypatch.setenv("EAGLE_BF16_DOT", multiply)
@@ -1625,8 +1626,8 @@ def test_missing_default_head_falls_back_to_plain_explicit_paths_must_exist(monk
     off = server.build_parser().parse_args(["--speculative-batch-tree", "none"])
     assert server.resolve_batch_tree(off, "cpu", "bf16") is None
     other = server.build_parser().parse_args(["--speculative-batch-tree", "5:1/2/2"])
-    assert server.resolve_batch_tree(other, "cuda", "fp32") == (5, server.TreeConfig(1, 2, 2))
-    assert server.resolve_disable_by_batch_size(args, "cpu", (5, server.TreeConfig(1, 2, 2))) == 5
+    assert server.resolve_batch_tree(other, "cuda", "fp32") == (5, TreeConfig(1, 2, 2))
+    assert server.resolve_disable_by_batch_size(args, "cpu", (5, TreeConfig(1, 2, 2))) == 5
     with pytest.raises(UserError, match="num_steps >= 1"):
         server.resolve_tree(server.build_parser().parse_args(["--speculative-num-steps", "0"]), "cpu")
     with caplog.at_level("WARNING"):
@@ -1736,7 +1737,7 @@ def test_compile_flags_reach_the_decoder(default_model_dir):
     assert server.compile_settings(compiled, "cuda") == (None, None)
     capped = parse("--enable-torch-compile", "--torch-compile-max-bs", "2")
     assert server.compile_settings(capped, "cpu") == (None, 2)
-    shrinking = (3, server.TreeConfig(1, 4, 3, ngram_branch=4))  # a batch tree: compiled up to 8
+    shrinking = (3, TreeConfig(1, 4, 3, ngram_branch=4))  # a batch tree: compiled up to 8
     assert server.compile_settings(parse(), "cpu", shrinking) == (None, 8)
     assert server.compile_settings(capped, "cpu", shrinking) == (None, 2)
     assert server.compile_settings(parse(), "cuda", shrinking) == ("reduce-overhead", None)
@@ -1765,7 +1766,7 @@ def test_compile_flags_reach_the_decoder(default_model_dir):
         assert capped.max_bs == 2 and capped.target.cache.kv.shape[2] == 3
         del capped
     shrinking = decoder("EAGLE3", "--disable-torch-compile", "--speculative-batch-tree", "2:1/4/3+g4")
-    assert shrinking.batch_tree == (2, server.TreeConfig(1, 4, 3, ngram_branch=4))
+    assert shrinking.batch_tree == (2, TreeConfig(1, 4, 3, ngram_branch=4))
     assert shrinking.tree_for(1) is shrinking.tree and shrinking.max_pending == shrinking.tree.slots_past_end
     with pytest.raises(UserError, match="a batch tree is MIN_BATCH:TREE"):
         decoder("EAGLE3", "--disable-torch-compile", "--speculative-batch-tree", "1/4/3")
