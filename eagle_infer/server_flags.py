@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,26 +23,22 @@ log = logging.getLogger("eagle_infer.server")  # the server's log: these are its
 DEFAULT_HEAD = default_head_path("eagle3")
 
 
-def json_list(text: str) -> list[Any]:
-    """An argument that is a JSON list (vLLM's --allowed-origins)."""
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
-    if not isinstance(value, list):
-        raise argparse.ArgumentTypeError(f"not a JSON list: {text!r}")
-    return value
+def json_of(kind: type, name: str) -> Callable[[str], Any]:
+    """An argument type: JSON text holding a `kind` (a list, an object), else a clear error."""
+    def parse(text: str) -> Any:
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+        if not isinstance(value, kind):
+            raise argparse.ArgumentTypeError(f"not a JSON {name}: {text!r}")
+        return value
+
+    return parse
 
 
-def json_object(text: str) -> dict[str, Any]:
-    """An argument that is a JSON object (vLLM's --speculative-config)."""
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
-    return value
+json_object = json_of(dict, "object")  # vLLM's --speculative-config, --override-generation-config
+json_list = json_of(list, "list")  # vLLM's --allowed-origins
 
 
 DTYPE_NAMES = {"auto": "auto", "fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16",
