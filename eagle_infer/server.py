@@ -1271,8 +1271,8 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
         else:
             log.info("%s for batches up to %d: each batch bucket compiles at its first step",
                      kind, decoder.max_bs)
-    served = args.served_model_name or [DEFAULT_MODEL_NAME if str(args.model_path) == "default"
-                                        else Path(folder).name]
+    own = DEFAULT_MODEL_NAME if str(args.model_path) == "default" else Path(folder).name
+    served = list(dict.fromkeys(args.served_model_name or [own]))  # each once: /v1/models lists them
     name = served[0]
     names = list(dict.fromkeys([*served, str(args.model_path), Path(folder).name]))
     eos = eos_ids(target.config, tokenizer)  # the config's has generation_config.json's
