@@ -300,10 +300,10 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
-def check_logprobs(k: int | None, param: str) -> None:
-    if k is not None and not 0 <= k <= MAX_LOGPROBS:
-        raise ApiError(400, f"{param} must be in [0, {MAX_LOGPROBS}], got {k}", param=param,
-                       code="invalid_value")
+def check_logprobs(k: int | None, param: str, most: int = MAX_LOGPROBS) -> None:
+    """k alternatives asked for each token: at most `most` (the server's --max-logprobs)."""
+    if k is not None and not 0 <= k <= most:
+        raise ApiError(400, f"{param} must be in [0, {most}], got {k}", param=param, code="invalid_value")
 
 
 # ---------------------------------------------------------------------------------------

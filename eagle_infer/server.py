@@ -47,6 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from eagle_infer.api_schema import (
+    MAX_LOGPROBS,
     ApiError,
     ChatRequest,
     CompletionRequest,
@@ -611,6 +612,7 @@ class ServerConfig:
     log_requests: bool = False  # --enable-log-requests: a line per request
     allowed_origins: list[str] = field(default_factory=lambda: ["*"])  # CORS (vLLM's and SGLang's default)
     listed: int = 1  # the first model_names (--served-model-name's) /v1/models lists, as vLLM
+    max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: alternatives a request may ask for per token
 
 
 def _is_type_tag(loc: int | str) -> bool:
@@ -833,8 +835,9 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         if req.seed is not None and not -(2**63) <= req.seed <= 2**64 - req.n:
             raise ApiError(400, "seed (+ n - 1) must fit in 64 bits", param="seed", code="invalid_value")
         logprobs = req.top_logprobs_asked()
-        check_logprobs(logprobs, "top_logprobs" if isinstance(req, ChatRequest) else "logprobs")
-        check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        field_name = "top_logprobs" if isinstance(req, ChatRequest) else "logprobs"
+        check_logprobs(logprobs, field_name, cfg.max_logprobs)
+        check_logprobs(req.prompt_logprobs, "prompt_logprobs", cfg.max_logprobs)
         if req.prompt_logprobs is not None and req.stream:
             raise ApiError(400, "prompt_logprobs is not supported with stream", param="prompt_logprobs",
                            code="unsupported_parameter")
@@ -1288,7 +1291,9 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
                                                 args.stream_interval, tool_parser_of(args),
                                                 args.enable_auto_tool_choice,
                                                 chat_template, args.reasoning_parser, sampling_defaults,
-                                                args.log_requests, args.allowed_origins, len(served))
+                                                args.log_requests, args.allowed_origins, len(served),
+                                                target.config.vocab_size if args.max_logprobs == -1
+                                                else args.max_logprobs)
 
 
 def warm_up_beside_a_helper(args: argparse.Namespace, decoder: Any, mode: str | None,

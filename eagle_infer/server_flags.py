@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from eagle_infer.api_schema import MAX_LOGPROBS
 from eagle_infer.default_model import default_head_path
 from eagle_infer.errors import UserError
 from eagle_infer.generate import CUDA_GRAPHS
@@ -195,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "flags); off by default")
     ap.add_argument("--disable-log-requests", action="store_false", dest="log_requests",
                     help="vLLM's older flag: requests are not logged (the default)")
+    ap.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS, metavar="N",
+                    help=f"the most alternatives a request's logprobs / top_logprobs / prompt_logprobs "
+                         f"may ask for per token (vLLM's flag and default, {MAX_LOGPROBS}; -1: the "
+                         f"vocabulary)")
     ap.add_argument("--enable-metrics", action="store_true",
                     help="SGLang's flag, accepted: /metrics is always served here")
     ap.add_argument("--disable-log-stats", action="store_true",
@@ -298,6 +303,8 @@ def apply_vllm_flags(args: argparse.Namespace) -> None:
             raise UserError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
         log.info("--gpu-memory-utilization: not used here, the KV cache holds --max-running-requests "
                  "x --context-length tokens")
+    if args.max_logprobs < -1:
+        raise UserError(f"--max-logprobs must be >= 0 (or -1: the vocabulary), got {args.max_logprobs}")
     chunking = args.enable_chunked_prefill, args.max_num_batched_tokens
     if chunking != (None, None):
         if args.chunked_prefill_size is not None:

@@ -1475,7 +1475,8 @@ def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokeni
     deepseek-r1) and --tp-size, --dtype in their spellings, several
     --served-model-name (the first answers), --tokenizer, --max-num-batched-tokens as the prefill
     chunk and --no-enable-chunked-prefill as none, --enable-log-requests a line per request,
-    --gpu-memory-utilization accepted (said unused), CORS for any origin as theirs; what does not
+    --gpu-memory-utilization accepted (said unused), --max-logprobs the alternatives a request may
+    ask for (-1: the vocabulary), CORS for any origin as theirs; what does not
     fit is refused by name."""
     from eagle_infer import server
     from eagle_infer.errors import UserError
@@ -1514,10 +1515,12 @@ def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokeni
     args = parse("--model-path", str(default_model_dir), "--dtype", "float32", "--device", "cpu",
                  "--speculative-algorithm", "NONE", "--disable-torch-compile", "--context-length", "256",
                  "--served-model-name", "smol", "smol-alias", "--tokenizer", str(default_model_dir),
-                 "--max-num-batched-tokens", "64", "--gpu-memory-utilization", "0.9", "--enable-log-requests")
+                 "--max-num-batched-tokens", "64", "--gpu-memory-utilization", "0.9", "--enable-log-requests",
+                 "--max-logprobs", "-1")
     engine, _, _, cfg = server.build_engine(args)
     assert cfg.model_names[:2] == ["smol", "smol-alias"] and engine.metrics.model_name == "smol"
     assert cfg.listed == 2  # /v1/models lists both, as vLLM (below)
+    assert cfg.max_logprobs == engine.dec.target.config.vocab_size  # -1: the vocabulary
     assert engine.chunk == 64 and cfg.log_requests and cfg.allowed_origins == ["*"]
     assert "--gpu-memory-utilization: not used here" in caplog.text
     del engine
@@ -1528,7 +1531,8 @@ def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokeni
     engine = Engine(ScriptedDecoder(list(tokenizer("Hi.", add_special_tokens=False)["input_ids"]) + [eos]),
                     tokenizer, Metrics(1), speculative=True)
     app = create_app(engine, tokenizer, {eos}, ServerConfig(["smol", "smol-alias", "/m"], None, 2048,
-                                                            len(tokenizer), log_requests=True, listed=2))
+                                                            len(tokenizer), log_requests=True, listed=2,
+                                                            max_logprobs=2))
 
     async def ask() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
         transport = httpx.ASGITransport(app=app)
@@ -1539,6 +1543,9 @@ def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokeni
             chat = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 5,
                     "seed": 3}
             answer = await http.post("/v1/chat/completions", headers=web, json=chat | {"model": "/m"})
+            too_many = await http.post("/v1/chat/completions",
+                                       json=chat | {"logprobs": True, "top_logprobs": 3})
+            assert too_many.status_code == 400 and "top_logprobs must be in [0, 2]" in too_many.text
             return preflight, answer, await http.get("/v1/models")
 
     engine.start()
