@@ -1871,6 +1871,41 @@ def test_incremental_detokenizer_equals_a_full_decode_at_bounded_cost(tokenizer)
     assert Counting.decoded < 10 * len(long), Counting.decoded
 
 
+def test_seed_seeds_unseeded_sampling_when_serving_starts(monkeypatch, tokenizer):
+    """--seed (vLLM's; SGLang's --random-seed): the generator that requests without a seed sample
+    from is seeded when serving starts, after the warm-up's draws, so two fresh servers answer an
+    unseeded sampled request alike; uvicorn gets --uvicorn-log-level and --root-path."""
+    import uvicorn
+
+    from eagle_infer import server
+    from eagle_infer.server import Engine, Metrics, ServerConfig
+
+    eos = tokenizer.eos_token_id
+
+    def build(args, warm):
+        torch.rand(3)  # the warm-up's sampled requests draw from the same generator
+        engine = Engine(ScriptedDecoder([eos]), tokenizer, Metrics(1), speculative=True)
+        return engine, tokenizer, {eos}, ServerConfig(["m"], None, 2048, len(tokenizer))
+
+    served = []
+
+    def run(self):  # uvicorn.Server.run: what the first request would draw, and uvicorn's settings
+        served.append((torch.rand(1).item(), self.config.log_level, self.config.root_path))
+
+    monkeypatch.setattr(server, "build_engine", build)
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    monkeypatch.setattr(server.gc, "freeze", lambda: None)  # not this test process's objects
+    monkeypatch.setattr(server.signal, "signal", lambda *a: None)  # nor its signal handlers
+    flags = ["--seed", "7", "--uvicorn-log-level", "warning", "--root-path", "/api"]
+    server.main(flags)
+    server.main(["--random-seed", "7"])
+    server.main([])
+    torch.manual_seed(7)
+    want = torch.rand(1).item()
+    assert served[0] == (want, "warning", "/api") and served[1][0] == want
+    assert served[2][0] != want and served[2][1:] == ("info", "")
+
+
 def test_the_model_loads_in_a_thread_that_exits(monkeypatch, capsys):
     """main() builds (and warms up) the engine in a thread of its own that is gone before serving
     starts (an OpenMP team left behind in the main thread slows the engine thread's steps), and an
