@@ -613,6 +613,7 @@ class ServerConfig:
     allowed_origins: list[str] = field(default_factory=lambda: ["*"])  # CORS (vLLM's and SGLang's default)
     listed: int = 1  # the first model_names (--served-model-name's) /v1/models lists, as vLLM
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: alternatives a request may ask for per token
+    response_role: str = "assistant"  # --response-role: a chat answer's role after a generation prompt
 
 
 def _is_type_tag(loc: int | str) -> bool:
@@ -894,6 +895,9 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         server's --reasoning-parser, whether this answer thinks), its reasoning and content."""
         stream = req.stream
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        # the answer's role: --response-role after a generation prompt, else the last message's (vLLM's)
+        speaker = (cfg.response_role if not isinstance(req, ChatRequest) or req.add_generation_prompt
+                   else req.messages[-1].role)
         engine.submit(*jobs)
         events, finals = jobs[0].events, {}
         gone = asyncio.ensure_future(_client_gone(request))
@@ -920,10 +924,11 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         if stream:
             # sse-starlette frames the events, pings, and cancels the generator when the client
             # disconnects or the server shuts down (its finally cancels the jobs).
-            return EventSourceResponse(sse_stream(jobs, kind, ev, include_usage, req.n, tools, reasoning),
+            return EventSourceResponse(sse_stream(jobs, kind, ev, include_usage, req.n, tools, reasoning,
+                                                  speaker),
                                        sep="\n",
                                        headers={"Cache-Control": "no-cache"})
-        return JSONResponse(full_response(jobs, kind, finals, req.n, tools, reasoning))
+        return JSONResponse(full_response(jobs, kind, finals, req.n, tools, reasoning, speaker))
 
     def logprobs_obj(kind: str, entries: list[LogprobEntry], offsets: list[int]) -> dict[str, Any]:
         """offsets: where each token's text starts in the whole completion (detokenize), which is
@@ -934,7 +939,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
 
     def full_response(jobs: list[Job], kind: str, finals: dict[int, dict[str, Any]],
                       n: int, tools: ToolPlan | None = None,
-                      reasoning: Thinking | None = None) -> dict[str, Any]:
+                      reasoning: Thinking | None = None, speaker: str = "assistant") -> dict[str, Any]:
         """The answer of a request that did not stream, from each choice's one event (Job.update)."""
         choices = []
         for job in jobs:
@@ -944,7 +949,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                 lp = logprobs_obj(kind, last["logprobs"], last["offsets"])
             if kind == "chat":
                 text, finish = last["delta"], last["finish_reason"]
-                message = {"role": "assistant", "content": text}
+                message = {"role": speaker, "content": text}
                 if reasoning is not None:  # vLLM's field: the text before </think>
                     thought, text = reasoning[0].split(text, reasoning[1])
                     message |= {"reasoning": thought, "content": text}
@@ -971,7 +976,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
 
     async def sse_stream(jobs: list[Job], kind: str, first: dict[str, Any], include_usage: bool,
                          n: int, tools: ToolPlan | None = None,
-                         reasoning: Thinking | None = None) -> AsyncIterator[str]:
+                         reasoning: Thinking | None = None, speaker: str = "assistant") -> AsyncIterator[str]:
         chat = kind == "chat"
         # with reasoning, each choice's text goes first through its ReasoningStream (reasoning deltas)
         thoughts = {job.index: reasoning[0].stream(reasoning[1]) for job in jobs} if reasoning else {}
@@ -991,7 +996,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             if ev and with_logprobs:
                 lp = logprobs_obj(kind, ev["logprobs"], ev["offsets"])
             if chat:
-                delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+                delta: dict[str, Any] = {"role": speaker, "content": ""} if role else {}
                 if index in thoughts and (text is not None or finish is not None):
                     thought, text = thoughts[index].feed(text or "")
                     if finish is not None:  # the answer is whole: what the stream held back
@@ -1293,7 +1298,7 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
                                                 chat_template, args.reasoning_parser, sampling_defaults,
                                                 args.log_requests, args.allowed_origins, len(served),
                                                 target.config.vocab_size if args.max_logprobs == -1
-                                                else args.max_logprobs)
+                                                else args.max_logprobs, args.response_role)
 
 
 def warm_up_beside_a_helper(args: argparse.Namespace, decoder: Any, mode: str | None,
@@ -1358,8 +1363,9 @@ def warmed_marker(args: argparse.Namespace) -> Path:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     skip = ("host", "port", "api_key", "served_model_name", "log_level", "seed", "log_requests",
-            "disable_log_stats", "enable_metrics", "uvicorn_log_level", "gpu_memory_utilization",
-            "tokenizer_mode", "allowed_origins", "root_path", "ssl_keyfile", "ssl_certfile")
+            "disable_log_stats", "enable_metrics", "response_role", "max_logprobs", "uvicorn_log_level",
+            "gpu_memory_utilization", "tokenizer_mode", "allowed_origins", "root_path", "ssl_keyfile",
+            "ssl_certfile")
     flags = json.dumps({k: v for k, v in sorted(vars(args).items()) if k not in skip}, default=str)
     key = hashlib.sha256(f"{torch.__version__} {flags}".encode()).hexdigest()[:16]
     return Path(cache_dir()) / f"eagle_infer_warmed_{key}"

@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"the most alternatives a request's logprobs / top_logprobs / prompt_logprobs "
                          f"may ask for per token (vLLM's flag and default, {MAX_LOGPROBS}; -1: the "
                          f"vocabulary)")
+    ap.add_argument("--response-role", default="assistant",
+                    help="a chat answer's role after a generation prompt (vLLM's flag); with "
+                         "add_generation_prompt false, the last message's")
     ap.add_argument("--enable-metrics", action="store_true",
                     help="SGLang's flag, accepted: /metrics is always served here")
     ap.add_argument("--disable-log-stats", action="store_true",

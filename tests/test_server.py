@@ -1476,7 +1476,8 @@ def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokeni
     --served-model-name (the first answers), --tokenizer, --max-num-batched-tokens as the prefill
     chunk and --no-enable-chunked-prefill as none, --enable-log-requests a line per request,
     --gpu-memory-utilization accepted (said unused), --max-logprobs the alternatives a request may
-    ask for (-1: the vocabulary), CORS for any origin as theirs; what does not
+    ask for (-1: the vocabulary), --response-role the role after a generation prompt (else the
+    last message's, as vLLM), CORS for any origin as theirs; what does not
     fit is refused by name."""
     from eagle_infer import server
     from eagle_infer.errors import UserError
@@ -1532,7 +1533,7 @@ def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokeni
                     tokenizer, Metrics(1), speculative=True)
     app = create_app(engine, tokenizer, {eos}, ServerConfig(["smol", "smol-alias", "/m"], None, 2048,
                                                             len(tokenizer), log_requests=True, listed=2,
-                                                            max_logprobs=2))
+                                                            max_logprobs=2, response_role="bot"))
 
     async def ask() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
         transport = httpx.ASGITransport(app=app)
@@ -1546,6 +1547,13 @@ def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokeni
             too_many = await http.post("/v1/chat/completions",
                                        json=chat | {"logprobs": True, "top_logprobs": 3})
             assert too_many.status_code == 400 and "top_logprobs must be in [0, 2]" in too_many.text
+            streamed = await http.post("/v1/chat/completions", json=chat | {"stream": True})
+            first = json.loads(streamed.text.split("data: ", 2)[1].split("\n")[0])
+            assert first["choices"][0]["delta"]["role"] == "bot"  # --response-role, streamed too
+            go_on = {"messages": chat["messages"] + [{"role": "assistant", "content": "Hel"}],
+                     "max_tokens": 3, "add_generation_prompt": False, "continue_final_message": True}
+            continued = (await http.post("/v1/chat/completions", json=go_on)).json()
+            assert continued["choices"][0]["message"]["role"] == "assistant"  # the last message's
             return preflight, answer, await http.get("/v1/models")
 
     engine.start()
@@ -1555,6 +1563,7 @@ def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokeni
         engine.stop()
     assert preflight.status_code == 200 and answer.status_code == 200, (preflight.text, answer.text)
     assert answer.headers["access-control-allow-origin"] == "*" and answer.json()["model"] == "smol"
+    assert answer.json()["choices"][0]["message"]["role"] == "bot"
     assert [m["id"] for m in models.json()["data"]] == ["smol", "smol-alias"]
     logged = r"request: 1 prompt\(s\) of \[\d+\] tokens, n=1, max_tokens \[5\], temperature 0.0.*seed 3"
     assert re.search(logged, caplog.text)
