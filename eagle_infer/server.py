@@ -614,6 +614,7 @@ class ServerConfig:
     listed: int = 1  # the first model_names (--served-model-name's) /v1/models lists, as vLLM
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: alternatives a request may ask for per token
     response_role: str = "assistant"  # --response-role: a chat answer's role after a generation prompt
+    content_format: str = "string"  # --chat-template-content-format: a message's content as templates get it
 
 
 def _is_type_tag(loc: int | str) -> bool:
@@ -1057,6 +1058,9 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             raise ApiError(400, "continue_final_message needs add_generation_prompt: false",
                            param="continue_final_message", code="invalid_value")
         msgs = [m.for_template() for m in req.messages]
+        if cfg.content_format == "openai":  # each text a list of parts, as OpenAI's messages may send it
+            msgs = [m | {"content": [{"type": "text", "text": m["content"]}]} if isinstance(m["content"], str)
+                    else m for m in msgs]
         parser = PARSERS[cfg.tool_parser] if cfg.tool_parser else None
         if parser is not None and parser.history_id is not None:
             msgs = history_ids(msgs, parser.history_id)
@@ -1298,7 +1302,8 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
                                                 chat_template, args.reasoning_parser, sampling_defaults,
                                                 args.log_requests, args.allowed_origins, len(served),
                                                 target.config.vocab_size if args.max_logprobs == -1
-                                                else args.max_logprobs, args.response_role)
+                                                else args.max_logprobs, args.response_role,
+                                                args.chat_template_content_format)
 
 
 def warm_up_beside_a_helper(args: argparse.Namespace, decoder: Any, mode: str | None,

@@ -200,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"the most alternatives a request's logprobs / top_logprobs / prompt_logprobs "
                          f"may ask for per token (vLLM's flag and default, {MAX_LOGPROBS}; -1: the "
                          f"vocabulary)")
+    ap.add_argument("--chat-template-content-format", default="string", choices=["auto", "string", "openai"],
+                    type=lambda v: "string" if v == "auto" else v,
+                    help="a message's content as the chat template gets it (vLLM's flag): string (the "
+                         "text; auto is string here, what text models' templates read) or openai (a list "
+                         "of {type: text, text} parts, for templates that loop over parts)")
     ap.add_argument("--response-role", default="assistant",
                     help="a chat answer's role after a generation prompt (vLLM's flag); with "
                          "add_generation_prompt false, the last message's")

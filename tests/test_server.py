@@ -1085,6 +1085,36 @@ def test_mistral_parser_cuts_a_historys_long_call_ids_to_nine(tokenizer):
     assert refused.status_code == 400 and "length 9" in refused.json()["error"]["message"]
 
 
+def test_content_format_openai_gives_templates_lists_of_parts(tokenizer):
+    """--chat-template-content-format openai (vLLM's): each message's text reaches the template as
+    [{"type": "text", "text": ...}], for templates that loop over parts; string (the default, and
+    auto here): the text itself."""
+    from eagle_infer.server import Engine, Metrics, ServerConfig, create_app
+
+    parts = "{%- for m in messages %}[{%- for p in m.content %}{{ p.text }}|{%- endfor %}]{%- endfor %}"
+    text = "{%- for m in messages %}[{{ m.content }}]{%- endfor %}"
+
+    async def prompt(template: str, content_format: str) -> str:
+        engine = Engine(ScriptedDecoder([tokenizer.eos_token_id]), tokenizer, Metrics(1), speculative=True)
+        cfg = ServerConfig(["m"], None, 2048, len(tokenizer), chat_template=template,
+                           content_format=content_format)
+        app = create_app(engine, tokenizer, {tokenizer.eos_token_id}, cfg)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
+            got = await http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"},
+                                                                  {"role": "assistant", "content": "Yo"}],
+                                                     "add_generation_prompt": False})
+        assert got.status_code == 200, got.text
+        return tokenizer.decode(got.json()["tokens"])
+
+    assert asyncio.run(prompt(parts, "openai")) == "[Hi|][Yo|]"
+    assert asyncio.run(prompt(text, "string")) == "[Hi][Yo]"
+    from eagle_infer.server_flags import build_parser
+
+    flags = build_parser().parse_args(["--chat-template-content-format", "auto"])
+    assert flags.chat_template_content_format == "string"
+
+
 @pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
 def test_reasoning_parser_splits_the_answer_into_reasoning_and_content(tokenizer, parser):
     """--reasoning-parser (vLLM's flag): a chat answer's text before </think> is message.reasoning
