@@ -156,7 +156,8 @@ class Generation(_Body):
     ignore_eos: bool = False  # extension (SGLang / vLLM), for benchmarks
     skip_special_tokens: bool = True  # extension (vLLM): False keeps special tokens' text
     include_stop_str_in_output: bool = False  # extension (vLLM): a matched stop string stays in the text
-    return_tokens_as_token_ids: bool = False  # extension (vLLM): logprobs tokens as "token_id:{id}"
+    # extension (vLLM): logprobs tokens as "token_id:{id}" (None: the server's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
     prompt_logprobs: int | None = None  # extension (vLLM): each prompt token's log-prob and k alternatives
 
     def unsupported_field(self) -> str | None:

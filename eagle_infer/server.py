@@ -615,6 +615,7 @@ class ServerConfig:
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: alternatives a request may ask for per token
     response_role: str = "assistant"  # --response-role: a chat answer's role after a generation prompt
     content_format: str = "string"  # --chat-template-content-format: a message's content as templates get it
+    tokens_as_ids: bool = False  # --return-tokens-as-token-ids: what requests that leave the field out get
 
 
 def _is_type_tag(loc: int | str) -> bool:
@@ -859,11 +860,13 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         skip_special = req.skip_special_tokens and tools is None
         events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         loop, jobs = asyncio.get_running_loop(), []
+        as_ids = req.return_tokens_as_token_ids
+        as_ids = cfg.tokens_as_ids if as_ids is None else as_ids
         for p, (prompt, most) in enumerate(zip(prompts, max_tokens)):
             for i in range(req.n):
                 child = params if params.seed is None else replace(params, seed=params.seed + i)
                 jobs.append(Job(prompt, child, most, stops, ends, engine.tokenizer, loop, logprobs,
-                                req.return_tokens_as_token_ids, req.stream, cfg.stream_interval,
+                                as_ids, req.stream, cfg.stream_interval,
                                 index=p * req.n + i, events=events,
                                 echo=isinstance(req, CompletionRequest) and req.echo,
                                 skip_special_tokens=skip_special,
@@ -1303,7 +1306,8 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
                                                 args.log_requests, args.allowed_origins, len(served),
                                                 target.config.vocab_size if args.max_logprobs == -1
                                                 else args.max_logprobs, args.response_role,
-                                                args.chat_template_content_format)
+                                                args.chat_template_content_format,
+                                                args.return_tokens_as_token_ids)
 
 
 def warm_up_beside_a_helper(args: argparse.Namespace, decoder: Any, mode: str | None,
@@ -1368,7 +1372,8 @@ def warmed_marker(args: argparse.Namespace) -> Path:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     skip = ("host", "port", "api_key", "served_model_name", "log_level", "seed", "log_requests",
-            "disable_log_stats", "enable_metrics", "response_role", "max_logprobs", "uvicorn_log_level",
+            "disable_log_stats", "enable_metrics", "response_role", "max_logprobs",
+            "return_tokens_as_token_ids", "chat_template_content_format", "uvicorn_log_level",
             "gpu_memory_utilization", "tokenizer_mode", "allowed_origins", "root_path", "ssl_keyfile",
             "ssl_certfile")
     flags = json.dumps({k: v for k, v in sorted(vars(args).items()) if k not in skip}, default=str)

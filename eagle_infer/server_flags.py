@@ -205,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a message's content as the chat template gets it (vLLM's flag): string (the "
                          "text; auto is string here, what text models' templates read) or openai (a list "
                          "of {type: text, text} parts, for templates that loop over parts)")
+    ap.add_argument("--return-tokens-as-token-ids", action="store_true",
+                    help="logprobs name tokens as 'token_id:{id}' for requests that leave "
+                         "return_tokens_as_token_ids out (vLLM's flag and field)")
     ap.add_argument("--response-role", default="assistant",
                     help="a chat answer's role after a generation prompt (vLLM's flag); with "
                          "add_generation_prompt false, the last message's")

@@ -1085,6 +1085,42 @@ def test_mistral_parser_cuts_a_historys_long_call_ids_to_nine(tokenizer):
     assert refused.status_code == 400 and "length 9" in refused.json()["error"]["message"]
 
 
+def test_return_tokens_as_token_ids_flag_is_what_requests_leaving_it_out_get(monkeypatch, tokenizer):
+    """--return-tokens-as-token-ids (vLLM's): logprobs name tokens as token_id:{id} for requests
+    that leave the field out; a request's own true / false wins."""
+    from eagle_infer import server
+    from eagle_infer.server import Engine, Metrics, ServerConfig, create_app
+
+    seen = []
+
+    class Recording(server.Job):
+        def __init__(self, *args, **kwargs):
+            seen.append(args[8])  # tokens_as_ids
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(server, "Job", Recording)
+    assert server.build_parser().parse_args(["--return-tokens-as-token-ids"]).return_tokens_as_token_ids
+
+    async def ask(flag: bool, field: bool | None) -> None:
+        engine = Engine(ScriptedDecoder([tokenizer.eos_token_id]), tokenizer, Metrics(1), speculative=True)
+        app = create_app(engine, tokenizer, {tokenizer.eos_token_id},
+                         ServerConfig(["m"], None, 2048, len(tokenizer), tokens_as_ids=flag))
+        body = {"prompt": "Hi", "max_tokens": 1}
+        if field is not None:
+            body["return_tokens_as_token_ids"] = field
+        engine.start()
+        try:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
+                assert (await http.post("/v1/completions", json=body)).status_code == 200
+        finally:
+            engine.stop()
+
+    for flag, field in ((True, None), (True, False), (False, None), (False, True)):
+        asyncio.run(ask(flag, field))
+    assert seen == [True, False, False, True]
+
+
 def test_content_format_openai_gives_templates_lists_of_parts(tokenizer):
     """--chat-template-content-format openai (vLLM's): each message's text reaches the template as
     [{"type": "text", "text": ...}], for templates that loop over parts; string (the default, and
