@@ -1048,6 +1048,22 @@ def test_generation_config_sets_the_sampling_requests_leave_out(tokenizer, tmp_p
     assert got == [(0.6, 0.9, 20, 1.05, 40), (0.0, 0.9, 0, 1.05, 100), (0.6, 1.0, 20, 1.05, 16)]
 
 
+def tokenize_in_process(tokenizer, cfg, messages: list[dict]) -> httpx.Response:
+    """/tokenize of `messages` (no generation prompt) on an in-process server with config cfg:
+    the prompt a chat request would get there, through its chat template."""
+    from eagle_infer.server import Engine, Metrics, create_app
+
+    engine = Engine(ScriptedDecoder([tokenizer.eos_token_id]), tokenizer, Metrics(1), speculative=True)
+    app = create_app(engine, tokenizer, {tokenizer.eos_token_id}, cfg)
+
+    async def post() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
+            return await http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False})
+
+    return asyncio.run(post())
+
+
 # Mistral's templates' rule on call ids (their raise_exception), and the ids written into the prompt
 MISTRAL_ID_TEMPLATE = (
     "{%- for m in messages %}{%- for c in m.tool_calls or [] %}"
@@ -1063,25 +1079,21 @@ def test_mistral_parser_cuts_a_historys_long_call_ids_to_nine(tokenizer):
     (another server's) are cut to their last 9, the calls and the tool turns answering them alike,
     as vLLM does for Mistral models, so the template's 9-character rule takes them; with another
     parser the ids go through as sent (the template refuses them: a 400 naming its message)."""
-    from eagle_infer.server import Engine, Metrics, ServerConfig, create_app
+    from eagle_infer.server import ServerConfig
 
     call = {"id": "call_98660886abc", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "call_98660886abc", "content": "5"}]
 
-    async def tokenize(parser: str) -> httpx.Response:
-        engine = Engine(ScriptedDecoder([tokenizer.eos_token_id]), tokenizer, Metrics(1), speculative=True)
+    def tokenize(parser: str) -> httpx.Response:
         cfg = ServerConfig(["fake"], None, 2048, len(tokenizer), tool_parser=parser,
                            chat_template=MISTRAL_ID_TEMPLATE)
-        app = create_app(engine, tokenizer, {tokenizer.eos_token_id}, cfg)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
-            return await http.post("/tokenize", json={"messages": msgs, "add_generation_prompt": False})
+        return tokenize_in_process(tokenizer, cfg, msgs)
 
-    ok = asyncio.run(tokenize("mistral"))
+    ok = tokenize("mistral")
     assert ok.status_code == 200, ok.text
     assert tokenizer.decode(ok.json()["tokens"]) == "Hi[CALL 660886abc][RESULT 660886abc]5"
-    refused = asyncio.run(tokenize("hermes"))
+    refused = tokenize("hermes")
     assert refused.status_code == 400 and "length 9" in refused.json()["error"]["message"]
 
 
@@ -1125,26 +1137,21 @@ def test_content_format_openai_gives_templates_lists_of_parts(tokenizer):
     """--chat-template-content-format openai (vLLM's): each message's text reaches the template as
     [{"type": "text", "text": ...}], for templates that loop over parts; string (the default, and
     auto here): the text itself."""
-    from eagle_infer.server import Engine, Metrics, ServerConfig, create_app
+    from eagle_infer.server import ServerConfig
 
     parts = "{%- for m in messages %}[{%- for p in m.content %}{{ p.text }}|{%- endfor %}]{%- endfor %}"
     text = "{%- for m in messages %}[{{ m.content }}]{%- endfor %}"
 
-    async def prompt(template: str, content_format: str) -> str:
-        engine = Engine(ScriptedDecoder([tokenizer.eos_token_id]), tokenizer, Metrics(1), speculative=True)
+    def prompt(template: str, content_format: str) -> str:
         cfg = ServerConfig(["m"], None, 2048, len(tokenizer), chat_template=template,
                            content_format=content_format)
-        app = create_app(engine, tokenizer, {tokenizer.eos_token_id}, cfg)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
-            got = await http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"},
-                                                                  {"role": "assistant", "content": "Yo"}],
-                                                     "add_generation_prompt": False})
+        got = tokenize_in_process(tokenizer, cfg, [{"role": "user", "content": "Hi"},
+                                                   {"role": "assistant", "content": "Yo"}])
         assert got.status_code == 200, got.text
         return tokenizer.decode(got.json()["tokens"])
 
-    assert asyncio.run(prompt(parts, "openai")) == "[Hi|][Yo|]"
-    assert asyncio.run(prompt(text, "string")) == "[Hi][Yo]"
+    assert prompt(parts, "openai") == "[Hi|][Yo|]"
+    assert prompt(text, "string") == "[Hi][Yo]"
     from eagle_infer.server_flags import build_parser
 
     flags = build_parser().parse_args(["--chat-template-content-format", "auto"])
