@@ -669,6 +669,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
     """The FastAPI app. `tokenizer` encodes prompts on the event loop; the engine decodes with
     its own instance (a HF fast tokenizer must not be used from two threads at once)."""
     vocab = cfg.vocab_size or len(tokenizer)  # the token ids a request may name
+    tool_parser = PARSERS[cfg.tool_parser] if cfg.tool_parser else None  # --tool-call-parser's format
 
     @asynccontextmanager
     async def lifespan(app):
@@ -1064,9 +1065,8 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         if cfg.content_format == "openai":  # each text a list of parts, as OpenAI's messages may send it
             msgs = [m | {"content": [{"type": "text", "text": m["content"]}]} if isinstance(m["content"], str)
                     else m for m in msgs]
-        parser = PARSERS[cfg.tool_parser] if cfg.tool_parser else None
-        if parser is not None and parser.history_id is not None:
-            msgs = history_ids(msgs, parser.history_id)
+        if tool_parser is not None and tool_parser.history_id is not None:
+            msgs = history_ids(msgs, tool_parser.history_id)
         clash = template_parameters() & set(req.chat_template_kwargs or {})
         if clash:
             raise ApiError(400, f"chat_template_kwargs: {', '.join(sorted(clash))} is a parameter of "
@@ -1083,7 +1083,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
     async def chat_completions(request: Request) -> Response:
         req = await parse(request, ChatRequest)
         assert isinstance(req, ChatRequest)
-        tools = req.tool_plan(PARSERS[cfg.tool_parser] if cfg.tool_parser else None, cfg.auto_tools)
+        tools = req.tool_plan(tool_parser, cfg.auto_tools)
         tool_dicts = req.tool_dicts()
         try:
             parallel = req.parallel_tool_calls is not False
@@ -1299,15 +1299,16 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
         chunk = 256 if torch.device(device).type == "cpu" else 8192
     engine = Engine(decoder, load_tokenizer(tokenizer_folder), metrics, tree is not None, args.prefix_caching,
                     chunk)
-    return engine, tokenizer, eos, ServerConfig(names, args.api_key, usable, target.config.vocab_size,
-                                                args.stream_interval, tool_parser_of(args),
-                                                args.enable_auto_tool_choice,
-                                                chat_template, args.reasoning_parser, sampling_defaults,
-                                                args.log_requests, args.allowed_origins, len(served),
-                                                target.config.vocab_size if args.max_logprobs == -1
-                                                else args.max_logprobs, args.response_role,
-                                                args.chat_template_content_format,
-                                                args.return_tokens_as_token_ids)
+    cfg = ServerConfig(names, args.api_key, usable, target.config.vocab_size, args.stream_interval,
+                       tool_parser=tool_parser_of(args), auto_tools=args.enable_auto_tool_choice,
+                       chat_template=chat_template, reasoning_parser=args.reasoning_parser,
+                       sampling_defaults=sampling_defaults, log_requests=args.log_requests,
+                       allowed_origins=args.allowed_origins, listed=len(served),
+                       max_logprobs=target.config.vocab_size if args.max_logprobs == -1
+                       else args.max_logprobs,
+                       response_role=args.response_role, content_format=args.chat_template_content_format,
+                       tokens_as_ids=args.return_tokens_as_token_ids)
+    return engine, tokenizer, eos, cfg
 
 
 def warm_up_beside_a_helper(args: argparse.Namespace, decoder: Any, mode: str | None,
