@@ -16,8 +16,9 @@ from eagle_infer.kernels import avx2_attention, avx2_linear, decoder_layers
 from eagle_infer.model import ModelConfig, Transformer, convert_hf_state_dict
 from eagle_infer.quantize import quantize_linears
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+# our names, and vLLM's and SGLang's for the same dtypes
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

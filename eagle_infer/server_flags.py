@@ -16,6 +16,7 @@ from eagle_infer.api_schema import MAX_LOGPROBS
 from eagle_infer.default_model import default_head_path
 from eagle_infer.errors import UserError
 from eagle_infer.generate import CUDA_GRAPHS
+from eagle_infer.loader import DTYPES, dtype_name
 from eagle_infer.reasoning import PARSERS as REASONING_PARSERS
 from eagle_infer.tool_calls import PARSERS
 from eagle_infer.tree import TreeConfig
@@ -42,16 +43,16 @@ json_object = json_of(dict, "object")  # vLLM's --speculative-config, --override
 json_list = json_of(list, "list")  # vLLM's --allowed-origins
 
 
-DTYPE_NAMES = {"auto": "auto", "fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16",
-               "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16"}
-
-
 def dtype_flag(text: str) -> str:
-    """--dtype: ours (fp32, bf16, fp16) or vLLM's and SGLang's names for them (float32, bfloat16, ...)."""
-    if text.lower() not in DTYPE_NAMES:
+    """--dtype: auto, or ours (fp32, bf16, fp16) and vLLM's and SGLang's names for them
+    (loader.DTYPES: float32, bfloat16, half, ...), as our short name."""
+    name = text.lower()
+    if name == "auto":
+        return name
+    if name not in DTYPES:
         raise argparse.ArgumentTypeError(f"{text!r} is not a dtype: auto, fp32 (float32, float), bf16 "
                                          f"(bfloat16), fp16 (float16, half)")
-    return DTYPE_NAMES[text.lower()]
+    return dtype_name(DTYPES[name])
 
 
 def build_parser() -> argparse.ArgumentParser:
