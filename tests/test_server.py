@@ -981,17 +981,24 @@ class ScriptedDecoder(FakeDecoder):
         return out
 
 
-def reasoning_app(tokenizer, answer: str, parser: str | None):
-    """An in-process server whose every chat answer is `answer` (then EOS), with the real
-    tokenizer and chat template, --reasoning-parser `parser` and the hermes tool parser (auto)."""
-    from eagle_infer.server import Engine, Metrics, ServerConfig, create_app
+def scripted_app(tokenizer, answer: str, cfg):
+    """An in-process server under ServerConfig cfg whose every answer is `answer` (then EOS), with
+    the real tokenizer and chat template: (its engine, not started; the app)."""
+    from eagle_infer.server import Engine, Metrics, create_app
 
     eos = tokenizer.eos_token_id
     script = list(tokenizer(answer, add_special_tokens=False)["input_ids"]) + [eos]
     engine = Engine(ScriptedDecoder(script), tokenizer, Metrics(1), speculative=True)
+    return engine, create_app(engine, tokenizer, {eos}, cfg)
+
+
+def reasoning_app(tokenizer, answer: str, parser: str | None):
+    """scripted_app with --reasoning-parser `parser` and the hermes tool parser (auto)."""
+    from eagle_infer.server import ServerConfig
+
     cfg = ServerConfig(["fake"], None, 2048, len(tokenizer), tool_parser="hermes", auto_tools=True,
                        reasoning_parser=parser)
-    return engine, create_app(engine, tokenizer, {eos}, cfg)
+    return scripted_app(tokenizer, answer, cfg)
 
 
 def test_generation_config_sets_the_sampling_requests_leave_out(tokenizer, tmp_path):
@@ -1003,7 +1010,7 @@ def test_generation_config_sets_the_sampling_requests_leave_out(tokenizer, tmp_p
     from transformers import GenerationConfig
 
     from eagle_infer.errors import UserError
-    from eagle_infer.server import Engine, Metrics, ServerConfig, create_app, sampling_defaults_of
+    from eagle_infer.server import ServerConfig, sampling_defaults_of
 
     GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.05,
                      max_new_tokens=40, bos_token_id=1, eos_token_id=2).save_pretrained(tmp_path / "m")
@@ -1024,11 +1031,8 @@ def test_generation_config_sets_the_sampling_requests_leave_out(tokenizer, tmp_p
         with pytest.raises(UserError, match=error):
             sampling_defaults_of("auto", tmp_path / "m", bad)
 
-    eos = tokenizer.eos_token_id
-    decoder = ScriptedDecoder(list(tokenizer("Hi.", add_special_tokens=False)["input_ids"]) + [eos])
-    engine = Engine(decoder, tokenizer, Metrics(1), speculative=True)
-    app = create_app(engine, tokenizer, {eos}, ServerConfig(["fake"], None, 2048, len(tokenizer),
-                                                            sampling_defaults=want))
+    engine, app = scripted_app(tokenizer, "Hi.", ServerConfig(["fake"], None, 2048, len(tokenizer),
+                                                              sampling_defaults=want))
 
     async def ask(path: str, body: dict) -> None:
         transport = httpx.ASGITransport(app=app)
@@ -1044,17 +1048,14 @@ def test_generation_config_sets_the_sampling_requests_leave_out(tokenizer, tmp_p
     finally:
         engine.stop()
     got = [(s.params.temperature, s.params.top_p, s.params.top_k, s.params.repetition_penalty,
-            s.max_new_tokens) for s in decoder.added]
+            s.max_new_tokens) for s in engine.dec.added]
     assert got == [(0.6, 0.9, 20, 1.05, 40), (0.0, 0.9, 0, 1.05, 100), (0.6, 1.0, 20, 1.05, 16)]
 
 
 def tokenize_in_process(tokenizer, cfg, messages: list[dict]) -> httpx.Response:
     """/tokenize of `messages` (no generation prompt) on an in-process server with config cfg:
     the prompt a chat request would get there, through its chat template."""
-    from eagle_infer.server import Engine, Metrics, create_app
-
-    engine = Engine(ScriptedDecoder([tokenizer.eos_token_id]), tokenizer, Metrics(1), speculative=True)
-    app = create_app(engine, tokenizer, {tokenizer.eos_token_id}, cfg)
+    _, app = scripted_app(tokenizer, "", cfg)
 
     async def post() -> httpx.Response:
         transport = httpx.ASGITransport(app=app)
@@ -1101,7 +1102,7 @@ def test_return_tokens_as_token_ids_flag_is_what_requests_leaving_it_out_get(mon
     """--return-tokens-as-token-ids (vLLM's): logprobs name tokens as token_id:{id} for requests
     that leave the field out; a request's own true / false wins."""
     from eagle_infer import server
-    from eagle_infer.server import Engine, Metrics, ServerConfig, create_app
+    from eagle_infer.server import ServerConfig
 
     seen = []
 
@@ -1114,9 +1115,8 @@ def test_return_tokens_as_token_ids_flag_is_what_requests_leaving_it_out_get(mon
     assert server.build_parser().parse_args(["--return-tokens-as-token-ids"]).return_tokens_as_token_ids
 
     async def ask(flag: bool, field: bool | None) -> None:
-        engine = Engine(ScriptedDecoder([tokenizer.eos_token_id]), tokenizer, Metrics(1), speculative=True)
-        app = create_app(engine, tokenizer, {tokenizer.eos_token_id},
-                         ServerConfig(["m"], None, 2048, len(tokenizer), tokens_as_ids=flag))
+        engine, app = scripted_app(tokenizer, "", ServerConfig(["m"], None, 2048, len(tokenizer),
+                                                               tokens_as_ids=flag))
         body = {"prompt": "Hi", "max_tokens": 1}
         if field is not None:
             body["return_tokens_as_token_ids"] = field
@@ -1554,7 +1554,7 @@ def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokeni
     fit is refused by name."""
     from eagle_infer import server
     from eagle_infer.errors import UserError
-    from eagle_infer.server import Engine, Metrics, ServerConfig, create_app
+    from eagle_infer.server import ServerConfig
 
     def parse(*flags: str):
         return server.build_parser().parse_args(list(flags))
@@ -1601,12 +1601,9 @@ def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokeni
     with pytest.raises(UserError, match="--tokenizer /nowhere: no such folder"):
         server.build_engine(parse("--tokenizer", "/nowhere", "--device", "cpu"))
 
-    eos = tokenizer.eos_token_id
-    engine = Engine(ScriptedDecoder(list(tokenizer("Hi.", add_special_tokens=False)["input_ids"]) + [eos]),
-                    tokenizer, Metrics(1), speculative=True)
-    app = create_app(engine, tokenizer, {eos}, ServerConfig(["smol", "smol-alias", "/m"], None, 2048,
-                                                            len(tokenizer), log_requests=True, listed=2,
-                                                            max_logprobs=2, response_role="bot"))
+    engine, app = scripted_app(tokenizer, "Hi.", ServerConfig(
+        ["smol", "smol-alias", "/m"], None, 2048, len(tokenizer), log_requests=True, listed=2, max_logprobs=2,
+        response_role="bot"))
 
     async def ask() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
         transport = httpx.ASGITransport(app=app)
