@@ -68,16 +68,18 @@ class Message(_Body):
     tool_call_id: str | None = None  # a "tool" turn: the call it answers
     name: str | None = None
 
-    def for_template(self) -> dict[str, Any]:
-        """The message as chat templates read it: content a string, and a call's arguments an
-        object where the API sends JSON text (vLLM's and transformers' convention; arguments
+    def for_template(self, parts: bool = False) -> dict[str, Any]:
+        """The message as chat templates read it: content a string (with parts, a list of
+        {type: text, text} parts: --chat-template-content-format openai), and a call's arguments
+        an object where the API sends JSON text (vLLM's and transformers' convention; arguments
         that are not a JSON object become {}, so a bad turn in the history does not fail every
         later request)."""
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ApiError(400, "messages: content is required (an assistant's turn with tool_calls may "
                                 "leave it out)", param="messages", code="missing_field")
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        msg: dict[str, Any] = {"role": self.role, "content": text}
+        texts = [self.content] if isinstance(self.content, str) else [p.text for p in self.content or []]
+        content = [{"type": "text", "text": t} for t in texts] if parts else "".join(texts)
+        msg: dict[str, Any] = {"role": self.role, "content": content}
         if self.tool_calls:
             calls = []
             for call in self.tool_calls:

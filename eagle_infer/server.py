@@ -74,6 +74,7 @@ from eagle_infer.server_flags import (
     build_parser,
     chat_template_of,
     compile_settings,
+    content_format_of,
     resolve_batch_tree,
     resolve_disable_by_batch_size,
     resolve_tree,
@@ -1061,10 +1062,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         if req.add_generation_prompt and req.continue_final_message:
             raise ApiError(400, "continue_final_message needs add_generation_prompt: false",
                            param="continue_final_message", code="invalid_value")
-        msgs = [m.for_template() for m in req.messages]
-        if cfg.content_format == "openai":  # each text a list of parts, as OpenAI's messages may send it
-            msgs = [m | {"content": [{"type": "text", "text": m["content"]}]} if isinstance(m["content"], str)
-                    else m for m in msgs]
+        msgs = [m.for_template(parts=cfg.content_format == "openai") for m in req.messages]
         if tool_parser is not None and tool_parser.history_id is not None:
             msgs = history_ids(msgs, tool_parser.history_id)
         clash = template_parameters() & set(req.chat_template_kwargs or {})
@@ -1242,6 +1240,15 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     log.info("loading %s (%s, %s, %d CPU threads)", folder, dtype, device, torch.get_num_threads())
     target = load_model(folder, dtype, device, quantization=args.quantization)
     tokenizer = load_tokenizer(tokenizer_folder)
+    content_format = args.chat_template_content_format
+    if content_format == "auto":
+        try:
+            template = tokenizer.get_chat_template(chat_template)
+        except ValueError:  # no template: requests get the tokenizer's error, per request
+            template = None
+        content_format = content_format_of(template)
+        log.info("chat template content format: %s (detected from the template, as vLLM's auto; "
+                 "--chat-template-content-format sets it)", content_format)
     ctx = args.context_length
     if ctx < 16 or ctx > target.config.max_position_embeddings:
         raise UserError(f"--context-length must be in [16, {target.config.max_position_embeddings}] "
@@ -1306,7 +1313,7 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
                        allowed_origins=args.allowed_origins, listed=len(served),
                        max_logprobs=target.config.vocab_size if args.max_logprobs == -1
                        else args.max_logprobs,
-                       response_role=args.response_role, content_format=args.chat_template_content_format,
+                       response_role=args.response_role, content_format=content_format,
                        tokens_as_ids=args.return_tokens_as_token_ids)
     return engine, tokenizer, eos, cfg
 

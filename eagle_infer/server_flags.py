@@ -201,11 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"the most alternatives a request's logprobs / top_logprobs / prompt_logprobs "
                          f"may ask for per token (vLLM's flag and default, {MAX_LOGPROBS}; -1: the "
                          f"vocabulary)")
-    ap.add_argument("--chat-template-content-format", default="string", choices=["auto", "string", "openai"],
-                    type=lambda v: "string" if v == "auto" else v,
+    ap.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"],
                     help="a message's content as the chat template gets it (vLLM's flag): string (the "
-                         "text; auto is string here, what text models' templates read) or openai (a list "
-                         "of {type: text, text} parts, for templates that loop over parts)")
+                         "text), openai (a list of {type: text, text} parts, for templates that loop over "
+                         "parts) or auto (the default: openai where the template loops over a message's "
+                         "content, as vLLM detects it)")
     ap.add_argument("--return-tokens-as-token-ids", action="store_true",
                     help="logprobs name tokens as 'token_id:{id}' for requests that leave "
                          "return_tokens_as_token_ids out (vLLM's flag and field)")
@@ -424,3 +424,81 @@ def chat_template_of(given: str | None) -> str | None:
     if "{" not in given:
         raise UserError(f"--chat-template {given}: no such file (nor a Jinja template)")
     return given
+
+
+def content_format_of(template: str | None) -> str:
+    """--chat-template-content-format auto, as vLLM resolves it: "openai" where the template loops
+    over a message's content (a list of {type, text} parts: multimodal models' templates), else
+    "string". A message is what a loop over `messages` (or a name set from it: `loop_messages =
+    messages[1:]`) binds; its content `message['content']` or `message.content`, directly, filtered
+    (`| selectattr(...)`), through a name set from it or a macro's parameter; a loop over a name
+    `content` counts too (vLLM's rule). A template that does not parse: string."""
+    from jinja2 import TemplateSyntaxError, nodes
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    if not template:
+        return "string"
+    try:  # transformers' environment: its extensions ({% generation %}, loop controls) parse
+        tree = _compile_jinja_template(template).environment.parse(template)
+    except TemplateSyntaxError:
+        return "string"
+
+    def inner(node: nodes.Node) -> nodes.Node:  # x[1:], x | filter, x is test: x
+        while isinstance(node, (nodes.Filter, nodes.Test)) or (
+                isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)):
+            node = node.node
+        return node
+
+    def named(node: nodes.Node, names: set[str]) -> bool:
+        node = inner(node)
+        return isinstance(node, nodes.Name) and node.name in names
+
+    def item_of(node: nodes.Node, names: set[str]) -> bool:  # messages[0]
+        node = inner(node)
+        return (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const)
+                and isinstance(node.arg.value, int) and named(node.node, names))
+
+    def content_of(node: nodes.Node, names: set[str]) -> bool:
+        node = inner(node)
+        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const):
+            return node.arg.value == "content" and named(node.node, names)
+        return isinstance(node, nodes.Getattr) and node.attr == "content" and named(node.node, names)
+
+    def bound(sources: set[str], binds: Callable[[nodes.Node, set[str]], bool],
+              loops: bool) -> set[str]:
+        """Names set (or, with loops, looped) from an expression `binds` recognises, to a fixpoint:
+        a name set from such a name is one too."""
+        names: set[str] = set()
+        while True:
+            found = set(names)
+            for node in tree.find_all(nodes.Assign):
+                target = node.target
+                if isinstance(target, nodes.Name) and (binds(node.node, sources) or named(node.node, found)):
+                    found.add(target.name)
+            if loops:
+                for node in tree.find_all(nodes.For):
+                    if isinstance(node.target, nodes.Name) and binds(node.iter, sources):
+                        found.add(node.target.name)
+            if found == names:
+                return names
+            names = found
+
+    lists = {"messages"} | bound({"messages"}, named, loops=False)
+    messages = bound(lists, named, loops=True) | bound(lists, item_of, loops=False)
+    contents = bound(messages, content_of, loops=False) | {"content"}  # vLLM: any loop over `content`
+    in_macros: set[int] = set()
+    for macro in tree.find_all(nodes.Macro):  # a macro's parameters that calls pass a content to
+        params = [arg.name for arg in macro.args]
+        given = set()
+        for call in tree.find_all(nodes.Call):
+            if isinstance(call.node, nodes.Name) and call.node.name == macro.name:
+                given |= {name for name, arg in zip(params, call.args) if content_of(arg, messages)}
+                given |= {kw.key for kw in call.kwargs if content_of(kw.value, messages)}
+        for loop in macro.find_all(nodes.For):
+            in_macros.add(id(loop))
+            if named(loop.iter, given) or content_of(loop.iter, messages):
+                return "openai"
+    for loop in tree.find_all(nodes.For):
+        if id(loop) not in in_macros and (content_of(loop.iter, messages) or named(loop.iter, contents)):
+            return "openai"
+    return "string"

@@ -1135,8 +1135,8 @@ def test_return_tokens_as_token_ids_flag_is_what_requests_leaving_it_out_get(mon
 
 def test_content_format_openai_gives_templates_lists_of_parts(tokenizer):
     """--chat-template-content-format openai (vLLM's): each message's text reaches the template as
-    [{"type": "text", "text": ...}], for templates that loop over parts; string (the default, and
-    auto here): the text itself."""
+    [{"type": "text", "text": ...}] (a request's parts each one part), for templates that loop
+    over parts; string: the text itself (parts joined)."""
     from eagle_infer.server import ServerConfig
 
     parts = "{%- for m in messages %}[{%- for p in m.content %}{{ p.text }}|{%- endfor %}]{%- endfor %}"
@@ -1145,17 +1145,59 @@ def test_content_format_openai_gives_templates_lists_of_parts(tokenizer):
     def prompt(template: str, content_format: str) -> str:
         cfg = ServerConfig(["m"], None, 2048, len(tokenizer), chat_template=template,
                            content_format=content_format)
-        got = tokenize_in_process(tokenizer, cfg, [{"role": "user", "content": "Hi"},
-                                                   {"role": "assistant", "content": "Yo"}])
+        got = tokenize_in_process(tokenizer, cfg, [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": [{"type": "text", "text": "Y"}, {"type": "text", "text": "o"}]}])
         assert got.status_code == 200, got.text
         return tokenizer.decode(got.json()["tokens"])
 
-    assert prompt(parts, "openai") == "[Hi|][Yo|]"
+    assert prompt(parts, "openai") == "[Hi|][Y|o|]"
     assert prompt(text, "string") == "[Hi][Yo]"
-    from eagle_infer.server_flags import build_parser
 
-    flags = build_parser().parse_args(["--chat-template-content-format", "auto"])
-    assert flags.chat_template_content_format == "string"
+
+def test_content_format_auto_detects_templates_that_loop_over_parts(tokenizer):
+    """--chat-template-content-format auto (the default, as vLLM's): openai where the template
+    loops over a message's content, however the message and its content are reached; string
+    where it only prints or tests it (text models' templates: SmolLM2's, Qwen3's pattern)."""
+    from eagle_infer.server_flags import build_parser, content_format_of
+
+    def loop(over: str, setup: str = "", each: str = "message") -> str:
+        return (f"{setup}{{%- for {each} in messages %}}{{%- for p in {over} %}}{{{{ p.text }}}}"
+                "{%- endfor %}{%- endfor %}")
+
+    openai = [
+        loop("message['content']"), loop("message.content"),
+        loop("message['content'] | selectattr('type', 'equalto', 'text')"),  # Llama 3.2 Vision's
+        # Qwen2-VL's: a string printed, else its parts
+        "{%- for message in messages %}{%- if message['content'] is string %}{{ message['content'] }}"
+        "{%- else %}{%- for c in message['content'] %}{{ c['text'] }}{%- endfor %}{%- endif %}{%- endfor %}",
+        # messages through a name set from them, content through a name set from it
+        "{%- set loop_messages = messages[1:] %}{%- for m in loop_messages %}{%- set c = m.content %}"
+        "{%- for part in c %}{{ part.text }}{%- endfor %}{%- endfor %}",
+        "{%- set first = messages[0] %}{%- for p in first.content %}{{ p.text }}{%- endfor %}",
+        # a macro's parameter given a content, by position or by name
+        "{%- macro show(x) %}{%- for p in x %}{{ p.text }}{%- endfor %}{%- endmacro %}"
+        "{%- for m in messages %}{{ show(m['content']) }}{%- endfor %}",
+        "{%- macro show(sep, x='') %}{%- for p in x %}{{ p.text }}{%- endfor %}{%- endmacro %}"
+        "{%- for m in messages %}{{ show('|', x=m.content) }}{%- endfor %}",
+        loop("message.content").replace("{{ p.text }}", "{% generation %}{{ p.text }}"
+                                                         "{% endgeneration %}"),  # transformers' tag
+    ]
+    string = [
+        tokenizer.chat_template,  # SmolLM2's
+        "{%- for message in messages %}{%- if message.content is string %}"
+        "{%- set content = message.content %}{%- else %}{%- set content = '' %}{%- endif %}"
+        "{{ content }}{%- endfor %}",  # Qwen3's pattern
+        "{%- macro show(x) %}{%- for p in x %}{{ p }}{%- endfor %}{%- endmacro %}"
+        # a loop, not over content
+        "{%- for m in messages %}{{ show(['a', 'b']) }}{{ m.content }}{%- endfor %}",
+        loop("message.tool_calls"),
+        "{%- for message in messages %}{%- for p in message.content %}",  # does not parse
+        None,
+    ]
+    assert [content_format_of(t) for t in openai] == ["openai"] * len(openai)
+    assert [content_format_of(t) for t in string] == ["string"] * len(string)
+    assert build_parser().parse_args([]).chat_template_content_format == "auto"
 
 
 @pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
@@ -1590,8 +1632,10 @@ def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokeni
                  "--speculative-algorithm", "NONE", "--disable-torch-compile", "--context-length", "256",
                  "--served-model-name", "smol", "smol-alias", "--tokenizer", str(default_model_dir),
                  "--max-num-batched-tokens", "64", "--gpu-memory-utilization", "0.9", "--enable-log-requests",
-                 "--max-logprobs", "-1")
+                 "--max-logprobs", "-1", "--chat-template", "{% for m in messages %}{% for p in m.content %}"
+                 "{{ p.text }}{% endfor %}{% endfor %}")
     engine, _, _, cfg = server.build_engine(args)
+    assert cfg.content_format == "openai"  # --chat-template-content-format auto: the template loops
     assert cfg.model_names[:2] == ["smol", "smol-alias"] and engine.metrics.model_name == "smol"
     assert cfg.listed == 2  # /v1/models lists both, as vLLM (below)
     assert cfg.max_logprobs == engine.dec.target.config.vocab_size  # -1: the vocabulary
