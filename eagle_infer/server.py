@@ -338,6 +338,22 @@ def with_reasoning_tokens(usage: dict[str, Any], jobs: list[Job], texts: list[st
     return usage | {"completion_tokens_details": {"reasoning_tokens": count}}
 
 
+def developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """messages (Message.for_template's) with OpenAI's "developer" turns as "system" ones, for a
+    template that does not name the role (vLLM's rule); system turns past the first are then
+    merged into one first turn, their texts joined by blank lines, since templates such as
+    Qwen's refuse a system turn anywhere else."""
+    msgs = [m | {"role": "system"} if m["role"] == "developer" else m for m in messages]
+    systems = [m for m in msgs if m["role"] == "system"]
+    if not systems or (len(systems) == 1 and msgs[0] is systems[0]):
+        return msgs
+    texts = [m["content"] if isinstance(m["content"], str) else "\n".join(p["text"] for p in m["content"])
+             for m in systems]
+    text = "\n\n".join(t for t in texts if t)
+    content = text if isinstance(systems[0]["content"], str) else [{"type": "text", "text": text}]
+    return [{"role": "system", "content": content}, *(m for m in msgs if m["role"] != "system")]
+
+
 def bad_words_ids(tokenizer, words: list[str]) -> list[list[int]]:
     """vLLM's tokenization of bad_words: each word as it starts a text and, where that is another
     token sequence of the same length, after a space (mid-text), so both are barred."""
@@ -775,6 +791,14 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         return max_tokens
 
     @functools.cache
+    def template_names_developer() -> bool:  # else a "developer" turn is a system one (vLLM's rule)
+        try:
+            template = tokenizer.get_chat_template(cfg.chat_template)
+        except ValueError:  # no template: apply_chat_template says so
+            return True
+        return "'developer'" in template or '"developer"' in template
+
+    @functools.cache
     def template_parameters() -> frozenset[str]:  # apply_chat_template's own: not template variables
         return frozenset(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
 
@@ -1063,6 +1087,8 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             raise ApiError(400, "continue_final_message needs add_generation_prompt: false",
                            param="continue_final_message", code="invalid_value")
         msgs = [m.for_template(parts=cfg.content_format == "openai") for m in req.messages]
+        if any(m["role"] == "developer" for m in msgs) and not template_names_developer():
+            msgs = developer_as_system(msgs)
         if tool_parser is not None and tool_parser.history_id is not None:
             msgs = history_ids(msgs, tool_parser.history_id)
         clash = template_parameters() & set(req.chat_template_kwargs or {})
@@ -1383,7 +1409,7 @@ def warmed_marker(args: argparse.Namespace) -> Path:
             "disable_log_stats", "enable_metrics", "response_role", "max_logprobs",
             "return_tokens_as_token_ids", "chat_template_content_format", "uvicorn_log_level",
             "gpu_memory_utilization", "tokenizer_mode", "allowed_origins", "root_path", "ssl_keyfile",
-            "ssl_certfile")
+            "ssl_certfile", "block_size", "swap_space")
     flags = json.dumps({k: v for k, v in sorted(vars(args).items()) if k not in skip}, default=str)
     key = hashlib.sha256(f"{torch.__version__} {flags}".encode()).hexdigest()[:16]
     return Path(cache_dir()) / f"eagle_infer_warmed_{key}"

@@ -225,6 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "--max-running-requests x --context-length tokens, whatever the memory")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto"],
                     help="the KV cache is in the model's dtype (vLLM's and SGLang's auto)")
+    ap.add_argument("--block-size", "--page-size", type=int, default=None, metavar="N",
+                    help="vLLM's (and SGLang's --page-size): a paged KV cache's page; accepted, not used "
+                         "(each sequence's cache here is one slab of --context-length tokens)")
+    ap.add_argument("--swap-space", type=float, default=None, metavar="GiB",
+                    help="vLLM's CPU swap space for preempted sequences; accepted, not used (nothing is "
+                         "preempted here: a batch holds --max-running-requests sequences)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                     help="vLLM's flag: with chunked prefill, a long prompt's chunk (--chunked-prefill-size)")
     ap.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
@@ -315,6 +321,11 @@ def apply_vllm_flags(args: argparse.Namespace) -> None:
             raise UserError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
         log.info("--gpu-memory-utilization: not used here, the KV cache holds --max-running-requests "
                  "x --context-length tokens")
+    for flag, value in (("--block-size", args.block_size), ("--swap-space", args.swap_space)):
+        if value is not None:
+            if value <= 0:
+                raise UserError(f"{flag} must be > 0, got {value}")
+            log.info("%s: not used here, the KV cache is a slab of --context-length tokens a sequence", flag)
     if args.max_logprobs < -1:
         raise UserError(f"--max-logprobs must be >= 0 (or -1: the vocabulary), got {args.max_logprobs}")
     chunking = args.enable_chunked_prefill, args.max_num_batched_tokens

@@ -1155,6 +1155,31 @@ def test_content_format_openai_gives_templates_lists_of_parts(tokenizer):
     assert prompt(text, "string") == "[Hi][Yo]"
 
 
+def test_developer_turns_are_system_turns_for_templates_without_the_role(tokenizer):
+    """OpenAI's "developer" role (newer clients send it for instructions): a template that does
+    not name it gets a system turn (vLLM's rule), system turns merged into the first, so
+    SmolLM2's template shows the instruction in place of its default system prompt; a template
+    that names the role gets it as sent."""
+    from eagle_infer.server import ServerConfig
+
+    def prompt(messages: list[dict], template: str | None = None) -> str:
+        got = tokenize_in_process(tokenizer, ServerConfig(["m"], None, 2048, len(tokenizer),
+                                                          chat_template=template), messages)
+        assert got.status_code == 200, got.text
+        return tokenizer.decode(got.json()["tokens"])
+
+    user = {"role": "user", "content": "Hi"}
+    assert prompt([{"role": "developer", "content": "Be terse."}, user]) == \
+        prompt([{"role": "system", "content": "Be terse."}, user])
+    later = {"role": "developer", "content": "No."}
+    assert prompt([{"role": "system", "content": "Be terse."}, user, later]) == \
+        prompt([{"role": "system", "content": "Be terse.\n\nNo."}, user])
+    assert "developer" not in prompt([{"role": "developer", "content": "Be terse."}, user])
+    named = "{%- for m in messages %}{%- if m.role in ['developer', 'system'] %}[{{ m.role }}]{%- endif %}" \
+            "{{ m.content }}{%- endfor %}"
+    assert prompt([{"role": "developer", "content": "Be terse."}, user], named) == "[developer]Be terse.Hi"
+
+
 def test_content_format_auto_detects_templates_that_loop_over_parts(tokenizer):
     """--chat-template-content-format auto (the default, as vLLM's): openai where the template
     loops over a message's content, however the message and its content are reached; string
@@ -1623,7 +1648,8 @@ def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokeni
         assert args.chunked_prefill_size == chunk, flags
     for flags, error in ((["--max-num-batched-tokens", "64", "--chunked-prefill-size", "32"], "both given"),
                          (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
-                         (["--mem-fraction-static", "1.5"], "--gpu-memory-utilization must be in (0, 1]")):
+                         (["--mem-fraction-static", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
+                         (["--block-size", "0"], "--block-size must be > 0")):
         with pytest.raises(UserError, match=re.escape(error)):
             server.apply_vllm_flags(parse(*flags))
 
@@ -1632,8 +1658,9 @@ def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokeni
                  "--speculative-algorithm", "NONE", "--disable-torch-compile", "--context-length", "256",
                  "--served-model-name", "smol", "smol-alias", "--tokenizer", str(default_model_dir),
                  "--max-num-batched-tokens", "64", "--gpu-memory-utilization", "0.9", "--enable-log-requests",
-                 "--max-logprobs", "-1", "--chat-template", "{% for m in messages %}{% for p in m.content %}"
-                 "{{ p.text }}{% endfor %}{% endfor %}")
+                 "--max-logprobs", "-1", "--page-size", "16", "--swap-space", "4",
+                 "--chat-template", "{% for m in messages %}{% for p in m.content %}{{ p.text }}{% endfor %}"
+                 "{% endfor %}")
     engine, _, _, cfg = server.build_engine(args)
     assert cfg.content_format == "openai"  # --chat-template-content-format auto: the template loops
     assert cfg.model_names[:2] == ["smol", "smol-alias"] and engine.metrics.model_name == "smol"
@@ -1641,6 +1668,7 @@ def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokeni
     assert cfg.max_logprobs == engine.dec.target.config.vocab_size  # -1: the vocabulary
     assert engine.chunk == 64 and cfg.log_requests and cfg.allowed_origins == ["*"]
     assert "--gpu-memory-utilization: not used here" in caplog.text
+    assert "--block-size: not used here" in caplog.text and "--swap-space: not used here" in caplog.text
     del engine
     with pytest.raises(UserError, match="--tokenizer /nowhere: no such folder"):
         server.build_engine(parse("--tokenizer", "/nowhere", "--device", "cpu"))
