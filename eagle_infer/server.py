@@ -67,6 +67,7 @@ from eagle_infer.generate import chat_prompt_ids
 from eagle_infer.metrics import CONTENT_TYPE, Metrics
 from eagle_infer.reasoning import PARSERS as REASONING_PARSERS
 from eagle_infer.reasoning import ReasoningParser
+from eagle_infer.responses_api import ResponseShape, ResponsesRequest, ResponseStore
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.server_flags import (
     SAMPLING_DEFAULT_FIELDS,
@@ -759,12 +760,14 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         if req.model is not None and req.model not in cfg.model_names:
             raise ApiError(404, f"model '{req.model}' does not exist; this server serves "
                                 f"'{cfg.model_names[0]}'", param="model", code="model_not_found")
-        if isinstance(req, Generation):  # the model's sampling defaults where the request has none
-            # (its max_tokens is max_tokens_for's, where the request has none either)
-            unset = {k: v for k, v in cfg.sampling_defaults.items()
-                     if k in SAMPLING_DEFAULT_FIELDS and k not in req.model_fields_set}
-            req = req.model_copy(update=unset) if unset else req
-        return req
+        return with_model_defaults(req) if isinstance(req, Generation) else req
+
+    def with_model_defaults(req: Body) -> Body:
+        """The model's sampling defaults where the request has none (its max_tokens is
+        max_tokens_for's, where the request has none either)."""
+        unset = {k: v for k, v in cfg.sampling_defaults.items()
+                 if k in SAMPLING_DEFAULT_FIELDS and k not in req.model_fields_set}
+        return req.model_copy(update=unset) if unset else req
 
     def max_tokens_for(req: Generation, prompt: list[int], prompt_param: str, default_max: int | None) -> int:
         if not prompt:
@@ -919,10 +922,12 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         return get.result()
 
     async def run(request: Request, jobs: list[Job], req: Generation, kind: str,
-                  tools: ToolPlan | None = None, reasoning: Thinking | None = None) -> Response:
+                  tools: ToolPlan | None = None, reasoning: Thinking | None = None,
+                  shape: ResponseShape | None = None) -> Response:
         """Answer a request from its jobs (make_jobs): streamed as their events come, else whole;
         with tools, a chat answer's text becomes tool calls (ToolPlan); with reasoning (the
-        server's --reasoning-parser, whether this answer thinks), its reasoning and content."""
+        server's --reasoning-parser, whether this answer thinks), its reasoning and content;
+        with shape, a chat answer is a Responses API's response (or its events)."""
         stream = req.stream
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         # the answer's role: --response-role after a generation prompt, else the last message's (vLLM's)
@@ -954,11 +959,11 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         if stream:
             # sse-starlette frames the events, pings, and cancels the generator when the client
             # disconnects or the server shuts down (its finally cancels the jobs).
-            return EventSourceResponse(sse_stream(jobs, kind, ev, include_usage, req.n, tools, reasoning,
-                                                  speaker),
-                                       sep="\n",
+            chunks = sse_stream(jobs, kind, ev, include_usage, req.n, tools, reasoning, speaker)
+            return EventSourceResponse(chunks if shape is None else shape.events(chunks), sep="\n",
                                        headers={"Cache-Control": "no-cache"})
-        return JSONResponse(full_response(jobs, kind, finals, req.n, tools, reasoning, speaker))
+        answer = full_response(jobs, kind, finals, req.n, tools, reasoning, speaker)
+        return JSONResponse(answer if shape is None else shape.from_chat(answer))
 
     def logprobs_obj(kind: str, entries: list[LogprobEntry], offsets: list[int]) -> dict[str, Any]:
         """offsets: where each token's text starts in the whole completion (detokenize), which is
@@ -1103,10 +1108,8 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages",
                            code="invalid_value") from None
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        req = await parse(request, ChatRequest)
-        assert isinstance(req, ChatRequest)
+    def chat_jobs(req: ChatRequest) -> tuple[list[Job], ToolPlan | None, Thinking | None]:
+        """A chat request's jobs, with how its answer becomes tool calls and reasoning (run's)."""
         tools = req.tool_plan(tool_parser, cfg.auto_tools)
         tool_dicts = req.tool_dicts()
         try:
@@ -1123,8 +1126,36 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             reasoning = parser, parser.thinking(req.chat_template_kwargs)
             if reasoning[1]:  # a grammar (structured outputs, a forced call) starts after the reasoning
                 gate = tuple(tokenizer.encode(parser.end, add_special_tokens=False))
-        jobs = make_jobs(req, [prompt], "messages", None, tools, tool_grammar, gate)
+        return make_jobs(req, [prompt], "messages", None, tools, tool_grammar, gate), tools, reasoning
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await parse(request, ChatRequest)
+        assert isinstance(req, ChatRequest)
+        jobs, tools, reasoning = chat_jobs(req)
         return await run(request, jobs, req, "chat", tools, reasoning)
+
+    stored_responses = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API (vLLM's and SGLang's route), answered as the chat request it
+        stands for (responses_api)."""
+        req = await parse(request, ResponsesRequest)
+        assert isinstance(req, ResponsesRequest)
+        history = []
+        if req.previous_response_id is not None:
+            history = stored_responses.get(req.previous_response_id, "previous_response_id").conversation
+        conversation = req.conversation(history)
+        chat = with_model_defaults(req.chat_request(conversation))
+        jobs, tools, reasoning = chat_jobs(chat)
+        shape = ResponseShape(req, chat, conversation, cfg.model_names[0], stored_responses)
+        return await run(request, jobs, chat, "chat", tools, reasoning, shape)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(request: Request, response_id: str) -> dict[str, Any]:
+        check_auth(request)
+        return stored_responses.get(response_id).response
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

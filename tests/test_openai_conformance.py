@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -108,6 +109,20 @@ def complete(client: openai.OpenAI, prompt, stream: bool = False, **kw) -> dict:
     return out
 
 
+def respond(client: openai.OpenAI, content: str, stream: bool = False) -> dict:
+    """chat's, through the Responses API (/v1/responses; streamed: the client's stream helper)."""
+    kw = {"model": MODEL, "input": content, "max_output_tokens": MAX_TOKENS, "temperature": 0}
+    if stream:
+        with client.responses.stream(**kw) as events:
+            for _ in events:
+                pass
+            r = events.get_final_response()
+    else:
+        r = client.responses.create(**kw)
+    return {"text": r.output_text, "finish": "length" if r.status == "incomplete" else "stop",
+            "usage": SimpleNamespace(completion_tokens=r.usage.output_tokens)}
+
+
 def in_parallel(calls: dict) -> dict:
     """{key: zero-argument call} -> {key: result}, all in flight at once (servers batch them)."""
     with ThreadPoolExecutor(len(calls)) as pool:
@@ -125,9 +140,12 @@ def test_speculative_output_equals_plain_output_through_the_api(clients):
     for i, q in enumerate(CHATS):  # streamed too
         calls["eagle3", "chat-stream", i] = lambda q=q: chat(clients["eagle3"], q, stream=True)
     calls["eagle3", "completion-stream", 0] = lambda: complete(clients["eagle3"], COMPLETION, stream=True)
+    for i, q in enumerate(CHATS):  # the Responses API's answers are the chat answers
+        calls["eagle3", "chat-responses", i] = lambda q=q: respond(clients["eagle3"], q)
+        calls["eagle3", "chat-responses-stream", i] = lambda q=q: respond(clients["eagle3"], q, stream=True)
     got = in_parallel(calls)
     for (name, kind, i), r in got.items():
-        ref = got["plain", kind.removesuffix("-stream"), i]
+        ref = got["plain", kind.split("-")[0], i]
         assert (r["text"], r["finish"]) == (ref["text"], ref["finish"]), (name, kind, i)
         assert r["usage"].completion_tokens == ref["usage"].completion_tokens
         assert r["text"] and r["finish"] in ("stop", "length")

@@ -1,0 +1,394 @@
+"""OpenAI's Responses API (`POST /v1/responses`, as vLLM and SGLang serve it) over the chat path:
+a request becomes a chat request (its input items the messages, its function tools the chat
+tools, `text.format` the response_format), and the chat answer becomes a response object, or its
+stream of chunks a stream of Responses events. Responses are kept in memory (the last
+STORED_RESPONSES with `store`, the default) for `previous_response_id` and
+`GET /v1/responses/{id}`."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from eagle_infer.api_schema import ApiError, ChatRequest, Generation, _Body
+
+STORED_RESPONSES = 1000  # in memory, lost at a restart (vLLM's store is in memory too)
+
+# chat request fields a Responses request may carry as extensions (vLLM's ResponsesRequest
+# takes sampling extensions too); the rest of the chat fields have Responses names
+PASSED_THROUGH = frozenset(Generation.model_fields) - {
+    "model", "max_tokens", "temperature", "top_p", "stream", "stream_options", "n", "response_format",
+    "prompt_logprobs", "return_tokens_as_token_ids"} | {"chat_template_kwargs"}
+
+
+class ResponsesRequest(_Body):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None  # a system turn first (not carried to a next response)
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None  # "message.output_text.logprobs": the answer's log-probs
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema"}}
+    reasoning: dict[str, Any] | None = None  # accepted: the --reasoning-parser splits the text
+    stream: bool = False
+    store: bool = True
+    background: bool = False
+    truncation: str | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+
+    def conversation(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The chat messages of history (a previous response's) and this request's input items,
+        instructions left out."""
+        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
+        msgs = list(history)
+        for i, item in enumerate(items):
+            kind = item.get("type", "message")
+            where = f"input[{i}]"
+            if kind == "message":
+                if not isinstance(item.get("role"), str) or "content" not in item:
+                    raise ApiError(400, f"{where}: a message needs role and content", param="input",
+                                   code="invalid_value")
+                msgs.append({"role": item["role"], "content": text_of(item["content"], where)})
+            elif kind == "function_call":
+                call = {"id": item.get("call_id"), "type": "function",
+                        "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
+                fields = (call["id"], item.get("name"), item.get("arguments", ""))
+                if not all(isinstance(v, str) for v in fields):
+                    raise ApiError(400, f"{where}: a function_call needs call_id, name and arguments "
+                                        "(strings)", param="input", code="invalid_value")
+                last = msgs[-1] if msgs else None
+                if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
+                    last["tool_calls"].append(call)  # one turn's calls in one message
+                elif last is not None and last["role"] == "assistant" and "tool_calls" not in last:
+                    msgs[-1] = last | {"tool_calls": [call]}
+                else:
+                    msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif kind == "function_call_output":
+                if not isinstance(item.get("call_id"), str) or "output" not in item:
+                    raise ApiError(400, f"{where}: a function_call_output needs call_id and output",
+                                   param="input", code="invalid_value")
+                msgs.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": text_of(item["output"], where)})
+            elif kind == "reasoning":
+                continue  # earlier reasoning: chat templates drop it from the history too
+            else:
+                raise ApiError(400, f"{where}: input items of type {kind!r} are not supported here (message, "
+                                    "function_call, function_call_output, reasoning)", param="input",
+                               code="unsupported_parameter")
+        return msgs
+
+    def chat_request(self, conversation: list[dict[str, Any]]) -> ChatRequest:
+        """The chat request this request stands for (instructions as a first system turn)."""
+        if self.background:
+            raise ApiError(400, "background responses are not supported here", param="background",
+                           code="unsupported_parameter")
+        if self.truncation not in (None, "disabled"):
+            raise ApiError(400, "truncation: only 'disabled' (a prompt over the context is refused)",
+                           param="truncation", code="unsupported_parameter")
+        body: dict[str, Any] = {k: v for k, v in (self.model_extra or {}).items() if k in PASSED_THROUGH}
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        body["messages"] = system + conversation
+        for ours, chat in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
+                           ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls")):
+            if getattr(self, ours) is not None:
+                body[chat] = getattr(self, ours)
+        if self.tools:
+            body["tools"] = [chat_tool(t, i) for i, t in enumerate(self.tools)]
+        elif self.tools is not None:
+            body["tools"] = []  # the chat path's error for an empty list
+        if self.tool_choice is not None:
+            choice = self.tool_choice
+            if isinstance(choice, dict):
+                if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+                    raise ApiError(400, 'tool_choice: "none", "auto", "required" or {"type": "function", '
+                                        '"name": ...}', param="tool_choice", code="invalid_value")
+                choice = {"type": "function", "function": {"name": choice["name"]}}
+            body["tool_choice"] = choice
+        fmt = (self.text or {}).get("format") or {"type": "text"}
+        if fmt.get("type") == "json_schema":
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
+        elif fmt.get("type") == "json_object":
+            body["response_format"] = {"type": "json_object"}
+        elif fmt.get("type") != "text":
+            raise ApiError(400, "text.format: type text, json_object or json_schema", param="text.format",
+                           code="invalid_value")
+        if self.stream:
+            body["stream"], body["stream_options"] = True, {"include_usage": True}
+        if self.top_logprobs is not None or "message.output_text.logprobs" in (self.include or []):
+            body["logprobs"], body["top_logprobs"] = True, self.top_logprobs or 0
+        try:
+            return ChatRequest.model_validate(body)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ApiError(400, f"input (as chat {where}): {first['msg']}", param="input",
+                           code="invalid_value") from None
+
+
+def text_of(content: Any, where: str) -> str | list[dict[str, str]]:
+    """A message's content as chat messages carry it: a string, or text parts (input_text, and
+    output_text of earlier answers); images, files and audio are not for this text-only server."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}: content must be a string or a list of parts", param="input",
+                       code="invalid_value")
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise ApiError(400, f"{where}: content parts of type {kind!r} are not supported here (text only: "
+                                "input_text, output_text)", param="input", code="unsupported_parameter")
+    return parts
+
+
+def chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
+    """A Responses function tool ({type, name, description, parameters, strict}) as a chat tool."""
+    if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+        raise ApiError(400, f"tools[{i}]: only function tools ({{\"type\": \"function\", \"name\", "
+                            f"\"parameters\"}}) are supported here, got type {tool.get('type')!r}",
+                       param="tools", code="unsupported_parameter")
+    return {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
+                                             if tool.get(k) is not None}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
+def message_item(item_id: str, text: str | None, logprobs: list[dict[str, Any]],
+                 status: str = "completed") -> dict[str, Any]:
+    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [],
+                                        "logprobs": logprobs}]
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def call_item(item_id: str, call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call["id"], "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"], "status": status}
+
+
+def usage_of(chat_usage: dict[str, Any]) -> dict[str, Any]:
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    thought = (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": chat_usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": thought},
+            "total_tokens": chat_usage["prompt_tokens"] + chat_usage["completion_tokens"]}
+
+
+@dataclass
+class Stored:
+    response: dict[str, Any]
+    conversation: list[dict[str, Any]]  # its chat messages, the answer's included (no instructions)
+
+
+class ResponseStore:
+    """The last STORED_RESPONSES responses of this server, by id."""
+
+    def __init__(self, size: int = STORED_RESPONSES):
+        self.size, self.items = size, collections.OrderedDict[str, Stored]()
+
+    def put(self, stored: Stored) -> None:
+        self.items[stored.response["id"]] = stored
+        while len(self.items) > self.size:
+            self.items.popitem(last=False)
+
+    def get(self, response_id: str, param: str | None = None) -> Stored:
+        if response_id not in self.items:
+            raise ApiError(404, f"no stored response {response_id!r} (responses are kept in this server's "
+                                f"memory, the last {self.size} with store)", param=param, code="not_found")
+        return self.items[response_id]
+
+
+class ResponseShape:
+    """One request's response: its object from the chat answer, or its events from the chat
+    chunks; stored with its conversation when the request asks."""
+
+    def __init__(self, req: ResponsesRequest, chat: ChatRequest, conversation: list[dict[str, Any]],
+                 model: str, store: ResponseStore):
+        self.req, self.chat, self.conversation, self.model, self.store = req, chat, conversation, model, store
+        self.id, self.created = new_id("resp"), int(time.time())
+
+    def response(self, output: list[dict[str, Any]], finish: str | None, usage: dict[str, Any] | None,
+                 status: str | None = None) -> dict[str, Any]:
+        """The response object; status from finish ("length": incomplete) unless given."""
+        if status is None:
+            status = "incomplete" if finish == "length" else "completed"
+        req, chat = self.req, self.chat
+        fmt = (req.text or {}).get("format") or {"type": "text"}
+        choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+                "model": self.model, "output": output,
+                "parallel_tool_calls": req.parallel_tool_calls is not False,
+                "previous_response_id": req.previous_response_id, "reasoning": req.reasoning,
+                "store": req.store, "temperature": chat.temperature, "text": {"format": fmt},
+                "tool_choice": choice, "tools": req.tools or [], "top_p": chat.top_p,
+                "top_logprobs": req.top_logprobs, "truncation": req.truncation or "disabled",
+                "usage": None if usage is None else usage_of(usage), "user": req.user,
+                "metadata": req.metadata or {}}
+
+    def finished(self, output: list[dict[str, Any]], finish: str | None,
+                 usage: dict[str, Any] | None) -> dict[str, Any]:
+        """The final response, stored (with the conversation it ends) when asked."""
+        answer = self.response(output, finish, usage)
+        if self.req.store:
+            text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
+            calls = [{"id": item["call_id"], "type": "function",
+                      "function": {"name": item["name"], "arguments": item["arguments"]}}
+                     for item in output if item["type"] == "function_call"]
+            turn: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+            if calls:
+                turn["tool_calls"] = calls
+            self.store.put(Stored(answer, [*self.conversation, turn]))
+        return answer
+
+    def from_chat(self, answer: dict[str, Any]) -> dict[str, Any]:
+        """The response of a chat answer (server.full_response's)."""
+        choice = answer["choices"][0]
+        message, output = choice["message"], []
+        if message.get("reasoning"):
+            output.append(reasoning_item(new_id("rs"), message["reasoning"]))
+        calls = message.get("tool_calls") or []
+        if message.get("content") or not calls:
+            logprobs = (choice.get("logprobs") or {}).get("content") or []
+            output.append(message_item(new_id("msg"), message.get("content") or "", logprobs))
+        output += [call_item(new_id("fc"), call) for call in calls]
+        return self.finished(output, choice["finish_reason"], answer["usage"])
+
+    async def events(self, chunks: AsyncIterator[str]) -> AsyncIterator[dict[str, str]]:
+        """The Responses events (SSE `event` and `data`) of a streamed chat answer's chunks
+        (server.sse_stream's JSON texts, its usage chunk last, then [DONE])."""
+        seq = itertools.count()
+
+        def event(kind: str, **fields: Any) -> dict[str, str]:
+            return {"event": kind, "data": json.dumps({"type": kind, "sequence_number": next(seq)} | fields)}
+
+        yield event("response.created", response=self.response([], None, None, "in_progress"))
+        yield event("response.in_progress", response=self.response([], None, None, "in_progress"))
+        output: list[dict[str, Any]] = []
+        current: dict[str, Any] | None = None  # the item being streamed: its kind, id and text so far
+        calls: dict[int, dict[str, Any]] = {}  # the answer's tool calls by their chat index
+        finish, usage = None, None
+
+        def close() -> list[dict[str, str]]:
+            nonlocal current
+            if current is None:
+                return []
+            at, item_id, kind = len(output), current["id"], current["kind"]
+            where = {"item_id": item_id, "output_index": at, "content_index": 0}
+            done: list[dict[str, str]] = []
+            if kind == "reasoning":
+                item = reasoning_item(item_id, current["text"])
+                done += [event("response.reasoning_text.done", **where, text=current["text"]),
+                         event("response.content_part.done", **where, part=item["content"][0])]
+            elif kind == "message":
+                item = message_item(item_id, current["text"], current["logprobs"])
+                done += [event("response.output_text.done", **where, text=current["text"],
+                               logprobs=current["logprobs"]),
+                         event("response.content_part.done", **where, part=item["content"][0])]
+            else:
+                item = call_item(item_id, current["call"])
+                done.append(event("response.function_call_arguments.done", item_id=item_id, output_index=at,
+                                  name=item["name"], arguments=item["arguments"]))
+            done.append(event("response.output_item.done", output_index=at, item=item))
+            output.append(item)
+            current = None
+            return done
+
+        def open_item(kind: str, call: dict[str, Any] | None = None) -> list[dict[str, str]]:
+            nonlocal current
+            opened = close()
+            at, item_id = len(output), new_id({"reasoning": "rs", "message": "msg", "call": "fc"}[kind])
+            current = {"kind": kind, "id": item_id, "text": "", "logprobs": [], "call": call}
+            if kind == "call":
+                assert call is not None
+                opened.append(event("response.output_item.added", output_index=at,
+                                    item=call_item(item_id, call, "in_progress")))
+                return opened
+            if kind == "reasoning":
+                item = reasoning_item(item_id, "", "in_progress")
+                part = {"type": "reasoning_text", "text": ""}
+            else:
+                item = message_item(item_id, None, [], "in_progress")
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            opened += [event("response.output_item.added", output_index=at, item=item),
+                       event("response.content_part.added", item_id=item_id, output_index=at, content_index=0,
+                             part=part)]
+            return opened
+
+        def switch_to(kind: str) -> list[dict[str, str]]:  # an item of this kind open, else opened
+            return [] if current is not None and current["kind"] == kind else open_item(kind)
+
+        async for raw in chunks:
+            if raw == "[DONE]":
+                break
+            chunk = json.loads(raw)
+            if "error" in chunk:
+                err = chunk["error"]
+                yield event("error", code=err.get("code"), message=err.get("message"), param=err.get("param"))
+                return
+            usage = chunk.get("usage") or usage
+            for choice in chunk["choices"]:
+                delta = choice["delta"]
+                for kind, key, name in (("reasoning", "reasoning", "response.reasoning_text.delta"),
+                                        ("message", "content", "response.output_text.delta")):
+                    if not delta.get(key):
+                        continue
+                    for ev in switch_to(kind):
+                        yield ev
+                    assert current is not None
+                    current["text"] += delta[key]
+                    more = {}
+                    if kind == "message":
+                        more["logprobs"] = (choice.get("logprobs") or {}).get("content") or []
+                        current["logprobs"] += more["logprobs"]
+                    yield event(name, item_id=current["id"], output_index=len(output), content_index=0,
+                                delta=delta[key], **more)
+                for piece in delta.get("tool_calls") or []:
+                    fn = piece.get("function") or {}
+                    if piece["index"] not in calls:  # a new call: its id and name come first
+                        calls[piece["index"]] = {"id": piece["id"], "type": "function",
+                                                 "function": {"name": fn["name"], "arguments": ""}}
+                        for ev in open_item("call", calls[piece["index"]]):
+                            yield ev
+                    if fn.get("arguments"):
+                        assert current is not None
+                        calls[piece["index"]]["function"]["arguments"] += fn["arguments"]
+                        yield event("response.function_call_arguments.delta", item_id=current["id"],
+                                    output_index=len(output), delta=fn["arguments"])
+                if choice.get("finish_reason") is not None:
+                    finish = choice["finish_reason"]
+        if current is None and not output:  # an empty answer is an empty message (as whole)
+            for ev in open_item("message"):
+                yield ev
+        for ev in close():
+            yield ev
+        # vLLM's (and the openai client's stream helper's) last event, whatever the status
+        yield event("response.completed", response=self.finished(output, finish, usage))

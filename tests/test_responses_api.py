@@ -1,0 +1,160 @@
+"""OpenAI's Responses API (/v1/responses) through the `openai` client, on an in-process server
+whose answers are scripted (the real tokenizer, chat template, tool and reasoning parsers)."""
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from test_server import scripted_app
+
+TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+ANSWER = ('<think>Look it up.</think>Let me check. <tool_call>\n{"name": "get_weather", "arguments": '
+          '{"city": "Paris"}}\n</tool_call>')
+
+
+def with_client(tokenizer, answer: str, body, reasoning: str | None = "deepseek_r1") -> tuple:
+    """body(client) run against an in-process server answering `answer` (`reasoning` the
+    reasoning parser, hermes tool calls, our SmolLM2 template with tools): (its result, the
+    prompts the engine was given, decoded)."""
+    from eagle_infer.server import ServerConfig
+
+    template = (Path(__file__).parents[1] / "conf/chat_templates/smollm2_tools.jinja").read_text()
+    engine, app = scripted_app(tokenizer, answer, ServerConfig(
+        ["fake"], None, 2048, len(tokenizer), tool_parser="hermes", auto_tools=True,
+        reasoning_parser=reasoning, chat_template=template))
+
+    async def go():
+        engine.start()
+        try:
+            http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="none", http_client=http,
+                                        max_retries=0)
+            return await body(client)
+        finally:
+            engine.stop()
+
+    result = asyncio.run(go())
+    return result, [tokenizer.decode(seq.prompt) for seq in engine.dec.added]
+
+
+def test_a_response_holds_reasoning_text_and_calls_whole_and_streamed(tokenizer):
+    """A response's output: the reasoning item, the message, the function call (its call_id the
+    chat answer's tool call id), as the chat answer splits them; instructions a first system
+    turn; the streamed events (the openai client's stream helper accumulates them) end in the
+    same response, which GET /v1/responses/{id} returns."""
+    async def body(client):
+        whole = await client.responses.create(model="fake", input="Weather in Paris?", tools=TOOLS,
+                                              instructions="Be brief.")
+        events = []
+        async with client.responses.stream(model="fake", input="Weather in Paris?", tools=TOOLS) as stream:
+            async for ev in stream:
+                events.append(ev)
+            final = await stream.get_final_response()
+        return whole, events, final, await client.responses.retrieve(final.id)
+
+    (whole, events, final, stored), prompts = with_client(tokenizer, ANSWER, body)
+    assert [item.type for item in whole.output] == ["reasoning", "message", "function_call"]
+    assert whole.output[0].content[0].text == "Look it up."
+    assert whole.output_text == "Let me check. "
+    call = whole.output[2]
+    assert (call.name, call.arguments, call.status) == ("get_weather", '{"city": "Paris"}', "completed")
+    assert call.call_id and call.id.startswith("fc_")
+    assert whole.status == "completed" and whole.object == "response" and whole.instructions == "Be brief."
+    assert whole.usage.output_tokens == len(tokenizer(ANSWER)["input_ids"]) + 1  # and EOS
+    assert whole.usage.output_tokens_details.reasoning_tokens > 0
+    assert whole.usage.total_tokens == whole.usage.input_tokens + whole.usage.output_tokens
+    assert prompts[0].startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    assert "Weather in Paris?" in prompts[0] and "get_weather" in prompts[0]  # the tools reach the template
+
+    kinds = [ev.type for ev in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert [ev.sequence_number for ev in events] == list(range(len(events)))
+    assert [ev.item.type for ev in events if ev.type == "response.output_item.done"] == \
+        ["reasoning", "message", "function_call"]
+    text = "".join(ev.delta for ev in events if ev.type == "response.output_text.delta")
+    args = "".join(ev.delta for ev in events if ev.type == "response.function_call_arguments.delta")
+    assert (text, args) == ("Let me check. ", '{"city": "Paris"}')
+    assert [o.type for o in final.output] == ["reasoning", "message", "function_call"]
+    assert final.output_text == whole.output_text and final.output[2].arguments == call.arguments
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert stored.id == final.id and stored.output[2].call_id == final.output[2].call_id
+
+
+def test_previous_response_id_carries_the_conversation(tokenizer):
+    """previous_response_id: the next prompt holds the stored response's input and its answer's
+    call, then the new input (a function_call_output, the tool's turn); its instructions are not
+    carried over (OpenAI's rule). An unknown id, or a response made with store false, is a 404."""
+    async def body(client):
+        first = await client.responses.create(model="fake", input="Weather in Paris?", tools=TOOLS,
+                                              instructions="Be brief.")
+        call = first.output[-1]
+        second = await client.responses.create(
+            model="fake", previous_response_id=first.id, tools=TOOLS,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}])
+        unstored = await client.responses.create(model="fake", input="Hi", store=False)
+        errors = []
+        for rid in ("resp_nope", unstored.id):
+            try:
+                await client.responses.create(model="fake", input="Hi", previous_response_id=rid)
+            except openai.NotFoundError as e:
+                errors.append(e.body)
+        return first, second, errors
+
+    (first, second, errors), prompts = with_client(tokenizer, ANSWER, body)
+    assert second.previous_response_id == first.id and second.status == "completed"
+    later = prompts[1]
+    assert "Be brief." not in later
+    asked, called, answered = (later.index("Weather in Paris?"), later.index('"city": "Paris"'),
+                               later.index("Sunny, 21 C"))
+    assert asked < called < answered
+    assert later.count("<tool_response>") == 1  # the tool output's turn (this template's shape)
+    assert len(errors) == 2 and all(e["param"] == "previous_response_id" for e in errors)
+
+
+def test_max_output_tokens_and_requests_this_server_cannot_answer(tokenizer):
+    """max_output_tokens: a cut answer is incomplete (reason max_output_tokens); input images,
+    tools other than functions, background and truncation "auto" are 400s naming the field."""
+    async def body(client):
+        cut = await client.responses.create(model="fake", input="Hi", max_output_tokens=2)
+        refused = []
+        for kw in ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                   {"input": "Hi", "tools": [{"type": "web_search"}]},
+                   {"input": "Hi", "background": True},
+                   {"input": "Hi", "truncation": "auto"},
+                   {"input": [{"type": "item_reference", "id": "x"}]}):
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.responses.create(model="fake", **kw)
+            refused.append(e.value.body["param"])
+        return cut, refused
+
+    (cut, refused), _ = with_client(tokenizer, "Hello there, friend.", body, reasoning=None)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.usage.output_tokens == 2 and cut.output_text
+    assert refused == ["input", "tools", "background", "truncation", "input"]
+
+
+def test_input_items_become_chat_turns(tokenizer):
+    """Input items: messages with text parts (input_text, and an earlier answer's output_text),
+    a function_call then its output, and reasoning items (dropped, as templates drop old
+    reasoning) make the chat turns the template gets; a developer turn is a system one here."""
+    items = [{"role": "developer", "content": "Answer in French."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+             {"type": "reasoning", "id": "rs_1", "summary": []},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+              "arguments": '{"city": "Nice"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "Rain"},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Il pleut."}]},
+             {"role": "user", "content": "Merci"}]
+
+    async def body(client):
+        return await client.responses.create(model="fake", input=items, tools=TOOLS)
+
+    answer, prompts = with_client(tokenizer, "De rien.", body, reasoning=None)
+    assert answer.output_text == "De rien." and [o.type for o in answer.output] == ["message"]
+    prompt = prompts[0]
+    assert prompt.startswith("<|im_start|>system\nAnswer in French.")
+    order = [prompt.index(s) for s in ("Weather?", '"city": "Nice"', "Rain", "Il pleut.", "Merci")]
+    assert order == sorted(order)
