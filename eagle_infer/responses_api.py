@@ -12,7 +12,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -282,7 +282,7 @@ class ResponseShape:
         output += [call_item(new_id("fc"), call) for call in calls]
         return self.finished(output, choice["finish_reason"], answer["usage"])
 
-    async def events(self, chunks: AsyncIterator[str]) -> AsyncIterator[dict[str, str]]:
+    async def events(self, chunks: AsyncGenerator[str]) -> AsyncGenerator[dict[str, str]]:
         """The Responses events (SSE `event` and `data`) of a streamed chat answer's chunks
         (server.sse_stream's JSON texts, its usage chunk last, then [DONE])."""
         seq = itertools.count()
@@ -346,45 +346,49 @@ class ResponseShape:
         def switch_to(kind: str) -> list[dict[str, str]]:  # an item of this kind open, else opened
             return [] if current is not None and current["kind"] == kind else open_item(kind)
 
-        async for raw in chunks:
-            if raw == "[DONE]":
-                break
-            chunk = json.loads(raw)
-            if "error" in chunk:
-                err = chunk["error"]
-                yield event("error", code=err.get("code"), message=err.get("message"), param=err.get("param"))
-                return
-            usage = chunk.get("usage") or usage
-            for choice in chunk["choices"]:
-                delta = choice["delta"]
-                for kind, key, name in (("reasoning", "reasoning", "response.reasoning_text.delta"),
-                                        ("message", "content", "response.output_text.delta")):
-                    if not delta.get(key):
-                        continue
-                    for ev in switch_to(kind):
-                        yield ev
-                    assert current is not None
-                    current["text"] += delta[key]
-                    more = {}
-                    if kind == "message":
-                        more["logprobs"] = (choice.get("logprobs") or {}).get("content") or []
-                        current["logprobs"] += more["logprobs"]
-                    yield event(name, item_id=current["id"], output_index=len(output), content_index=0,
-                                delta=delta[key], **more)
-                for piece in delta.get("tool_calls") or []:
-                    fn = piece.get("function") or {}
-                    if piece["index"] not in calls:  # a new call: its id and name come first
-                        calls[piece["index"]] = {"id": piece["id"], "type": "function",
-                                                 "function": {"name": fn["name"], "arguments": ""}}
-                        for ev in open_item("call", calls[piece["index"]]):
+        try:  # a client gone mid-stream: the chat stream closes too, which cancels its jobs
+            async for raw in chunks:
+                if raw == "[DONE]":
+                    break
+                chunk = json.loads(raw)
+                if "error" in chunk:
+                    err = chunk["error"]
+                    yield event("error", code=err.get("code"), message=err.get("message"),
+                                param=err.get("param"))
+                    return
+                usage = chunk.get("usage") or usage
+                for choice in chunk["choices"]:
+                    delta = choice["delta"]
+                    for kind, key, name in (("reasoning", "reasoning", "response.reasoning_text.delta"),
+                                            ("message", "content", "response.output_text.delta")):
+                        if not delta.get(key):
+                            continue
+                        for ev in switch_to(kind):
                             yield ev
-                    if fn.get("arguments"):
                         assert current is not None
-                        calls[piece["index"]]["function"]["arguments"] += fn["arguments"]
-                        yield event("response.function_call_arguments.delta", item_id=current["id"],
-                                    output_index=len(output), delta=fn["arguments"])
-                if choice.get("finish_reason") is not None:
-                    finish = choice["finish_reason"]
+                        current["text"] += delta[key]
+                        more = {}
+                        if kind == "message":
+                            more["logprobs"] = (choice.get("logprobs") or {}).get("content") or []
+                            current["logprobs"] += more["logprobs"]
+                        yield event(name, item_id=current["id"], output_index=len(output), content_index=0,
+                                    delta=delta[key], **more)
+                    for piece in delta.get("tool_calls") or []:
+                        fn = piece.get("function") or {}
+                        if piece["index"] not in calls:  # a new call: its id and name come first
+                            calls[piece["index"]] = {"id": piece["id"], "type": "function",
+                                                     "function": {"name": fn["name"], "arguments": ""}}
+                            for ev in open_item("call", calls[piece["index"]]):
+                                yield ev
+                        if fn.get("arguments"):
+                            assert current is not None
+                            calls[piece["index"]]["function"]["arguments"] += fn["arguments"]
+                            yield event("response.function_call_arguments.delta", item_id=current["id"],
+                                        output_index=len(output), delta=fn["arguments"])
+                    if choice.get("finish_reason") is not None:
+                        finish = choice["finish_reason"]
+        finally:
+            await chunks.aclose()
         if current is None and not output:  # an empty answer is an empty message (as whole)
             for ev in open_item("message"):
                 yield ev

@@ -31,7 +31,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncGenerator, Callable, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -1010,8 +1010,8 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         return answer
 
     async def sse_stream(jobs: list[Job], kind: str, first: dict[str, Any], include_usage: bool,
-                         n: int, tools: ToolPlan | None = None,
-                         reasoning: Thinking | None = None, speaker: str = "assistant") -> AsyncIterator[str]:
+                         n: int, tools: ToolPlan | None = None, reasoning: Thinking | None = None,
+                         speaker: str = "assistant") -> AsyncGenerator[str]:
         chat = kind == "chat"
         # with reasoning, each choice's text goes first through its ReasoningStream (reasoning deltas)
         thoughts = {job.index: reasoning[0].stream(reasoning[1]) for job in jobs} if reasoning else {}

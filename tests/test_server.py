@@ -749,6 +749,18 @@ def test_disconnected_stream_frees_its_slot(server, client):
     while metrics(server)["eagle:num_requests_running"] != 0:
         assert time.time() - t0 < 15, "the cancelled request still holds its row"
         time.sleep(0.2)
+    # The Responses API's stream too (its events wrap the chat stream)
+    stream = client.responses.create(model=MODEL, input="Tell a story.", max_output_tokens=400, temperature=0,
+                                     stream=True)
+    for i, _ in enumerate(stream):
+        if i == 4:
+            break
+    assert metrics(server)["eagle:num_requests_running"] == 1
+    stream.close()
+    t0 = time.time()
+    while metrics(server)["eagle:num_requests_running"] != 0:
+        assert time.time() - t0 < 15, "the cancelled Responses request still holds its row"
+        time.sleep(0.2)
     # A non-streaming client that gives up is cancelled too.
     try:
         # ignore_eos: all 400 tokens (a full run once saw this answer end at EOS within 3 s)
