@@ -738,29 +738,22 @@ def test_32_concurrent_clients_decode_together_and_match_single_requests(server,
 def test_disconnected_stream_frees_its_slot(server, client):
     before = metrics(server)
     msgs = [{"role": "user", "content": "Tell a story."}]
-    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=400, temperature=0,
-                                            stream=True)
-    for i, _ in enumerate(stream):
-        if i == 2:
-            break
-    assert metrics(server)["eagle:num_requests_running"] == 1
-    stream.close()
-    t0 = time.time()
-    while metrics(server)["eagle:num_requests_running"] != 0:
-        assert time.time() - t0 < 15, "the cancelled request still holds its row"
-        time.sleep(0.2)
-    # The Responses API's stream too (its events wrap the chat stream)
-    stream = client.responses.create(model=MODEL, input="Tell a story.", max_output_tokens=400, temperature=0,
-                                     stream=True)
-    for i, _ in enumerate(stream):
-        if i == 4:
-            break
-    assert metrics(server)["eagle:num_requests_running"] == 1
-    stream.close()
-    t0 = time.time()
-    while metrics(server)["eagle:num_requests_running"] != 0:
-        assert time.time() - t0 < 15, "the cancelled Responses request still holds its row"
-        time.sleep(0.2)
+    streams = {  # a chat stream, and the Responses API's (its events wrap a chat stream)
+        "chat": lambda: client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=400,
+                                                       temperature=0, stream=True),
+        "responses": lambda: client.responses.create(model=MODEL, input="Tell a story.",
+                                                     max_output_tokens=400, temperature=0, stream=True)}
+    for kind, start in streams.items():
+        stream = start()
+        for i, _ in enumerate(stream):
+            if i == 4:
+                break
+        assert metrics(server)["eagle:num_requests_running"] == 1
+        stream.close()
+        t0 = time.time()
+        while metrics(server)["eagle:num_requests_running"] != 0:
+            assert time.time() - t0 < 15, f"the cancelled {kind} request still holds its row"
+            time.sleep(0.2)
     # A non-streaming client that gives up is cancelled too.
     try:
         # ignore_eos: all 400 tokens (a full run once saw this answer end at EOS within 3 s)
