@@ -355,6 +355,11 @@ def developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"role": "system", "content": content}, *(m for m in msgs if m["role"] != "system")]
 
 
+def template_parameters_of(tokenizer) -> frozenset[str]:
+    """apply_chat_template's own parameters: not names a template's variables may take."""
+    return frozenset(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
+
+
 def bad_words_ids(tokenizer, words: list[str]) -> list[list[int]]:
     """vLLM's tokenization of bad_words: each word as it starts a text and, where that is another
     token sequence of the same length, after a space (mid-text), so both are barred."""
@@ -634,6 +639,11 @@ class ServerConfig:
     response_role: str = "assistant"  # --response-role: a chat answer's role after a generation prompt
     content_format: str = "string"  # --chat-template-content-format: a message's content as templates get it
     tokens_as_ids: bool = False  # --return-tokens-as-token-ids: what requests that leave the field out get
+    # --default-chat-template-kwargs: the template's variables where a request leaves them out
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools_only_when_chosen: bool = False  # --exclude-tools-when-tool-choice-none
+    force_usage: bool = False  # --enable-force-include-usage: every stream ends with its usage
+    request_id_headers: bool = False  # --enable-request-id-headers: X-Request-Id on every answer
 
 
 def _is_type_tag(loc: int | str) -> bool:
@@ -698,6 +708,13 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
 
     app = FastAPI(title="eagle-spec", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(RequestCounter, metrics=engine.metrics)
+    if cfg.request_id_headers:
+        @app.middleware("http")
+        async def request_id_header(request: Request, call_next: Callable[[Request], Any]) -> Response:
+            answer = await call_next(request)
+            answer.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+            return answer
+
     # browsers' cross-origin calls, as vLLM and SGLang allow them (any origin by default)
     app.add_middleware(CORSMiddleware, allow_origins=cfg.allowed_origins, allow_credentials=False,
                        allow_methods=["*"], allow_headers=["*"])
@@ -760,13 +777,18 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         if req.model is not None and req.model not in cfg.model_names:
             raise ApiError(404, f"model '{req.model}' does not exist; this server serves "
                                 f"'{cfg.model_names[0]}'", param="model", code="model_not_found")
-        return with_model_defaults(req) if isinstance(req, Generation) else req
+        return with_server_defaults(req)
 
-    def with_model_defaults(req: Body) -> Body:
-        """The model's sampling defaults where the request has none (its max_tokens is
-        max_tokens_for's, where the request has none either)."""
-        unset = {k: v for k, v in cfg.sampling_defaults.items()
-                 if k in SAMPLING_DEFAULT_FIELDS and k not in req.model_fields_set}
+    def with_server_defaults(req: Body) -> Body:
+        """The server's defaults where the request has none: the model's sampling settings (its
+        max_tokens is max_tokens_for's, where the request has none either) and the chat
+        template's variables (a request's own win)."""
+        unset = {}
+        if isinstance(req, Generation):
+            unset = {k: v for k, v in cfg.sampling_defaults.items()
+                     if k in SAMPLING_DEFAULT_FIELDS and k not in req.model_fields_set}
+        if isinstance(req, (ChatRequest, TokenizeRequest)) and cfg.template_kwargs:
+            unset["chat_template_kwargs"] = cfg.template_kwargs | (req.chat_template_kwargs or {})
         return req.model_copy(update=unset) if unset else req
 
     def max_tokens_for(req: Generation, prompt: list[int], prompt_param: str, default_max: int | None) -> int:
@@ -802,8 +824,8 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         return "'developer'" in template or '"developer"' in template
 
     @functools.cache
-    def template_parameters() -> frozenset[str]:  # apply_chat_template's own: not template variables
-        return frozenset(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
+    def template_parameters() -> frozenset[str]:
+        return template_parameters_of(tokenizer)
 
     @functools.cache
     def grammars():  # made at the first structured request: xgrammar reads the whole vocabulary
@@ -929,7 +951,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         server's --reasoning-parser, whether this answer thinks), its reasoning and content;
         with shape, a chat answer is a Responses API's response (or its events)."""
         stream = req.stream
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage = cfg.force_usage or bool(req.stream_options and req.stream_options.include_usage)
         # the answer's role: --response-role after a generation prompt, else the last message's (vLLM's)
         speaker = (cfg.response_role if not isinstance(req, ChatRequest) or req.add_generation_prompt
                    else req.messages[-1].role)
@@ -1111,7 +1133,8 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
     def chat_jobs(req: ChatRequest) -> tuple[list[Job], ToolPlan | None, Thinking | None]:
         """A chat request's jobs, with how its answer becomes tool calls and reasoning (run's)."""
         tools = req.tool_plan(tool_parser, cfg.auto_tools)
-        tool_dicts = req.tool_dicts()
+        # tool_choice none (or no tools): with --exclude-tools-when-tool-choice-none not shown either
+        tool_dicts = None if tools is None and cfg.tools_only_when_chosen else req.tool_dicts()
         try:
             parallel = req.parallel_tool_calls is not False
             # "auto" with a structured output: that output's grammar alone (vLLM's)
@@ -1147,7 +1170,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         if req.previous_response_id is not None:
             history = stored_responses.get(req.previous_response_id, "previous_response_id").conversation
         conversation = req.conversation(history)
-        chat = with_model_defaults(req.chat_request(conversation))
+        chat = with_server_defaults(req.chat_request(conversation))
         jobs, tools, reasoning = chat_jobs(chat)
         shape = ResponseShape(req, chat, conversation, cfg.model_names[0], stored_responses)
         return await run(request, jobs, chat, "chat", tools, reasoning, shape)
@@ -1297,6 +1320,10 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     log.info("loading %s (%s, %s, %d CPU threads)", folder, dtype, device, torch.get_num_threads())
     target = load_model(folder, dtype, device, quantization=args.quantization)
     tokenizer = load_tokenizer(tokenizer_folder)
+    clash = template_parameters_of(tokenizer) & set(args.default_chat_template_kwargs or {})
+    if clash:
+        raise UserError(f"--default-chat-template-kwargs: {', '.join(sorted(clash))} is a parameter of "
+                        "apply_chat_template, not a template variable")
     content_format = args.chat_template_content_format
     if content_format == "auto":
         try:
@@ -1371,7 +1398,11 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
                        max_logprobs=target.config.vocab_size if args.max_logprobs == -1
                        else args.max_logprobs,
                        response_role=args.response_role, content_format=content_format,
-                       tokens_as_ids=args.return_tokens_as_token_ids)
+                       tokens_as_ids=args.return_tokens_as_token_ids,
+                       template_kwargs=args.default_chat_template_kwargs or {},
+                       tools_only_when_chosen=args.exclude_tools_when_tool_choice_none,
+                       force_usage=args.enable_force_include_usage,
+                       request_id_headers=args.enable_request_id_headers)
     return engine, tokenizer, eos, cfg
 
 
@@ -1440,7 +1471,9 @@ def warmed_marker(args: argparse.Namespace) -> Path:
             "disable_log_stats", "enable_metrics", "response_role", "max_logprobs",
             "return_tokens_as_token_ids", "chat_template_content_format", "uvicorn_log_level",
             "gpu_memory_utilization", "tokenizer_mode", "allowed_origins", "root_path", "ssl_keyfile",
-            "ssl_certfile", "block_size", "swap_space")
+            "ssl_certfile", "block_size", "swap_space", "default_chat_template_kwargs",
+            "exclude_tools_when_tool_choice_none", "disable_uvicorn_access_log", "enable_request_id_headers",
+            "enable_force_include_usage", "enable_prompt_tokens_details", "disable_fastapi_docs")
     flags = json.dumps({k: v for k, v in sorted(vars(args).items()) if k not in skip}, default=str)
     key = hashlib.sha256(f"{torch.__version__} {flags}".encode()).hexdigest()[:16]
     return Path(cache_dir()) / f"eagle_infer_warmed_{key}"
@@ -1511,7 +1544,8 @@ def main(argv: list[str] | None = None) -> None:
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level or args.log_level,
                             root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile,
-                            ssl_certfile=args.ssl_certfile, timeout_graceful_shutdown=30)
+                            ssl_certfile=args.ssl_certfile, timeout_graceful_shutdown=30,
+                            access_log=not args.disable_uvicorn_access_log)
     try:
         uvicorn.Server(config).run()
     finally:

@@ -82,13 +82,19 @@ def build_parser() -> argparse.ArgumentParser:
                          "3:1/4/3+g4, 2:1/4/3+g4 with int8 weights; on AMD CPUs with AVX512-BF16: "
                          "3:1/4/2+g4 (bf16 weights); with rounds without drafts above 4 requests; "
                          "else none")
-    ap.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
+    ap.add_argument("--speculative-config", "-sc", type=json_object, default=None, metavar="JSON",
                     help='vLLM\'s flag: {"method": "eagle3" or "eagle", "model": HEAD_FOLDER, '
                          '"num_speculative_tokens": K, "disable_by_batch_size": N}, the same as '
                          "--speculative-algorithm, --speculative-draft-model-path, a chain of K drafts "
                          "(--speculative-num-steps K --speculative-eagle-topk 1 "
                          "--speculative-num-draft-tokens K+1) and --speculative-disable-by-batch-size; "
                          "leave num_speculative_tokens out for the default tree")
+    ap.add_argument("--spec-method", default=None, metavar="METHOD",
+                    help="vLLM's shorthand for --speculative-config's method (eagle3 or eagle)")
+    ap.add_argument("--spec-model", default=None, metavar="HEAD_FOLDER",
+                    help="vLLM's shorthand for --speculative-config's model")
+    ap.add_argument("--spec-tokens", type=int, default=None, metavar="K",
+                    help="vLLM's shorthand for --speculative-config's num_speculative_tokens (a chain)")
     ap.add_argument("--speculative-token-map", default=None, help="FR-Spec token map (EAGLE-2 heads)")
     ap.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                     help="while more than N requests are running, rounds draft nothing: a plain "
@@ -150,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
                     help="a Jinja chat template (a file, or the template itself) in place of the "
                          "tokenizer's, e.g. one that shows tools to a model whose own template does not")
+    ap.add_argument("--default-chat-template-kwargs", type=json_object, default=None, metavar="JSON",
+                    help="the chat template's variables for requests that leave them out, merged under "
+                         "a request's chat_template_kwargs (vLLM's flag), e.g. '{\"enable_thinking\": "
+                         "false}'")
+    ap.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                    help="a request with tool_choice none does not show its tools to the template "
+                         "(vLLM's flag)")
     ap.add_argument("--enable-auto-tool-choice", action="store_true",
                     help='tool_choice "auto" (the default with tools): the model decides whether to call '
                          "tools, --tool-call-parser finds the calls in its answer (vLLM's flags). A named "
@@ -217,6 +230,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--disable-log-stats", action="store_true",
                     help="vLLM's flag, accepted: no statistics are logged periodically here (/metrics "
                          "serves them)")
+    ap.add_argument("--disable-uvicorn-access-log", action="store_true",
+                    help="no uvicorn line per HTTP request (vLLM's flag)")
+    ap.add_argument("--enable-request-id-headers", action="store_true",
+                    help="answers carry an X-Request-Id header: the request's own, else a new id "
+                         "(vLLM's flag)")
+    ap.add_argument("--enable-force-include-usage", action="store_true",
+                    help="streams end with a usage chunk whether or not stream_options asks (vLLM's flag)")
+    ap.add_argument("--enable-prompt-tokens-details", action="store_true",
+                    help="vLLM's flag, accepted: usage has prompt_tokens_details.cached_tokens whenever "
+                         "the prefix cache gave a prompt some")
+    ap.add_argument("--disable-fastapi-docs", action="store_true",
+                    help="vLLM's flag, accepted: no docs pages are served here")
+    ap.add_argument("-O", "--optimization-level", type=int, choices=[0, 1, 2, 3], default=None,
+                    help="vLLM's: 0 runs the steps eagerly (--enforce-eager: the quickest start), 1-3 "
+                         "compiled as by default")
     ap.add_argument("--uvicorn-log-level", default=None,
                     help="uvicorn's log level (vLLM's flag; default: --log-level)")
     ap.add_argument("--gpu-memory-utilization", "--mem-fraction-static", type=float, default=None,
@@ -307,6 +335,8 @@ def apply_vllm_flags(args: argparse.Namespace) -> None:
     ones that ask for what one process cannot be (--tensor-parallel-size above 1), refused by
     name, and those with nothing to set here (--gpu-memory-utilization), said so."""
     apply_speculative_config(args)
+    if args.optimization_level == 0:  # vLLM's -O0: no compilation
+        args.enforce_eager = True
     if args.tensor_parallel_size != 1:
         raise UserError(f"--tensor-parallel-size {args.tensor_parallel_size}: one process serves here "
                         f"(serve our heads in vLLM or SGLang for tensor parallelism)")
@@ -345,7 +375,16 @@ def apply_vllm_flags(args: argparse.Namespace) -> None:
 def apply_speculative_config(args: argparse.Namespace) -> None:
     """vLLM's --speculative-config, written into the flags it stands for (SPECULATIVE_CONFIG_FLAGS,
     num_speculative_tokens K as a chain: K steps, top-1, K + 1 nodes). Refuses a method other
-    than EAGLE's, a key it does not know and a flag given both ways."""
+    than EAGLE's, a key it does not know and a flag given both ways. vLLM's --spec-method,
+    --spec-model and --spec-tokens are its method, model and num_speculative_tokens."""
+    short = {key: value for key, value in (("method", args.spec_method), ("model", args.spec_model),
+                                           ("num_speculative_tokens", args.spec_tokens)) if value is not None}
+    if short:
+        if args.speculative_config is not None:
+            raise UserError("--speculative-config and --spec-method / --spec-model / --spec-tokens both "
+                            "given: pass one of them")
+        args.speculative_config = short
+        args.spec_method = args.spec_model = args.spec_tokens = None  # applied
     conf = args.speculative_config
     if conf is None:
         return

@@ -1185,6 +1185,62 @@ def test_developer_turns_are_system_turns_for_templates_without_the_role(tokeniz
     assert prompt([{"role": "developer", "content": "Be terse."}, user], named) == "[developer]Be terse.Hi"
 
 
+def test_server_wide_chat_settings_as_vllm_flags_set_them(tokenizer, default_model_dir):
+    """--default-chat-template-kwargs (a request's own variables win), --exclude-tools-when-tool-
+    choice-none (tool_choice none: the template sees no tools), --enable-force-include-usage
+    (streams end with their usage unasked), --enable-request-id-headers (X-Request-Id: the
+    request's, else a new one); a default kwarg named as apply_chat_template's parameter is
+    refused at start."""
+    from eagle_infer import server
+    from eagle_infer.errors import UserError
+    from eagle_infer.server import ServerConfig
+
+    template = ("{%- if tools %}[tools]{%- endif %}{%- for m in messages %}{{ m.content }}{%- endfor %}"
+                "({{ mood | default('none') }})")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+    def ask(cfg: ServerConfig, body: dict, headers: dict | None = None) -> tuple[httpx.Response, str]:
+        engine, app = scripted_app(tokenizer, "Hi.", cfg)
+
+        async def post() -> httpx.Response:
+            engine.start()
+            try:
+                transport = httpx.ASGITransport(app=app)
+                async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
+                    return await http.post("/v1/chat/completions", json=body, headers=headers or {})
+            finally:
+                engine.stop()
+
+        got = asyncio.run(post())
+        return got, tokenizer.decode(engine.dec.added[-1].prompt)
+
+    def cfg(**kw) -> ServerConfig:
+        return ServerConfig(["m"], None, 2048, len(tokenizer), chat_template=template, **kw)
+
+    msgs = [{"role": "user", "content": "Yo"}]
+    moody = cfg(template_kwargs={"mood": "calm"})
+    assert ask(moody, {"messages": msgs})[1] == "Yo(calm)"
+    assert ask(moody, {"messages": msgs, "chat_template_kwargs": {"mood": "glad"}})[1] == "Yo(glad)"
+    none = {"messages": msgs, "tools": tools, "tool_choice": "none"}
+    assert ask(cfg(), none)[1] == "[tools]Yo(none)"  # vLLM's default: shown
+    assert ask(cfg(tools_only_when_chosen=True), none)[1] == "Yo(none)"
+    stream = {"messages": msgs, "stream": True}
+    for forced, usage in ((False, False), (True, True)):
+        got, _ = ask(cfg(force_usage=forced), stream)
+        last = sse_events(got.text)[-1]
+        assert (last["choices"] == [] and last["usage"]["completion_tokens"] > 0) == usage
+    got, _ = ask(cfg(request_id_headers=True), {"messages": msgs}, {"X-Request-Id": "abc-1"})
+    assert got.headers["x-request-id"] == "abc-1"
+    assert len(ask(cfg(request_id_headers=True), {"messages": msgs})[0].headers["x-request-id"]) == 32
+    assert "x-request-id" not in ask(cfg(), {"messages": msgs})[0].headers
+    args = server.build_parser().parse_args(["--model-path", str(default_model_dir), "--device", "cpu",
+                                             "--dtype", "float32", "--speculative-algorithm", "NONE",
+                                             "--disable-torch-compile",
+                                             "--default-chat-template-kwargs", '{"tools": []}'])
+    with pytest.raises(UserError, match="--default-chat-template-kwargs: tools is a parameter of"):
+        server.build_engine(args)
+
+
 def test_content_format_auto_detects_templates_that_loop_over_parts(tokenizer):
     """--chat-template-content-format auto (the default, as vLLM's): openai where the template
     loops over a message's content, however the message and its content are reached; string
@@ -1599,15 +1655,32 @@ def test_vllm_flag_names_map_onto_ours(monkeypatch, tmp_path, capsys):
              "--speculative-config and --speculative-num-steps both given")):
         with pytest.raises(UserError, match=re.escape(error)):
             applied(json.dumps(conf), *flags)
+    # vLLM 0.32's shorthand: --spec-method / --spec-model / --spec-tokens, and -sc
+    short = server.build_parser().parse_args(["--spec-method", "eagle", "--spec-model", str(head),
+                                              "--spec-tokens", "3"])
+    server_flags.apply_speculative_config(short)
+    assert server.resolve_draft(short) == ("EAGLE", head)
+    assert server.resolve_tree(short, "cpu") == TreeConfig(3, 1, 4, ngram_branch=4)
+    args = server.build_parser().parse_args(["-sc", json.dumps({"method": "eagle3", "model": str(head)})])
+    server_flags.apply_speculative_config(args)
+    assert server.resolve_draft(args) == ("EAGLE3", head)
+    with pytest.raises(UserError, match="--speculative-config and --spec-method / --spec-model"):
+        server_flags.apply_speculative_config(server.build_parser().parse_args(
+            ["-sc", json.dumps({"method": "eagle3"}), "--spec-tokens", "2"]))
     for bad in ("{method: eagle3}", "[1]"):
         with pytest.raises(SystemExit):
             server.build_parser().parse_args(["--speculative-config", bad])
-        assert "--speculative-config: not " in capsys.readouterr().err
-    # --enforce-eager: no compiled steps on either device; -tp above 1 refused; the rest accepted
-    eager = server.build_parser().parse_args(["--enforce-eager", "--trust-remote-code",
-                                              "--enable-prefix-caching", "-tp", "1"])
-    server.apply_vllm_flags(eager)
-    assert server.compile_settings(eager, "cpu") is None and server.compile_settings(eager, "cuda") is None
+        assert "--speculative-config/-sc: not " in capsys.readouterr().err
+    # --enforce-eager (or -O0): no compiled steps on either device; -tp above 1 refused; the rest accepted
+    for flag in ("--enforce-eager", "-O0"):
+        eager = server.build_parser().parse_args([flag, "--trust-remote-code", "--enable-prefix-caching",
+                                                  "-tp", "1"])
+        server.apply_vllm_flags(eager)
+        assert server.compile_settings(eager, "cpu") is None
+        assert server.compile_settings(eager, "cuda") is None
+    optimized = server.build_parser().parse_args(["-O3"])
+    server.apply_vllm_flags(optimized)
+    assert server.compile_settings(optimized, "cpu") is not None
     assert eager.prefix_caching and server.compile_settings(server.build_parser().parse_args([]), "cpu")
     for flags, error in ((["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: one process"),
                          (["--enforce-eager", "--enable-torch-compile"], "--enforce-eager and --enable")):
