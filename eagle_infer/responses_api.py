@@ -72,10 +72,9 @@ class ResponsesRequest(_Body):
                     raise ApiError(400, f"{where}: a function_call needs call_id, name and arguments "
                                         "(strings)", param="input", code="invalid_value")
                 last = msgs[-1] if msgs else None
-                if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
-                    last["tool_calls"].append(call)  # one turn's calls in one message
-                elif last is not None and last["role"] == "assistant" and "tool_calls" not in last:
-                    msgs[-1] = last | {"tool_calls": [call]}
+                if last is not None and last["role"] == "assistant":
+                    # one turn's calls in one message; a new dict: the history's are a stored response's
+                    msgs[-1] = last | {"tool_calls": [*(last.get("tool_calls") or []), call]}
                 else:
                     msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif kind == "function_call_output":

@@ -158,3 +158,23 @@ def test_input_items_become_chat_turns(tokenizer):
     assert prompt.startswith("<|im_start|>system\nAnswer in French.")
     order = [prompt.index(s) for s in ("Weather?", '"city": "Nice"', "Rain", "Il pleut.", "Merci")]
     assert order == sorted(order)
+
+
+def test_calls_join_their_turn_without_touching_the_stored_history():
+    """Consecutive function_call items are one assistant turn's calls, an assistant's text and its
+    calls one turn too; a call added to a history's last turn leaves the stored history as it was."""
+    from eagle_infer.responses_api import ResponsesRequest
+
+    def call(i: int) -> dict:
+        return {"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"}
+
+    history = [{"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": "Let me see.", "tool_calls": [
+                   {"id": "c0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    kept = [dict(m) for m in history]
+    msgs = ResponsesRequest(input=[call(1), {"type": "function_call_output", "call_id": "c1", "output": "x"},
+                                   call(2), call(3)]).conversation(history)
+    assert history == kept and len(history[1]["tool_calls"]) == 1
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "assistant"]
+    assert [c["id"] for c in msgs[1]["tool_calls"]] == ["c0", "c1"] and msgs[1]["content"] == "Let me see."
+    assert [c["id"] for c in msgs[3]["tool_calls"]] == ["c2", "c3"] and msgs[3]["content"] is None
