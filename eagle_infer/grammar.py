@@ -175,8 +175,8 @@ def allowed_after(matcher: xgr.GrammarMatcher, paths: Sequence[Sequence[int]], v
         return bitmask
     for j, path in enumerate(paths):
         taken = 0
-        for token in path:
-            if not matcher.accept_token(token):
+        for token in path:  # (an ended grammar is not fed: xgrammar warns at each such token)
+            if matcher.is_terminated() or not matcher.accept_token(token):
                 break
             taken += 1
         if taken == len(path) and not matcher.is_terminated():

@@ -106,10 +106,8 @@ class ResponsesRequest(_Body):
                            ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls")):
             if getattr(self, ours) is not None:
                 body[chat] = getattr(self, ours)
-        if self.tools:
+        if self.tools:  # an empty list is no tools (OpenAI's Responses API takes it; clients send it)
             body["tools"] = [chat_tool(t, i) for i, t in enumerate(self.tools)]
-        elif self.tools is not None:
-            body["tools"] = []  # the chat path's error for an empty list
         if self.tool_choice is not None:
             choice = self.tool_choice
             if isinstance(choice, dict):

@@ -425,10 +425,11 @@ def pair_grammar(vocab: int, stop: int, regex: str = "([0-4][5-9])+"):
     return Grammars(xgr.TokenizerInfo(text, vocab_size=vocab, stop_token_ids=[stop])).compile("regex", regex)
 
 
-def test_grammar_masks_each_tree_node_after_its_path():
+def test_grammar_masks_each_tree_node_after_its_path(capfd):
     """penalize with a grammar: each node's allowed tokens are the grammar's after the output and
     the node's drafted path (a node under a forbidden token is unreachable: all allowed), and the
-    matcher keeps the output's state."""
+    matcher keeps the output's state; a node under a drafted stop token is not fed to the ended
+    matcher (xgrammar warned on stderr at each such node)."""
     from eagle_infer.grammar import new_matcher
 
     V, stop = 12, 11
@@ -447,11 +448,12 @@ def test_grammar_masks_each_tree_node_after_its_path():
     assert set(again[0, 0].isfinite().nonzero().flatten().tolist()) == high
     # a drafted stop token the grammar accepts ends it: the node after it is unreachable (the
     # answer ends there), all allowed, and the matcher is not asked for a mask past its end
-    ended = penalize(logits[:, :3], params, [[0]], [[2]], [{stop}], torch.tensor([[2, 7, stop]]),
-                     ancestor_mask(torch.tensor([[0, 0, 1]]), 5), [matcher])
-    allowed = [set(ended[0, j].isfinite().nonzero().flatten().tolist()) for j in range(3)]
-    assert allowed == [high, low, everything]
+    ended = penalize(logits[:, :4], params, [[0]], [[2]], [{stop}], torch.tensor([[2, 7, stop, 3]]),
+                     ancestor_mask(torch.tensor([[0, 0, 1, 2]]), 5), [matcher])
+    allowed = [set(ended[0, j].isfinite().nonzero().flatten().tolist()) for j in range(4)]
+    assert allowed == [high, low, everything, everything]
     assert not matcher.is_terminated()
+    assert "matcher has terminated" not in capfd.readouterr().err
 
 
 def test_grammar_greedy_is_plain_grammar_greedy():
