@@ -116,8 +116,8 @@ def test_previous_response_id_carries_the_conversation(tokenizer):
 
 def test_max_output_tokens_and_requests_this_server_cannot_answer(tokenizer):
     """max_output_tokens: a cut answer is incomplete (reason max_output_tokens); tools [] is none;
-    input images,
-    tools other than functions, background and truncation "auto" are 400s naming the field."""
+    input images, tools other than functions, background and truncation "auto" are 400s naming
+    the field."""
     async def body(client):
         cut = await client.responses.create(model="fake", input="Hi", max_output_tokens=2)
         # an empty tools list is no tools (OpenAI's Responses API takes it; the Agents SDK sends it)
