@@ -230,6 +230,10 @@ class ResponseShape:
         self.req, self.chat, self.conversation, self.model, self.store = req, chat, conversation, model, store
         self.id, self.created = new_id("resp"), int(time.time())
 
+    @staticmethod
+    def error_body(err: ApiError) -> dict[str, Any]:  # OpenAI's shape, as every other route's
+        return err.body()
+
     def response(self, output: list[dict[str, Any]], finish: str | None, usage: dict[str, Any] | None,
                  status: str | None = None) -> dict[str, Any]:
         """The response object; status from finish ("length": incomplete) unless given."""

@@ -46,6 +46,8 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from eagle_infer.anthropic_api import CountTokensRequest, MessageShape, MessagesRequest
+from eagle_infer.anthropic_api import error_body as anthropic_error
 from eagle_infer.api_schema import (
     MAX_LOGPROBS,
     ApiError,
@@ -748,10 +750,11 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         if cfg.api_key is None:
             return
         header = request.headers.get("authorization", "")
-        given = header[7:] if header.lower().startswith("bearer ") else ""
+        # Anthropic's clients send theirs as x-api-key
+        given = header[7:] if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
         if not hmac.compare_digest(given.encode(), cfg.api_key.encode()):
-            raise ApiError(401, "invalid API key: pass it as 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+            raise ApiError(401, "invalid API key: pass it as 'Authorization: Bearer <key>' (or "
+                                "'x-api-key: <key>')", code="invalid_api_key")
 
     async def parse(request: Request, schema: type[Body]) -> Body:
         check_auth(request)
@@ -945,11 +948,12 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
 
     async def run(request: Request, jobs: list[Job], req: Generation, kind: str,
                   tools: ToolPlan | None = None, reasoning: Thinking | None = None,
-                  shape: ResponseShape | None = None) -> Response:
+                  shape: ResponseShape | MessageShape | None = None) -> Response:
         """Answer a request from its jobs (make_jobs): streamed as their events come, else whole;
         with tools, a chat answer's text becomes tool calls (ToolPlan); with reasoning (the
         server's --reasoning-parser, whether this answer thinks), its reasoning and content;
-        with shape, a chat answer is a Responses API's response (or its events)."""
+        with shape, a chat answer is a Responses API's response or an Anthropic message (or
+        their events), and an error takes the shape's form."""
         stream = req.stream
         include_usage = cfg.force_usage or bool(req.stream_options and req.stream_options.include_usage)
         # the answer's role: --response-role after a generation prompt, else the last message's (vLLM's)
@@ -966,7 +970,9 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                     return Response(status_code=499)
                 if "error" in ev:
                     cancel_all(jobs)
-                    return error_response(ev["error"])
+                    err = ev["error"]
+                    return error_response(err) if shape is None else JSONResponse(shape.error_body(err),
+                                                                                     status_code=err.status)
                 if stream:
                     break
                 finals[ev["index"]] = ev
@@ -1174,6 +1180,32 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         jobs, tools, reasoning = chat_jobs(chat)
         shape = ResponseShape(req, chat, conversation, cfg.model_names[0], stored_responses)
         return await run(request, jobs, chat, "chat", tools, reasoning, shape)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API (vLLM's route), answered as the chat request it stands for
+        (anthropic_api); errors in Anthropic's shape."""
+        try:
+            req = await parse(request, MessagesRequest)
+            assert isinstance(req, MessagesRequest)
+            chat = with_server_defaults(req.chat_request())
+            jobs, tools, reasoning = chat_jobs(chat)
+        except ApiError as e:
+            return JSONResponse(anthropic_error(e), status_code=e.status)
+        shape = MessageShape(cfg.model_names[0], len(jobs[0].seq.prompt))
+        return await run(request, jobs, chat, "chat", tools, reasoning, shape)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        """Anthropic's token count of a Messages request: its prompt's tokens."""
+        try:
+            req = await parse(request, CountTokensRequest)
+            assert isinstance(req, CountTokensRequest)
+            chat = with_server_defaults(req.chat_request())
+            tool_dicts = chat.tool_dicts()
+            return JSONResponse({"input_tokens": len(template_prompt(chat, tool_dicts))})
+        except ApiError as e:
+            return JSONResponse(anthropic_error(e), status_code=e.status)
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(request: Request, response_id: str) -> dict[str, Any]:

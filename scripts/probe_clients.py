@@ -1,8 +1,8 @@
 """Client libraries against a running server, as their users call it: the OpenAI Agents SDK
-(whose default model speaks the Responses API, /v1/responses) and LangChain's ChatOpenAI (chat
-completions, and the Responses API with use_responses_api).
+(whose default model speaks the Responses API, /v1/responses), LangChain's ChatOpenAI (chat
+completions, and the Responses API with use_responses_api) and Anthropic's SDK (/v1/messages).
 
-    python -m venv /tmp/clients && /tmp/clients/bin/pip install openai-agents langchain-openai
+    python -m venv /tmp/clients && /tmp/clients/bin/pip install openai-agents langchain-openai anthropic
     python -m eagle_infer.server --tool-call-parser hermes --enable-auto-tool-choice \\
         --chat-template conf/chat_templates/smollm2_tools.jinja &
     /tmp/clients/bin/python scripts/probe_clients.py --url http://localhost:30000/v1
@@ -10,10 +10,12 @@ completions, and the Responses API with use_responses_api).
 Agents SDK: an agent without tools, one whose tool_choice "required" must call a function tool,
 and a streamed run with the tool on "auto". LangChain: invoke and stream, bind_tools with a named
 tool, with_structured_output by json_schema, function_calling and json_mode, and invoke and
-stream through the Responses API. Prints each output; fails (status 1) where a request fails, the
-forced call did not run the tool or a schema-bound structured output does not parse (json_mode
-asks only for JSON: whether the model keeps the fields is the model's). The libraries are not
-dependencies of this project: they live in their own environment.
+stream through the Responses API. Anthropic: a message and its stream, a forced tool_use
+(tool_choice any), the tool's result sent back, a named tool streamed, count_tokens. Prints each
+output; fails (status 1) where a request fails, a forced call did not run or end in tool_use, or a
+schema-bound structured output does not parse (json_mode asks only for JSON: whether the model
+keeps the fields is the model's). The libraries are not dependencies of this project: they live
+in their own environment.
 """
 
 from __future__ import annotations
@@ -98,6 +100,44 @@ def probe_langchain(url: str, model_name: str | None) -> bool:
     return bool(calls) and all(parsed) and bool(answer.text)
 
 
+def probe_anthropic(url: str, model_name: str | None) -> bool:
+    import anthropic
+    from openai import OpenAI
+
+    name = model_name or OpenAI(base_url=url, api_key="none").models.list().data[0].id
+    client = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key="none")
+    greedy = {"extra_body": {"temperature": 0}}  # the SDK has no temperature argument now
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    msg = client.messages.create(model=name, max_tokens=40, system="Be brief.", messages=ask, **greedy)
+    print(f"Anthropic messages: {msg.content}, {msg.stop_reason}, {msg.usage.input_tokens} + "
+          f"{msg.usage.output_tokens} tokens")
+    with client.messages.stream(model=name, max_tokens=40, messages=ask, **greedy) as stream:
+        text = "".join(stream.text_stream)
+    print(f"Anthropic messages, streamed: {text!r}")
+    tools = [{"name": "get_weather", "description": "The weather in a city", "input_schema": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    weather = [{"role": "user", "content": "What is the weather in Paris?"}]
+    called = client.messages.create(model=name, max_tokens=64, tools=tools, tool_choice={"type": "any"},
+                                    messages=weather, **greedy)
+    uses = [b for b in called.content if b.type == "tool_use"]
+    print(f"tool_choice any: {[(b.name, b.input) for b in uses]}, {called.stop_reason}")
+    if not uses:
+        return False
+    result = {"type": "tool_result", "tool_use_id": uses[0].id, "content": "Sunny"}
+    after = client.messages.create(model=name, max_tokens=40, tools=tools, messages=[
+        *weather, {"role": "assistant", "content": called.content}, {"role": "user", "content": [result]}],
+        **greedy)
+    print(f"after the tool's result: {after.content}")
+    with client.messages.stream(model=name, max_tokens=64, tools=tools, messages=weather,
+                                tool_choice={"type": "tool", "name": "get_weather"}, **greedy) as stream:
+        final = stream.get_final_message()
+    print(f"a named tool, streamed: {[(b.type, getattr(b, 'input', None)) for b in final.content]}, "
+          f"{final.stop_reason}")
+    counted = client.messages.count_tokens(model=name, messages=ask)
+    print(f"count_tokens: {counted.input_tokens}")
+    return bool(msg.content) and called.stop_reason == final.stop_reason == "tool_use"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://localhost:30000/v1")
@@ -110,7 +150,10 @@ def main() -> None:
     if not langchain:
         print("LangChain: a named tool call, a structured output or a Responses answer is missing",
               file=sys.stderr)
-    sys.exit(0 if agents and langchain else 1)
+    claude = probe_anthropic(args.url, args.model)
+    if not claude:
+        print("Anthropic SDK: an answer, a forced tool_use or its stop_reason is missing", file=sys.stderr)
+    sys.exit(0 if agents and langchain and claude else 1)
 
 
 if __name__ == "__main__":
