@@ -6,18 +6,15 @@ of chunks Anthropic's stream of events. Errors take Anthropic's shape."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from pydantic import ValidationError
+from eagle_infer.api_schema import ApiError, ChatRequest, _Body
+from eagle_infer.chat_bridge import chat_pieces, chat_request_of
 
-from eagle_infer.api_schema import ApiError, ChatRequest, Generation, _Body
-
-PASSED_THROUGH = frozenset(Generation.model_fields) - {
-    "model", "max_tokens", "temperature", "top_p", "top_k", "stop", "stream", "stream_options", "n",
-    "response_format", "prompt_logprobs", "return_tokens_as_token_ids"} | {"chat_template_kwargs"}
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}  # else end_turn or stop_sequence
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
@@ -94,8 +91,7 @@ class MessagesRequest(_Body):
 
     def chat_request(self) -> ChatRequest:
         """The chat request this request stands for."""
-        body: dict[str, Any] = {k: v for k, v in (self.model_extra or {}).items() if k in PASSED_THROUGH}
-        body |= {"messages": self.conversation(), "max_tokens": self.max_tokens}
+        body: dict[str, Any] = {"messages": self.conversation(), "max_tokens": self.max_tokens}
         for ours, chat in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
                            ("stop_sequences", "stop")):
             if getattr(self, ours) is not None:
@@ -126,13 +122,7 @@ class MessagesRequest(_Body):
                                                                               "schema": fmt["schema"]}}
         if self.stream:
             body["stream"], body["stream_options"] = True, {"include_usage": True}
-        try:
-            return ChatRequest.model_validate(body)
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise ApiError(400, f"messages (as chat {where}): {first['msg']}", param="messages",
-                           code="invalid_value") from None
+        return chat_request_of(body, self.model_extra, ("top_k", "stop"), "messages")
 
 
 class CountTokensRequest(MessagesRequest):
@@ -174,7 +164,7 @@ def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
             "input": arguments if isinstance(arguments, dict) else {}}
 
 
-def stop_of(finish: str | None, stop_reason: Any, called: bool) -> tuple[str, str | None]:
+def stop_of(finish: str | None, stop_reason: Any, called: bool = False) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) of a chat answer's finish_reason and stop_reason (the stop
     string it matched, a stop token's id, or None at EOS); an answer with calls ends in tool_use
     unless cut (a named tool's chat answer finishes with stop, as OpenAI's)."""
@@ -217,8 +207,8 @@ class MessageShape:
             content.append({"type": "text", "text": message["content"]})
         calls = message.get("tool_calls") or []
         content += [tool_use_block(call) for call in calls]
-        return self.message(content, stop_of(choice["finish_reason"], choice.get("stop_reason"), bool(calls)),
-                            self.usage(answer["usage"]))
+        stop = stop_of(choice["finish_reason"], choice.get("stop_reason"), called=bool(calls))
+        return self.message(content, stop, self.usage(answer["usage"]))
 
     async def events(self, chunks: AsyncGenerator[str]) -> AsyncGenerator[dict[str, str]]:
         """Anthropic's events (SSE `event` and `data`) of a streamed chat answer's chunks
@@ -229,7 +219,7 @@ class MessageShape:
         yield event("message_start", message=self.message([], (None, None), self.usage(None)))
         index = -1  # the open block's
         open_kind: str | None = None
-        calls: set[int] = set()  # the chat tool calls' indices seen
+        calls: set[int] = set()  # the answer's tool calls, by their chat index
         stop: tuple[str, str | None] = ("end_turn", None)
         usage = None
 
@@ -239,44 +229,33 @@ class MessageShape:
             index, open_kind = index + 1, kind
             return out + [event("content_block_start", index=index, content_block=block)]
 
-        try:  # a client gone mid-stream: the chat stream closes too, which cancels its jobs
-            async for raw in chunks:
-                if raw == "[DONE]":
-                    break
-                chunk = json.loads(raw)
-                if "error" in chunk:
-                    err = chunk["error"]
-                    yield event("error", error={"type": "api_error", "message": err.get("message")})
+        async with contextlib.aclosing(chat_pieces(chunks)) as pieces:
+            async for kind, value in pieces:
+                if kind == "error":
+                    yield event("error", error={"type": "api_error", "message": value.get("message")})
                     return
-                usage = chunk.get("usage") or usage
-                for choice in chunk["choices"]:
-                    delta = choice["delta"]
-                    for kind, key, delta_type in (("thinking", "reasoning", "thinking_delta"),
-                                                  ("text", "content", "text_delta")):
-                        if not delta.get(key):
-                            continue
-                        if open_kind != kind:
-                            block = {"type": kind, kind: ""}
-                            if kind == "thinking":
-                                block["signature"] = ""
-                            for ev in switch_to(kind, block):
-                                yield ev
-                        yield event("content_block_delta", index=index,
-                                    delta={"type": delta_type, kind: delta[key]})
-                    for piece in delta.get("tool_calls") or []:
-                        fn = piece.get("function") or {}
-                        if piece["index"] not in calls:  # a new call: its id and name come first
-                            calls.add(piece["index"])
-                            block = {"type": "tool_use", "id": piece["id"], "name": fn["name"], "input": {}}
-                            for ev in switch_to("tool_use", block):
-                                yield ev
-                        if fn.get("arguments"):
-                            yield event("content_block_delta", index=index,
-                                        delta={"type": "input_json_delta", "partial_json": fn["arguments"]})
-                    if choice.get("finish_reason") is not None:
-                        stop = stop_of(choice["finish_reason"], choice.get("stop_reason"), bool(calls))
-        finally:
-            await chunks.aclose()
+                if kind == "usage":
+                    usage = value
+                elif kind == "finish":
+                    stop = stop_of(*value, called=bool(calls))
+                elif kind in ("reasoning", "content"):
+                    block_kind, text = ("thinking", value) if kind == "reasoning" else ("text", value[0])
+                    if open_kind != block_kind:
+                        block = {"type": block_kind, block_kind: ""}
+                        if block_kind == "thinking":
+                            block["signature"] = ""
+                        for ev in switch_to(block_kind, block):
+                            yield ev
+                    yield event("content_block_delta", index=index,
+                                delta={"type": f"{block_kind}_delta", block_kind: text})
+                elif kind == "call":
+                    calls.add(value[0])
+                    for ev in switch_to("tool_use", {"type": "tool_use", "id": value[1], "name": value[2],
+                                                     "input": {}}):
+                        yield ev
+                elif kind == "arguments":
+                    yield event("content_block_delta", index=index,
+                                delta={"type": "input_json_delta", "partial_json": value[1]})
         if open_kind is not None:
             yield event("content_block_stop", index=index)
         yield event("message_delta", delta={"stop_reason": stop[0], "stop_sequence": stop[1]},

@@ -8,6 +8,7 @@ STORED_RESPONSES with `store`, the default) for `previous_response_id` and
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import json
 import time
@@ -16,17 +17,10 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
-
-from eagle_infer.api_schema import ApiError, ChatRequest, Generation, _Body
+from eagle_infer.api_schema import ApiError, ChatRequest, _Body
+from eagle_infer.chat_bridge import chat_pieces, chat_request_of
 
 STORED_RESPONSES = 1000  # in memory, lost at a restart (vLLM's store is in memory too)
-
-# chat request fields a Responses request may carry as extensions (vLLM's ResponsesRequest
-# takes sampling extensions too); the rest of the chat fields have Responses names
-PASSED_THROUGH = frozenset(Generation.model_fields) - {
-    "model", "max_tokens", "temperature", "top_p", "stream", "stream_options", "n", "response_format",
-    "prompt_logprobs", "return_tokens_as_token_ids"} | {"chat_template_kwargs"}
 
 
 class ResponsesRequest(_Body):
@@ -99,7 +93,7 @@ class ResponsesRequest(_Body):
         if self.truncation not in (None, "disabled"):
             raise ApiError(400, "truncation: only 'disabled' (a prompt over the context is refused)",
                            param="truncation", code="unsupported_parameter")
-        body: dict[str, Any] = {k: v for k, v in (self.model_extra or {}).items() if k in PASSED_THROUGH}
+        body: dict[str, Any] = {}
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         body["messages"] = system + conversation
         for ours, chat in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
@@ -129,13 +123,7 @@ class ResponsesRequest(_Body):
             body["stream"], body["stream_options"] = True, {"include_usage": True}
         if self.top_logprobs is not None or "message.output_text.logprobs" in (self.include or []):
             body["logprobs"], body["top_logprobs"] = True, self.top_logprobs or 0
-        try:
-            return ChatRequest.model_validate(body)
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise ApiError(400, f"input (as chat {where}): {first['msg']}", param="input",
-                           code="invalid_value") from None
+        return chat_request_of(body, self.model_extra, (), "input")
 
 
 def text_of(content: Any, where: str) -> str | list[dict[str, str]]:
@@ -344,52 +332,49 @@ class ResponseShape:
                              part=part)]
             return opened
 
+        def at_current() -> dict[str, Any]:  # where a delta of the open item goes
+            assert current is not None
+            return {"item_id": current["id"], "output_index": len(output), "content_index": 0}
+
         def switch_to(kind: str) -> list[dict[str, str]]:  # an item of this kind open, else opened
             return [] if current is not None and current["kind"] == kind else open_item(kind)
 
-        try:  # a client gone mid-stream: the chat stream closes too, which cancels its jobs
-            async for raw in chunks:
-                if raw == "[DONE]":
-                    break
-                chunk = json.loads(raw)
-                if "error" in chunk:
-                    err = chunk["error"]
-                    yield event("error", code=err.get("code"), message=err.get("message"),
-                                param=err.get("param"))
+        async with contextlib.aclosing(chat_pieces(chunks)) as pieces:
+            async for kind, value in pieces:
+                if kind == "error":
+                    yield event("error", code=value.get("code"), message=value.get("message"),
+                                param=value.get("param"))
                     return
-                usage = chunk.get("usage") or usage
-                for choice in chunk["choices"]:
-                    delta = choice["delta"]
-                    for kind, key, name in (("reasoning", "reasoning", "response.reasoning_text.delta"),
-                                            ("message", "content", "response.output_text.delta")):
-                        if not delta.get(key):
-                            continue
-                        for ev in switch_to(kind):
-                            yield ev
-                        assert current is not None
-                        current["text"] += delta[key]
-                        more = {}
-                        if kind == "message":
-                            more["logprobs"] = (choice.get("logprobs") or {}).get("content") or []
-                            current["logprobs"] += more["logprobs"]
-                        yield event(name, item_id=current["id"], output_index=len(output), content_index=0,
-                                    delta=delta[key], **more)
-                    for piece in delta.get("tool_calls") or []:
-                        fn = piece.get("function") or {}
-                        if piece["index"] not in calls:  # a new call: its id and name come first
-                            calls[piece["index"]] = {"id": piece["id"], "type": "function",
-                                                     "function": {"name": fn["name"], "arguments": ""}}
-                            for ev in open_item("call", calls[piece["index"]]):
-                                yield ev
-                        if fn.get("arguments"):
-                            assert current is not None
-                            calls[piece["index"]]["function"]["arguments"] += fn["arguments"]
-                            yield event("response.function_call_arguments.delta", item_id=current["id"],
-                                        output_index=len(output), delta=fn["arguments"])
-                    if choice.get("finish_reason") is not None:
-                        finish = choice["finish_reason"]
-        finally:
-            await chunks.aclose()
+                if kind == "usage":
+                    usage = value
+                elif kind == "finish":
+                    finish = value[0]
+                elif kind == "reasoning":
+                    for ev in switch_to("reasoning"):
+                        yield ev
+                    assert current is not None
+                    current["text"] += value
+                    yield event("response.reasoning_text.delta", **at_current(), delta=value)
+                elif kind == "content":
+                    text, logprobs = value
+                    for ev in switch_to("message"):
+                        yield ev
+                    assert current is not None
+                    current["text"] += text
+                    current["logprobs"] += logprobs
+                    yield event("response.output_text.delta", **at_current(), delta=text, logprobs=logprobs)
+                elif kind == "call":
+                    index, call_id, name = value
+                    calls[index] = {"id": call_id, "type": "function",
+                                    "function": {"name": name, "arguments": ""}}
+                    for ev in open_item("call", calls[index]):
+                        yield ev
+                elif kind == "arguments":
+                    index, text = value
+                    assert current is not None
+                    calls[index]["function"]["arguments"] += text
+                    yield event("response.function_call_arguments.delta", item_id=current["id"],
+                                output_index=len(output), delta=text)
         if current is None and not output:  # an empty answer is an empty message (as whole)
             for ev in open_item("message"):
                 yield ev

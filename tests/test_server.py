@@ -735,14 +735,30 @@ def test_32_concurrent_clients_decode_together_and_match_single_requests(server,
     assert after["eagle:num_requests_running"] == 0 and after["eagle:num_requests_waiting"] == 0
 
 
+class SseLines:
+    """A streamed POST's lines through httpx, iterated and closed as the openai client's streams."""
+
+    def __init__(self, url: str, headers: dict, body: dict):
+        self.request = httpx.stream("POST", url, json=body, headers=headers, timeout=30)
+        self.response = self.request.__enter__()
+
+    def __iter__(self):
+        return self.response.iter_lines()
+
+    def close(self) -> None:
+        self.request.__exit__(None, None, None)
+
+
 def test_disconnected_stream_frees_its_slot(server, client):
     before = metrics(server)
     msgs = [{"role": "user", "content": "Tell a story."}]
-    streams = {  # a chat stream, and the Responses API's (its events wrap a chat stream)
+    streams = {  # a chat stream, the Responses API's and Anthropic's (their events wrap a chat stream)
         "chat": lambda: client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=400,
                                                        temperature=0, stream=True),
         "responses": lambda: client.responses.create(model=MODEL, input="Tell a story.",
-                                                     max_output_tokens=400, temperature=0, stream=True)}
+                                                     max_output_tokens=400, temperature=0, stream=True),
+        "messages": lambda: SseLines(server.url + "/v1/messages", {"x-api-key": API_KEY}, {
+            "model": MODEL, "max_tokens": 400, "stream": True, "temperature": 0, "messages": msgs})}
     for kind, start in streams.items():
         stream = start()
         for i, _ in enumerate(stream):
