@@ -222,6 +222,7 @@ class ChatRequest(Generation):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None  # vLLM's: this request's template (--trust-request-chat-template)
 
     def tool_plan(self, parser: Parser | None, auto: bool) -> ToolPlan | None:
         """How the answer becomes tool calls (tool_calls.ToolPlan), None for a plain answer.
@@ -291,6 +292,7 @@ class TokenizeRequest(_Body):
     continue_final_message: bool = False
     tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     return_token_strs: bool = False
 
     tool_dicts = ChatRequest.tool_dicts

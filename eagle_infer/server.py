@@ -639,7 +639,9 @@ class ServerConfig:
     listed: int = 1  # the first model_names (--served-model-name's) /v1/models lists, as vLLM
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: alternatives a request may ask for per token
     response_role: str = "assistant"  # --response-role: a chat answer's role after a generation prompt
-    content_format: str = "string"  # --chat-template-content-format: a message's content as templates get it
+    # --chat-template-content-format: a message's content as templates get it (auto: detected per template)
+    content_format: str = "auto"
+    trust_request_template: bool = False  # --trust-request-chat-template: a request's chat_template used
     tokens_as_ids: bool = False  # --return-tokens-as-token-ids: what requests that leave the field out get
     # --default-chat-template-kwargs: the template's variables where a request leaves them out
     template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -818,13 +820,17 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                            param="min_tokens", code="invalid_value")
         return max_tokens
 
-    @functools.cache
-    def template_names_developer() -> bool:  # else a "developer" turn is a system one (vLLM's rule)
+    @functools.lru_cache(maxsize=32)
+    def template_traits(template: str | None) -> tuple[str, bool]:
+        """A chat template's (None: the tokenizer's) content format (--chat-template-content-
+        format, auto detected as vLLM's) and whether it names the developer role (else such a
+        turn is a system one, vLLM's rule)."""
         try:
-            template = tokenizer.get_chat_template(cfg.chat_template)
+            text = tokenizer.get_chat_template(template)
         except ValueError:  # no template: apply_chat_template says so
-            return True
-        return "'developer'" in template or '"developer"' in template
+            return "string", True
+        form = content_format_of(text) if cfg.content_format == "auto" else cfg.content_format
+        return form, "'developer'" in text or '"developer"' in text
 
     @functools.cache
     def template_parameters() -> frozenset[str]:
@@ -1119,8 +1125,16 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         if req.add_generation_prompt and req.continue_final_message:
             raise ApiError(400, "continue_final_message needs add_generation_prompt: false",
                            param="continue_final_message", code="invalid_value")
-        msgs = [m.for_template(parts=cfg.content_format == "openai") for m in req.messages]
-        if any(m["role"] == "developer" for m in msgs) and not template_names_developer():
+        template = cfg.chat_template
+        if req.chat_template is not None:
+            if not cfg.trust_request_template:
+                raise ApiError(400, "chat_template: a request's own chat template is refused unless the "
+                                    "server runs with --trust-request-chat-template (vLLM's rule)",
+                               param="chat_template", code="invalid_value")
+            template = req.chat_template
+        content_format, names_developer = template_traits(template)
+        msgs = [m.for_template(parts=content_format == "openai") for m in req.messages]
+        if any(m["role"] == "developer" for m in msgs) and not names_developer:
             msgs = developer_as_system(msgs)
         if tool_parser is not None and tool_parser.history_id is not None:
             msgs = history_ids(msgs, tool_parser.history_id)
@@ -1130,7 +1144,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                                 "apply_chat_template, not a template variable",
                            param="chat_template_kwargs", code="invalid_value")
         try:
-            return chat_prompt_ids(tokenizer, msgs, tool_dicts, cfg.chat_template, req.add_generation_prompt,
+            return chat_prompt_ids(tokenizer, msgs, tool_dicts, template, req.add_generation_prompt,
                                    req.continue_final_message, **(req.chat_template_kwargs or {}))
         except Exception as e:
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages",
@@ -1356,15 +1370,13 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     if clash:
         raise UserError(f"--default-chat-template-kwargs: {', '.join(sorted(clash))} is a parameter of "
                         "apply_chat_template, not a template variable")
-    content_format = args.chat_template_content_format
-    if content_format == "auto":
+    if args.chat_template_content_format == "auto":  # (the app detects it per template: said here)
         try:
             template = tokenizer.get_chat_template(chat_template)
         except ValueError:  # no template: requests get the tokenizer's error, per request
             template = None
-        content_format = content_format_of(template)
         log.info("chat template content format: %s (detected from the template, as vLLM's auto; "
-                 "--chat-template-content-format sets it)", content_format)
+                 "--chat-template-content-format sets it)", content_format_of(template))
     ctx = args.context_length
     if ctx < 16 or ctx > target.config.max_position_embeddings:
         raise UserError(f"--context-length must be in [16, {target.config.max_position_embeddings}] "
@@ -1429,7 +1441,8 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
                        allowed_origins=args.allowed_origins, listed=len(served),
                        max_logprobs=target.config.vocab_size if args.max_logprobs == -1
                        else args.max_logprobs,
-                       response_role=args.response_role, content_format=content_format,
+                       response_role=args.response_role, content_format=args.chat_template_content_format,
+                       trust_request_template=args.trust_request_chat_template,
                        tokens_as_ids=args.return_tokens_as_token_ids,
                        template_kwargs=args.default_chat_template_kwargs or {},
                        tools_only_when_chosen=args.exclude_tools_when_tool_choice_none,
@@ -1502,6 +1515,7 @@ def warmed_marker(args: argparse.Namespace) -> Path:
     skip = ("host", "port", "api_key", "served_model_name", "log_level", "seed", "log_requests",
             "disable_log_stats", "enable_metrics", "response_role", "max_logprobs",
             "return_tokens_as_token_ids", "chat_template_content_format", "uvicorn_log_level",
+            "trust_request_chat_template",
             "gpu_memory_utilization", "tokenizer_mode", "allowed_origins", "root_path", "ssl_keyfile",
             "ssl_certfile", "block_size", "swap_space", "default_chat_template_kwargs",
             "exclude_tools_when_tool_choice_none", "disable_uvicorn_access_log", "enable_request_id_headers",

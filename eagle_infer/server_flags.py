@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
                     help="a Jinja chat template (a file, or the template itself) in place of the "
                          "tokenizer's, e.g. one that shows tools to a model whose own template does not")
+    ap.add_argument("--trust-request-chat-template", action="store_true",
+                    help="a request's chat_template is used (vLLM's flag); without it such a request is "
+                         "refused, as vLLM refuses it")
     ap.add_argument("--default-chat-template-kwargs", type=json_object, default=None, metavar="JSON",
                     help="the chat template's variables for requests that leave them out, merged under "
                          "a request's chat_template_kwargs (vLLM's flag), e.g. '{\"enable_thinking\": "

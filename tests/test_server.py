@@ -1257,6 +1257,35 @@ def test_server_wide_chat_settings_as_vllm_flags_set_them(tokenizer, default_mod
         server.build_engine(args)
 
 
+def test_a_requests_chat_template_needs_the_servers_trust(tokenizer):
+    """A request's chat_template (vLLM's field) is refused unless the server trusts them
+    (--trust-request-chat-template, vLLM's rule); trusted, it renders the prompt, its content format
+    detected for it (auto): a template that loops over parts gets parts."""
+    from eagle_infer.server import ServerConfig
+
+    parts = "{%- for m in messages %}[{%- for p in m.content %}{{ p.text }}|{%- endfor %}]{%- endfor %}"
+    body = {"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": False,
+            "chat_template": parts}
+
+    def tokenize(trust: bool) -> httpx.Response:
+        _, app = scripted_app(tokenizer, "", ServerConfig(["m"], None, 2048, len(tokenizer),
+                                                           trust_request_template=trust))
+
+        async def post() -> httpx.Response:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
+                return await http.post("/tokenize", json=body)
+
+        return asyncio.run(post())
+
+    refused = tokenize(False)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+    assert "--trust-request-chat-template" in refused.json()["error"]["message"]
+    trusted = tokenize(True)
+    assert trusted.status_code == 200, trusted.text
+    assert tokenizer.decode(trusted.json()["tokens"]) == "[Hi|]"
+
+
 def test_content_format_auto_detects_templates_that_loop_over_parts(tokenizer):
     """--chat-template-content-format auto (the default, as vLLM's): openai where the template
     loops over a message's content, however the message and its content are reached; string
@@ -1756,7 +1785,7 @@ def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokeni
                  "--chat-template", "{% for m in messages %}{% for p in m.content %}{{ p.text }}{% endfor %}"
                  "{% endfor %}")
     engine, _, _, cfg = server.build_engine(args)
-    assert cfg.content_format == "openai"  # --chat-template-content-format auto: the template loops
+    assert "chat template content format: openai" in caplog.text  # auto: the template loops over parts
     assert cfg.model_names[:2] == ["smol", "smol-alias"] and engine.metrics.model_name == "smol"
     assert cfg.listed == 2  # /v1/models lists both, as vLLM (below)
     assert cfg.max_logprobs == engine.dec.target.config.vocab_size  # -1: the vocabulary
