@@ -197,7 +197,7 @@ class MessageShape:
                 "cache_read_input_tokens": cached,
                 "output_tokens": (chat_usage or {}).get("completion_tokens", output_tokens)}
 
-    def from_chat(self, answer: dict[str, Any]) -> dict[str, Any]:
+    def whole(self, answer: dict[str, Any]) -> dict[str, Any]:
         """The message of a chat answer (server.full_response's)."""
         choice = answer["choices"][0]
         message, content = choice["message"], []

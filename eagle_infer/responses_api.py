@@ -258,7 +258,7 @@ class ResponseShape:
             self.store.put(Stored(answer, [*self.conversation, turn]))
         return answer
 
-    def from_chat(self, answer: dict[str, Any]) -> dict[str, Any]:
+    def whole(self, answer: dict[str, Any]) -> dict[str, Any]:
         """The response of a chat answer (server.full_response's)."""
         choice = answer["choices"][0]
         message, output = choice["message"], []

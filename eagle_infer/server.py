@@ -84,6 +84,7 @@ from eagle_infer.server_flags import (
     sampling_defaults_of,
     tool_parser_of,
 )
+from eagle_infer.sglang_api import GenerateRequest, GenerateShape
 from eagle_infer.speculative import Sequence_, TokenLogprob
 from eagle_infer.tool_calls import PARSERS, ToolPlan, ToolStream, history_ids, merge_deltas
 
@@ -954,12 +955,12 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
 
     async def run(request: Request, jobs: list[Job], req: Generation, kind: str,
                   tools: ToolPlan | None = None, reasoning: Thinking | None = None,
-                  shape: ResponseShape | MessageShape | None = None) -> Response:
+                  shape: ResponseShape | MessageShape | GenerateShape | None = None) -> Response:
         """Answer a request from its jobs (make_jobs): streamed as their events come, else whole;
         with tools, a chat answer's text becomes tool calls (ToolPlan); with reasoning (the
         server's --reasoning-parser, whether this answer thinks), its reasoning and content;
-        with shape, a chat answer is a Responses API's response or an Anthropic message (or
-        their events), and an error takes the shape's form."""
+        with shape, the answer is another API's (a Responses API's response, an Anthropic
+        message, SGLang's /generate answers) or its events, and an error takes that API's form."""
         stream = req.stream
         include_usage = cfg.force_usage or bool(req.stream_options and req.stream_options.include_usage)
         # the answer's role: --response-role after a generation prompt, else the last message's (vLLM's)
@@ -997,7 +998,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             return EventSourceResponse(chunks if shape is None else shape.events(chunks), sep="\n",
                                        headers={"Cache-Control": "no-cache"})
         answer = full_response(jobs, kind, finals, req.n, tools, reasoning, speaker)
-        return JSONResponse(answer if shape is None else shape.from_chat(answer))
+        return JSONResponse(answer if shape is None else shape.whole(answer))
 
     def logprobs_obj(kind: str, entries: list[LogprobEntry], offsets: list[int]) -> dict[str, Any]:
         """offsets: where each token's text starts in the whole completion (detokenize), which is
@@ -1220,6 +1221,37 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             return JSONResponse({"input_tokens": len(template_prompt(chat, tool_dicts))})
         except ApiError as e:
             return JSONResponse(anthropic_error(e), status_code=e.status)
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Response:
+        """SGLang's native generation API (sglang_api), over the completions path."""
+        try:
+            req = await parse(request, GenerateRequest)
+            assert isinstance(req, GenerateRequest)
+            prompts, batch = req.prompts(lambda text: tokenizer(text)["input_ids"], vocab)
+            completion = with_server_defaults(req.completion_request(prompts))
+            jobs = make_jobs(completion, prompts, "text", None)
+        except ApiError as e:
+            return JSONResponse(GenerateShape.error_body(e), status_code=e.status)
+        shape = GenerateShape(req, jobs, batch, tokenizer)
+        return await run(request, jobs, completion, "completion", shape=shape)
+
+    @app.get("/get_model_info")
+    async def get_model_info(request: Request) -> dict[str, Any]:
+        """SGLang's: the model served, and that it generates."""
+        check_auth(request)
+        return {"model_path": cfg.model_names[-1], "tokenizer_path": cfg.model_names[-1],
+                "is_generation": True, "served_model_name": cfg.model_names[0]}
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        """SGLang's: healthy once a one-token generation comes back."""
+        jobs = make_jobs(CompletionRequest(prompt=[0], max_tokens=1, temperature=0.0), [[0]], "prompt", None)
+        engine.submit(*jobs)
+        ev = await jobs[0].events.get()
+        while "finish_reason" not in ev and "error" not in ev:
+            ev = await jobs[0].events.get()
+        return Response(status_code=503 if "error" in ev else 200)
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(request: Request, response_id: str) -> dict[str, Any]:

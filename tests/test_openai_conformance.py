@@ -204,7 +204,7 @@ def reference_logprobs(hf_default_fp32):
     return get
 
 
-def test_logprobs_are_the_raw_target_log_probabilities(clients, tokenizer, reference_logprobs):
+def test_logprobs_are_the_raw_target_log_probabilities(servers, clients, tokenizer, reference_logprobs):
     prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": CHATS[1]}])
     ids = {"return_tokens_as_token_ids": True}
     got = in_parallel({
@@ -218,6 +218,10 @@ def test_logprobs_are_the_raw_target_log_probabilities(clients, tokenizer, refer
         "completion": lambda: complete(clients["eagle3"], prompt, logprobs=3, extra_body=ids),
         "completion-text": lambda: complete(clients["eagle3"], COMPLETION, logprobs=2),
         "completion-stream": lambda: complete(clients["eagle3"], COMPLETION, stream=True, logprobs=2),
+        # SGLang's /generate on the same prompt ids: its answers and log-probs are the completion's
+        "generate": lambda: httpx.post(servers["eagle3"].url + "/generate", timeout=300, json={
+            "input_ids": prompt, "return_logprob": True, "top_logprobs_num": 3,
+            "sampling_params": {"temperature": 0, "max_new_tokens": MAX_TOKENS}}).json(),
     })
     for key in ("greedy", "sampled", "eagle2", "plain"):
         entries = got[key]["logprobs"]
@@ -244,6 +248,15 @@ def test_logprobs_are_the_raw_target_log_probabilities(clients, tokenizer, refer
     first_alt = [int(e.top_logprobs[0].token[9:]) for e in got["greedy"]["logprobs"]]
     assert [e.top_logprobs[0].bytes for e in got["stream"]["logprobs"]] == [
         list(tokenizer.decode([t]).encode()) for t in first_alt]
+    # SGLang's /generate: the same tokens and log-probs ([logprob, id, text]); verify passes counted
+    gen, greedy_ids = got["generate"], [int(e.token[9:]) for e in got["greedy"]["logprobs"]]
+    assert gen["output_ids"] == greedy_ids and gen["text"] == got["greedy"]["text"]
+    meta = gen["meta_info"]
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == greedy_ids
+    assert [lp for lp, _, _ in meta["output_token_logprobs"]] == pytest.approx(
+        [e.logprob for e in got["greedy"]["logprobs"]], abs=LOGPROB_TOL)
+    assert all(len(top) == 3 for top in meta["output_top_logprobs"])
+    assert 0 < meta["spec_verify_ct"] < meta["completion_tokens"] == len(greedy_ids)
     # Completions: the legacy shape (tokens, token_logprobs, top_logprobs as {token: lp}, text_offset).
     c = got["completion"]["logprobs"]
     assert c.token_logprobs == pytest.approx([e.logprob for e in got["greedy"]["logprobs"]], abs=LOGPROB_TOL)

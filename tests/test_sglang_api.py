@@ -1,0 +1,84 @@
+"""SGLang's native /generate (and /get_model_info, /health_generate) on an in-process server whose
+answers are scripted (the real tokenizer); the real engine's answers and log-probs through it:
+test_openai_conformance."""
+
+import asyncio
+import json
+
+import httpx
+from test_server import scripted_app
+
+ANSWER = "Paris is the capital. It is large."
+
+
+def ask(tokenizer, requests: list[tuple[str, str, dict | None]]) -> list[httpx.Response]:
+    """(method, path, body) each on an in-process server answering ANSWER (then EOS)."""
+    from eagle_infer.server import ServerConfig
+
+    engine, app = scripted_app(tokenizer, ANSWER, ServerConfig(["m"], None, 2048, len(tokenizer)))
+
+    async def go() -> list[httpx.Response]:
+        engine.start()
+        try:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
+                return [await http.request(method, path, json=body) for method, path, body in requests]
+        finally:
+            engine.stop()
+
+    return asyncio.run(go())
+
+
+def test_generate_answers_as_sglang_whole_batched_and_streamed(tokenizer):
+    """text or input_ids, one or a batch: {text, output_ids, meta_info} with SGLang's finish_reason
+    (stop: the EOS or stop string matched; length: the count), token counts and spec_verify_ct (the
+    rounds); streamed: each piece the text so far, the last with its finish_reason and output_ids,
+    then [DONE]."""
+    eos = tokenizer.eos_token_id
+    answer_ids = tokenizer(ANSWER, add_special_tokens=False)["input_ids"] + [eos]
+    prompt = "The capital of France?"
+    ids = tokenizer(prompt)["input_ids"]
+    greedy = {"temperature": 0, "max_new_tokens": 64}
+    one, batch, by_ids, cut, stopped, streamed = ask(tokenizer, [
+        ("POST", "/generate", {"text": prompt, "sampling_params": greedy}),
+        ("POST", "/generate", {"text": [prompt, "Hi"], "sampling_params": greedy}),
+        ("PUT", "/generate", {"input_ids": ids, "sampling_params": greedy}),
+        ("POST", "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 3}}),
+        ("POST", "/generate", {"text": prompt, "sampling_params": greedy | {"stop": ["capital", "zz"]}}),
+        ("POST", "/generate", {"text": prompt, "sampling_params": greedy, "stream": True})])
+    out = one.json()
+    assert out["text"] == ANSWER and out["output_ids"] == answer_ids
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "stop", "matched": eos}
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(ids), len(answer_ids))
+    assert meta["spec_verify_ct"] > 0 and meta["e2e_latency"] > 0
+    assert [o["text"] for o in batch.json()] == [ANSWER, ANSWER]
+    assert by_ids.json()["text"] == ANSWER and by_ids.json()["meta_info"]["prompt_tokens"] == len(ids)
+    assert cut.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    assert len(cut.json()["output_ids"]) == 3
+    assert stopped.json()["text"] == "Paris is the "
+    assert stopped.json()["meta_info"]["finish_reason"] == {"type": "stop", "matched": "capital"}
+    lines = [ln[len("data: "):] for ln in streamed.text.splitlines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    pieces = [json.loads(x) for x in lines[:-1]]
+    texts = [p["text"] for p in pieces]
+    assert texts[-1] == ANSWER and all(ANSWER.startswith(t) for t in texts) and len(pieces) > 2
+    assert all(p["meta_info"]["finish_reason"] is None for p in pieces[:-1])
+    assert pieces[-1]["meta_info"]["finish_reason"] == meta["finish_reason"]
+    assert pieces[-1]["output_ids"] == answer_ids
+
+
+def test_generate_refuses_what_it_cannot_do_and_the_info_routes(tokenizer):
+    """Both text and input_ids, a sampling key unknown here, a batch with different sampling
+    params: 400s in SGLang's error shape; /get_model_info and /health_generate answer."""
+    bad = [{"text": "a", "input_ids": [1]}, {"text": "a", "sampling_params": {"beam_width": 2}},
+           {"text": ["a", "b"], "sampling_params": [{"temperature": 0}, {"temperature": 1}]},
+           {"text": "a", "sampling_params": {"json_schema": "{not json"}}]
+    *refused, info, health = ask(tokenizer, [("POST", "/generate", b) for b in bad]
+                                 + [("GET", "/get_model_info", None), ("GET", "/health_generate", None)])
+    assert [r.status_code for r in refused] == [400] * 4
+    messages = [r.json()["error"]["message"] for r in refused]
+    assert "text or input_ids" in messages[0] and "beam_width" in messages[1]
+    assert "one set for every prompt" in messages[2] and "json_schema" in messages[3]
+    assert info.json()["is_generation"] is True and info.json()["served_model_name"] == "m"
+    assert health.status_code == 200
