@@ -94,6 +94,7 @@ log = logging.getLogger("eagle_infer.server")
 DEFAULT_HEAD = default_head_path("eagle3")
 MAX_BODY_BYTES = 1 << 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+HEALTH_GENERATE_S = 20  # /health_generate: seconds it waits for its one token
 MAX_STOPS = 16
 MAX_CHOICES = 128  # n x prompts of one request (OpenAI's limit on n)
 MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 128, 1024  # after tokenization (vLLM's defaults)
@@ -1245,13 +1246,25 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        """SGLang's: healthy once a one-token generation comes back."""
+        """SGLang's: healthy once a one-token generation comes back (503 if it fails, or takes
+        over HEALTH_GENERATE_S, or the engine has stopped)."""
+        if not engine.alive():
+            return Response(status_code=503)
         jobs = make_jobs(CompletionRequest(prompt=[0], max_tokens=1, temperature=0.0), [[0]], "prompt", None)
         engine.submit(*jobs)
-        ev = await jobs[0].events.get()
-        while "finish_reason" not in ev and "error" not in ev:
-            ev = await jobs[0].events.get()
-        return Response(status_code=503 if "error" in ev else 200)
+
+        async def finished() -> bool:
+            while True:
+                ev = await jobs[0].events.get()
+                if "error" in ev or "finish_reason" in ev:
+                    return "error" not in ev
+
+        try:
+            ok = await asyncio.wait_for(finished(), HEALTH_GENERATE_S)
+        except TimeoutError:
+            cancel_all(jobs)
+            ok = False
+        return Response(status_code=200 if ok else 503)
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(request: Request, response_id: str) -> dict[str, Any]:
