@@ -46,8 +46,12 @@ class MessagesRequest(_Body):
         """The chat turns: the system prompt first, then each message's blocks (a user's
         tool_result blocks each a tool turn, an assistant's tool_use blocks its calls)."""
         msgs: list[dict[str, Any]] = []
-        if self.system:
-            msgs.append({"role": "system", "content": block_text(self.system, "system")})
+        system = self.system
+        if isinstance(system, list):  # Claude Code's billing header block: client metadata (vLLM drops it)
+            system = [b for b in system if not (isinstance(b, dict) and str(b.get("text", "")).startswith(
+                "x-anthropic-billing-header"))]
+        if system:
+            msgs.append({"role": "system", "content": block_text(system, "system")})
         for i, message in enumerate(self.messages):
             where, role, content = f"messages[{i}]", message.get("role"), message.get("content")
             if role not in ("user", "assistant", "system") or content is None:
@@ -68,9 +72,8 @@ class MessagesRequest(_Body):
                     calls.append({"id": block.get("id"), "type": "function", "function": {
                         "name": block.get("name"), "arguments": json.dumps(block.get("input") or {})}})
                 elif kind == "tool_result" and role == "user":
-                    if texts:  # text before a result stays ahead of it
-                        msgs.append({"role": "user", "content": "".join(texts)})
-                        texts = []
+                    # the tool turns first, the user's text after them (vLLM's order: a template
+                    # wants the results right after the calls)
                     result = block.get("content") or ""
                     text = result if isinstance(result, str) else block_text(result, where)
                     msgs.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
@@ -82,7 +85,7 @@ class MessagesRequest(_Body):
                                         "(text; tool_use in assistant turns, tool_result in user turns)",
                                    param="messages", code="unsupported_parameter")
             if texts or calls or not any(b.get("type") == "tool_result" for b in content):
-                text = "".join(texts) if texts or not calls else None
+                text = "\n".join(texts) if texts or not calls else None  # blocks on lines of their own
                 turn: dict[str, Any] = {"role": role, "content": text}
                 if calls:
                     turn["tool_calls"] = calls
@@ -92,6 +95,9 @@ class MessagesRequest(_Body):
     def chat_request(self) -> ChatRequest:
         """The chat request this request stands for."""
         body: dict[str, Any] = {"messages": self.conversation(), "max_tokens": self.max_tokens}
+        if (self.thinking or {}).get("type") == "disabled":  # Qwen3's templates' switch (vLLM maps it too)
+            given = (self.model_extra or {}).get("chat_template_kwargs") or {}
+            body["chat_template_kwargs"] = {"enable_thinking": False} | given
         for ours, chat in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
                            ("stop_sequences", "stop")):
             if getattr(self, ours) is not None:
@@ -139,7 +145,7 @@ def block_text(blocks: Any, where: str) -> str:
     if len(texts) != len(blocks) or not all(isinstance(t, str) for t in texts):
         raise ApiError(400, f"{where}: only text blocks are supported here", param="messages",
                        code="unsupported_parameter")
-    return "".join(texts)
+    return "\n".join(texts)  # (blocks on lines of their own, as vLLM joins them)
 
 
 def chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
@@ -207,6 +213,8 @@ class MessageShape:
             content.append({"type": "text", "text": message["content"]})
         calls = message.get("tool_calls") or []
         content += [tool_use_block(call) for call in calls]
+        if not content:  # an empty answer: one empty text block, as vLLM (clients read content[0])
+            content.append({"type": "text", "text": ""})
         stop = stop_of(choice["finish_reason"], choice.get("stop_reason"), called=bool(calls))
         return self.message(content, stop, self.usage(answer["usage"]))
 
@@ -216,7 +224,6 @@ class MessageShape:
         def event(kind: str, **fields: Any) -> dict[str, str]:
             return {"event": kind, "data": json.dumps({"type": kind} | fields)}
 
-        yield event("message_start", message=self.message([], (None, None), self.usage(None)))
         index = -1  # the open block's
         open_kind: str | None = None
         calls: set[int] = set()  # the answer's tool calls, by their chat index
@@ -229,7 +236,10 @@ class MessageShape:
             index, open_kind = index + 1, kind
             return out + [event("content_block_start", index=index, content_block=block)]
 
+        # (a client gone mid-stream closes the pieces, which close the chat stream, which cancels
+        # the jobs; gone before the chat stream started, server.run's background task cancels them)
         async with contextlib.aclosing(chat_pieces(chunks)) as pieces:
+            yield event("message_start", message=self.message([], (None, None), self.usage(None)))
             async for kind, value in pieces:
                 if kind == "error":
                     yield event("error", error={"type": "api_error", "message": value.get("message")})
@@ -240,6 +250,8 @@ class MessageShape:
                     stop = stop_of(*value, called=bool(calls))
                 elif kind in ("reasoning", "content"):
                     block_kind, text = ("thinking", value) if kind == "reasoning" else ("text", value[0])
+                    if not text:
+                        continue  # a token without text (its log-probs are not Anthropic's)
                     if open_kind != block_kind:
                         block = {"type": block_kind, block_kind: ""}
                         if block_kind == "thinking":

@@ -69,7 +69,8 @@ class Message(_Body):
     name: str | None = None
 
     def for_template(self, parts: bool = False) -> dict[str, Any]:
-        """The message as chat templates read it: content a string (with parts, a list of
+        """The message as chat templates read it: content a string (its parts' texts on lines of
+        their own; with parts, a list of
         {type: text, text} parts: --chat-template-content-format openai), and a call's arguments
         an object where the API sends JSON text (vLLM's and transformers' convention; arguments
         that are not a JSON object become {}, so a bad turn in the history does not fail every
@@ -78,7 +79,8 @@ class Message(_Body):
             raise ApiError(400, "messages: content is required (an assistant's turn with tool_calls may "
                                 "leave it out)", param="messages", code="missing_field")
         texts = [self.content] if isinstance(self.content, str) else [p.text for p in self.content or []]
-        content = [{"type": "text", "text": t} for t in texts] if parts else "".join(texts)
+        # (a string's parts joined by newlines, as vLLM joins them)
+        content = [{"type": "text", "text": t} for t in texts] if parts else "\n".join(texts)
         msg: dict[str, Any] = {"role": self.role, "content": content}
         if self.tool_calls:
             calls = []

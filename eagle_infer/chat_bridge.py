@@ -37,10 +37,11 @@ def chat_request_of(body: dict[str, Any], extra: dict[str, Any] | None, named: C
 async def chat_pieces(chunks: AsyncGenerator[str]) -> AsyncGenerator[tuple[str, Any]]:
     """A streamed one-choice chat answer's chunks (server.sse_stream's JSON texts, its usage
     chunk last, then [DONE]) as pieces, in order: ("reasoning", text), ("content", (text,
-    logprobs)), ("call", (index, id, name)) when a tool call starts, ("arguments", (index,
-    text)), ("finish", (finish_reason, stop_reason)), ("usage", usage), or ("error", error) to
-    end an answer that failed. The chat stream is closed when this generator ends or is closed
-    (a client gone: that cancels the answer's jobs); close this one with contextlib.aclosing."""
+    logprobs); the text empty where a token without text has log-probs), ("call", (index, id,
+    name)) when a tool call starts, ("arguments", (index, text)), ("finish", (finish_reason,
+    stop_reason)), ("usage", usage), or ("error", error) to end an answer that failed. The chat
+    stream is closed when this generator ends or is closed (a client gone: that cancels the
+    answer's jobs); close this one with contextlib.aclosing."""
     calls: set[int] = set()
     try:
         async for raw in chunks:
@@ -56,8 +57,9 @@ async def chat_pieces(chunks: AsyncGenerator[str]) -> AsyncGenerator[tuple[str, 
                 delta = choice["delta"]
                 if delta.get("reasoning"):
                     yield "reasoning", delta["reasoning"]
-                if delta.get("content"):
-                    yield "content", (delta["content"], (choice.get("logprobs") or {}).get("content") or [])
+                logprobs = (choice.get("logprobs") or {}).get("content") or []
+                if delta.get("content") or logprobs:  # (a token without text may carry log-probs)
+                    yield "content", (delta.get("content") or "", logprobs)
                 for piece in delta.get("tool_calls") or []:
                     fn = piece.get("function") or {}
                     if piece["index"] not in calls:  # a call's first piece has its id and name

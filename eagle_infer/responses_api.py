@@ -102,8 +102,8 @@ class ResponsesRequest(_Body):
                 body[chat] = getattr(self, ours)
         if self.tools:  # an empty list is no tools (OpenAI's Responses API takes it; clients send it)
             body["tools"] = [chat_tool(t, i) for i, t in enumerate(self.tools)]
-        if self.tool_choice is not None:
-            choice = self.tool_choice
+        if self.tool_choice is not None and (self.tools or self.tool_choice not in ("auto", "none")):
+            choice = self.tool_choice  # (auto or none without tools: no choice to make, as vLLM takes it)
             if isinstance(choice, dict):
                 if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
                     raise ApiError(400, 'tool_choice: "none", "auto", "required" or {"type": "function", '
@@ -269,6 +269,8 @@ class ResponseShape:
             logprobs = (choice.get("logprobs") or {}).get("content") or []
             output.append(message_item(new_id("msg"), message.get("content") or "", logprobs))
         output += [call_item(new_id("fc"), call) for call in calls]
+        if calls and choice["finish_reason"] == "length":  # the last call cut by max_output_tokens
+            output[-1]["status"] = "incomplete"
         return self.finished(output, choice["finish_reason"], answer["usage"])
 
     async def events(self, chunks: AsyncGenerator[str]) -> AsyncGenerator[dict[str, str]]:
@@ -279,14 +281,12 @@ class ResponseShape:
         def event(kind: str, **fields: Any) -> dict[str, str]:
             return {"event": kind, "data": json.dumps({"type": kind, "sequence_number": next(seq)} | fields)}
 
-        yield event("response.created", response=self.response([], None, None, "in_progress"))
-        yield event("response.in_progress", response=self.response([], None, None, "in_progress"))
         output: list[dict[str, Any]] = []
         current: dict[str, Any] | None = None  # the item being streamed: its kind, id and text so far
         calls: dict[int, dict[str, Any]] = {}  # the answer's tool calls by their chat index
         finish, usage = None, None
 
-        def close() -> list[dict[str, str]]:
+        def close(status: str = "completed") -> list[dict[str, str]]:
             nonlocal current
             if current is None:
                 return []
@@ -303,7 +303,7 @@ class ResponseShape:
                                logprobs=current["logprobs"]),
                          event("response.content_part.done", **where, part=item["content"][0])]
             else:
-                item = call_item(item_id, current["call"])
+                item = call_item(item_id, current["call"], status)
                 done.append(event("response.function_call_arguments.done", item_id=item_id, output_index=at,
                                   name=item["name"], arguments=item["arguments"]))
             done.append(event("response.output_item.done", output_index=at, item=item))
@@ -339,7 +339,11 @@ class ResponseShape:
         def switch_to(kind: str) -> list[dict[str, str]]:  # an item of this kind open, else opened
             return [] if current is not None and current["kind"] == kind else open_item(kind)
 
+        # (a client gone mid-stream closes the pieces, which close the chat stream, which cancels
+        # the jobs; gone before the chat stream started, server.run's background task cancels them)
         async with contextlib.aclosing(chat_pieces(chunks)) as pieces:
+            yield event("response.created", response=self.response([], None, None, "in_progress"))
+            yield event("response.in_progress", response=self.response([], None, None, "in_progress"))
             async for kind, value in pieces:
                 if kind == "error":
                     yield event("error", code=value.get("code"), message=value.get("message"),
@@ -357,6 +361,8 @@ class ResponseShape:
                     yield event("response.reasoning_text.delta", **at_current(), delta=value)
                 elif kind == "content":
                     text, logprobs = value
+                    if not text and (current is None or current["kind"] != "message"):
+                        continue  # log-probs of tokens without text (EOS) and no message to hold them
                     for ev in switch_to("message"):
                         yield ev
                     assert current is not None
@@ -378,7 +384,7 @@ class ResponseShape:
         if current is None and not output:  # an empty answer is an empty message (as whole)
             for ev in open_item("message"):
                 yield ev
-        for ev in close():
+        for ev in close("incomplete" if finish == "length" else "completed"):  # a cut call: incomplete
             yield ev
         # vLLM's (and the openai client's stream helper's) last event, whatever the status
         yield event("response.completed", response=self.finished(output, finish, usage))

@@ -43,6 +43,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -995,9 +996,12 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         if stream:
             # sse-starlette frames the events, pings, and cancels the generator when the client
             # disconnects or the server shuts down (its finally cancels the jobs).
+            # The jobs are cancelled when the response ends, however it ends (a no-op for finished
+            # ones): a client gone before the stream's generator ever ran left them decoding.
             chunks = sse_stream(jobs, kind, ev, include_usage, req.n, tools, reasoning, speaker)
             return EventSourceResponse(chunks if shape is None else shape.events(chunks), sep="\n",
-                                       headers={"Cache-Control": "no-cache"})
+                                       headers={"Cache-Control": "no-cache"},
+                                       background=BackgroundTask(cancel_all, jobs))
         answer = full_response(jobs, kind, finals, req.n, tools, reasoning, speaker)
         return JSONResponse(answer if shape is None else shape.whole(answer))
 
@@ -1234,7 +1238,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             jobs = make_jobs(completion, prompts, "text", None)
         except ApiError as e:
             return JSONResponse(GenerateShape.error_body(e), status_code=e.status)
-        shape = GenerateShape(req, jobs, batch, tokenizer)
+        shape = GenerateShape(req, jobs, batch, completion.n, tokenizer)
         return await run(request, jobs, completion, "completion", shape=shape)
 
     @app.get("/get_model_info")

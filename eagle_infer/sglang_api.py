@@ -44,11 +44,14 @@ class GenerateRequest(_Body):
         """The prompts' token ids, and whether the request is a batch."""
         if (self.text is None) == (self.input_ids is None):
             raise ApiError(400, "give either text or input_ids", param="text", code="invalid_value")
+        given = self.text if self.text is not None else self.input_ids
+        if isinstance(given, list) and not given:
+            raise ApiError(400, "an empty batch: give one prompt or more", param="text", code="invalid_value")
         if self.text is not None:
             batch = isinstance(self.text, list)
             return [list(encode(t)) for t in (self.text if batch else [self.text])], batch
         ids = self.input_ids or []
-        batch = bool(ids) and isinstance(ids[0], list)
+        batch = isinstance(ids[0], list)
         prompts = [list(p) for p in ids] if batch else [list(ids)]  # type: ignore[arg-type]
         if any(not 0 <= t < vocab for p in prompts for t in p):
             raise ApiError(400, f"input_ids must be in [0, {vocab})", param="input_ids", code="invalid_value")
@@ -95,8 +98,8 @@ class GenerateShape:
     """One /generate request's answers, from its jobs (server.Job: their tokens, counts and
     timing), whole or streamed."""
 
-    def __init__(self, req: GenerateRequest, jobs: list[Any], batch: bool, tokenizer: Any):
-        self.req, self.jobs, self.tokenizer = req, jobs, tokenizer
+    def __init__(self, req: GenerateRequest, jobs: list[Any], batch: bool, n: int, tokenizer: Any):
+        self.req, self.jobs, self.n, self.tokenizer = req, jobs, n, tokenizer
         self.single = not batch and len(jobs) == 1
 
     @staticmethod
@@ -105,8 +108,8 @@ class GenerateShape:
 
     def rid(self, i: int) -> str:
         given = self.req.rid
-        if isinstance(given, list):
-            return given[i] if i < len(given) else self.jobs[i].id
+        if isinstance(given, list):  # one a prompt (its n answers share it), as SGLang's
+            return given[i // self.n] if i // self.n < len(given) else self.jobs[i].id
         return given if given is not None and self.single else self.jobs[i].id
 
     def meta_info(self, i: int, finish: str | None, stop_reason: Any, final: bool) -> dict[str, Any]:

@@ -93,17 +93,17 @@ def test_a_message_holds_thinking_text_and_tool_use_whole_and_streamed(tokenizer
 
 def test_tool_results_and_history_blocks_become_chat_turns(tokenizer):
     """An assistant's tool_use blocks are its turn's calls (thinking blocks dropped), a user's
-    tool_result blocks tool turns (is_error marked), in order; count_tokens counts the prompt a
-    message request gets."""
+    tool_result blocks tool turns (is_error marked) ahead of the user's text (vLLM's order), text
+    blocks on lines of their own; count_tokens counts the prompt a message request gets."""
     messages = [{"role": "user", "content": "Weather in Nice?"},
                 {"role": "assistant", "content": [
                     {"type": "thinking", "thinking": "hidden", "signature": "x"},
                     {"type": "text", "text": "Checking."},
                     {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Nice"}}]},
-                {"role": "user", "content": [
+                {"role": "user", "content": [  # the text first: its turn goes after the tool's
+                    {"type": "text", "text": "And now?"},
                     {"type": "tool_result", "tool_use_id": "toolu_1",
-                     "content": [{"type": "text", "text": "Rain"}]},
-                    {"type": "text", "text": "And now?"}]},
+                     "content": [{"type": "text", "text": "Rain"}, {"type": "text", "text": "Wind"}]}]},
                 {"role": "assistant", "content": [
                     {"type": "tool_use", "id": "toolu_2", "name": "get_weather", "input": {"city": "Nice"}}]},
                 {"role": "user", "content": [
@@ -116,8 +116,8 @@ def test_tool_results_and_history_blocks_become_chat_turns(tokenizer):
     assert answer.json()["stop_reason"] == "end_turn"
     prompt = prompts[0]
     assert "hidden" not in prompt
-    order = [prompt.index(s) for s in ("Weather in Nice?", "Checking.", '"city": "Nice"', "Rain", "And now?",
-                                       "Error: timeout")]
+    order = [prompt.index(s) for s in ("Weather in Nice?", "Checking.", '"city": "Nice"', "Rain\nWind",
+                                       "And now?", "Error: timeout")]
     assert order == sorted(order)
     assert counted.json() == {"input_tokens": len(tokenizer(prompt)["input_ids"])}
 
@@ -160,3 +160,31 @@ def test_a_named_tool_answer_stops_in_tool_use(tokenizer):
     assert [(b["type"], b["input"]) for b in whole.json()["content"]] == [("tool_use", {"city": "Paris"})]
     assert whole.json()["stop_reason"] == "tool_use"
     assert events(streamed.text)[-2][1]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_an_empty_answer_is_one_empty_text_block(tokenizer):
+    """An answer of nothing (EOS first): content [{"type": "text", "text": ""}], as vLLM answers
+    (clients read content[0])."""
+    body = {"model": "claude-local", "max_tokens": 20, "messages": [{"role": "user", "content": "Hi"}]}
+    (answer,), _ = ask(tokenizer, "", [("/v1/messages", body)], reasoning=None)
+    assert answer.json()["content"] == [{"type": "text", "text": ""}]
+    assert answer.json()["stop_reason"] == "end_turn"
+
+
+def test_thinking_off_and_client_metadata_as_vllm_reads_them():
+    """thinking {"type": "disabled"} is Qwen3's template switch enable_thinking false (a request's
+    own chat_template_kwargs win); Claude Code's x-anthropic-billing-header system block is client
+    metadata, left out of the prompt; text blocks stand on lines of their own."""
+    from eagle_infer.anthropic_api import MessagesRequest
+
+    def chat(**kw):
+        hi = [{"role": "user", "content": "Hi"}]
+        return MessagesRequest(max_tokens=5, messages=hi, **kw).chat_request()
+
+    assert chat(thinking={"type": "disabled"}).chat_template_kwargs == {"enable_thinking": False}
+    assert chat(thinking={"type": "disabled"}, chat_template_kwargs={"enable_thinking": True}
+                ).chat_template_kwargs == {"enable_thinking": True}
+    assert chat(thinking={"type": "enabled", "budget_tokens": 2048}).chat_template_kwargs is None
+    system = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cc_entrypoint=cli"},
+              {"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}]
+    assert chat(system=system).messages[0].content == "Be brief.\nBe kind."

@@ -122,6 +122,9 @@ def test_max_output_tokens_and_requests_this_server_cannot_answer(tokenizer):
         cut = await client.responses.create(model="fake", input="Hi", max_output_tokens=2)
         # an empty tools list is no tools (OpenAI's Responses API takes it; the Agents SDK sends it)
         assert (await client.responses.create(model="fake", input="Hi", tools=[])).status == "completed"
+        # tool_choice auto (or none) without tools: nothing to choose (vLLM's), not a 400
+        auto = await client.responses.create(model="fake", input="Hi", tool_choice="auto")
+        assert auto.status == "completed"
         refused = []
         for kw in ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
                    {"input": "Hi", "tools": [{"type": "web_search"}]},
@@ -181,3 +184,21 @@ def test_calls_join_their_turn_without_touching_the_stored_history():
     assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "assistant"]
     assert [c["id"] for c in msgs[1]["tool_calls"]] == ["c0", "c1"] and msgs[1]["content"] == "Let me see."
     assert [c["id"] for c in msgs[3]["tool_calls"]] == ["c2", "c3"] and msgs[3]["content"] is None
+
+
+
+def test_a_call_cut_by_max_output_tokens_is_incomplete():
+    """A chat answer whose last call max_output_tokens cut: the response incomplete, that call's
+    item too (its arguments are not whole: an agent must not run it)."""
+    from eagle_infer.api_schema import ChatRequest
+    from eagle_infer.responses_api import ResponseShape, ResponsesRequest, ResponseStore
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Pa'}}
+    answer = {"choices": [{"message": {"content": None, "tool_calls": [call]}, "finish_reason": "length",
+                           "logprobs": None}],
+              "usage": {"prompt_tokens": 5, "completion_tokens": 9}}
+    chat = ChatRequest(messages=[{"role": "user", "content": "Hi"}])
+    shape = ResponseShape(ResponsesRequest(input="Hi"), chat, [], "m", ResponseStore())
+    out = shape.whole(answer)
+    assert out["status"] == "incomplete" and [(o["type"], o["status"]) for o in out["output"]] == [
+        ("function_call", "incomplete")]

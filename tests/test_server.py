@@ -1157,7 +1157,7 @@ def test_return_tokens_as_token_ids_flag_is_what_requests_leaving_it_out_get(mon
 def test_content_format_openai_gives_templates_lists_of_parts(tokenizer):
     """--chat-template-content-format openai (vLLM's): each message's text reaches the template as
     [{"type": "text", "text": ...}] (a request's parts each one part), for templates that loop
-    over parts; string: the text itself (parts joined)."""
+    over parts; string: the text itself (parts joined by newlines, as vLLM's)."""
     from eagle_infer.server import ServerConfig
 
     parts = "{%- for m in messages %}[{%- for p in m.content %}{{ p.text }}|{%- endfor %}]{%- endfor %}"
@@ -1173,7 +1173,7 @@ def test_content_format_openai_gives_templates_lists_of_parts(tokenizer):
         return tokenizer.decode(got.json()["tokens"])
 
     assert prompt(parts, "openai") == "[Hi|][Y|o|]"
-    assert prompt(text, "string") == "[Hi][Yo]"
+    assert prompt(text, "string") == "[Hi][Y\no]"  # parts on lines of their own, as vLLM joins them
 
 
 def test_developer_turns_are_system_turns_for_templates_without_the_role(tokenizer):

@@ -82,3 +82,14 @@ def test_generate_refuses_what_it_cannot_do_and_the_info_routes(tokenizer):
     assert "one set for every prompt" in messages[2] and "json_schema" in messages[3]
     assert info.json()["is_generation"] is True and info.json()["served_model_name"] == "m"
     assert health.status_code == 200
+
+
+def test_an_empty_batch_is_refused_and_rids_name_their_prompts_answers(tokenizer):
+    """text [] (an empty batch) is a 400 in SGLang's shape; a list of rids names each prompt's
+    answers, all n of them."""
+    empty, rids = ask(tokenizer, [
+        ("POST", "/generate", {"text": []}),
+        ("POST", "/generate", {"text": ["a", "b"], "rid": ["r0", "r1"],
+                               "sampling_params": {"n": 2, "max_new_tokens": 2}})])
+    assert empty.status_code == 400 and "empty batch" in empty.json()["error"]["message"]
+    assert [o["meta_info"]["id"] for o in rids.json()] == ["r0", "r0", "r1", "r1"]
