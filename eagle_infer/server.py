@@ -997,7 +997,8 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             # sse-starlette frames the events, pings, and cancels the generator when the client
             # disconnects or the server shuts down (its finally cancels the jobs).
             # The jobs are cancelled when the response ends, however it ends (a no-op for finished
-            # ones): a client gone before the stream's generator ever ran left them decoding.
+            # ones), whether or not the stream's generator ever ran: its finally only runs once
+            # started (a backstop: with sse-starlette 3 the generator starts first, as seen).
             chunks = sse_stream(jobs, kind, ev, include_usage, req.n, tools, reasoning, speaker)
             return EventSourceResponse(chunks if shape is None else shape.events(chunks), sep="\n",
                                        headers={"Cache-Control": "no-cache"},
