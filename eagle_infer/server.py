@@ -399,6 +399,7 @@ class Engine:
         self.tokenizer = tokenizer  # decodes outputs on the engine thread (its own instance)
         self.pending: collections.deque[Job] = collections.deque()
         self.cancels: list[Job] = []
+        self.flushes: list[Callable[[bool], None]] = []  # /flush_cache's answers, told on this thread
         self.cond = threading.Condition()
         self.stopping = False
         self.running = 0
@@ -421,6 +422,13 @@ class Engine:
                 job.metrics = self.metrics
                 self.pending.append(job)
             self.metrics.waiting.set(len(self.pending))
+            self.cond.notify()
+
+    def flush_prefix_cache(self, answer: Callable[[bool], None]) -> None:
+        """Forget what free rows hold (SGLang's /flush_cache) at the engine's next turn, if no
+        request runs or waits then; answer(whether it did) is called on the engine thread."""
+        with self.cond:
+            self.flushes.append(answer)
             self.cond.notify()
 
     def cancel(self, job: Job) -> None:
@@ -456,11 +464,18 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self.cond:
-                while not (self.stopping or self.pending or self.cancels or self.dec.seqs):
+                while not (self.stopping or self.pending or self.cancels or self.dec.seqs or self.flushes):
                     self.cond.wait()
                 if self.stopping:
                     break
+                flushes, self.flushes = self.flushes, []
+                idle = not (self.pending or self.cancels or self.dec.seqs)
                 cancels, admit = self._take()
+            prefix = getattr(getattr(self.dec, "rows", None), "prefix", None)
+            for answer in flushes:  # (idle: no partial prefill is pinned in a free row either)
+                if idle and prefix is not None:
+                    prefix.clear()
+                answer(idle)
             try:
                 self._iteration(cancels, admit)
             except Exception:  # a bug here must not stop the server
@@ -1241,6 +1256,19 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             return JSONResponse(GenerateShape.error_body(e), status_code=e.status)
         shape = GenerateShape(req, jobs, batch, completion.n, tokenizer)
         return await run(request, jobs, completion, "completion", shape=shape)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(request: Request) -> Response:
+        """SGLang's: forget the prefix cache's contents (so a benchmark's runs start alike), if no
+        request runs or waits (else a 400, as SGLang's)."""
+        check_auth(request)
+        if not engine.alive():
+            return Response("The engine has stopped.\n", status_code=503)
+        loop, done = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
+        engine.flush_prefix_cache(lambda ok: loop.call_soon_threadsafe(done.set_result, ok))
+        if await done:
+            return Response("Cache flushed.\n", status_code=200)
+        return Response("Cache not flushed: requests are running or waiting.\n", status_code=400)
 
     @app.get("/get_model_info")
     async def get_model_info(request: Request) -> dict[str, Any]:

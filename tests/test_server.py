@@ -657,6 +657,38 @@ def test_a_prompt_that_extends_an_earlier_one_takes_over_its_slots(server, clien
     assert after["eagle:prefix_cache_queries_total"] - before["eagle:prefix_cache_queries_total"] == len(turn)
 
 
+def test_flush_cache_forgets_the_prefix_cache_when_idle(server, client, tokenizer):
+    """SGLang's /flush_cache: while a request runs, refused (400, nothing flushed); idle, the free
+    rows' contents are forgotten, so a prompt the cache served before prefills whole again."""
+    prompt = tokenizer.encode("<|im_start|>user\nName three colors of the sea, please.<|im_end|>\n"
+                              "<|im_start|>assistant\n", add_special_tokens=False)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def cached() -> int:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+        details = r.usage.prompt_tokens_details
+        return details.cached_tokens if details else 0
+
+    story = [{"role": "user", "content": "Tell a story."}]
+    stream = client.chat.completions.create(model=MODEL, messages=story, max_tokens=400, temperature=0,
+                                            stream=True)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    busy = httpx.post(server.url + "/flush_cache", headers=headers, timeout=30)
+    stream.close()
+    assert busy.status_code == 400 and "not flushed" in busy.text
+    t0 = time.time()
+    while metrics(server)["eagle:num_requests_running"] != 0:
+        assert time.time() - t0 < 15
+        time.sleep(0.2)
+    cached()
+    assert cached() > 0  # the first request's row still holds the prompt
+    flushed = httpx.get(server.url + "/flush_cache", headers=headers, timeout=30)
+    assert flushed.status_code == 200 and flushed.text == "Cache flushed.\n"
+    assert cached() == 0
+
+
 def test_a_long_prompt_joining_running_requests_answers_as_plain_decoding(server, client, default_model_fp32,
                                                                            tokenizer):
     """Chunked prefill: a prompt longer than --chunked-prefill-size (256) arriving while another
