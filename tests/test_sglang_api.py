@@ -93,3 +93,25 @@ def test_an_empty_batch_is_refused_and_rids_name_their_prompts_answers(tokenizer
                                "sampling_params": {"n": 2, "max_new_tokens": 2}})])
     assert empty.status_code == 400 and "empty batch" in empty.json()["error"]["message"]
     assert [o["meta_info"]["id"] for o in rids.json()] == ["r0", "r0", "r1", "r1"]
+
+
+def test_bench_apis_requests_are_answered_alike_by_every_api(tokenizer):
+    """scripts/bench_apis.py's streamed requests (chat, Responses, Messages, /generate): each API
+    accepts its body and streams an answer cut at the same max tokens (EOS ignored)."""
+    from script_module import load_script
+
+    bench = load_script("bench_apis")
+    each = bench.requests_for("The capital of France?", "m", 5)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "The capital of France?"}],
+                                           add_generation_prompt=True, tokenize=False)
+    each["generate"][1]["input_ids"] = tokenizer(prompt)["input_ids"]
+    got = ask(tokenizer, [("POST", path, body) for path, body in each.values()])
+    assert [r.status_code for r in got] == [200] * 4
+    data = {api: [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+            for api, r in zip(each, got)}
+    assert data["chat"][-1]["choices"][0]["finish_reason"] == "length"
+    completed = data["responses"][-1]
+    assert completed["type"] == "response.completed" and completed["response"]["usage"]["output_tokens"] == 5
+    assert data["messages"][-2]["usage"]["output_tokens"] == 5
+    assert data["messages"][-2]["delta"]["stop_reason"] == "max_tokens"
+    assert data["generate"][-1]["meta_info"]["completion_tokens"] == 5
