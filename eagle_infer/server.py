@@ -471,11 +471,8 @@ class Engine:
                 flushes, self.flushes = self.flushes, []
                 idle = not (self.pending or self.cancels or self.dec.seqs)
                 cancels, admit = self._take()
-            prefix = getattr(getattr(self.dec, "rows", None), "prefix", None)
-            for answer in flushes:  # (idle: no partial prefill is pinned in a free row either)
-                if idle and prefix is not None:
-                    prefix.clear()
-                answer(idle)
+            if flushes:
+                self._flush(flushes, idle)
             try:
                 self._iteration(cancels, admit)
             except Exception:  # a bug here must not stop the server
@@ -487,6 +484,15 @@ class Engine:
                     job.fail(engine_error("internal engine error"))
                 time.sleep(0.05)
         self._shutdown()
+
+    def _flush(self, answers: list[Callable[[bool], None]], idle: bool) -> None:
+        """/flush_cache's turn: idle (no request runs or waits, so no partial prefill is pinned in
+        a free row either), the free rows' contents are forgotten; each answer told whether."""
+        prefix = getattr(getattr(self.dec, "rows", None), "prefix", None)
+        if idle and prefix is not None:
+            prefix.clear()
+        for answer in answers:
+            answer(idle)
 
     def _take(self) -> tuple[list[Job], list[Job]]:
         """Under the lock: the cancels to apply and the queued jobs to admit this iteration (as
@@ -1172,11 +1178,15 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages",
                            code="invalid_value") from None
 
+    def shown_tools(req: ChatRequest) -> list[dict[str, Any]] | None:
+        """The tools the chat template shows: a request's, but with tool_choice none none under
+        --exclude-tools-when-tool-choice-none."""
+        return None if cfg.tools_only_when_chosen and req.tool_choice == "none" else req.tool_dicts()
+
     def chat_jobs(req: ChatRequest) -> tuple[list[Job], ToolPlan | None, Thinking | None]:
         """A chat request's jobs, with how its answer becomes tool calls and reasoning (run's)."""
         tools = req.tool_plan(tool_parser, cfg.auto_tools)
-        # tool_choice none (or no tools): with --exclude-tools-when-tool-choice-none not shown either
-        tool_dicts = None if tools is None and cfg.tools_only_when_chosen else req.tool_dicts()
+        tool_dicts = shown_tools(req)
         try:
             parallel = req.parallel_tool_calls is not False
             # "auto" with a structured output: that output's grammar alone (vLLM's)
@@ -1238,8 +1248,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             req = await parse(request, CountTokensRequest)
             assert isinstance(req, CountTokensRequest)
             chat = with_server_defaults(req.chat_request())
-            tool_dicts = chat.tool_dicts()
-            return JSONResponse({"input_tokens": len(template_prompt(chat, tool_dicts))})
+            return JSONResponse({"input_tokens": len(template_prompt(chat, shown_tools(chat)))})
         except ApiError as e:
             return JSONResponse(anthropic_error(e), status_code=e.status)
 
