@@ -3,12 +3,11 @@ whose answers are scripted (the real tokenizer, our SmolLM2 template with tools,
 parser and, where asked, the deepseek_r1 reasoning parser), through raw HTTP as Anthropic's SDK
 sends it (the SDK itself: scripts/probe_clients.py)."""
 
-import asyncio
 import json
 from pathlib import Path
 
 import httpx
-from test_server import scripted_app
+from test_server import in_process, scripted_app
 
 TOOLS = [{"name": "get_weather", "description": "The weather in a city",
           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
@@ -26,17 +25,7 @@ def ask(tokenizer, answer: str, requests: list[tuple[str, dict]], reasoning: str
     engine, app = scripted_app(tokenizer, answer, ServerConfig(
         ["claude-local"], api_key, 2048, len(tokenizer), tool_parser="hermes", auto_tools=True,
         reasoning_parser=reasoning, chat_template=template))
-
-    async def go() -> list[httpx.Response]:
-        engine.start()
-        try:
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
-                return [await http.post(path, json=body, headers=headers or {}) for path, body in requests]
-        finally:
-            engine.stop()
-
-    got = asyncio.run(go())
+    got = in_process(engine, app, [("POST", path, body) for path, body in requests], headers)
     return got, [tokenizer.decode(seq.prompt) for seq in engine.dec.added]
 
 

@@ -2,11 +2,10 @@
 answers are scripted (the real tokenizer); the real engine's answers and log-probs through it:
 test_openai_conformance."""
 
-import asyncio
 import json
 
 import httpx
-from test_server import scripted_app
+from test_server import in_process, scripted_app
 
 ANSWER = "Paris is the capital. It is large."
 
@@ -16,17 +15,7 @@ def ask(tokenizer, requests: list[tuple[str, str, dict | None]]) -> list[httpx.R
     from eagle_infer.server import ServerConfig
 
     engine, app = scripted_app(tokenizer, ANSWER, ServerConfig(["m"], None, 2048, len(tokenizer)))
-
-    async def go() -> list[httpx.Response]:
-        engine.start()
-        try:
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
-                return [await http.request(method, path, json=body) for method, path, body in requests]
-        finally:
-            engine.stop()
-
-    return asyncio.run(go())
+    return in_process(engine, app, requests)
 
 
 def test_generate_answers_as_sglang_whole_batched_and_streamed(tokenizer):
