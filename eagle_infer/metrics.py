@@ -15,6 +15,10 @@ eagle:time_to_first_token_seconds, eagle:inter_token_latency_seconds (per reques
 vLLM's V1 engine observes it per step), eagle:e2e_request_latency_seconds; ours:
 eagle:engine_steps_total (rounds of the whole batch), eagle:http_requests_total{status}.
 
+Beside them, what SGLang's /get_server_info reports as its internal state: the acceptance
+length since the start or the last /flush_cache (`spec_accept_tokens / spec_verify_ct`), and
+`last_gen_throughput`, tokens a second over the last DECODE_LOG_INTERVAL rounds (their own time).
+
 Each Metrics has its own CollectorRegistry: several apps (tests) live in one process.
 """
 
@@ -34,6 +38,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0, 7680.0)
 FINISHED = ("stop", "length", "abort")
+DECODE_LOG_INTERVAL = 40  # SGLang's --decode-log-interval: the rounds a last_gen_throughput covers
 
 
 class Metrics:
@@ -98,16 +103,28 @@ class Metrics:
         for status in ("200", "400"):
             self._http.labels(name, status)
         self._lock = threading.Lock()  # finish() is called from two threads and must count once
+        # SGLang's internal state (the engine thread writes, /get_server_info reads)
+        self.spec_accept_tokens = self.spec_verify_ct = 0  # since the start or the last flush
+        self.last_gen_throughput = 0.0
+        self._window = [0, 0, 0.0]  # rounds, tokens, seconds of the current window
 
     def http_response(self, status: int) -> None:
         self._http.labels(self.model_name, str(status)).inc()
 
-    def round(self, accepted: list[int], tokens: int) -> None:
-        """One engine step: `accepted` drafts per sequence (empty for plain decoding), `tokens` emitted."""
+    def round(self, accepted: list[int], tokens: int, seconds: float = 0.0) -> None:
+        """One engine step: `accepted` drafts per sequence (empty for plain decoding), `tokens`
+        emitted, in `seconds`."""
         self.engine_steps.inc()
         self.generation_tokens.inc(tokens)
+        w = self._window
+        w[0], w[1], w[2] = w[0] + 1, w[1] + tokens, w[2] + seconds
+        if w[0] == DECODE_LOG_INTERVAL:
+            self.last_gen_throughput = w[1] / w[2] if w[2] > 0 else 0.0
+            self._window = [0, 0, 0.0]
         if not self.depth or not accepted:
             return
+        self.spec_verify_ct += len(accepted)
+        self.spec_accept_tokens += sum(accepted) + len(accepted)
         self.drafts.inc(len(accepted))
         self.draft_tokens.inc(self.depth * len(accepted))
         self.accepted.inc(sum(accepted))
@@ -116,6 +133,15 @@ class Metrics:
             self.tau.observe(k + 1)
             for d in range(k):
                 self.per_pos[d].inc()
+
+    def avg_spec_accept_length(self) -> float | None:
+        """Tokens a speculative round committed per sequence since the start or the last
+        /flush_cache (SGLang's avg_spec_accept_length); None before any."""
+        return self.spec_accept_tokens / self.spec_verify_ct if self.spec_verify_ct else None
+
+    def forget_acceptance(self) -> None:
+        """/flush_cache's: SGLang's acceptance counters start again (a benchmark's run reads its own)."""
+        self.spec_accept_tokens = self.spec_verify_ct = 0
 
     def finish(self, job, reason: str, now: float) -> None:
         """A request ended (stop / length / abort): once per request, whichever thread is first."""

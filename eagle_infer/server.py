@@ -85,7 +85,7 @@ from eagle_infer.server_flags import (
     sampling_defaults_of,
     tool_parser_of,
 )
-from eagle_infer.sglang_api import GenerateRequest, GenerateShape
+from eagle_infer.sglang_api import GenerateRequest, GenerateShape, server_info
 from eagle_infer.speculative import Sequence_, TokenLogprob
 from eagle_infer.tool_calls import PARSERS, ToolPlan, ToolStream, history_ids, merge_deltas
 
@@ -292,15 +292,19 @@ class Job:
                        "stop_reason": self.stop_reason, "usage": self.usage()})
             return
         end = len(d.text) - stop_prefix_len(d.text, self.stops)
-        # Tokens the detokenizer has read whose text ends within what is released.
-        n = self.lp_sent
-        while n < d.read and (d.offsets[n + 1] if n + 1 < len(d.offsets) else len(d.text)) <= end:
-            n += 1
-        entries, offsets = self._logprob_entries(n)
+        entries, offsets = self._logprob_entries(self.tokens_within(end, self.lp_sent))
         if end > self.sent or entries or echo:
             self.push({"delta": echo + d.text[self.sent:end], "logprobs": echo_entries + entries,
                        "offsets": echo_offsets + offsets})
             self.sent = max(self.sent, end)
+
+    def tokens_within(self, chars: int, start: int = 0) -> int:
+        """How many output tokens (from `start`, whose text is known to lie there) the detokenizer
+        has read whose text ends within the first `chars` characters of the answer."""
+        d, n = self.detok, start
+        while n < d.read and (d.offsets[n + 1] if n + 1 < len(d.offsets) else len(d.text)) <= chars:
+            n += 1
+        return n
 
     def fail(self, err: ApiError) -> None:
         if not self.finished:
@@ -487,10 +491,13 @@ class Engine:
 
     def _flush(self, answers: list[Callable[[bool], None]], idle: bool) -> None:
         """/flush_cache's turn: idle (no request runs or waits, so no partial prefill is pinned in
-        a free row either), the free rows' contents are forgotten; each answer told whether."""
+        a free row either), the free rows' contents and the acceptance length /get_server_info
+        reports are forgotten (SGLang's); each answer told whether."""
         prefix = getattr(getattr(self.dec, "rows", None), "prefix", None)
-        if idle and prefix is not None:
-            prefix.clear()
+        if idle:
+            if prefix is not None:
+                prefix.clear()
+            self.metrics.forget_acceptance()
         for answer in answers:
             answer(idle)
 
@@ -605,6 +612,7 @@ class Engine:
             job.update()
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         try:
             results = self.dec.step()
         except Exception as e:
@@ -614,9 +622,9 @@ class Engine:
         # a large batch's round drafts nothing (SpecDecoder's disable_by_batch_size)
         drafted = self.speculative and not getattr(self.dec, "last_round_plain", False)
         accepted = [s.accepted[-1] for s, _ in results if s.accepted] if drafted else []
-        self.metrics.round(accepted, sum(len(t) for _, t in results))
-        self._set_running()  # gauges and counters first: a client that sees its end may scrape next
         now = time.perf_counter()
+        self.metrics.round(accepted, sum(len(t) for _, t in results), now - t0)
+        self._set_running()  # gauges and counters first: a client that sees its end may scrape next
         for seq, _ in results:
             job = seq.tag
             self.metrics.itl.observe(now - job.last_token_at)
@@ -672,6 +680,7 @@ class ServerConfig:
     tools_only_when_chosen: bool = False  # --exclude-tools-when-tool-choice-none
     force_usage: bool = False  # --enable-force-include-usage: every stream ends with its usage
     request_id_headers: bool = False  # --enable-request-id-headers: X-Request-Id on every answer
+    flags: dict[str, Any] = field(default_factory=dict)  # the command line's, for /get_server_info
 
 
 def _is_type_tag(loc: int | str) -> bool:
@@ -1286,6 +1295,14 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         return {"model_path": cfg.model_names[-1], "tokenizer_path": cfg.model_names[-1],
                 "is_generation": True, "served_model_name": cfg.model_names[0]}
 
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def get_server_info(request: Request) -> dict[str, Any]:
+        """SGLang's (both its names): the flags, and the acceptance length and throughput its
+        benchmarks read (sglang_api.server_info)."""
+        check_auth(request)
+        return server_info(cfg.flags, cfg.context, engine.metrics)
+
     @app.get("/health_generate")
     async def health_generate() -> Response:
         """SGLang's: healthy once a one-token generation comes back (503 if it fails, or takes
@@ -1457,11 +1474,17 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     if clash:
         raise UserError(f"--default-chat-template-kwargs: {', '.join(sorted(clash))} is a parameter of "
                         "apply_chat_template, not a template variable")
+    try:
+        template = tokenizer.get_chat_template(chat_template)
+    except ValueError:  # no template: requests get the tokenizer's error, per request
+        template = None
+    end = REASONING_PARSERS[args.reasoning_parser].end if args.reasoning_parser else None
+    if end is not None and end not in (template or "") and end not in tokenizer.get_vocab():
+        log.warning("--reasoning-parser %s: neither the chat template nor the vocabulary knows %s, so "
+                    "this model may never write it: every answer would be reasoning alone (content null) "
+                    "and a forced tool call's grammar, which starts after it, would never start",
+                    args.reasoning_parser, end)
     if args.chat_template_content_format == "auto":  # (the app detects it per template: said here)
-        try:
-            template = tokenizer.get_chat_template(chat_template)
-        except ValueError:  # no template: requests get the tokenizer's error, per request
-            template = None
         log.info("chat template content format: %s (detected from the template, as vLLM's auto; "
                  "--chat-template-content-format sets it)", content_format_of(template))
     ctx = args.context_length
@@ -1534,7 +1557,8 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
                        template_kwargs=args.default_chat_template_kwargs or {},
                        tools_only_when_chosen=args.exclude_tools_when_tool_choice_none,
                        force_usage=args.enable_force_include_usage,
-                       request_id_headers=args.enable_request_id_headers)
+                       request_id_headers=args.enable_request_id_headers,
+                       flags=json.loads(json.dumps(vars(args), default=str)))
     return engine, tokenizer, eos, cfg
 
 

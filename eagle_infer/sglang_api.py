@@ -2,7 +2,8 @@
 EAGLE tests, and RL frameworks, call it) over the completions path: `text` or `input_ids` (one or
 a batch) and `sampling_params` become a completion request; each answer is {text, output_ids,
 meta_info} with SGLang's finish_reason and token counts, and `spec_verify_ct` (verify passes: the
-acceptance length is completion_tokens / spec_verify_ct, as SGLang's scripts read it)."""
+acceptance length is completion_tokens / spec_verify_ct, as SGLang's scripts read it). Beside it
+SGLang's /get_server_info (server_info), whose avg_spec_accept_length its benchmarks print."""
 
 from __future__ import annotations
 
@@ -29,6 +30,23 @@ NEUTRAL_KEYS = {"spaces_between_special_tokens"}
 GRAMMAR_KEYS = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}  # -> structured_outputs
 
 
+PRIVATE_FLAGS = {"api_key", "ssl_keyfile", "ssl_certfile"}  # left out of /get_server_info
+
+
+def server_info(flags: dict[str, Any], context: int, metrics: Any) -> dict[str, Any]:
+    """SGLang's /get_server_info: the server's flags (keys and certificates left out), its
+    context length and version, and `internal_states` (one engine): last_gen_throughput and,
+    once a speculative round ran, avg_spec_accept_length, what SGLang's benchmarks read."""
+    from importlib.metadata import version
+
+    state: dict[str, Any] = {"last_gen_throughput": metrics.last_gen_throughput}
+    accept = metrics.avg_spec_accept_length()
+    if accept is not None:
+        state["avg_spec_accept_length"] = accept
+    shown = {k: v for k, v in flags.items() if k not in PRIVATE_FLAGS}
+    return {**shown, "context_length": context, "internal_states": [state], "version": version("eagle-spec")}
+
+
 class GenerateRequest(_Body):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -37,6 +55,7 @@ class GenerateRequest(_Body):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+    logprob_start_len: int = -1  # with return_logprob, the prompt's log-probs from this position (-1: none)
     rid: str | list[str] | None = None
     model: str | None = None
 
@@ -85,6 +104,11 @@ class GenerateRequest(_Body):
             body["structured_outputs"] = grammars
         if self.return_logprob:
             body["logprobs"] = self.top_logprobs_num
+            if self.logprob_start_len >= 0:
+                if self.stream:
+                    raise ApiError(400, "logprob_start_len (the prompt's log-probs) is not supported "
+                                   "with stream", param="logprob_start_len", code="unsupported_parameter")
+                body["prompt_logprobs"] = self.top_logprobs_num
         try:
             return CompletionRequest.model_validate(body)
         except ValidationError as e:
@@ -135,7 +159,20 @@ class GenerateShape:
                                              for (lp, _, _), t in zip(rows, seq.output)]
             meta["output_top_logprobs"] = [[[v, t, self.text_of(t)] for t, v in zip(ids, lps)]
                                            for _, ids, lps in rows]
+            if job.prompt_logprobs is not None:
+                meta |= self.input_logprobs(seq)
         return meta
+
+    def input_logprobs(self, seq: Any) -> dict[str, list[Any]]:
+        """SGLang's input_token_logprobs / input_top_logprobs: per prompt token from
+        logprob_start_len, [logprob, id, text] (the first token's logprob None) and its
+        alternatives (None for the first)."""
+        k, start = self.req.top_logprobs_num, self.req.logprob_start_len
+        scored = [None, *seq.prompt_token_logprobs]
+        tokens = [[None if s is None else s[0], t, self.text_of(t)] for t, s in zip(seq.prompt, scored)]
+        tops = [None if s is None else [[v, a, self.text_of(a)] for a, v in zip(s[1][:k], s[2][:k])]
+                for s in scored]
+        return {"input_token_logprobs": tokens[start:], "input_top_logprobs": tops[start:]}
 
     def text_of(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.req.return_text_in_logprobs else None
@@ -148,8 +185,8 @@ class GenerateShape:
         return outs[0] if self.single else outs
 
     async def events(self, chunks: AsyncGenerator[str]) -> AsyncGenerator[dict[str, str]]:
-        """SGLang's stream: per piece of an answer its text so far and meta_info (the last with its
-        finish_reason and output_ids), `index` naming the answer in a batch; then [DONE]."""
+        """SGLang's stream: per piece of an answer its text and output_ids so far and meta_info
+        (the last with its finish_reason), `index` naming the answer in a batch; then [DONE]."""
         texts: dict[int, str] = {}
         try:
             async for raw in chunks:
@@ -162,10 +199,11 @@ class GenerateShape:
                 for c in chunk["choices"]:
                     i, final = c["index"], c.get("finish_reason") is not None
                     texts[i] = texts.get(i, "") + (c.get("text") or "")
-                    out: dict[str, Any] = {"text": texts[i], "meta_info": self.meta_info(
-                        i, c.get("finish_reason"), c.get("stop_reason"), final)}
-                    if final:
-                        out["output_ids"] = list(self.jobs[i].seq.output)
+                    # every piece the ids of its text so far, as SGLang's (without --stream-output)
+                    job = self.jobs[i]
+                    ids = job.seq.output if final else job.seq.output[:job.tokens_within(len(texts[i]))]
+                    meta = self.meta_info(i, c.get("finish_reason"), c.get("stop_reason"), final)
+                    out: dict[str, Any] = {"text": texts[i], "output_ids": list(ids), "meta_info": meta}
                     if not self.single:
                         out["index"] = i
                     yield {"data": json.dumps(out)}

@@ -44,6 +44,31 @@ def test_each_app_has_its_own_registry():
     assert sa["eagle:spec_decode_acceptance_length_sum"] == 4
 
 
+def test_sglangs_internal_state_acceptance_and_throughput_windows():
+    """avg_spec_accept_length: tokens committed per sequence and round (accepted + 1), from the
+    start or forget_acceptance; last_gen_throughput: the tokens of the last full window of
+    DECODE_LOG_INTERVAL rounds over their own seconds (plain rounds count; idle time does not)."""
+    from eagle_infer.metrics import DECODE_LOG_INTERVAL
+
+    m = Metrics(3, MODEL)
+    assert m.avg_spec_accept_length() is None and m.last_gen_throughput == 0.0
+    m.round([2, 0], 4, 0.5)
+    assert m.avg_spec_accept_length() == 2.0
+    m.round([], 2, 0.5)  # a round without drafts: no acceptance counted
+    assert m.avg_spec_accept_length() == 2.0 and m.last_gen_throughput == 0.0
+    for _ in range(DECODE_LOG_INTERVAL - 2):
+        m.round([3], 4, 0.25)
+    want = (4 + 2 + 4 * (DECODE_LOG_INTERVAL - 2)) / (1.0 + 0.25 * (DECODE_LOG_INTERVAL - 2))
+    assert m.last_gen_throughput == pytest.approx(want)
+    committed = 3 + 1 + 4 * (DECODE_LOG_INTERVAL - 2)  # 2 + 1 and 0 + 1, then 3 + 1 a round
+    assert m.avg_spec_accept_length() == pytest.approx(committed / (2 + DECODE_LOG_INTERVAL - 2))
+    m.forget_acceptance()
+    assert m.avg_spec_accept_length() is None and m.last_gen_throughput == pytest.approx(want)
+    for _ in range(DECODE_LOG_INTERVAL):
+        m.round([0], 1, 0.5)
+    assert m.last_gen_throughput == 2.0 and m.avg_spec_accept_length() == 1.0
+
+
 @pytest.fixture(scope="module")
 def app(default_model_fp32, default_model_dir):
     from eagle_infer.heads import load_head_for

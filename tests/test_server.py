@@ -416,6 +416,23 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(server, client, de
         for j, i in enumerate(top):  # the alternatives ranked in order
             assert entry[str(i)]["rank"] == j + 1
             assert entry[str(i)]["logprob"] == pytest.approx(float(ref[t, i]), abs=1e-4)
+    # SGLang's /generate scores the prompt from logprob_start_len: [logprob, id, text] per token
+    # (the first token's None) and its k alternatives, the same numbers
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    meta = httpx.post(server.url + "/generate", timeout=60, headers=auth, json={
+        "input_ids": p, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
+        "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": 1}}).json()["meta_info"]
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == p and meta["input_top_logprobs"][0] is None
+    first, second = meta["input_token_logprobs"][:2]
+    assert first[0] is None and second[2] == tokenizer.decode(p[1:2])
+    assert [lp for lp, _, _ in meta["input_token_logprobs"][1:]] == pytest.approx(
+        [float(ref[t, p[t + 1]]) for t in range(len(p) - 1)], abs=1e-4)
+    assert [[i for _, i, _ in top] for top in meta["input_top_logprobs"][1:]] == [
+        ref[t].topk(2).indices.tolist() for t in range(len(p) - 1)]
+    late = httpx.post(server.url + "/generate", timeout=60, headers=auth, json={
+        "input_ids": p, "return_logprob": True, "logprob_start_len": 3,
+        "sampling_params": {"max_new_tokens": 1}}).json()["meta_info"]
+    assert late["input_token_logprobs"] == [[lp, t, None] for lp, t, _ in meta["input_token_logprobs"][3:]]
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                        max_tokens=1, extra_body={"prompt_logprobs": 0})
     whole = r.model_extra["prompt_logprobs"]
@@ -1803,10 +1820,15 @@ def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokeni
                  "--served-model-name", "smol", "smol-alias", "--tokenizer", str(default_model_dir),
                  "--max-num-batched-tokens", "64", "--gpu-memory-utilization", "0.9", "--enable-log-requests",
                  "--max-logprobs", "-1", "--page-size", "16", "--swap-space", "4",
+                 "--reasoning-parser", "deepseek_r1",
                  "--chat-template", "{% for m in messages %}{% for p in m.content %}{{ p.text }}{% endfor %}"
                  "{% endfor %}")
     engine, _, _, cfg = server.build_engine(args)
     assert "chat template content format: openai" in caplog.text  # auto: the template loops over parts
+    # SmolLM2 never thinks: neither its template nor its vocabulary has </think>
+    assert "deepseek_r1: neither the chat template nor the vocabulary knows </think>" in caplog.text
+    assert cfg.flags["reasoning_parser"] == "deepseek_r1"
+    assert cfg.flags["model_path"] == str(default_model_dir)  # /get_server_info's flags
     assert cfg.model_names[:2] == ["smol", "smol-alias"] and engine.metrics.model_name == "smol"
     assert cfg.listed == 2  # /v1/models lists both, as vLLM (below)
     assert cfg.max_logprobs == engine.dec.target.config.vocab_size  # -1: the vocabulary

@@ -21,7 +21,7 @@ def ask(tokenizer, requests: list[tuple[str, str, dict | None]]) -> list[httpx.R
 def test_generate_answers_as_sglang_whole_batched_and_streamed(tokenizer):
     """text or input_ids, one or a batch: {text, output_ids, meta_info} with SGLang's finish_reason
     (stop: the EOS or stop string matched; length: the count), token counts and spec_verify_ct (the
-    rounds); streamed: each piece the text so far, the last with its finish_reason and output_ids,
+    rounds); streamed: each piece the text and output_ids so far, the last with its finish_reason,
     then [DONE]."""
     eos = tokenizer.eos_token_id
     answer_ids = tokenizer(ANSWER, add_special_tokens=False)["input_ids"] + [eos]
@@ -55,22 +55,49 @@ def test_generate_answers_as_sglang_whole_batched_and_streamed(tokenizer):
     assert all(p["meta_info"]["finish_reason"] is None for p in pieces[:-1])
     assert pieces[-1]["meta_info"]["finish_reason"] == meta["finish_reason"]
     assert pieces[-1]["output_ids"] == answer_ids
+    ids_so_far = [p["output_ids"] for p in pieces]
+    assert all(a == b[:len(a)] for a, b in zip(ids_so_far, ids_so_far[1:]))
+    assert len(ids_so_far[0]) < len(answer_ids)
+    assert all(tokenizer.decode(p["output_ids"], skip_special_tokens=True) == p["text"] for p in pieces)
 
 
 def test_generate_refuses_what_it_cannot_do_and_the_info_routes(tokenizer):
     """Both text and input_ids, a sampling key unknown here, a batch with different sampling
-    params: 400s in SGLang's error shape; /get_model_info and /health_generate answer."""
+    params, the prompt's log-probs streamed: 400s in SGLang's error shape; /get_model_info and
+    /health_generate answer."""
     bad = [{"text": "a", "input_ids": [1]}, {"text": "a", "sampling_params": {"beam_width": 2}},
            {"text": ["a", "b"], "sampling_params": [{"temperature": 0}, {"temperature": 1}]},
-           {"text": "a", "sampling_params": {"json_schema": "{not json"}}]
+           {"text": "a", "sampling_params": {"json_schema": "{not json"}},
+           {"text": "a", "stream": True, "return_logprob": True, "logprob_start_len": 0}]
     *refused, info, health = ask(tokenizer, [("POST", "/generate", b) for b in bad]
                                  + [("GET", "/get_model_info", None), ("GET", "/health_generate", None)])
-    assert [r.status_code for r in refused] == [400] * 4
+    assert [r.status_code for r in refused] == [400] * 5
     messages = [r.json()["error"]["message"] for r in refused]
     assert "text or input_ids" in messages[0] and "beam_width" in messages[1]
     assert "one set for every prompt" in messages[2] and "json_schema" in messages[3]
+    assert "logprob_start_len" in messages[4] and "stream" in messages[4]
     assert info.json()["is_generation"] is True and info.json()["served_model_name"] == "m"
     assert health.status_code == 200
+
+
+def test_get_server_info_reports_the_acceptance_length_until_a_flush(tokenizer):
+    """/get_server_info (and /server_info): the flags given, context length, version and SGLang's
+    internal_states; avg_spec_accept_length (the scripted rounds accept nothing: 1.0) once a
+    request ran, forgotten by /flush_cache as SGLang's."""
+    from eagle_infer.server import ServerConfig
+
+    cfg = ServerConfig(["m"], None, 2048, len(tokenizer), flags={"model_path": "default", "api_key": "k"})
+    engine, app = scripted_app(tokenizer, ANSWER, cfg)
+    got = in_process(engine, app, [
+        ("GET", "/get_server_info", None), ("POST", "/generate", {"text": "Hi"}),
+        ("GET", "/get_server_info", None), ("GET", "/server_info", None), ("POST", "/flush_cache", None),
+        ("GET", "/get_server_info", None)])
+    before, after, alias, cleared = (got[i].json() for i in (0, 2, 3, 5))
+    assert before["model_path"] == "default" and "api_key" not in before
+    assert before["context_length"] == 2048 and before["version"]
+    assert "avg_spec_accept_length" not in before["internal_states"][0]
+    assert after["internal_states"][0]["avg_spec_accept_length"] == 1.0 and alias == after
+    assert got[4].status_code == 200 and "avg_spec_accept_length" not in cleared["internal_states"][0]
 
 
 def test_an_empty_batch_is_refused_and_rids_name_their_prompts_answers(tokenizer):
