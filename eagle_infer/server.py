@@ -1544,6 +1544,13 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
         chunk = 256 if torch.device(device).type == "cpu" else 8192
     engine = Engine(decoder, load_tokenizer(tokenizer_folder), metrics, tree is not None, args.prefix_caching,
                     chunk)
+    # /get_server_info's flags as they came out (SGLang shows its server args after their defaults)
+    resolved = {"speculative_algorithm": algo, "speculative_draft_model_path": head_path, "dtype": dtype,
+                "device": device, "model_path": str(args.model_path)}
+    if tree is not None:
+        resolved |= {"speculative_num_steps": tree.num_steps, "speculative_eagle_topk": tree.eagle_topk,
+                     "speculative_num_draft_tokens": tree.num_draft_tokens,
+                     "speculative_ngram_branch": tree.ngram_branch}
     cfg = ServerConfig(names, args.api_key, usable, target.config.vocab_size, args.stream_interval,
                        tool_parser=tool_parser_of(args), auto_tools=args.enable_auto_tool_choice,
                        chat_template=chat_template, reasoning_parser=args.reasoning_parser,
@@ -1558,7 +1565,7 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
                        tools_only_when_chosen=args.exclude_tools_when_tool_choice_none,
                        force_usage=args.enable_force_include_usage,
                        request_id_headers=args.enable_request_id_headers,
-                       flags=json.loads(json.dumps(vars(args), default=str)))
+                       flags=json.loads(json.dumps(vars(args) | resolved, default=str)))
     return engine, tokenizer, eos, cfg
 
 
@@ -1707,6 +1714,7 @@ def main(argv: list[str] | None = None) -> None:
         uvicorn.Server(config).run()
     finally:
         engine.stop()
+        gc.unfreeze()  # else nanobind (triton's bindings) reports the frozen objects as leaked at exit
     log.info("server stopped")
 
 

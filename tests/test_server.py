@@ -1828,7 +1828,8 @@ def test_more_vllm_and_sglang_flags_set_what_they_name(default_model_dir, tokeni
     # SmolLM2 never thinks: neither its template nor its vocabulary has </think>
     assert "deepseek_r1: neither the chat template nor the vocabulary knows </think>" in caplog.text
     assert cfg.flags["reasoning_parser"] == "deepseek_r1"
-    assert cfg.flags["model_path"] == str(default_model_dir)  # /get_server_info's flags
+    assert cfg.flags["model_path"] == str(default_model_dir)  # /get_server_info's flags, resolved
+    assert cfg.flags["speculative_algorithm"] == "NONE" and cfg.flags["device"] == "cpu"
     assert cfg.model_names[:2] == ["smol", "smol-alias"] and engine.metrics.model_name == "smol"
     assert cfg.listed == 2  # /v1/models lists both, as vLLM (below)
     assert cfg.max_logprobs == engine.dec.target.config.vocab_size  # -1: the vocabulary
