@@ -14,7 +14,8 @@ line as soon as it is done:
 In the order they finish (as OpenAI's, which says to match results by custom_id). A failed
 request's line has its status and error body, and `error` the body's error object (vLLM's
 readers look there). A run that was killed resumes: the lines already written are kept (a last
-one cut mid-write is dropped) and only the requests without a result run.
+one cut mid-write is dropped, and server errors, status 5xx, are run again) and only the
+requests without a result run.
 """
 
 from __future__ import annotations
@@ -67,21 +68,29 @@ def read_requests(path: Path) -> list[dict[str, Any]]:
 
 
 def results_so_far(path: Path) -> set[str]:
-    """The custom_ids an earlier run of this batch wrote results for; a last line cut mid-write
-    (a killed run: no newline) is removed from the file, any other line not a result refused."""
+    """The custom_ids an earlier run of this batch has results for. A last line cut mid-write (a
+    killed run: no newline) and the results of server errors (status 5xx: the request may pass
+    when run again) are removed from the file, to be written again; any other line that is not
+    a result is refused."""
     if not path.exists():
         return set()
-    text = path.read_text()
-    lines = text.splitlines(keepends=True)
-    done = set()
+    lines = path.read_text().splitlines(keepends=True)
+    done, kept = set(), []
     for i, line in enumerate(lines):
         try:
-            done.add(json.loads(line)["custom_id"])
-        except (ValueError, KeyError, TypeError):
+            result = json.loads(line)
+            custom_id, status = result["custom_id"], (result.get("response") or {}).get("status_code", 500)
+        except (ValueError, KeyError, TypeError, AttributeError):
             if i != len(lines) - 1 or line.endswith("\n"):  # a cut line has no end
                 raise UserError(f"--output-file {path}: line {i + 1} is not a result; "
                                 "not the output of this command?") from None
-            path.write_text("".join(lines[:i]))  # the cut line: written again below
+            continue
+        if status < 500:
+            done.add(custom_id)
+            kept.append(line)
+    if len(kept) < len(lines):
+        log.info("%s: %d lines (a cut line, server errors) are run again", path, len(lines) - len(kept))
+        path.write_text("".join(kept))
     return done
 
 
@@ -111,12 +120,18 @@ async def run_requests(app: Any, requests: list[dict[str, Any]], out: Any, concu
                                                    "type": "BadRequestError", "param": "stream",
                                                    "code": "unsupported_parameter"}}
                 else:
-                    answer = await http.post(req["url"], json=req["body"], headers=headers)
-                    status = answer.status_code
                     try:
-                        body = answer.json()
-                    except ValueError:
-                        body = answer.text
+                        answer = await http.post(req["url"], json=req["body"], headers=headers)
+                        status = answer.status_code
+                        try:
+                            body = answer.json()
+                        except ValueError:
+                            body = answer.text
+                    except Exception as e:  # a bug behind one request must not end the batch
+                        log.exception("request %s failed", req["custom_id"])
+                        status, body = 500, {"error": {"message": f"{type(e).__name__}: {e}",
+                                                       "type": "InternalServerError", "param": None,
+                                                       "code": "internal_error"}}
             counts["ok" if status == 200 else "failed"] += 1
             out.write(json.dumps(result_line(req, status, body)) + "\n")
             out.flush()

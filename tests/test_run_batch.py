@@ -31,9 +31,9 @@ def test_a_batch_answers_each_line_and_a_killed_run_resumes(default_model_dir, d
                                                             tmp_path, capsys):
     """Every line gets one result line named by its custom_id: chat answers token-identical to
     plain greedy decoding (fp32), a bad body / a streamed request / an unknown route as their
-    status with the error body (and `error`, vLLM's). Cut after three results and half a line
-    (a killed run), the run again keeps those three as they were and writes the other five; a
-    third run finds nothing to do."""
+    status with the error body (and `error`, vLLM's). Cut after four results (the last a server
+    error) and half a line (a killed run), the run again keeps the first three as they were and
+    writes the other five; a third run finds nothing to do."""
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps(line) + "\n" for line in batch_lines()))
     flags = ["-i", str(src), "-o", str(out), "--model-path", str(default_model_dir), "--dtype", "float32",
@@ -57,12 +57,16 @@ def test_a_batch_answers_each_line_and_a_killed_run_resumes(default_model_dir, d
     assert len(results["sglang"]["response"]["body"]["output_ids"]) == 4
 
     kept = lines[:3]
-    out.write_text("\n".join(kept) + "\n" + lines[3][:40])  # killed mid-write
+    failed = json.loads(lines[3])  # a server error (5xx) is run again, a client error (4xx) is not
+    failed["response"]["status_code"] = 503
+    out.write_text("\n".join([*kept, json.dumps(failed)]) + "\n" + lines[4][:40])  # killed mid-write
     main(flags)
     assert "5 requests in" in capsys.readouterr().out
     again = out.read_text().splitlines()
     assert again[:3] == kept and len(again) == 8
     assert {json.loads(x)["custom_id"] for x in again} == set(results)
+    rerun = next(json.loads(x) for x in again if json.loads(x)["custom_id"] == failed["custom_id"])
+    assert rerun["response"]["status_code"] == status[failed["custom_id"]]
     main(flags)
     assert "all 8 requests have results" in capsys.readouterr().out
 
@@ -91,3 +95,18 @@ def test_an_output_file_that_is_not_results_is_not_overwritten(tmp_path):
         results_so_far(out)
     with pytest.raises(UserError, match="no such file"):
         read_requests(tmp_path / "missing.jsonl")
+
+
+def test_bench_run_batch_writes_a_file_run_batch_reads_and_reads_both_timings(tmp_path):
+    """scripts/bench_run_batch.py: its batch file passes read_requests; the batch's seconds come
+    from our summary and from vLLM's progress bar (its last 100% line)."""
+    from script_module import load_script
+
+    bench = load_script("bench_run_batch")
+    bench.batch_file(tmp_path / "b.jsonl", ["Hi", "Why?"], "m", 8)
+    reqs = read_requests(tmp_path / "b.jsonl")
+    assert [r["custom_id"] for r in reqs] == ["q0", "q1"] and reqs[0]["body"]["ignore_eos"] is True
+    assert bench.batch_seconds("ours", "80 requests in 25.9 s (80 ok, 0 failed)") == 25.9
+    bar = ("Running batch:   1% Completed | 1/80 [00:19<25:03, 19.03s/req]\n"
+           "Running batch: 100% Completed | 80/80 [01:21<00:00,  4.12req/s]\n")
+    assert bench.batch_seconds("vllm", bar) == 81.0 and bench.batch_seconds("vllm", "no bar") is None
