@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    if args.batch_concurrency is not None and args.batch_concurrency < 1:
+        raise UserError("--batch-concurrency must be >= 1")
     requests = read_requests(args.input_file)
     done = results_so_far(args.output_file)
     todo = [r for r in requests if r["custom_id"] not in done]

@@ -84,6 +84,15 @@ def test_a_bad_input_line_is_named_before_anything_runs(tmp_path, text, error):
         read_requests(tmp_path / "in.jsonl")
 
 
+def test_a_bad_flag_or_file_ends_with_one_error_line(tmp_path, capsys):
+    (tmp_path / "in.jsonl").write_text('{"custom_id": "a", "url": "/x", "body": {}}\n')
+    for src, flags, error in (("in.jsonl", ["--batch-concurrency", "0"], "--batch-concurrency must be >= 1"),
+                              ("missing.jsonl", [], "missing.jsonl: no such file")):
+        with pytest.raises(SystemExit) as stop:
+            main(["-i", str(tmp_path / src), "-o", str(tmp_path / "out.jsonl"), *flags])
+        assert stop.value.code == 2 and error in capsys.readouterr().err
+
+
 def test_an_output_file_that_is_not_results_is_not_overwritten(tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text("some notes\nmore notes\n")
