@@ -1637,7 +1637,8 @@ def warmed_marker(args: argparse.Namespace) -> Path:
             "gpu_memory_utilization", "tokenizer_mode", "allowed_origins", "root_path", "ssl_keyfile",
             "ssl_certfile", "block_size", "swap_space", "default_chat_template_kwargs",
             "exclude_tools_when_tool_choice_none", "disable_uvicorn_access_log", "enable_request_id_headers",
-            "enable_force_include_usage", "enable_prompt_tokens_details", "disable_fastapi_docs")
+            "enable_force_include_usage", "enable_prompt_tokens_details", "disable_fastapi_docs",
+            "input_file", "output_file", "batch_concurrency")  # (run_batch's: the same server graphs)
     flags = json.dumps({k: v for k, v in sorted(vars(args).items()) if k not in skip}, default=str)
     key = hashlib.sha256(f"{torch.__version__} {flags}".encode()).hexdigest()[:16]
     return Path(cache_dir()) / f"eagle_infer_warmed_{key}"

@@ -119,3 +119,13 @@ def test_bench_run_batch_writes_a_file_run_batch_reads_and_reads_both_timings(tm
     bar = ("Running batch:   1% Completed | 1/80 [00:19<25:03, 19.03s/req]\n"
            "Running batch: 100% Completed | 80/80 [01:21<00:00,  4.12req/s]\n")
     assert bench.batch_seconds("vllm", bar) == 81.0 and bench.batch_seconds("vllm", "no bar") is None
+
+
+def test_run_batch_starts_from_the_servers_warmed_compile_cache(tmp_path):
+    """run_batch's own flags cannot change a graph: its start finds the marker a server start with
+    the same flags left in the compile cache (else it would compile beside a helper again)."""
+    from eagle_infer import run_batch, server
+
+    flags = ["--dtype", "bfloat16", "--max-running-requests", "4"]
+    ours = run_batch.build_parser().parse_args(["-i", "a", "-o", "b", "--batch-concurrency", "3", *flags])
+    assert server.warmed_marker(ours) == server.warmed_marker(server.build_parser().parse_args(flags))
