@@ -29,6 +29,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from eagle_infer.api_schema import ApiError
 from eagle_infer.errors import UserError, cli_errors
 
 log = logging.getLogger("eagle_infer.run_batch")
@@ -116,9 +117,8 @@ async def run_requests(app: Any, requests: list[dict[str, Any]], out: Any, concu
         async def one(req: dict[str, Any]) -> None:
             async with gate:
                 if req["body"].get("stream"):
-                    status, body = 400, {"error": {"message": "stream is not supported in a batch",
-                                                   "type": "BadRequestError", "param": "stream",
-                                                   "code": "unsupported_parameter"}}
+                    status, body = 400, ApiError(400, "stream is not supported in a batch", param="stream",
+                                                 code="unsupported_parameter").body()
                 else:
                     try:
                         answer = await http.post(req["url"], json=req["body"], headers=headers)
@@ -129,9 +129,8 @@ async def run_requests(app: Any, requests: list[dict[str, Any]], out: Any, concu
                             body = answer.text
                     except Exception as e:  # a bug behind one request must not end the batch
                         log.exception("request %s failed", req["custom_id"])
-                        status, body = 500, {"error": {"message": f"{type(e).__name__}: {e}",
-                                                       "type": "InternalServerError", "param": None,
-                                                       "code": "internal_error"}}
+                        failure = ApiError(500, f"{type(e).__name__}: {e}", code="internal_error")
+                        status, body = 500, failure.body()
             counts["ok" if status == 200 else "failed"] += 1
             out.write(json.dumps(result_line(req, status, body)) + "\n")
             out.flush()
