@@ -37,14 +37,18 @@ def server_info(flags: dict[str, Any], context: int, metrics: Any) -> dict[str, 
     """SGLang's /get_server_info: the server's flags (keys and certificates left out), its
     context length and version, and `internal_states` (one engine): last_gen_throughput and,
     once a speculative round ran, avg_spec_accept_length, what SGLang's benchmarks read."""
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        ours = version("eagle-spec")
+    except PackageNotFoundError:  # run from a source tree that was not installed
+        ours = "unknown"
     state: dict[str, Any] = {"last_gen_throughput": metrics.last_gen_throughput}
     accept = metrics.avg_spec_accept_length()
     if accept is not None:
         state["avg_spec_accept_length"] = accept
     shown = {k: v for k, v in flags.items() if k not in PRIVATE_FLAGS}
-    return {**shown, "context_length": context, "internal_states": [state], "version": version("eagle-spec")}
+    return {**shown, "context_length": context, "internal_states": [state], "version": ours}
 
 
 class GenerateRequest(_Body):
