@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from eagle_infer.api_schema import ApiError, ChatRequest, _Body
@@ -189,6 +189,49 @@ def usage_of(chat_usage: dict[str, Any]) -> dict[str, Any]:
 class Stored:
     response: dict[str, Any]
     conversation: list[dict[str, Any]]  # its chat messages, the answer's included (no instructions)
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # its request's, as listed
+
+
+ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def input_items_of(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """A request's input as OpenAI lists it (GET /v1/responses/{id}/input_items): each item with an
+    id, a message's text content as one input_text part (output_text for the assistant's)."""
+    given = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    items = []
+    for item in given:
+        item = {"type": "message", **item}
+        if item["type"] == "message":
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            if isinstance(item.get("content"), str):
+                item["content"] = [{"type": part, "text": item["content"]}]
+            item.setdefault("status", "completed")
+        item.setdefault("id", new_id(ITEM_ID_PREFIX.get(item["type"], "item")))
+        items.append(item)
+    return items
+
+
+def page_of(items: list[dict[str, Any]], limit: int, order: str, after: str | None,
+            before: str | None) -> dict[str, Any]:
+    """OpenAI's list page of items: `order` asc (input order) or desc (the default, newest first),
+    the items after / before the one with that id, at most `limit` (1-100)."""
+    if not 1 <= limit <= 100:
+        raise ApiError(400, f"limit must be in [1, 100], got {limit}", param="limit", code="invalid_value")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order must be asc or desc, got {order!r}", param="order", code="invalid_value")
+    ordered = items if order == "asc" else items[::-1]
+    ids = [item["id"] for item in ordered]
+    for cursor, name in ((after, "after"), (before, "before")):
+        if cursor is not None and cursor not in ids:
+            raise ApiError(400, f"{name}: no item {cursor!r} in this response's input", param=name,
+                           code="invalid_value")
+    start = ids.index(after) + 1 if after is not None else 0
+    end = ids.index(before) if before is not None else len(ordered)
+    window = ordered[start:end]
+    data = window[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(window) > limit}
 
 
 class ResponseStore:
@@ -201,6 +244,10 @@ class ResponseStore:
         self.items[stored.response["id"]] = stored
         while len(self.items) > self.size:
             self.items.popitem(last=False)
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id)  # a 404 when there is none
+        del self.items[response_id]
 
     def get(self, response_id: str, param: str | None = None) -> Stored:
         if response_id not in self.items:
@@ -255,7 +302,7 @@ class ResponseShape:
             turn: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
             if calls:
                 turn["tool_calls"] = calls
-            self.store.put(Stored(answer, [*self.conversation, turn]))
+            self.store.put(Stored(answer, [*self.conversation, turn], input_items_of(self.req)))
         return answer
 
     def whole(self, answer: dict[str, Any]) -> dict[str, Any]:

@@ -70,7 +70,7 @@ from eagle_infer.generate import chat_prompt_ids
 from eagle_infer.metrics import CONTENT_TYPE, Metrics
 from eagle_infer.reasoning import PARSERS as REASONING_PARSERS
 from eagle_infer.reasoning import ReasoningParser
-from eagle_infer.responses_api import ResponseShape, ResponsesRequest, ResponseStore
+from eagle_infer.responses_api import ResponseShape, ResponsesRequest, ResponseStore, page_of
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.server_flags import (
     SAMPLING_DEFAULT_FIELDS,
@@ -1329,6 +1329,19 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
     async def stored_response(request: Request, response_id: str) -> dict[str, Any]:
         check_auth(request)
         return stored_responses.get(response_id).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
+        check_auth(request)
+        stored_responses.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(request: Request, response_id: str, limit: int = 20, order: str = "desc",
+                                   after: str | None = None, before: str | None = None) -> dict[str, Any]:
+        """OpenAI's list of a stored response's input items (responses_api.page_of)."""
+        check_auth(request)
+        return page_of(stored_responses.get(response_id).input_items, limit, order, after, before)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -114,6 +114,47 @@ def test_previous_response_id_carries_the_conversation(tokenizer):
     assert len(errors) == 2 and all(e["param"] == "previous_response_id" for e in errors)
 
 
+def test_input_items_listed_and_a_response_deleted_through_the_openai_client(tokenizer):
+    """client.responses.input_items.list: a response's own input items (not its predecessor's),
+    each with an id, a string input as one user message with an input_text part; newest first by
+    default, asc in input order, paged by limit and after. client.responses.delete: then a 404,
+    for retrieve and as previous_response_id."""
+    async def body(client):
+        first = await client.responses.create(model="fake", input="Weather in Paris?", tools=TOOLS)
+        call = first.output[-1]
+        second = await client.responses.create(
+            model="fake", previous_response_id=first.id, tools=TOOLS, input=[
+                {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"},
+                {"role": "user", "content": "And tomorrow?"}])
+        listed = {"first": await client.responses.input_items.list(first.id),
+                  "desc": await client.responses.input_items.list(second.id),
+                  "asc": await client.responses.input_items.list(second.id, order="asc")}
+        page = await client.responses.input_items.list(second.id, order="asc", limit=1)
+        rest = await client.responses.input_items.list(second.id, order="asc", after=page.data[0].id)
+        await client.responses.delete(first.id)
+        gone = []
+        for call_ in (lambda: client.responses.retrieve(first.id),
+                      lambda: client.responses.create(model="fake", input="Hi",
+                                                      previous_response_id=first.id),
+                      lambda: client.responses.delete(first.id)):
+            try:
+                await call_()
+            except openai.NotFoundError as e:
+                gone.append(e.status_code)
+        kept = await client.responses.retrieve(second.id)
+        return listed, page, rest, gone, kept
+
+    (listed, page, rest, gone, kept), _ = with_client(tokenizer, ANSWER, body)
+    (only,) = listed["first"].data
+    assert (only.type, only.role, only.content[0].type, only.content[0].text) == (
+        "message", "user", "input_text", "Weather in Paris?")
+    assert [i.type for i in listed["asc"].data] == ["function_call_output", "message"]
+    assert [i.id for i in listed["desc"].data] == [i.id for i in listed["asc"].data][::-1]
+    assert all(i.id for i in listed["asc"].data) and listed["asc"].data[1].content[0].text == "And tomorrow?"
+    assert len(page.data) == 1 and page.has_more and [i.id for i in rest.data] == [listed["asc"].data[1].id]
+    assert not rest.has_more and gone == [404, 404, 404] and kept.status == "completed"
+
+
 def test_max_output_tokens_and_requests_this_server_cannot_answer(tokenizer):
     """max_output_tokens: a cut answer is incomplete (reason max_output_tokens); tools [] is none;
     input images, tools other than functions, background and truncation "auto" are 400s naming
