@@ -243,3 +243,21 @@ def test_a_call_cut_by_max_output_tokens_is_incomplete():
     out = shape.whole(answer)
     assert out["status"] == "incomplete" and [(o["type"], o["status"]) for o in out["output"]] == [
         ("function_call", "incomplete")]
+
+
+def test_input_item_pages_by_before_and_refused_bounds():
+    from eagle_infer.api_schema import ApiError
+    from eagle_infer.responses_api import page_of
+
+    items = [{"id": f"i{k}"} for k in range(5)]
+    ids = lambda page: [i["id"] for i in page["data"]]  # noqa: E731
+    assert ids(page_of(items, 20, "desc", None, "i1")) == ["i4", "i3", "i2"]
+    middle = page_of(items, 2, "asc", "i0", "i4")
+    assert ids(middle) == ["i1", "i2"] and middle["has_more"]
+    assert page_of(items, 20, "asc", "i4", None) == {"object": "list", "data": [], "first_id": None,
+                                                     "last_id": None, "has_more": False}
+    for args, param in (((0, "asc", None, None), "limit"), ((101, "asc", None, None), "limit"),
+                        ((5, "up", None, None), "order"), ((5, "asc", "nope", None), "after")):
+        with pytest.raises(ApiError) as err:
+            page_of(items, *args)
+        assert err.value.status == 400 and err.value.param == param
