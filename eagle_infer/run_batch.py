@@ -186,6 +186,10 @@ def main(argv: list[str] | None = None) -> None:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     concurrency = args.batch_concurrency or 2 * args.max_running_requests
     args.output_file.parent.mkdir(parents=True, exist_ok=True)
+    if args.seed is not None:  # after the warm-up's draws, as the server's main
+        import torch
+
+        torch.manual_seed(args.seed)
     engine.start()
     t0 = time.perf_counter()
     try:
