@@ -162,11 +162,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from tqdm import tqdm
 
-    from eagle_infer.server import build_engine, create_app, in_own_thread
+    from eagle_infer.server import configure_logging, start_serving
 
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     if args.batch_concurrency is not None and args.batch_concurrency < 1:
         raise UserError("--batch-concurrency must be >= 1")
@@ -179,17 +178,10 @@ def main(argv: list[str] | None = None) -> None:
     if not todo:
         print(f"all {len(requests)} requests have results in {args.output_file}")
         return
-    engine, tokenizer, eos, cfg = in_own_thread(build_engine, args, True)
-    gc.collect()
-    gc.freeze()  # the start-up objects, as the server's main
-    app = create_app(engine, tokenizer, eos, cfg)
+    engine, app = start_serving(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     concurrency = args.batch_concurrency or 2 * args.max_running_requests
     args.output_file.parent.mkdir(parents=True, exist_ok=True)
-    if args.seed is not None:  # after the warm-up's draws, as the server's main
-        import torch
-
-        torch.manual_seed(args.seed)
     engine.start()
     t0 = time.perf_counter()
     try:
@@ -198,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
             counts = asyncio.run(run_requests(app, todo, out, concurrency, headers, bar))
     finally:
         engine.stop()
-        gc.unfreeze()  # (frozen objects outlive the interpreter: nanobind's leak report at exit)
+        gc.unfreeze()  # (start_serving's freeze)
     seconds = time.perf_counter() - t0
     m = engine.metrics
     tokens = m.registry.get_sample_value("eagle:generation_tokens_total", {"model_name": m.model_name}) or 0

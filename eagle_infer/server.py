@@ -1559,7 +1559,7 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
                     chunk)
     # /get_server_info's flags as they came out (SGLang shows its server args after their defaults)
     resolved = {"speculative_algorithm": algo, "speculative_draft_model_path": head_path, "dtype": dtype,
-                "device": device, "model_path": str(args.model_path)}
+                "device": device}
     if tree is not None:
         resolved |= {"speculative_num_steps": tree.num_steps, "speculative_eagle_topk": tree.eagle_topk,
                      "speculative_num_draft_tokens": tree.num_draft_tokens,
@@ -1695,14 +1695,19 @@ def in_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
     return box["out"]
 
 
-@cli_errors
-def main(argv: list[str] | None = None) -> None:
-    import torch
-    import uvicorn
-
-    args = build_parser().parse_args(argv)
+def configure_logging(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def start_serving(args: argparse.Namespace) -> tuple[Engine, FastAPI]:
+    """The server's start (main's, and run_batch's): the engine built from the flags in a thread
+    of its own and warmed, its app, the start-up objects frozen out of garbage
+    collection, and torch seeded with --seed after the warm-up's draws (a fresh start answers
+    alike). The caller unfreezes them when done (else nanobind, triton's bindings, reports the
+    frozen objects as leaked at exit)."""
+    import torch
+
     engine, tokenizer, eos, cfg = in_own_thread(build_engine, args, True)
     # The loaded model, its compiled graphs and the libraries' objects (~550k) live as long as the
     # server, and a full collection walks every one of them: 390 ms on a 2-core Zen 4, a stall of
@@ -1712,13 +1717,23 @@ def main(argv: list[str] | None = None) -> None:
     gc.freeze()
     log.info("%d start-up objects frozen out of garbage collection", gc.get_freeze_count())
     app = create_app(engine, tokenizer, eos, cfg)
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    return engine, app
+
+
+@cli_errors
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    args = build_parser().parse_args(argv)
+    configure_logging(args)
+    engine, app = start_serving(args)
     # uvicorn re-raises the signal it shut down on once it is done; a no-op handler of ours
     # then receives it, so SIGTERM ends the process with status 0 after the graceful shutdown.
     noop: Callable[[int, Any], None] = lambda signum, frame: None
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, noop)
-    if args.seed is not None:  # after the warm-up's draws: a fresh server answers alike
-        torch.manual_seed(args.seed)
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level or args.log_level,
                             root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile,
@@ -1728,7 +1743,7 @@ def main(argv: list[str] | None = None) -> None:
         uvicorn.Server(config).run()
     finally:
         engine.stop()
-        gc.unfreeze()  # else nanobind (triton's bindings) reports the frozen objects as leaked at exit
+        gc.unfreeze()  # (start_serving's freeze)
     log.info("server stopped")
 
 
