@@ -125,6 +125,35 @@ def test_a_slot_adds_the_same_wherever_masked_slots_put_it(dtype, multiply, D):
         assert torch.equal(gapped, dense), (T, S, (gapped != dense).sum().item())
 
 
+@pytest.mark.parametrize("dtype,multiply", [(torch.float32, "loops"), (torch.bfloat16, "loops"),
+                                            (torch.bfloat16, "dot"), (torch.bfloat16, "amx")],
+                         indirect=["multiply"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("T", [1, 4])
+def test_slots_past_a_rows_last_attended_one_are_not_read(dtype, multiply, D, T):
+    """A batch's rows share one kv length, the longest row's: a shorter row's tail is masked, and
+    the kernel leaves it unread (live_slots). NaN there (a score or a value of NaN would make the
+    row NaN, even weighed 0) must not reach the output; each row equals its own call over only the
+    slots up to its last attended one, bit for bit, whether that slot ends a block or not."""
+    torch.manual_seed(1)
+    B, H, KVH, S = 4, 9, 3, 70
+    ends = [70, 33, 16, 5]  # one past each row's last attended slot
+    q = torch.randn(B, T, H, D).to(dtype).transpose(1, 2)
+    keys, values = cache_views(B, KVH, S, dtype=dtype, D=D)
+    bias = torch.full((B, 1, T, S), float("-inf"), dtype=dtype)
+    for b, end in enumerate(ends):
+        bias[b, :, :, :end - T] = 0
+        for t in range(T):  # a chain of T new slots at the row's end: each sees those before it
+            bias[b, :, t, end - T:end - T + t + 1] = 0
+        keys[b, :, end:], values[b, :, end:] = float("nan"), float("nan")
+    out = torch.ops.eagle.avx2_attention(q, keys, values, bias)
+    assert not out.isnan().any()
+    for b, end in enumerate(ends):
+        alone = torch.ops.eagle.avx2_attention(q[b:b + 1], keys[b:b + 1, :, :end], values[b:b + 1, :, :end],
+                                               bias[b:b + 1, ..., :end].contiguous())
+        assert torch.equal(alone, out[b:b + 1]), b
+
+
 # T: one position; fewer than a block of 8 keys; not a multiple of the 16-position tasks or of
 # the 6-row tiles; several tasks (B = 2: a batched prefill, right-padded rows included)
 @pytest.mark.parametrize("T", [1, 5, 37, 100])

@@ -175,6 +175,40 @@ def test_a_sequences_result_does_not_depend_on_the_batch_beside_it(attention_ker
     assert torch.equal(alone, pair) and torch.equal(alone_hidden, hidden)
 
 
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("dtype,linears", [
+    (torch.float32, "ours"),
+    pytest.param(torch.bfloat16, "ours", marks=needs_bf16),
+    pytest.param(torch.bfloat16, "int8", marks=needs_bf16),
+])
+def test_sequences_of_other_lengths_read_only_their_own_slots(attention_kernel_on, dtype, linears, T):
+    """A batch's step runs at its longest sequence's kv length; a shorter one's slots past its end
+    are masked and left unread (avx2_attention.cpp live_slots): NaN there must not reach it, and its
+    logits and hidden states equal its own step's alone at its own length, bit for bit. Four
+    sequences of 3 kv heads are 12 tasks the threads take as they come free; alone, one sequence's 3
+    kv heads split in halves on 2 threads (bf16 scores on vdpbf16ps) or go whole."""
+    target = on_our_kernels(fp32_target(heads=6, kv_heads=3), dtype, linears)
+    lens = torch.tensor([60, 7, 33, 18])  # each sequence's prompt
+    B, P = len(lens), int(lens.max())
+    target.setup_cache(B, 96)
+    g = torch.Generator().manual_seed(3)
+    pos, prompt = torch.arange(P).expand(B, P), torch.randint(0, 96, (B, P), generator=g)
+    target(prompt, pos, pos, causal_mask(torch.zeros(B, dtype=torch.long), P, P))
+    for b, n in enumerate(lens.tolist()):  # past each prompt: NaN, which the new rows overwrite in part
+        target.cache.kv[:, :, b, :, n:] = float("nan")
+    before = target.cache.kv.clone()
+    tokens, new = torch.randint(0, 96, (B, T), generator=g), lens[:, None] + torch.arange(T)
+    mask = causal_mask(lens, T, P + T + 5)
+    logits, hidden = target(tokens, new, new, mask, hidden_layers=[1])
+    assert not logits.isnan().any()
+    for b, n in enumerate(lens.tolist()):
+        target.cache.kv.copy_(before)
+        own = mask[b:b + 1, :, :n + T].clone()  # its own kv length: no masked tail
+        at = new[b:b + 1]
+        alone, alone_hidden = target(tokens[b:b + 1], at, at, own, hidden_layers=[1], row0=b)
+        assert torch.equal(alone, logits[b:b + 1]) and torch.equal(alone_hidden[0], hidden[0][b:b + 1]), b
+
+
 # P: a prompt within one block of 16 keys (phase 1's second half reads none), blocks that do not
 # halve, a partial last block; T = 2: a verify's two rows (4 a kv head: not in chunks)
 @needs_bf16

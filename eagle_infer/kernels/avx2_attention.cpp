@@ -87,6 +87,28 @@ inline void prefetch_ahead(const KV* k, const KV* v, int64_t j, int64_t n, int64
   if (v) prefetch_rows<D>(v + j * stride, n, stride);
 }
 
+// The slots a (batch, kv head)'s rows read, from slot 0: one past the last slot that any of its T
+// bias rows (bias_stride apart, S slots each) leaves unmasked (model.attn_bias: -inf), at least 1.
+// A batch's rows share one S (its longest row's length, rounded up: generate.kv_len_for), so a
+// shorter row's tail is masked, and a row's masked slots add exact zeros to its sums (below): the
+// slots past the last unmasked one are left unread, with the same result bit for bit. At batch 32
+// on MT-bench prompts the rows' lengths spread over hundreds of slots; served requests, which join
+// a running batch at any length, spread wider.
+template <typename KV>
+int64_t live_slots(const KV* bias, int64_t bias_stride, int64_t T, int64_t S) {
+  const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
+  int64_t live = 1;
+  for (int64_t t = 0; t < T && live < S; t++) {
+    const KV* b = bias + t * bias_stride;
+    int64_t j = S;
+    while (j >= live + 8 && _mm256_movemask_ps(_mm256_cmp_ps(eagle::load8(b + j - 8), neg_inf, _CMP_EQ_OQ)) == 0xFF)
+      j -= 8;
+    while (j > live && static_cast<float>(b[j - 1]) == -INFINITY) j--;
+    live = std::max(live, j);
+  }
+  return live;
+}
+
 // Rows r0..r1 of one (batch, kv head): row r is query head g = r / T of the kv head's group at
 // position t = r % T. q, bias and out in the cache's dtype KV: q and the bias widened to fp32 as
 // they are read (exactly), each output rounded once as it is written. Scores first (each block of 8 keys, read from the cache once, serves every
@@ -96,7 +118,7 @@ inline void prefetch_ahead(const KV* k, const KV* v, int64_t j, int64_t n, int64
 // output value the same chain as in one).
 template <int D, typename KV>
 void attend_rows(const KV* q, const KV* k, const KV* v, int64_t kv_stride, const KV* bias,
-                 int64_t T, int64_t S, int64_t r0, int64_t r1, float scale, float* scores, KV* out,
+                 int64_t bias_stride, int64_t T, int64_t S, int64_t r0, int64_t r1, float scale, float* scores, KV* out,
                  int64_t out_h, int64_t out_t) {
   const int64_t R = r1 - r0;
   std::vector<float> qs(R * D), sums(R, 0.f);
@@ -134,7 +156,7 @@ void attend_rows(const KV* q, const KV* k, const KV* v, int64_t kv_stride, const
         const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
         four[half] = _mm_add_ps(_mm256_castps256_ps128(s0123), _mm256_extractf128_ps(s0123, 1));
       }
-      const KV* b = bias + ((r0 + r) % T) * S + j;
+      const KV* b = bias + ((r0 + r) % T) * bias_stride + j;
       const __m256 dots = _mm256_insertf128_ps(_mm256_castps128_ps256(four[0]), four[1], 1);
       if (n == 8) {
         _mm256_storeu_ps(scores + r * S + j, _mm256_add_ps(dots, eagle::load8(b)));
@@ -345,12 +367,12 @@ EAGLE_AVX512_TARGET inline void pv_rows(const float* p, int64_t stride, const fl
 // R rows' scores (q . k, raw: rows S16 apart) -> p (the same or another buffer): each row's softmax
 // weights, p = exp(s * scale + bias - max), exactly 0 where masked (normalised later, by P V's sum).
 EAGLE_AVX512_TARGET void softmax_rows(const float* raw, float* p, int64_t S16, int64_t R, const at::BFloat16* bias,
-                                      int64_t T, int64_t S, int64_t r0, float scale) {
+                                      int64_t bias_stride, int64_t T, int64_t S, int64_t r0, float scale) {
   const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-INFINITY);
   for (int64_t r = 0; r < R; r++) {
     const float* s = raw + r * S16;
     float* pr = p + r * S16;
-    const at::BFloat16* b = bias + ((r0 + r) % T) * S;
+    const at::BFloat16* b = bias + ((r0 + r) % T) * bias_stride;
     __m512 vm = neg_inf;
     for (int64_t j = 0; j < S16; j += 16) {
       const __mmask16 in = j + 16 <= S ? __mmask16(0xFFFF) : __mmask16((1u << (S - j)) - 1);
@@ -413,9 +435,9 @@ EAGLE_AVX512_TARGET void pv_out(const float* p, int64_t S16, int64_t R, const at
 // r0.. of the call (see above), 64 of d a pass.
 template <int D>
 EAGLE_AVX512_TARGET void softmax_pv(float* sc, int64_t S16, int64_t R, const at::BFloat16* v, int64_t kv_stride,
-                                    const at::BFloat16* bias, int64_t T, int64_t S, int64_t r0, float scale,
-                                    at::BFloat16* out, int64_t out_h, int64_t out_t) {
-  softmax_rows(sc, sc, S16, R, bias, T, S, r0, scale);
+                                    const at::BFloat16* bias, int64_t bias_stride, int64_t T, int64_t S, int64_t r0,
+                                    float scale, at::BFloat16* out, int64_t out_h, int64_t out_t) {
+  softmax_rows(sc, sc, S16, R, bias, bias_stride, T, S, r0, scale);
   for (int64_t d0 = 0; d0 < D; d0 += 64) pv_out<4, D>(sc, S16, R, v, kv_stride, T, S, r0, d0, false, out, out_h, out_t);
 }
 
@@ -467,22 +489,22 @@ EAGLE_DOT_TARGET void scores_dot(const at::BFloat16* q, int64_t R, const at::BFl
 // attend_rows for rows r0..r1 of a bf16 call, scores on vdpbf16ps (see above).
 template <int D>
 EAGLE_DOT_TARGET void attend_rows_dot(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v,
-                                      int64_t kv_stride, const at::BFloat16* bias, int64_t T, int64_t S,
-                                      int64_t r0, int64_t r1, float scale, at::BFloat16* out, int64_t out_h,
-                                      int64_t out_t) {
+                                      int64_t kv_stride, const at::BFloat16* bias, int64_t bias_stride, int64_t T,
+                                      int64_t S, int64_t r0, int64_t r1, float scale, at::BFloat16* out,
+                                      int64_t out_h, int64_t out_t) {
   const int64_t R = r1 - r0, S16 = (S + 15) / 16 * 16;
   thread_local std::vector<float> sc;
   sc.resize(R * S16);
   scores_dot<D>(q + r0 * D, R, k, v, kv_stride, S, 0, S, sc.data(), S16);
-  softmax_pv<D>(sc.data(), S16, R, v, kv_stride, bias, T, S, r0, scale, out, out_h, out_t);
+  softmax_pv<D>(sc.data(), S16, R, v, kv_stride, bias, bias_stride, T, S, r0, scale, out, out_h, out_t);
 }
 
 // attend_rows for up to 16 rows r0..r1 of a bf16 call, scores on the tiles (see above).
 template <int D>
 EAGLE_AMX_TARGET void attend_rows_amx(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v,
-                                      int64_t kv_stride, const at::BFloat16* bias, int64_t T, int64_t S,
-                                      int64_t r0, int64_t r1, float scale, at::BFloat16* out, int64_t out_h,
-                                      int64_t out_t) {
+                                      int64_t kv_stride, const at::BFloat16* bias, int64_t bias_stride, int64_t T,
+                                      int64_t S, int64_t r0, int64_t r1, float scale, at::BFloat16* out,
+                                      int64_t out_h, int64_t out_t) {
   const int64_t R = r1 - r0, S16 = (S + 15) / 16 * 16;
   thread_local std::vector<float> sc;
   sc.resize(16 * S16);
@@ -528,7 +550,7 @@ EAGLE_AMX_TARGET void attend_rows_amx(const at::BFloat16* q, const at::BFloat16*
     }
     transpose_16x16(ct[0], 16, sc.data() + j, S16, R);
   }
-  softmax_pv<D>(sc.data(), S16, R, v, kv_stride, bias, T, S, r0, scale, out, out_h, out_t);
+  softmax_pv<D>(sc.data(), S16, R, v, kv_stride, bias, bias_stride, T, S, r0, scale, out, out_h, out_t);
 }
 
 // Whether a call's bf16 scores run on vdpbf16ps: its mode, and K's rows readable as 32-bit pairs (a
@@ -566,21 +588,22 @@ void tasks(const eagle::AttentionCall& c, int64_t t0, int64_t t1, float* scores)
     const int64_t r0 = ch * per_chunk, r1 = std::min(R, r0 + per_chunk);
     if (r0 >= r1) continue;
     const auto [qb, bb, ob, kv0] = pair_of<KV>(c, task / c.chunks);
+    const int64_t live = live_slots(bb, c.S, c.T, c.S);
     if constexpr (std::is_same_v<KV, at::BFloat16>) {
       if (dot) {
-        attend_rows_dot<D>(qb, kp + kv0, vp + kv0, c.row, bb, c.T, c.S, r0, r1, scale, ob, c.out_h, c.out_t);
+        attend_rows_dot<D>(qb, kp + kv0, vp + kv0, c.row, bb, c.S, c.T, live, r0, r1, scale, ob, c.out_h, c.out_t);
         continue;
       }
       if constexpr (D <= 128) {
         if (g_bf16_scores.load(std::memory_order_relaxed) == kAmx) {
           for (int64_t s0 = r0; s0 < r1; s0 += 16)
-            attend_rows_amx<D>(qb, kp + kv0, vp + kv0, c.row, bb, c.T, c.S, s0, std::min(r1, s0 + 16), scale, ob,
+            attend_rows_amx<D>(qb, kp + kv0, vp + kv0, c.row, bb, c.S, c.T, live, s0, std::min(r1, s0 + 16), scale, ob,
                                c.out_h, c.out_t);
           continue;
         }
       }
     }
-    attend_rows<D>(qb, kp + kv0, vp + kv0, c.row, bb, c.T, c.S, r0, r1, scale, scores, ob, c.out_h, c.out_t);
+    attend_rows<D>(qb, kp + kv0, vp + kv0, c.row, bb, c.S, c.T, live, r0, r1, scale, scores, ob, c.out_h, c.out_t);
   }
 }
 
@@ -625,20 +648,22 @@ int64_t split_tasks(const eagle::AttentionCall& c) {
 // Tasks t0..t1 of phase 1 or 2 (above); shared: B * KVH * G * T * S16 floats (S16: S rounded up to 16).
 template <int D>
 void split_phase_of(const eagle::AttentionCall& c, int64_t phase, int64_t t0, int64_t t1, float* shared) {
-  const int64_t R = c.H / c.KVH * c.T, S16 = (c.S + 15) / 16 * 16, half_keys = (S16 / 16 + 1) / 2 * 16;
+  const int64_t R = c.H / c.KVH * c.T, area = R * ((c.S + 15) / 16 * 16);  // a pair's share of `shared`
   const auto *kp = static_cast<const at::BFloat16*>(c.k), *vp = static_cast<const at::BFloat16*>(c.v);
   for (int64_t task = t0; task < t1; task++) {
     const int64_t half = task % 2, bk = task / 2;
     const auto [q, bias, out, kv0] = pair_of<at::BFloat16>(c, bk);
-    float* sc = shared + bk * R * S16;
+    // both phases' tasks of a pair find the same slots, so its halves and its scores' rows agree
+    const int64_t S = live_slots(bias, c.S, c.T, c.S), S16 = (S + 15) / 16 * 16, half_keys = (S16 / 16 + 1) / 2 * 16;
+    float* sc = shared + bk * area;
     if (phase == 1) {
-      const int64_t j0 = half * half_keys, j1 = std::min(c.S, j0 + half_keys);
-      if (j0 < j1) scores_dot<D>(q, R, kp + kv0, nullptr, c.row, c.S, j0, j1, sc, S16);
+      const int64_t j0 = half * half_keys, j1 = std::min(S, j0 + half_keys);
+      if (j0 < j1) scores_dot<D>(q, R, kp + kv0, nullptr, c.row, S, j0, j1, sc, S16);
     } else {
       thread_local std::vector<float> p;
       p.resize(R * S16);
-      softmax_rows(sc, p.data(), S16, R, bias, c.T, c.S, 0, 1.f / std::sqrt(static_cast<float>(D)));
-      pv_out<D / 32, D>(p.data(), S16, R, vp + kv0, c.row, c.T, c.S, 0, D / 2 * half, true, out, c.out_h, c.out_t);
+      softmax_rows(sc, p.data(), S16, R, bias, c.S, c.T, S, 0, 1.f / std::sqrt(static_cast<float>(D)));
+      pv_out<D / 32, D>(p.data(), S16, R, vp + kv0, c.row, c.T, S, 0, D / 2 * half, true, out, c.out_h, c.out_t);
     }
   }
 }

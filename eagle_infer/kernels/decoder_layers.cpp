@@ -28,6 +28,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <mutex>
@@ -262,6 +263,13 @@ at::Tensor layers_impl(const Stack& s, const at::Tensor& x_in, const at::Tensor&
   // and the cache's strides, the same for every layer)
   const int64_t split_tasks = eagle::split_attention(R, B, nkv, threads) ? s.split_tasks(attention_of(0)) : 0;
   std::vector<float> shared(split_tasks ? B * nkv * R * ((S + 15) / 16 * 16) : 0);
+  // Where each (batch, kv head) is one task, the threads take them as they come free: a row reads
+  // only the slots its sequence has (avx2_attention.cpp live_slots), and a batch's rows differ in
+  // length by hundreds of slots, so equal shares of tasks would leave a thread waiting. Where a
+  // pair's rows come in chunks (a verify at a small batch), equal shares of consecutive tasks keep
+  // each pair's K and V read by one thread, mostly.
+  std::vector<std::atomic<int64_t>> next_task(chunks == 1 ? L : 0);
+  for (auto& next : next_task) next.store(0, std::memory_order_relaxed);
 
 #pragma omp parallel num_threads(threads)
   {
@@ -312,6 +320,9 @@ at::Tensor layers_impl(const Stack& s, const at::Tensor& x_in, const at::Tensor&
         s.split_phase(attention, 1, a0, a1, shared.data());
 #pragma omp barrier
         s.split_phase(attention, 2, a0, a1, shared.data());
+      } else if (chunks == 1) {
+        for (int64_t a = next_task[l]++; a < attention_tasks; a = next_task[l]++)
+          s.attention(attention, a, a + 1, scores.data());
       } else {
         eagle::thread_share(attention_tasks, t, n, a0, a1);
         s.attention(attention, a0, a1, scores.data());
