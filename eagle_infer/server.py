@@ -914,12 +914,15 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
 
     def make_jobs(req: Generation, prompts: list[list[int]], prompt_param: str, default_max: int | None,
                   tools: ToolPlan | None = None, tool_grammar: tuple[str, Any] | None = None,
-                  gate: tuple[int, ...] = ()) -> list[Job]:
+                  gate: tuple[int, ...] = (), events: asyncio.Queue | None = None,
+                  first_index: int = 0) -> list[Job]:
         """A request's jobs: `n` choices for each prompt, choice index prompt x n + i (vLLM's),
         sampled alike but for the seed: choice i of a seeded request has seed + i, as vLLM's
         parallel sampling, so a choice is the answer of one request with that seed. tools: a chat
         request's ToolPlan (ChatRequest.tool_plan), tool_grammar its grammar (ToolPlan.grammar);
-        gate: the tokens after which a grammar starts (Grammar.gate: the end of the reasoning)."""
+        gate: the tokens after which a grammar starts (Grammar.gate: the end of the reasoning);
+        events, first_index: the queue and first choice index of jobs made for one request in
+        parts (a /generate batch whose prompts have sampling params of their own)."""
         if not 1 <= req.n <= MAX_CHOICES or req.n * len(prompts) > MAX_CHOICES:
             raise ApiError(400, f"n x prompts must be in [1, {MAX_CHOICES}], got {req.n} x {len(prompts)}",
                            param="n", code="invalid_value")
@@ -951,7 +954,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         stop_ids = ends - (set() if req.ignore_eos else eos)  # EOS reports no stop_reason (vLLM's)
         # tool calls keep special tokens in the text, for the parser (a <tool_call> may be one: vLLM's)
         skip_special = req.skip_special_tokens and tools is None
-        events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        events = asyncio.Queue() if events is None else events
         loop, jobs = asyncio.get_running_loop(), []
         as_ids = req.return_tokens_as_token_ids
         as_ids = cfg.tokens_as_ids if as_ids is None else as_ids
@@ -960,7 +963,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                 child = params if params.seed is None else replace(params, seed=params.seed + i)
                 jobs.append(Job(prompt, child, most, stops, ends, engine.tokenizer, loop, logprobs,
                                 as_ids, req.stream, cfg.stream_interval,
-                                index=p * req.n + i, events=events,
+                                index=first_index + p * req.n + i, events=events,
                                 echo=isinstance(req, CompletionRequest) and req.echo,
                                 skip_special_tokens=skip_special,
                                 include_stop=req.include_stop_str_in_output, stop_ids=stop_ids,
@@ -1268,12 +1271,18 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             req = await parse(request, GenerateRequest)
             assert isinstance(req, GenerateRequest)
             prompts, batch = req.prompts(lambda text: tokenizer(text)["input_ids"], vocab)
-            completion = with_server_defaults(req.completion_request(prompts))
-            jobs = make_jobs(completion, prompts, "text", None)
+            completions = [with_server_defaults(c) for c in req.completion_requests(prompts)]
+            if len(completions) == 1:
+                jobs = make_jobs(completions[0], prompts, "text", None)
+            else:  # each prompt its own sampling params: its jobs made apart, answering as one batch
+                jobs, events = [], asyncio.Queue()
+                for p, (prompt, completion) in enumerate(zip(prompts, completions)):
+                    jobs += make_jobs(completion, [prompt], "text", None, events=events,
+                                      first_index=p * completion.n)
         except ApiError as e:
             return JSONResponse(GenerateShape.error_body(e), status_code=e.status)
-        shape = GenerateShape(req, jobs, batch, completion.n, tokenizer)
-        return await run(request, jobs, completion, "completion", shape=shape)
+        shape = GenerateShape(req, jobs, batch, completions[0].n, tokenizer)
+        return await run(request, jobs, completions[0], "completion", shape=shape)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(request: Request) -> Response:

@@ -80,14 +80,26 @@ class GenerateRequest(_Body):
             raise ApiError(400, f"input_ids must be in [0, {vocab})", param="input_ids", code="invalid_value")
         return prompts, batch
 
-    def completion_request(self, prompts: list[list[int]]) -> CompletionRequest:
-        """The completion request this request stands for (its prompts as token ids)."""
-        params = self.sampling_params or {}
-        if isinstance(params, list):  # one per prompt in SGLang; here one for the batch
-            if any(p != params[0] for p in params):
-                raise ApiError(400, "sampling_params: one set for every prompt of a batch here",
-                               param="sampling_params", code="unsupported_parameter")
-            params = params[0] if params else {}
+    def completion_requests(self, prompts: list[list[int]]) -> list[CompletionRequest]:
+        """The completion requests this request stands for (its prompts as token ids): one for the
+        batch, or where `sampling_params` is a list (SGLang's: one set a prompt) that differ, one a
+        prompt (the server answers them as one batch, so `n` must agree)."""
+        params = self.sampling_params
+        if not isinstance(params, list):
+            return [self.completion_request(prompts, params or {})]
+        if len(params) != len(prompts):
+            raise ApiError(400, f"sampling_params: a list of {len(params)} for {len(prompts)} prompt(s): "
+                           "give one set a prompt, or one dict for all", param="sampling_params",
+                           code="invalid_value")
+        if all(p == params[0] for p in params):
+            return [self.completion_request(prompts, params[0])]
+        if any(p.get("n", 1) != params[0].get("n", 1) for p in params):
+            raise ApiError(400, "sampling_params: n must be the same for every prompt of a batch here",
+                           param="sampling_params", code="unsupported_parameter")
+        return [self.completion_request([prompt], p) for prompt, p in zip(prompts, params)]
+
+    def completion_request(self, prompts: list[list[int]], params: dict[str, Any]) -> CompletionRequest:
+        """The completion request of these prompts (token ids) under these sampling params."""
         unknown = sorted(set(params) - set(SAMPLING_KEYS) - set(GRAMMAR_KEYS) - NEUTRAL_KEYS)
         if unknown:
             raise ApiError(400, f"sampling_params: {', '.join(unknown)} not supported here",

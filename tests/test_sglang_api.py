@@ -62,22 +62,47 @@ def test_generate_answers_as_sglang_whole_batched_and_streamed(tokenizer):
 
 
 def test_generate_refuses_what_it_cannot_do_and_the_info_routes(tokenizer):
-    """Both text and input_ids, a sampling key unknown here, a batch with different sampling
-    params, the prompt's log-probs streamed: 400s in SGLang's error shape; /get_model_info and
-    /health_generate answer."""
+    """Both text and input_ids, a sampling key unknown here, sampling params listed for another
+    number of prompts, a batch whose prompts ask for different n, the prompt's log-probs streamed:
+    400s in SGLang's error shape; /get_model_info and /health_generate answer."""
     bad = [{"text": "a", "input_ids": [1]}, {"text": "a", "sampling_params": {"beam_width": 2}},
-           {"text": ["a", "b"], "sampling_params": [{"temperature": 0}, {"temperature": 1}]},
+           {"text": ["a", "b"], "sampling_params": [{"temperature": 0}]},
            {"text": "a", "sampling_params": {"json_schema": "{not json"}},
-           {"text": "a", "stream": True, "return_logprob": True, "logprob_start_len": 0}]
+           {"text": "a", "stream": True, "return_logprob": True, "logprob_start_len": 0},
+           {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 1}]},
+           {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 2}, {"beam_width": 2}]}]
     *refused, info, health = ask(tokenizer, [("POST", "/generate", b) for b in bad]
                                  + [("GET", "/get_model_info", None), ("GET", "/health_generate", None)])
-    assert [r.status_code for r in refused] == [400] * 5
+    assert [r.status_code for r in refused] == [400] * 7
     messages = [r.json()["error"]["message"] for r in refused]
     assert "text or input_ids" in messages[0] and "beam_width" in messages[1]
-    assert "one set for every prompt" in messages[2] and "json_schema" in messages[3]
+    assert "a list of 1 for 2 prompt(s)" in messages[2] and "json_schema" in messages[3]
     assert "logprob_start_len" in messages[4] and "stream" in messages[4]
+    assert "n must be the same" in messages[5] and "beam_width" in messages[6]
     assert info.json()["is_generation"] is True and info.json()["served_model_name"] == "m"
     assert health.status_code == 200
+
+
+def test_a_batchs_prompts_take_their_own_sampling_params(tokenizer):
+    """sampling_params as a list, one set a prompt (SGLang's): each prompt's answer keeps to its
+    own max_new_tokens and stop, whole and streamed, in the prompts' order; n answers a prompt
+    where every set asks for that n."""
+    eos = tokenizer.eos_token_id
+    answer_ids = tokenizer(ANSWER, add_special_tokens=False)["input_ids"] + [eos]
+    own = [{"max_new_tokens": 2}, {"max_new_tokens": 64, "stop": ["capital"]}, {"max_new_tokens": 64}]
+    whole, streamed, twice = ask(tokenizer, [
+        ("POST", "/generate", {"text": ["a", "b", "c"], "sampling_params": own}),
+        ("POST", "/generate", {"text": ["a", "b"], "sampling_params": own[:2], "stream": True}),
+        ("POST", "/generate", {"text": ["a", "b"], "sampling_params": [{"n": 2, "max_new_tokens": 1},
+                                                                       {"n": 2, "max_new_tokens": 3}]})])
+    first, second, third = whole.json()
+    assert first["output_ids"] == answer_ids[:2] and first["meta_info"]["finish_reason"]["type"] == "length"
+    assert second["text"] == "Paris is the " and second["meta_info"]["finish_reason"]["matched"] == "capital"
+    assert third["text"] == ANSWER and third["output_ids"] == answer_ids
+    pieces = [json.loads(ln[6:]) for ln in streamed.text.splitlines() if ln.startswith("data: {")]
+    last = {p["index"]: p for p in pieces}
+    assert last[0]["output_ids"] == answer_ids[:2] and last[1]["text"] == "Paris is the "
+    assert [len(o["output_ids"]) for o in twice.json()] == [1, 1, 3, 3]
 
 
 def test_get_server_info_reports_the_acceptance_length_until_a_flush(tokenizer):
