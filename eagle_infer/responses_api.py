@@ -87,9 +87,12 @@ class ResponsesRequest(_Body):
 
     def chat_request(self, conversation: list[dict[str, Any]]) -> ChatRequest:
         """The chat request this request stands for (instructions as a first system turn)."""
-        if self.background:
-            raise ApiError(400, "background responses are not supported here", param="background",
-                           code="unsupported_parameter")
+        if self.background and self.stream:
+            raise ApiError(400, "background responses are not streamed here: poll GET /v1/responses/{id}",
+                           param="background", code="unsupported_parameter")
+        if self.background and not self.store:
+            raise ApiError(400, "a background response must be stored (store: true) to be retrieved",
+                           param="background", code="invalid_value")
         if self.truncation not in (None, "disabled"):
             raise ApiError(400, "truncation: only 'disabled' (a prompt over the context is refused)",
                            param="truncation", code="unsupported_parameter")
@@ -255,6 +258,16 @@ class ResponseStore:
                                 f"memory, the last {self.size} with store)", param=param, code="not_found")
         return self.items[response_id]
 
+    def conversation_of(self, response_id: str) -> list[dict[str, Any]]:
+        """The conversation a response ends, to go on from (previous_response_id): a background
+        response's once it has its answer."""
+        stored = self.get(response_id, "previous_response_id")
+        status = stored.response["status"]
+        if status not in ("completed", "incomplete"):
+            raise ApiError(400, f"previous response {response_id!r} is {status}: no answer to go on from",
+                           param="previous_response_id", code="invalid_value")
+        return stored.conversation
+
 
 class ResponseShape:
     """One request's response: its object from the chat answer, or its events from the chat
@@ -270,15 +283,16 @@ class ResponseShape:
         return err.body()
 
     def response(self, output: list[dict[str, Any]], finish: str | None, usage: dict[str, Any] | None,
-                 status: str | None = None) -> dict[str, Any]:
-        """The response object; status from finish ("length": incomplete) unless given."""
+                 status: str | None = None, error: dict[str, str] | None = None) -> dict[str, Any]:
+        """The response object; status from finish ("length": incomplete) unless given (a
+        background response's "queued", "in_progress", "cancelled", or "failed" with its error)."""
         if status is None:
             status = "incomplete" if finish == "length" else "completed"
         req, chat = self.req, self.chat
         fmt = (req.text or {}).get("format") or {"type": "text"}
         choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "error": None,
+                "background": req.background, "error": error,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
                 "model": self.model, "output": output,
@@ -304,6 +318,14 @@ class ResponseShape:
                 turn["tool_calls"] = calls
             self.store.put(Stored(answer, [*self.conversation, turn], input_items_of(self.req)))
         return answer
+
+    def pending(self, status: str, error: dict[str, str] | None = None) -> dict[str, Any]:
+        """A background response without its answer (queued, in progress, cancelled or failed),
+        stored as it stands: retrievable, its input items listed, not yet a conversation to go on
+        from (previous_response_id refuses it)."""
+        response = self.response([], None, None, status, error)
+        self.store.put(Stored(response, [], input_items_of(self.req)))
+        return response
 
     def whole(self, answer: dict[str, Any]) -> dict[str, Any]:
         """The response of a chat answer (server.full_response's)."""

@@ -998,9 +998,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         message, SGLang's /generate answers) or its events, and an error takes that API's form."""
         stream = req.stream
         include_usage = cfg.force_usage or bool(req.stream_options and req.stream_options.include_usage)
-        # the answer's role: --response-role after a generation prompt, else the last message's (vLLM's)
-        speaker = (cfg.response_role if not isinstance(req, ChatRequest) or req.add_generation_prompt
-                   else req.messages[-1].role)
+        speaker = speaker_of(req)
         engine.submit(*jobs)
         events, finals = jobs[0].events, {}
         gone = asyncio.ensure_future(_client_gone(request))
@@ -1038,6 +1036,13 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                                        background=BackgroundTask(cancel_all, jobs))
         answer = full_response(jobs, kind, finals, req.n, tools, reasoning, speaker)
         return JSONResponse(answer if shape is None else shape.whole(answer))
+
+    def speaker_of(req: Generation) -> str:
+        """The answer's role: --response-role after a generation prompt, else the last message's
+        (vLLM's)."""
+        if not isinstance(req, ChatRequest) or req.add_generation_prompt:
+            return cfg.response_role
+        return req.messages[-1].role
 
     def logprobs_obj(kind: str, entries: list[LogprobEntry], offsets: list[int]) -> dict[str, Any]:
         """offsets: where each token's text starts in the whole completion (detokenize), which is
@@ -1223,6 +1228,8 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         return await run(request, jobs, req, "chat", tools, reasoning)
 
     stored_responses = ResponseStore()
+    # background responses still answering, by id: their task, jobs and shape
+    in_background: dict[str, tuple[asyncio.Task, list[Job], ResponseShape]] = {}
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
@@ -1232,12 +1239,51 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         assert isinstance(req, ResponsesRequest)
         history = []
         if req.previous_response_id is not None:
-            history = stored_responses.get(req.previous_response_id, "previous_response_id").conversation
+            history = stored_responses.conversation_of(req.previous_response_id)
         conversation = req.conversation(history)
         chat = with_server_defaults(req.chat_request(conversation))
         jobs, tools, reasoning = chat_jobs(chat)
         shape = ResponseShape(req, chat, conversation, cfg.model_names[0], stored_responses)
+        if req.background:  # answered by a task of its own: the client polls GET /v1/responses/{id}
+            task = asyncio.ensure_future(answer_in_background(jobs, chat, tools, reasoning, shape))
+            in_background[shape.id] = (task, jobs, shape)
+            return JSONResponse(shape.pending("queued"))
         return await run(request, jobs, chat, "chat", tools, reasoning, shape)
+
+    async def answer_in_background(jobs: list[Job], chat: ChatRequest, tools: ToolPlan | None,
+                                   reasoning: Thinking | None, shape: ResponseShape) -> None:
+        """A background response's answer, stored as it goes: in progress once its jobs are
+        submitted, then completed (or incomplete), or failed with the error that ended it; a
+        cancel (cancel_background) cancels this task and its jobs."""
+        shape.pending("in_progress")
+        engine.submit(*jobs)
+        finals: dict[int, dict[str, Any]] = {}
+        try:
+            while len(finals) < len(jobs):
+                ev = await jobs[0].events.get()
+                if "error" in ev:
+                    cancel_all(jobs)
+                    err = ev["error"]
+                    shape.pending("failed", {"code": err.code or err.type, "message": err.message})
+                    return
+                finals[ev["index"]] = ev
+            shape.whole(full_response(jobs, "chat", finals, chat.n, tools, reasoning, speaker_of(chat)))
+        except asyncio.CancelledError:
+            cancel_all(jobs)
+            raise
+        finally:
+            in_background.pop(shape.id, None)
+
+    def cancel_background(response_id: str) -> dict[str, Any] | None:
+        """Cancel a background response still answering: its response, now cancelled (None if
+        none was answering)."""
+        running = in_background.pop(response_id, None)
+        if running is None:
+            return None
+        task, jobs, shape = running
+        task.cancel()
+        cancel_all(jobs)
+        return shape.pending("cancelled")
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
@@ -1339,9 +1385,23 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         check_auth(request)
         return stored_responses.get(response_id).response
 
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(request: Request, response_id: str) -> dict[str, Any]:
+        """OpenAI's: a background response stops answering and is stored as cancelled; one that
+        has finished is returned as it is; any other response cannot be cancelled (a 400)."""
+        check_auth(request)
+        stored = stored_responses.get(response_id)
+        if not stored.response.get("background"):
+            raise ApiError(400, "only background responses can be cancelled", param="response_id",
+                           code="invalid_value")
+        cancelled = cancel_background(response_id)
+        return stored_responses.get(response_id).response if cancelled is None else cancelled
+
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
         check_auth(request)
+        stored_responses.get(response_id)  # a 404 when there is none
+        cancel_background(response_id)  # one still answering stops first
         stored_responses.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 

@@ -2,6 +2,7 @@
 whose answers are scripted (the real tokenizer, chat template, tool and reasoning parsers)."""
 
 import asyncio
+import time
 from pathlib import Path
 
 import httpx
@@ -157,8 +158,8 @@ def test_input_items_listed_and_a_response_deleted_through_the_openai_client(tok
 
 def test_max_output_tokens_and_requests_this_server_cannot_answer(tokenizer):
     """max_output_tokens: a cut answer is incomplete (reason max_output_tokens); tools [] is none;
-    input images, tools other than functions, background and truncation "auto" are 400s naming
-    the field."""
+    input images, tools other than functions, a background response not stored and truncation
+    "auto" are 400s naming the field."""
     async def body(client):
         cut = await client.responses.create(model="fake", input="Hi", max_output_tokens=2)
         # an empty tools list is no tools (OpenAI's Responses API takes it; the Agents SDK sends it)
@@ -169,7 +170,7 @@ def test_max_output_tokens_and_requests_this_server_cannot_answer(tokenizer):
         refused = []
         for kw in ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
                    {"input": "Hi", "tools": [{"type": "web_search"}]},
-                   {"input": "Hi", "background": True},
+                   {"input": "Hi", "background": True, "store": False},
                    {"input": "Hi", "truncation": "auto"},
                    {"input": [{"type": "item_reference", "id": "x"}]}):
             with pytest.raises(openai.BadRequestError) as e:
@@ -181,6 +182,89 @@ def test_max_output_tokens_and_requests_this_server_cannot_answer(tokenizer):
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     assert cut.usage.output_tokens == 2 and cut.output_text
     assert refused == ["input", "tools", "background", "truncation", "input"]
+
+
+def test_background_responses_answer_apart_and_cancel(tokenizer):
+    """background: the create call returns at once, queued; the response is retrieved as it goes
+    (in progress, then completed with the answer a foreground request gets) and only then goes on
+    as previous_response_id; a cancel stops one still answering (cancelled, its sequence dropped
+    from the batch), returns a finished one as it is, and refuses a foreground response; a stream
+    is refused; a deleted one stops answering."""
+    from test_server import ScriptedDecoder
+
+    from eagle_infer.server import Engine, Metrics, ServerConfig, create_app
+
+    class Slow(ScriptedDecoder):  # a round every 20 ms, 3 tokens each: a long answer takes seconds
+        def step(self):
+            time.sleep(0.02)
+            return super().step()
+
+    eos = tokenizer.eos_token_id
+    long = " ".join(["The weather is fine."] * 60)
+    decoder = Slow(list(tokenizer(long, add_special_tokens=False)["input_ids"]) + [eos])
+    engine = Engine(decoder, tokenizer, Metrics(1), speculative=True)
+    app = create_app(engine, tokenizer, {eos}, ServerConfig(["fake"], None, 2048, len(tokenizer)))
+
+    async def until(client, rid: str, status: str):
+        for _ in range(1000):
+            got = await client.responses.retrieve(rid)
+            if got.status == status:
+                return got
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{rid} never {status}: {got.status}")
+
+    async def drained() -> list:  # the decoder's sequences once none is left (or after 5 s)
+        for _ in range(500):
+            if not decoder.seqs:
+                break
+            await asyncio.sleep(0.01)
+        return list(decoder.seqs)
+
+    async def go():
+        engine.start()
+        try:
+            http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="none", http_client=http,
+                                        max_retries=0)
+            queued = await client.responses.create(model="fake", input="Hi", background=True,
+                                                   max_output_tokens=30)
+            running = await until(client, queued.id, "in_progress")
+            with pytest.raises(openai.BadRequestError) as early:  # no answer yet to go on from
+                await client.responses.create(model="fake", input="And?", previous_response_id=queued.id)
+            done = await until(client, queued.id, "incomplete")
+            foreground = await client.responses.create(model="fake", input="Hi", max_output_tokens=30)
+            follow = await client.responses.create(model="fake", input="And?", previous_response_id=queued.id)
+            again = await client.responses.cancel(queued.id)
+            long_one = await client.responses.create(model="fake", input="Hi", background=True)
+            await until(client, long_one.id, "in_progress")
+            cancelled = await client.responses.cancel(long_one.id)
+            stored = await client.responses.retrieve(long_one.id)
+            left = await drained()  # the cancelled sequence leaves the batch
+            refused = []
+            for call in (lambda: client.responses.cancel(foreground.id),
+                         lambda: client.responses.create(model="fake", input="Hi", background=True,
+                                                         stream=True)):
+                with pytest.raises(openai.BadRequestError) as e:
+                    await call()
+                refused.append(e.value.body["param"])
+            doomed = await client.responses.create(model="fake", input="Hi", background=True)
+            await until(client, doomed.id, "in_progress")
+            await client.responses.delete(doomed.id)
+            return (queued, running, early.value, done, foreground, follow, again, cancelled, stored, left,
+                    refused, await drained())
+        finally:
+            engine.stop()
+
+    (queued, running, early, done, foreground, follow, again, cancelled, stored, left, refused,
+     after_delete) = asyncio.run(go())
+    assert queued.status == "queued" and queued.background and queued.output == []
+    assert running.status == "in_progress" and running.id == queued.id
+    assert early.body["param"] == "previous_response_id" and "in_progress" in early.body["message"]
+    assert done.output_text == foreground.output_text and done.usage.output_tokens == 30
+    assert done.incomplete_details.reason == "max_output_tokens" and follow.status == "completed"
+    assert again.status == "incomplete" and again.output_text == done.output_text
+    assert cancelled.status == "cancelled" and stored.status == "cancelled" and left == []
+    assert refused == ["response_id", "background"] and after_delete == []
 
 
 def test_input_items_become_chat_turns(tokenizer):
