@@ -161,12 +161,13 @@ def alone_and_beside(target: Transformer, P: int, T: int, kv_len: int, cache_len
     return (pair[0], hidden[0][0], pair_kv), (alone[0], alone_hidden[0][0], target.cache.kv[:, :, 0])
 
 
+# fp32 on the AVX2 kernel, bf16 on ours, int8 weights on it
+DTYPE_LINEARS = [(torch.float32, "ours"), pytest.param(torch.bfloat16, "ours", marks=needs_bf16),
+                 pytest.param(torch.bfloat16, "int8", marks=needs_bf16)]
+
+
 @pytest.mark.parametrize("T", [1, 5])
-@pytest.mark.parametrize("dtype,linears", [
-    (torch.float32, "ours"),
-    pytest.param(torch.bfloat16, "ours", marks=needs_bf16),
-    pytest.param(torch.bfloat16, "int8", marks=needs_bf16),
-])
+@pytest.mark.parametrize("dtype,linears", DTYPE_LINEARS)
 def test_a_sequences_result_does_not_depend_on_the_batch_beside_it(attention_kernel_on, dtype, linears, T):
     """Alone (batch 1: fewer kv heads than twice the threads) the op's attention splits each kv
     head's rows between the threads; beside another sequence, a thread takes whole kv heads."""
@@ -176,11 +177,7 @@ def test_a_sequences_result_does_not_depend_on_the_batch_beside_it(attention_ker
 
 
 @pytest.mark.parametrize("T", [1, 3])
-@pytest.mark.parametrize("dtype,linears", [
-    (torch.float32, "ours"),
-    pytest.param(torch.bfloat16, "ours", marks=needs_bf16),
-    pytest.param(torch.bfloat16, "int8", marks=needs_bf16),
-])
+@pytest.mark.parametrize("dtype,linears", DTYPE_LINEARS)
 def test_sequences_of_other_lengths_read_only_their_own_slots(attention_kernel_on, dtype, linears, T):
     """A batch's step runs at its longest sequence's kv length; a shorter one's slots past its end
     are masked and left unread (avx2_attention.cpp live_slots): NaN there must not reach it, and its

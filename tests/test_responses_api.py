@@ -26,7 +26,11 @@ def with_client(tokenizer, answer: str, body, reasoning: str | None = "deepseek_
     engine, app = scripted_app(tokenizer, answer, ServerConfig(
         ["fake"], None, 2048, len(tokenizer), tool_parser="hermes", auto_tools=True,
         reasoning_parser=reasoning, chat_template=template))
+    return run_with_client(engine, app, body), [tokenizer.decode(seq.prompt) for seq in engine.dec.added]
 
+
+def run_with_client(engine, app, body):
+    """body(client) with an openai client of the in-process app, its engine started for it."""
     async def go():
         engine.start()
         try:
@@ -37,8 +41,7 @@ def with_client(tokenizer, answer: str, body, reasoning: str | None = "deepseek_
         finally:
             engine.stop()
 
-    result = asyncio.run(go())
-    return result, [tokenizer.decode(seq.prompt) for seq in engine.dec.added]
+    return asyncio.run(go())
 
 
 def test_a_response_holds_reasoning_text_and_calls_whole_and_streamed(tokenizer):
@@ -220,43 +223,35 @@ def test_background_responses_answer_apart_and_cancel(tokenizer):
             await asyncio.sleep(0.01)
         return list(decoder.seqs)
 
-    async def go():
-        engine.start()
-        try:
-            http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="none", http_client=http,
-                                        max_retries=0)
-            queued = await client.responses.create(model="fake", input="Hi", background=True,
-                                                   max_output_tokens=30)
-            running = await until(client, queued.id, "in_progress")
-            with pytest.raises(openai.BadRequestError) as early:  # no answer yet to go on from
-                await client.responses.create(model="fake", input="And?", previous_response_id=queued.id)
-            done = await until(client, queued.id, "incomplete")
-            foreground = await client.responses.create(model="fake", input="Hi", max_output_tokens=30)
-            follow = await client.responses.create(model="fake", input="And?", previous_response_id=queued.id)
-            again = await client.responses.cancel(queued.id)
-            long_one = await client.responses.create(model="fake", input="Hi", background=True)
-            await until(client, long_one.id, "in_progress")
-            cancelled = await client.responses.cancel(long_one.id)
-            stored = await client.responses.retrieve(long_one.id)
-            left = await drained()  # the cancelled sequence leaves the batch
-            refused = []
-            for call in (lambda: client.responses.cancel(foreground.id),
-                         lambda: client.responses.create(model="fake", input="Hi", background=True,
-                                                         stream=True)):
-                with pytest.raises(openai.BadRequestError) as e:
-                    await call()
-                refused.append(e.value.body["param"])
-            doomed = await client.responses.create(model="fake", input="Hi", background=True)
-            await until(client, doomed.id, "in_progress")
-            await client.responses.delete(doomed.id)
-            return (queued, running, early.value, done, foreground, follow, again, cancelled, stored, left,
-                    refused, await drained())
-        finally:
-            engine.stop()
+    async def body(client):
+        queued = await client.responses.create(model="fake", input="Hi", background=True,
+                                               max_output_tokens=30)
+        running = await until(client, queued.id, "in_progress")
+        with pytest.raises(openai.BadRequestError) as early:  # no answer yet to go on from
+            await client.responses.create(model="fake", input="And?", previous_response_id=queued.id)
+        done = await until(client, queued.id, "incomplete")
+        foreground = await client.responses.create(model="fake", input="Hi", max_output_tokens=30)
+        follow = await client.responses.create(model="fake", input="And?", previous_response_id=queued.id)
+        again = await client.responses.cancel(queued.id)
+        long_one = await client.responses.create(model="fake", input="Hi", background=True)
+        await until(client, long_one.id, "in_progress")
+        cancelled = await client.responses.cancel(long_one.id)
+        stored = await client.responses.retrieve(long_one.id)
+        left = await drained()  # the cancelled sequence leaves the batch
+        refused = []
+        for call in (lambda: client.responses.cancel(foreground.id),
+                     lambda: client.responses.create(model="fake", input="Hi", background=True, stream=True)):
+            with pytest.raises(openai.BadRequestError) as e:
+                await call()
+            refused.append(e.value.body["param"])
+        doomed = await client.responses.create(model="fake", input="Hi", background=True)
+        await until(client, doomed.id, "in_progress")
+        await client.responses.delete(doomed.id)
+        return (queued, running, early.value, done, foreground, follow, again, cancelled, stored, left,
+                refused, await drained())
 
     (queued, running, early, done, foreground, follow, again, cancelled, stored, left, refused,
-     after_delete) = asyncio.run(go())
+     after_delete) = run_with_client(engine, app, body)
     assert queued.status == "queued" and queued.background and queued.output == []
     assert running.status == "in_progress" and running.id == queued.id
     assert early.body["param"] == "previous_response_id" and "in_progress" in early.body["message"]
