@@ -1271,6 +1271,10 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         except asyncio.CancelledError:
             cancel_all(jobs)
             raise
+        except Exception as e:  # not left in progress for ever: failed, and the server goes on
+            log.exception("background response %s failed", shape.id)
+            cancel_all(jobs)
+            shape.pending("failed", {"code": "server_error", "message": f"{type(e).__name__}: {e}"})
         finally:
             in_background.pop(shape.id, None)
 

@@ -262,6 +262,30 @@ def test_background_responses_answer_apart_and_cancel(tokenizer):
     assert refused == ["response_id", "background"] and after_delete == []
 
 
+def test_a_background_response_whose_answer_breaks_is_stored_failed(tokenizer, monkeypatch):
+    """An error while a background response is shaped leaves it failed (server_error, the error's
+    text), not in progress for ever, and the server answers the next request."""
+    from eagle_infer.responses_api import ResponseShape
+
+    def broken(self, answer):
+        raise RuntimeError("shape broken")
+
+    async def body(client):
+        with monkeypatch.context() as m:
+            m.setattr(ResponseShape, "whole", broken)
+            started = await client.responses.create(model="fake", input="Hi", background=True)
+            for _ in range(500):
+                got = await client.responses.retrieve(started.id)
+                if got.status not in ("queued", "in_progress"):
+                    break
+                await asyncio.sleep(0.01)
+        return got, await client.responses.create(model="fake", input="Hi")
+
+    (failed, after), _ = with_client(tokenizer, "Hello there.", body, reasoning=None)
+    assert failed.status == "failed" and failed.error.code == "server_error"
+    assert "shape broken" in failed.error.message and after.status == "completed"
+
+
 def test_input_items_become_chat_turns(tokenizer):
     """Input items: messages with text parts (input_text, and an earlier answer's output_text),
     a function_call then its output, and reasoning items (dropped, as templates drop old
