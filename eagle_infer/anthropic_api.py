@@ -98,6 +98,8 @@ class MessagesRequest(_Body):
         if (self.thinking or {}).get("type") == "disabled":  # Qwen3's templates' switch (vLLM maps it too)
             given = (self.model_extra or {}).get("chat_template_kwargs") or {}
             body["chat_template_kwargs"] = {"enable_thinking": False} | given
+        elif (self.thinking or {}).get("budget_tokens") is not None:  # enabled: a cap on the reasoning
+            body["thinking_token_budget"] = self.thinking["budget_tokens"]
         for ours, chat in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
                            ("stop_sequences", "stop")):
             if getattr(self, ours) is not None:

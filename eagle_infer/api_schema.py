@@ -225,6 +225,8 @@ class ChatRequest(Generation):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None  # vLLM's: this request's template (--trust-request-chat-template)
+    # vLLM's: at most that many tokens of reasoning (--reasoning-parser), then its end is forced
+    thinking_token_budget: int | None = None
 
     def tool_plan(self, parser: Parser | None, auto: bool) -> ToolPlan | None:
         """How the answer becomes tool calls (tool_calls.ToolPlan), None for a plain answer.

@@ -37,11 +37,15 @@ class Grammar:
     """A compiled grammar (SamplingParams.grammar) and how the target's tokenizer writes text
     (encode), with which speculative rounds draft what the grammar forces (None: they do not).
     gate: token ids after which the grammar starts (a thinking model's end of reasoning, as
-    vLLM's reasoning parsers gate structured outputs); the text before them is free."""
+    vLLM's reasoning parsers gate structured outputs); the text before them is free. budget: at
+    most that many tokens before the gate (vLLM's thinking_token_budget, Anthropic's
+    budget_tokens): then the gate's tokens are forced. compiled None: nothing after the gate (a
+    budget alone)."""
 
-    compiled: xgr.CompiledGrammar
+    compiled: xgr.CompiledGrammar | None
     encode: Encode | None = None
     gate: tuple[int, ...] = ()
+    budget: int | None = None
 
 
 class Grammars:
@@ -96,28 +100,47 @@ class Grammars:
 
 
 def new_matcher(grammar: Grammar) -> xgr.GrammarMatcher | GatedMatcher:
-    matcher = xgr.GrammarMatcher(grammar.compiled)
-    return GatedMatcher(matcher, grammar.gate) if grammar.gate else matcher
+    matcher = None if grammar.compiled is None else xgr.GrammarMatcher(grammar.compiled)
+    if grammar.gate:
+        return GatedMatcher(matcher, grammar.gate, grammar.budget)
+    if matcher is None:
+        raise ValueError("a Grammar without a compiled grammar needs a gate (a budget alone)")
+    return matcher
 
 
 class GatedMatcher:
     """A matcher whose grammar starts once the output ends with `gate` (Grammar.gate): before,
-    every token is accepted and every token allowed; from then on the inner matcher's. The part
-    of xgrammar's GrammarMatcher the decoders use (accept, rollback across the gate, masks, the
+    every token is accepted and every token allowed; from then on the inner matcher's (every
+    token, without one). With a budget, once that many tokens came before the gate, only the
+    gate's next token is allowed, until the gate is written (after the longest tail of those
+    tokens that begins it: a gate the output had begun is finished, not restarted). The part of
+    xgrammar's GrammarMatcher the decoders use (accept, rollback across the gate, masks, the
     jump-forward string), so a tree node is constrained after its drafted path as without one."""
 
-    def __init__(self, inner: xgr.GrammarMatcher, gate: tuple[int, ...]):
-        self.inner, self.gate = inner, tuple(gate)
+    def __init__(self, inner: xgr.GrammarMatcher | None, gate: tuple[int, ...], budget: int | None = None):
+        self.inner, self.gate, self.budget = inner, tuple(gate), budget
         self.free: list[int] = []  # the tokens before the grammar started
-        self.taken: list[bool] = []  # per accepted token: whether the grammar took it
+        self.taken: list[bool] = []  # per accepted token: whether it came after the gate
         self.started = False
+
+    def forced(self) -> tuple[int, ...]:
+        """The gate's tokens still to write where the budget has run out before the gate, else ()."""
+        if self.started or self.budget is None or len(self.free) < self.budget:
+            return ()
+        for m in range(min(len(self.gate) - 1, len(self.free)), 0, -1):
+            if tuple(self.free[-m:]) == self.gate[:m]:
+                return self.gate[m:]
+        return self.gate
 
     def accept_token(self, token: int) -> bool:
         if self.started:
-            if not self.inner.accept_token(token):
+            if self.inner is not None and not self.inner.accept_token(token):
                 return False
             self.taken.append(True)
             return True
+        forced = self.forced()
+        if forced and token != forced[0]:
+            return False
         self.free.append(token)
         self.taken.append(False)
         self.started = tuple(self.free[-len(self.gate):]) == self.gate
@@ -126,22 +149,27 @@ class GatedMatcher:
     def rollback(self, n: int) -> None:
         for _ in range(n):
             if self.taken.pop():
-                self.inner.rollback(1)
+                if self.inner is not None:
+                    self.inner.rollback(1)
             else:  # a free token: the grammar had not started before it
                 self.free.pop()
                 self.started = False
 
     def is_terminated(self) -> bool:
-        return self.started and self.inner.is_terminated()
+        return self.started and self.inner is not None and self.inner.is_terminated()
 
     def fill_next_token_bitmask(self, bitmask: Tensor, index: int = 0) -> None:
-        if self.started:
+        if self.started and self.inner is not None:
             self.inner.fill_next_token_bitmask(bitmask, index)
-        else:
-            bitmask[index] = -1  # every token allowed
+            return
+        forced = self.forced()
+        bitmask[index] = -1 if not forced else 0  # every token allowed, or only the gate's next
+        if forced:
+            bit = 1 << (forced[0] % 32)  # xgrammar's: bit t % 32 of int32 word t // 32
+            bitmask[index, forced[0] // 32] = bit - (1 << 32) if bit >= 1 << 31 else bit
 
     def find_jump_forward_string(self) -> str:
-        return self.inner.find_jump_forward_string() if self.started else ""
+        return self.inner.find_jump_forward_string() if self.started and self.inner is not None else ""
 
 
 def forced_tokens(matcher: xgr.GrammarMatcher, encode: Encode, limit: int) -> list[int]:
@@ -151,6 +179,8 @@ def forced_tokens(matcher: xgr.GrammarMatcher, encode: Encode, limit: int) -> li
     may still differ from the target's, whose may reach into the free text after it."""
     if limit < 1 or matcher.is_terminated():
         return []
+    if isinstance(matcher, GatedMatcher) and matcher.forced():  # a spent budget: the gate's tokens
+        return list(matcher.forced()[:limit])
     text = matcher.find_jump_forward_string()
     if not text:
         return []

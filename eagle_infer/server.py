@@ -915,14 +915,15 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
     def make_jobs(req: Generation, prompts: list[list[int]], prompt_param: str, default_max: int | None,
                   tools: ToolPlan | None = None, tool_grammar: tuple[str, Any] | None = None,
                   gate: tuple[int, ...] = (), events: asyncio.Queue | None = None,
-                  first_index: int = 0) -> list[Job]:
+                  first_index: int = 0, budget: int | None = None) -> list[Job]:
         """A request's jobs: `n` choices for each prompt, choice index prompt x n + i (vLLM's),
         sampled alike but for the seed: choice i of a seeded request has seed + i, as vLLM's
         parallel sampling, so a choice is the answer of one request with that seed. tools: a chat
         request's ToolPlan (ChatRequest.tool_plan), tool_grammar its grammar (ToolPlan.grammar);
         gate: the tokens after which a grammar starts (Grammar.gate: the end of the reasoning);
         events, first_index: the queue and first choice index of jobs made for one request in
-        parts (a /generate batch whose prompts have sampling params of their own)."""
+        parts (a /generate batch whose prompts have sampling params of their own); budget: at
+        most that many tokens before the gate, then the gate forced (thinking_token_budget)."""
         if not 1 <= req.n <= MAX_CHOICES or req.n * len(prompts) > MAX_CHOICES:
             raise ApiError(400, f"n x prompts must be in [1, {MAX_CHOICES}], got {req.n} x {len(prompts)}",
                            param="n", code="invalid_value")
@@ -948,8 +949,11 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             raise ApiError(400, f"stop_token_ids must be token ids of this model (0 to {vocab - 1})",
                            param="stop_token_ids", code="invalid_value")
         params = sampling_params(req, tool_grammar)
-        if gate and params.grammar is not None:
-            params = replace(params, grammar=replace(params.grammar, gate=gate))
+        if gate and (params.grammar is not None or budget is not None):
+            from eagle_infer.grammar import Grammar
+
+            grammar = params.grammar if params.grammar is not None else Grammar(None, grammars().encode)
+            params = replace(params, grammar=replace(grammar, gate=gate, budget=budget))
         ends = (set() if req.ignore_eos else eos) | set(req.stop_token_ids or [])
         stop_ids = ends - (set() if req.ignore_eos else eos)  # EOS reports no stop_reason (vLLM's)
         # tool calls keep special tokens in the text, for the parser (a <tool_call> may be one: vLLM's)
@@ -1212,13 +1216,18 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         except ValueError as e:
             raise ApiError(400, str(e), param="tools", code="invalid_value") from None
         prompt = template_prompt(req, tool_dicts)
-        reasoning, gate = None, ()
+        reasoning, gate, budget = None, (), req.thinking_token_budget
+        if budget is not None and (budget < 0 or cfg.reasoning_parser is None):
+            raise ApiError(400, "thinking_token_budget: a number of tokens >= 0, on a server started with "
+                           "--reasoning-parser (whose end of reasoning it forces)",
+                           param="thinking_token_budget", code="invalid_value")
         if cfg.reasoning_parser is not None:
             parser = REASONING_PARSERS[cfg.reasoning_parser]
             reasoning = parser, parser.thinking(req.chat_template_kwargs)
             if reasoning[1]:  # a grammar (structured outputs, a forced call) starts after the reasoning
                 gate = tuple(tokenizer.encode(parser.end, add_special_tokens=False))
-        return make_jobs(req, [prompt], "messages", None, tools, tool_grammar, gate), tools, reasoning
+        jobs = make_jobs(req, [prompt], "messages", None, tools, tool_grammar, gate, budget=budget)
+        return jobs, tools, reasoning
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -1464,6 +1464,32 @@ def test_reasoning_parser_splits_the_answer_into_reasoning_and_content(tokenizer
         engine.stop()
 
 
+def test_thinking_token_budget_reaches_the_sequences_grammar(tokenizer):
+    """thinking_token_budget (vLLM's) and Anthropic's thinking.budget_tokens: the sequence's grammar
+    forces the reasoning parser's end after that many tokens (Grammar.budget, its gate the end
+    marker's tokens), with a structured output after it too; without --reasoning-parser, or
+    below 0, a 400 naming the field."""
+    end = tuple(tokenizer("</think>", add_special_tokens=False)["input_ids"])
+    chat = {"model": "fake", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
+    engine, app = reasoning_app(tokenizer, "<think>\nHmm.</think>Hello.", "deepseek_r1")
+    got = in_process(engine, app, [
+        ("POST", "/v1/chat/completions", chat | {"thinking_token_budget": 3}),
+        ("POST", "/v1/messages", {"model": "fake", "max_tokens": 8, "messages": chat["messages"],
+                                  "thinking": {"type": "enabled", "budget_tokens": 5}}),
+        ("POST", "/v1/chat/completions", chat | {"thinking_token_budget": 2,
+                                                 "response_format": {"type": "json_object"}}),
+        ("POST", "/v1/chat/completions", chat | {"thinking_token_budget": -1})])
+    assert [r.status_code for r in got] == [200, 200, 200, 400]
+    grammars = [seq.params.grammar for seq in engine.dec.added]
+    assert [(g.budget, g.gate, g.compiled is None) for g in grammars] == [(3, end, True), (5, end, True),
+                                                                          (2, end, False)]
+    assert got[3].json()["error"]["param"] == "thinking_token_budget"
+    engine, app = reasoning_app(tokenizer, "Hello.", None)
+    budgeted = chat | {"thinking_token_budget": 3}
+    (refused,) = in_process(engine, app, [("POST", "/v1/chat/completions", budgeted)])
+    assert refused.status_code == 400 and "--reasoning-parser" in refused.json()["error"]["message"]
+
+
 def test_engine_faults_fail_only_that_request_and_stop_strings_cut():
     engine, app = fake_app()
     engine.start()

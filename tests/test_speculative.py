@@ -552,6 +552,62 @@ def test_a_gated_grammar_starts_after_its_gate_under_speculation_too():
     assert not matcher.started and matcher.accept_token(3) and matcher.free == [gate[0], 3]
 
 
+def test_a_thinking_budget_forces_the_gate_under_speculation_too():
+    """Grammar.budget (thinking_token_budget): at most `budget` tokens before the gate, then the
+    gate's tokens are forced, then the output is free again (no grammar after it). Greedy
+    speculative decoding writes plain decoding's tokens (the forced gate drafted ahead), sampled
+    rows keep the budget too, and an output that writes the gate itself within the budget is left
+    as it is."""
+    from eagle_infer.grammar import Grammar
+
+    target = tiny_target(layers=1, silent=True)
+    V = target.config.vocab_size
+    head = oracle_head(target, noise=0.3)
+    prompts = prompts_for(V)[:2]
+    free = generate(target, prompts, 30, eos_token_ids=[])
+    pairs = {tuple(out[i:i + 2]) for out in free for i in range(len(out) - 1)}
+    gate = next((a, b) for a in range(V) for b in range(V) if (a, b) not in pairs and a != free[0][6])
+    params = [SamplingParams(grammar=Grammar(None, lambda text: [], gate, budget=6))] * 2
+    plain = generate(target, prompts, 30, params, eos_token_ids=[])
+    for out, was in zip(plain, free):
+        assert out[:6] == was[:6] and tuple(out[6:8]) == gate and out != was
+    spec, stats = generate_speculative(target, head, prompts, 30, params, tree=TreeConfig(3, 3, 8),
+                                       eos_token_ids=[])
+    assert spec == plain and sum(stats.accepted_hist[1:]) > 0
+    sampled = [SamplingParams(temperature=1.0, seed=s, grammar=params[0].grammar) for s in (1, 2)]
+    for out in generate_speculative(target, head, prompts, 30, sampled, tree=TreeConfig(3, 3, 8),
+                                    eos_token_ids=[])[0]:
+        assert any(tuple(out[i:i + 2]) == gate for i in range(7)), out  # the gate begun by position 6
+    own = [SamplingParams(grammar=Grammar(None, lambda text: [], tuple(free[0][3:5]), budget=20))]
+    assert generate(target, prompts[:1], 30, own, eos_token_ids=[]) == free[:1]
+
+
+def test_a_spent_budget_allows_only_the_gates_next_token():
+    """GatedMatcher with a budget: free tokens up to it, then only the gate's next token is allowed
+    (the bitmask, accept_token), after the longest tail that begins the gate; rolled back, the
+    budget is open again; after the gate, every token."""
+    import xgrammar as xgr
+
+    from eagle_infer.grammar import Grammar, forced_tokens, new_matcher
+
+    def allowed(matcher) -> list[int]:
+        bitmask = xgr.allocate_token_bitmask(1, 96)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        return [t for t in range(96) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
+
+    matcher = new_matcher(Grammar(None, None, (31, 9), budget=2))
+    assert all(matcher.accept_token(t) for t in (1, 2)) and matcher.forced() == (31, 9)
+    assert allowed(matcher) == [31] and not matcher.accept_token(3)  # bit 31 of a word: its sign bit
+    assert forced_tokens(matcher, lambda text: [], 8) == [31, 9] and matcher.forced() == (31, 9)
+    assert matcher.accept_token(31) and allowed(matcher) == [9]
+    matcher.rollback(2)
+    assert matcher.forced() == () and len(allowed(matcher)) == 96
+    assert all(matcher.accept_token(t) for t in (31, 9, 4)) and matcher.started
+    assert len(allowed(matcher)) == 96 and not matcher.is_terminated()
+    begun = new_matcher(Grammar(None, None, (5, 9), budget=2))
+    assert begun.accept_token(1) and begun.accept_token(5) and begun.forced() == (9,)
+
+
 def test_masked_greedy_tokens_is_the_argmax_the_bitmask_allows():
     """masked_greedy_tokens reads xgrammar's bitmask as xgrammar applies it (bit 31 of a word
     included, a vocabulary not a multiple of 32): the argmax of what is left, the raw argmax
