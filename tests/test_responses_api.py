@@ -225,12 +225,12 @@ def test_background_responses_answer_apart_and_cancel(tokenizer):
 
     async def body(client):
         queued = await client.responses.create(model="fake", input="Hi", background=True,
-                                               max_output_tokens=30)
+                                               max_output_tokens=60)
         running = await until(client, queued.id, "in_progress")
         with pytest.raises(openai.BadRequestError) as early:  # no answer yet to go on from
             await client.responses.create(model="fake", input="And?", previous_response_id=queued.id)
         done = await until(client, queued.id, "incomplete")
-        foreground = await client.responses.create(model="fake", input="Hi", max_output_tokens=30)
+        foreground = await client.responses.create(model="fake", input="Hi", max_output_tokens=60)
         follow = await client.responses.create(model="fake", input="And?", previous_response_id=queued.id)
         again = await client.responses.cancel(queued.id)
         long_one = await client.responses.create(model="fake", input="Hi", background=True)
@@ -255,7 +255,7 @@ def test_background_responses_answer_apart_and_cancel(tokenizer):
     assert queued.status == "queued" and queued.background and queued.output == []
     assert running.status == "in_progress" and running.id == queued.id
     assert early.body["param"] == "previous_response_id" and "in_progress" in early.body["message"]
-    assert done.output_text == foreground.output_text and done.usage.output_tokens == 30
+    assert done.output_text == foreground.output_text and done.usage.output_tokens == 60
     assert done.incomplete_details.reason == "max_output_tokens" and follow.status == "completed"
     assert again.status == "incomplete" and again.output_text == done.output_text
     assert cancelled.status == "cancelled" and stored.status == "cancelled" and left == []
