@@ -35,7 +35,8 @@ Encode = Callable[[str], list[int]]  # text -> the target tokenizer's ids, no sp
 @dataclass(frozen=True)
 class Grammar:
     """A compiled grammar (SamplingParams.grammar) and how the target's tokenizer writes text
-    (encode), with which speculative rounds draft what the grammar forces (None: they do not).
+    (encode), with which speculative rounds draft the text the grammar forces (None: they do
+    not; a spent budget's gate tokens they draft either way).
     gate: token ids after which the grammar starts (a thinking model's end of reasoning, as
     vLLM's reasoning parsers gate structured outputs); the text before them is free. budget: at
     most that many tokens before the gate (vLLM's thinking_token_budget, Anthropic's
@@ -172,16 +173,17 @@ class GatedMatcher:
         return self.inner.find_jump_forward_string() if self.started and self.inner is not None else ""
 
 
-def forced_tokens(matcher: xgr.GrammarMatcher, encode: Encode, limit: int) -> list[int]:
+def forced_tokens(matcher: xgr.GrammarMatcher, encode: Encode | None, limit: int) -> list[int]:
     """The text the grammar forces next from the matcher's state (xgrammar's jump-forward
     string), as encode writes it, up to `limit` tokens and the first the grammar refuses (a
     special token's text encoded as that token); the matcher keeps its state. Its last token
-    may still differ from the target's, whose may reach into the free text after it."""
+    may still differ from the target's, whose may reach into the free text after it. A spent
+    budget's gate tokens (GatedMatcher.forced) need no encode; without one, no text is forced."""
     if limit < 1 or matcher.is_terminated():
         return []
     if isinstance(matcher, GatedMatcher) and matcher.forced():  # a spent budget: the gate's tokens
         return list(matcher.forced()[:limit])
-    text = matcher.find_jump_forward_string()
+    text = matcher.find_jump_forward_string() if encode is not None else ""
     if not text:
         return []
     tokens = []

@@ -952,7 +952,7 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         if gate and (params.grammar is not None or budget is not None):
             from eagle_infer.grammar import Grammar
 
-            grammar = params.grammar if params.grammar is not None else Grammar(None, grammars().encode)
+            grammar = params.grammar if params.grammar is not None else Grammar(None)  # a budget alone
             params = replace(params, grammar=replace(grammar, gate=gate, budget=budget))
         ends = (set() if req.ignore_eos else eos) | set(req.stop_token_ids or [])
         stop_ids = ends - (set() if req.ignore_eos else eos)  # EOS reports no stop_reason (vLLM's)

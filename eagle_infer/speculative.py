@@ -962,8 +962,8 @@ class SpecDecoder:
 
         chains = {}
         for b, s in enumerate(self.seqs):
-            encode = s.params.grammar.encode if s.matcher is not None else None
-            if encode is not None and (chain := forced_tokens(s.matcher, encode, cfg.max_depth)):
+            if s.matcher is not None and (chain := forced_tokens(s.matcher, s.params.grammar.encode,
+                                                                 cfg.max_depth)):
                 chains[b] = chain
         return graft_chains(tree, chains, cfg.max_depth) if chains else tree
 

@@ -567,7 +567,7 @@ def test_a_thinking_budget_forces_the_gate_under_speculation_too():
     free = generate(target, prompts, 30, eos_token_ids=[])
     pairs = {tuple(out[i:i + 2]) for out in free for i in range(len(out) - 1)}
     gate = next((a, b) for a in range(V) for b in range(V) if (a, b) not in pairs and a != free[0][6])
-    params = [SamplingParams(grammar=Grammar(None, lambda text: [], gate, budget=6))] * 2
+    params = [SamplingParams(grammar=Grammar(None, None, gate, budget=6))] * 2
     plain = generate(target, prompts, 30, params, eos_token_ids=[])
     for out, was in zip(plain, free):
         assert out[:6] == was[:6] and tuple(out[6:8]) == gate and out != was
@@ -578,7 +578,7 @@ def test_a_thinking_budget_forces_the_gate_under_speculation_too():
     for out in generate_speculative(target, head, prompts, 30, sampled, tree=TreeConfig(3, 3, 8),
                                     eos_token_ids=[])[0]:
         assert any(tuple(out[i:i + 2]) == gate for i in range(7)), out  # the gate begun by position 6
-    own = [SamplingParams(grammar=Grammar(None, lambda text: [], tuple(free[0][3:5]), budget=20))]
+    own = [SamplingParams(grammar=Grammar(None, None, tuple(free[0][3:5]), budget=20))]
     assert generate(target, prompts[:1], 30, own, eos_token_ids=[]) == free[:1]
 
 
@@ -598,7 +598,7 @@ def test_a_spent_budget_allows_only_the_gates_next_token():
     matcher = new_matcher(Grammar(None, None, (31, 9), budget=2))
     assert all(matcher.accept_token(t) for t in (1, 2)) and matcher.forced() == (31, 9)
     assert allowed(matcher) == [31] and not matcher.accept_token(3)  # bit 31 of a word: its sign bit
-    assert forced_tokens(matcher, lambda text: [], 8) == [31, 9] and matcher.forced() == (31, 9)
+    assert forced_tokens(matcher, None, 8) == [31, 9] and matcher.forced() == (31, 9)
     assert matcher.accept_token(31) and allowed(matcher) == [9]
     matcher.rollback(2)
     assert matcher.forced() == () and len(allowed(matcher)) == 96
