@@ -277,6 +277,9 @@ class ResponseShape:
                  model: str, store: ResponseStore):
         self.req, self.chat, self.conversation, self.model, self.store = req, chat, conversation, model, store
         self.id, self.created = new_id("resp"), int(time.time())
+        # its input items, ids given once: a background response is stored at each of its states,
+        # and a client paging its items (after / before an id) must see the same ids in each
+        self.input_items = input_items_of(req)
 
     @staticmethod
     def error_body(err: ApiError) -> dict[str, Any]:  # OpenAI's shape, as every other route's
@@ -316,7 +319,7 @@ class ResponseShape:
             turn: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
             if calls:
                 turn["tool_calls"] = calls
-            self.store.put(Stored(answer, [*self.conversation, turn], input_items_of(self.req)))
+            self.store.put(Stored(answer, [*self.conversation, turn], self.input_items))
         return answer
 
     def pending(self, status: str, error: dict[str, str] | None = None) -> dict[str, Any]:
@@ -324,7 +327,7 @@ class ResponseShape:
         stored as it stands: retrievable, its input items listed, not yet a conversation to go on
         from (previous_response_id refuses it)."""
         response = self.response([], None, None, status, error)
-        self.store.put(Stored(response, [], input_items_of(self.req)))
+        self.store.put(Stored(response, [], self.input_items))
         return response
 
     def whole(self, answer: dict[str, Any]) -> dict[str, Any]:

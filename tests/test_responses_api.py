@@ -227,9 +227,11 @@ def test_background_responses_answer_apart_and_cancel(tokenizer):
         queued = await client.responses.create(model="fake", input="Hi", background=True,
                                                max_output_tokens=60)
         running = await until(client, queued.id, "in_progress")
+        items_running = await client.responses.input_items.list(queued.id)
         with pytest.raises(openai.BadRequestError) as early:  # no answer yet to go on from
             await client.responses.create(model="fake", input="And?", previous_response_id=queued.id)
         done = await until(client, queued.id, "incomplete")
+        items_done = await client.responses.input_items.list(queued.id)
         foreground = await client.responses.create(model="fake", input="Hi", max_output_tokens=60)
         follow = await client.responses.create(model="fake", input="And?", previous_response_id=queued.id)
         again = await client.responses.cancel(queued.id)
@@ -247,11 +249,13 @@ def test_background_responses_answer_apart_and_cancel(tokenizer):
         doomed = await client.responses.create(model="fake", input="Hi", background=True)
         await until(client, doomed.id, "in_progress")
         await client.responses.delete(doomed.id)
+        same_items = [i.id for i in items_running.data] == [i.id for i in items_done.data]
         return (queued, running, early.value, done, foreground, follow, again, cancelled, stored, left,
-                refused, await drained())
+                refused, await drained(), same_items)
 
     (queued, running, early, done, foreground, follow, again, cancelled, stored, left, refused,
-     after_delete) = run_with_client(engine, app, body)
+     after_delete, same_items) = run_with_client(engine, app, body)
+    assert same_items  # its input items keep their ids from state to state
     assert queued.status == "queued" and queued.background and queued.output == []
     assert running.status == "in_progress" and running.id == queued.id
     assert early.body["param"] == "previous_response_id" and "in_progress" in early.body["message"]
