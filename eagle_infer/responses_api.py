@@ -198,6 +198,11 @@ class Stored:
 ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
+def new_item_id(item_type: str) -> str:
+    """A new id for an item of this type, with OpenAI's prefix for it."""
+    return new_id(ITEM_ID_PREFIX.get(item_type, "item"))
+
+
 def input_items_of(req: ResponsesRequest) -> list[dict[str, Any]]:
     """A request's input as OpenAI lists it (GET /v1/responses/{id}/input_items): each item with an
     id, a message's text content as one input_text part (output_text for the assistant's)."""
@@ -210,7 +215,7 @@ def input_items_of(req: ResponsesRequest) -> list[dict[str, Any]]:
             if isinstance(item.get("content"), str):
                 item["content"] = [{"type": part, "text": item["content"]}]
             item.setdefault("status", "completed")
-        item.setdefault("id", new_id(ITEM_ID_PREFIX.get(item["type"], "item")))
+        item.setdefault("id", new_item_id(item["type"]))
         items.append(item)
     return items
 
@@ -335,12 +340,12 @@ class ResponseShape:
         choice = answer["choices"][0]
         message, output = choice["message"], []
         if message.get("reasoning"):
-            output.append(reasoning_item(new_id("rs"), message["reasoning"]))
+            output.append(reasoning_item(new_item_id("reasoning"), message["reasoning"]))
         calls = message.get("tool_calls") or []
         if message.get("content") or not calls:
             logprobs = (choice.get("logprobs") or {}).get("content") or []
-            output.append(message_item(new_id("msg"), message.get("content") or "", logprobs))
-        output += [call_item(new_id("fc"), call) for call in calls]
+            output.append(message_item(new_item_id("message"), message.get("content") or "", logprobs))
+        output += [call_item(new_item_id("function_call"), call) for call in calls]
         if calls and choice["finish_reason"] == "length":  # the last call cut by max_output_tokens
             output[-1]["status"] = "incomplete"
         return self.finished(output, choice["finish_reason"], answer["usage"])
@@ -386,22 +391,22 @@ class ResponseShape:
         def open_item(kind: str, call: dict[str, Any] | None = None) -> list[dict[str, str]]:
             nonlocal current
             opened = close()
-            at, item_id = len(output), new_id({"reasoning": "rs", "message": "msg", "call": "fc"}[kind])
-            current = {"kind": kind, "id": item_id, "text": "", "logprobs": [], "call": call}
+            at, opened_id = len(output), new_item_id("function_call" if kind == "call" else kind)
+            current = {"kind": kind, "id": opened_id, "text": "", "logprobs": [], "call": call}
             if kind == "call":
                 assert call is not None
                 opened.append(event("response.output_item.added", output_index=at,
-                                    item=call_item(item_id, call, "in_progress")))
+                                    item=call_item(opened_id, call, "in_progress")))
                 return opened
             if kind == "reasoning":
-                item = reasoning_item(item_id, "", "in_progress")
+                item = reasoning_item(opened_id, "", "in_progress")
                 part = {"type": "reasoning_text", "text": ""}
             else:
-                item = message_item(item_id, None, [], "in_progress")
+                item = message_item(opened_id, None, [], "in_progress")
                 part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             opened += [event("response.output_item.added", output_index=at, item=item),
-                       event("response.content_part.added", item_id=item_id, output_index=at, content_index=0,
-                             part=part)]
+                       event("response.content_part.added", item_id=opened_id, output_index=at,
+                             content_index=0, part=part)]
             return opened
 
         def at_current() -> dict[str, Any]:  # where a delta of the open item goes
