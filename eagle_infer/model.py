@@ -85,12 +85,12 @@ class ModelConfig:
         one mask serves them all, the window folded into it."""
         return len(self.sliding_layers) == self.num_layers > 0 and not self.local_rope_theta
 
-    def llama_layers(self) -> bool:
-        """The layers are Llama's, with Qwen2's biases, Qwen3's query/key norms, a partial rotary or
-        one window for all at most: what kernels/decoder_layers computes (it reads the mask given)."""
-        return (self.hidden_act == "silu" and not self.norm_offset and not self.sandwich_norms
-                and not self.query_scale and not self.attn_softcap
-                and (not self.sliding_layers or self.window_everywhere()))
+    def fused_layers_compute(self) -> bool:
+        """The layers are what kernels/decoder_layers computes: Llama's, with Qwen2's biases, Qwen3's
+        query/key norms, a partial rotary or one window for all (it reads the mask given), and
+        Gemma's and Gemma 3's (offset norms, sandwich norms, tanh GELU, a score scale, sliding
+        layers with a mask and RoPE of their own); not Gemma 2's soft-capped scores."""
+        return self.hidden_act in ACTIVATIONS and not self.attn_softcap
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -753,7 +753,8 @@ class Transformer(nn.Module):
         wanted = sorted(set(hidden_layers) - {len(self.layers)})
         taps: dict[int, Tensor]
         if decoder_layers.applies(self, B, T):  # the layers as one C++ call (kernels/decoder_layers)
-            out = torch.ops.eagle.decoder_layers(self.fused_layers.handle, x, cos, sin, s.bias, s.write_index,
+            out = torch.ops.eagle.decoder_layers(self.fused_layers.handle, x, cos, sin, s.bias,
+                                                 *(local or (cos, sin, s.bias)), s.write_index,
                                                  self.cache.kv, row0, B, wanted)  # [1 + taps, B*T, H]
             x, taps = out[0], dict(zip(wanted, out[1:]))
         else:

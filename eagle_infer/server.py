@@ -1719,8 +1719,11 @@ def warm_up_beside_a_helper(args: argparse.Namespace, decoder: Any, mode: str | 
 
 def warmed_marker(args: argparse.Namespace) -> Path:
     """A file in torch's compile cache for the server's flags (those that cannot change its
-    graphs left out) and torch's version: a start with them has compiled every bucket there."""
+    graphs left out), the $EAGLE_* settings (the kernels and layers a graph calls:
+    EAGLE_FUSED_LAYERS=0 traces the Python layers, which no start with the op compiled) and
+    torch's version: a start with them has compiled every bucket there."""
     import hashlib
+    import os
 
     import torch
     from torch._inductor.runtime.cache_dir_utils import cache_dir
@@ -1735,7 +1738,8 @@ def warmed_marker(args: argparse.Namespace) -> Path:
             "enable_force_include_usage", "enable_prompt_tokens_details", "disable_fastapi_docs",
             "input_file", "output_file", "batch_concurrency")  # (run_batch's: the same server graphs)
     flags = json.dumps({k: v for k, v in sorted(vars(args).items()) if k not in skip}, default=str)
-    key = hashlib.sha256(f"{torch.__version__} {flags}".encode()).hexdigest()[:16]
+    settings = json.dumps(sorted((k, v) for k, v in os.environ.items() if k.startswith("EAGLE_")))
+    key = hashlib.sha256(f"{torch.__version__} {flags} {settings}".encode()).hexdigest()[:16]
     return Path(cache_dir()) / f"eagle_infer_warmed_{key}"
 
 

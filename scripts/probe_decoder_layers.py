@@ -123,8 +123,17 @@ def main() -> None:
     if model.fused_layers is None:
         raise SystemExit("the target's layers are not on the fused op here (Linears off our kernels?)")
     build_baseline(args.baseline, args.linear_baseline, args.attention_baseline)
-    tensors, kinds, dims, eps, _ = decoder_layers.stack_arguments(model)  # what attach registered
-    old_id = torch.ops.eagle_old.register_stack(tensors, kinds, dims, eps)
+    tensors, kinds, dims, local, eps, query_factor, _ = decoder_layers.stack_arguments(model)  # attach's
+    # revisions before Dec 8 register 13 tensors a layer (no norms around the MLP), 5 dims, and
+    # take no sliding layers' tables (Llama's layers only)
+    local_tables = len(torch.ops.eagle_old.register_stack.default._schema.arguments) == 6
+    if local_tables:
+        old_id = torch.ops.eagle_old.register_stack(tensors, kinds, dims, local, eps, query_factor)
+    else:
+        if local or dims[5] or dims[6] or query_factor != 1.0 or any(t.numel() for t in tensors[5::15]):
+            raise SystemExit(f"the baseline {args.baseline} computes Llama's layers only")
+        llama = [t for i, t in enumerate(tensors) if i % 15 not in (5, 6)]
+        old_id = torch.ops.eagle_old.register_stack(llama, kinds, dims[:5], eps)
     # revisions before Dec 7 name the stack by an int argument, later ones by a one-value tensor
     by_int = str(torch.ops.eagle_old.decoder_layers.default._schema.arguments[0].type) == "int"
     model.setup_cache(args.batch, max(2 * max(args.kv), 256))
@@ -133,7 +142,8 @@ def main() -> None:
     for kv in args.kv:
         for T in args.rows:
             new_args = step_arguments(model, T, kv, args.batch, args.spread)
-            old_args = (old_id if by_int else torch.tensor(old_id), *new_args[1:])
+            old_args = (old_id if by_int else torch.tensor(old_id),
+                        *(new_args[1:] if local_tables else new_args[1:5] + new_args[8:]))
             identical = torch.equal(torch.ops.eagle.decoder_layers(*new_args),
                                     torch.ops.eagle_old.decoder_layers(*old_args))
             builds = (("baseline", torch.ops.eagle_old.decoder_layers, old_args),

@@ -374,8 +374,9 @@ def test_greedy_identical_on_the_kernel_eager_and_compiled(attention_kernel_on, 
 def test_gemma3_head_size_256_on_the_kernel(attention_kernel_on, tiny_model_dir):
     """Gemma's head size (256) on the kernel: a tiny Gemma 3 checkpoint of head size 256 (sliding
     layers of a window of 8 beside full ones, its own query scale) loaded on the avx2 Linears runs
-    its prefills and decode steps on the kernel's two ops; its greedy output is transformers', and
-    speculative greedy equals plain, eager and compiled."""
+    its layers in the fused op (kernels/decoder_layers, short prefills too), or in Python with the
+    kernel's two ops (prefills and decode steps); either way its greedy output is transformers',
+    and speculative greedy equals plain, eager and compiled."""
     from transformers import AutoModelForCausalLM
 
     from eagle_infer.loader import load_model
@@ -383,10 +384,19 @@ def test_gemma3_head_size_256_on_the_kernel(attention_kernel_on, tiny_model_dir)
 
     path = tiny_model_dir("gemma3_hd256")
     target = load_model(path, "fp32", "cpu", cpu_linears="avx2")
-    assert target.config.head_dim == 256 and avx2_attention.enabled() and target.fused_layers is None
+    stack = target.fused_layers
+    assert target.config.head_dim == 256 and avx2_attention.enabled()
+    assert stack is not None
     prompts = prompts_for(target.config.vocab_size)  # 3-17 tokens, then 24 new: past the window
-    calls = {"avx2_attention": 0, "causal_attention": 0}
-    ops = torch.ops.eagle
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    refs = []
+    for ids in prompts:
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            ref = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=24)
+        refs.append(ref[0, len(ids):].tolist())
+    head = random_head(target, "eagle3", draft_vocab=64)
+    ops, calls = torch.ops.eagle, {}
 
     class Spy:
         def __getattr__(self, name):
@@ -399,19 +409,18 @@ def test_gemma3_head_size_256_on_the_kernel(attention_kernel_on, tiny_model_dir)
                 return op(*args)
             return counted
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.ops, "eagle", Spy())
-        plain = generate(target, prompts, 24)
-    assert calls["avx2_attention"] > 0 and calls["causal_attention"] > 0, calls
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    for ids, ours in zip(prompts, plain):
-        with torch.no_grad():
-            x = torch.tensor([ids])
-            ref = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=24)
-        assert ours == ref[0, len(ids):].tolist()
-    head = random_head(target, "eagle3", draft_vocab=64)
-    for tree in (TreeConfig(), TreeConfig(2, 4, 6, ngram_branch=4), TreeConfig.chain(3)):
-        assert generate_speculative(target, head, prompts, 24, tree=tree)[0] == plain, tree
+    for fused in (None, stack):  # the op last: the compiled steps below call it
+        target.fused_layers = fused
+        calls.update(avx2_attention=0, causal_attention=0, decoder_layers=0)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch.ops, "eagle", Spy())
+            plain = generate(target, prompts, 24)
+        # the short prompts' prefills and the decode steps: inside the op, or on the kernel's ops
+        assert (calls["decoder_layers"] > 0) is (fused is not None), calls
+        assert (calls["avx2_attention"] > 0 and calls["causal_attention"] > 0) is (fused is None), calls
+        assert plain == refs
+        for tree in (TreeConfig(), TreeConfig(2, 4, 6, ngram_branch=4), TreeConfig.chain(3)):
+            assert generate_speculative(target, head, prompts, 24, tree=tree)[0] == plain, (tree, fused)
     assert generate(target, prompts, 24, compile=True) == plain
     tree = TreeConfig(3, 4, 4)
     dec = SpecDecoder(target, head, tree, max_batch=4, max_seq_len=128).compile()

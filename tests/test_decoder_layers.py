@@ -35,7 +35,16 @@ ARCHS = {"llama": {}, "qwen2": {"attention_bias": True}, "qwen3": {"head_dim": 1
              "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(24)],
              "long_factor": [2.0 + 0.5 * i for i in range(24)],
              "factor": 4.0, "original_max_position_embeddings": 512}},
-         "mistral_window": {"sliding_window": 4, "sliding_layers": (0, 1, 2)}}
+         "mistral_window": {"sliding_window": 4, "sliding_layers": (0, 1, 2)},
+         # Gemma 3's: norms scaling by 1 + weight in fp32, norms on the attention's and the MLP's
+         # outputs, tanh GELU, head size 256, a score scale of its own (not 1/sqrt(D)), and two
+         # sliding layers of 4 slots with a RoPE base of their own; Gemma's (1, 2B): the offset
+         # norms and GELU alone
+         "gemma3": {"head_dim": 256, "qk_norm": True, "norm_offset": 1.0, "sandwich_norms": True,
+                    "hidden_act": "gelu_pytorch_tanh", "query_scale": 200 ** -0.5, "embed_scale": 128 ** 0.5,
+                    "sliding_window": 4, "sliding_layers": (0, 2), "rope_theta": 1e6,
+                    "local_rope_theta": 1e4},
+         "gemma": {"norm_offset": 1.0, "hidden_act": "gelu_pytorch_tanh", "embed_scale": 128 ** 0.5}}
 
 
 def fp32_target(layers: int = 3, attention_bias: bool = False, heads: int = 4,
@@ -52,12 +61,13 @@ def fp32_target(layers: int = 3, attention_bias: bool = False, heads: int = 4,
         target.embed_tokens.weight.normal_(0, 1.0)
         target.lm_head.weight.normal_(0, 0.6)
         for layer in target.layers:  # norms off 1 and biases off 0, so one misapplied shows
-            layer.input_layernorm.weight.uniform_(0.5, 1.5)
-            layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
             attn = layer.self_attn
-            if qk_norm:
-                attn.q_norm.weight.uniform_(0.5, 1.5)
-                attn.k_norm.weight.uniform_(0.5, 1.5)
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm,
+                         getattr(layer, "pre_feedforward_layernorm", None),
+                         getattr(layer, "post_feedforward_layernorm", None),
+                         getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)):
+                if norm is not None:  # scaling by 0.5-1.5 (Gemma's by 1 + weight)
+                    norm.weight.uniform_(0.5 - norm.offset, 1.5 - norm.offset)
             if attention_bias:
                 attn.qkv_proj.bias.normal_(0, 0.5)
     return target
@@ -275,6 +285,8 @@ def test_compiled_steps_call_the_op(attention_kernel_on):
     (torch.float32, "ours", "llama"),
     (torch.float32, "ours", "qwen3"),
     (torch.float32, "ours", "mistral_window"),  # 20 tokens past prompts of 3-17: the window of 4 bites
+    (torch.float32, "ours", "gemma3"),  # the sliding layers' own window and RoPE likewise
+    pytest.param(torch.bfloat16, "ours", "gemma3", marks=needs_bf16),
     pytest.param(torch.bfloat16, "int8", "llama", marks=needs_bf16),
     pytest.param(torch.bfloat16, "int8", "qwen2", marks=needs_bf16),
 ])
@@ -293,6 +305,8 @@ def test_greedy_identical_on_the_fused_layers_eager_and_compiled(attention_kerne
 
 def test_attach_declines_what_the_op_does_not_compute(attention_kernel_on, monkeypatch):
     assert on_our_kernels(fp32_target(head_dim=32)).fused_layers is None  # no attention kernel for it
+    gemma2 = fp32_target(**ARCHS["gemma"], sandwich_norms=True, attn_softcap=50.0, final_softcap=30.0)
+    assert on_our_kernels(gemma2).fused_layers is None  # Gemma 2's soft-capped scores
     biased_o = fp32_target()
     biased_o.layers[1].self_attn.o_proj.bias = torch.nn.Parameter(torch.ones(128), requires_grad=False)
     assert on_our_kernels(biased_o).fused_layers is None  # a bias the op does not add
@@ -317,27 +331,36 @@ def test_bad_input_and_released_stacks_get_clear_errors(attention_kernel_on):
     x, cos = torch.randn(1, 128), torch.randn(1, 1, 1, 64)
     bias, index = torch.zeros(1, 1, 1, 16), torch.tensor([0, 64, 128, 192])
     op, stack = torch.ops.eagle.decoder_layers, target.fused_layers
-    out = op(stack.handle, x, cos, cos, bias, index, target.cache.kv, 0, 1, [1])
+    out = op(stack.handle, x, cos, cos, bias, cos, cos, bias, index, target.cache.kv, 0, 1, [1])
     assert out.shape == (2, 1, 128)
     with pytest.raises(RuntimeError, match="write_index"):
-        op(stack.handle, x, cos, cos, bias, index[:3], target.cache.kv, 0, 1, [])
+        op(stack.handle, x, cos, cos, bias, cos, cos, bias, index[:3], target.cache.kv, 0, 1, [])
     with pytest.raises(RuntimeError, match="write index .* outside the cache"):
-        op(stack.handle, x, cos, cos, bias, index * 1000, target.cache.kv, 0, 1, [])
+        op(stack.handle, x, cos, cos, bias, cos, cos, bias, index * 1000, target.cache.kv, 0, 1, [])
     with pytest.raises(RuntimeError, match="kv"):
-        op(stack.handle, x, cos, cos, bias, index, target.cache.kv[:2], 0, 1, [])
+        op(stack.handle, x, cos, cos, bias, cos, cos, bias, index, target.cache.kv[:2], 0, 1, [])
     with pytest.raises(RuntimeError, match="x in .* dtype|x's dtype"):
-        op(stack.handle, x, cos.double(), cos, bias, index, target.cache.kv, 0, 1, [])
+        op(stack.handle, x, cos.double(), cos, bias, cos, cos, bias, index, target.cache.kv, 0, 1, [])
     with pytest.raises(RuntimeError, match=r"x \[B\*T, 128\] in the stack's dtype"):
-        op(stack.handle, torch.randn(1, 64), cos, cos, bias, index, target.cache.kv, 0, 1, [])
-    tensors, kinds, dims, eps, _ = decoder_layers.stack_arguments(tiny_target(arch="qwen3"))
-    tensors[13 + 2] = torch.empty(0)  # layer 1 without its query norm
+        op(stack.handle, torch.randn(1, 64), cos, cos, bias, cos, cos, bias, index, target.cache.kv, 0, 1, [])
+    tensors, kinds, dims, local, eps, query_factor, _ = decoder_layers.stack_arguments(
+        tiny_target(arch="qwen3"))
+    tensors[15 + 2] = torch.empty(0)  # layer 1 without its query norm
     with pytest.raises(RuntimeError, match="query and key norms of 128 values .* in every layer, or in none"):
-        torch.ops.eagle.register_stack(tensors, kinds, dims, eps)
+        torch.ops.eagle.register_stack(tensors, kinds, dims, local, eps, query_factor)
+    tensors, kinds, dims, local, eps, query_factor, _ = decoder_layers.stack_arguments(
+        tiny_target(arch="gemma3"))
+    tensors[15 + 6] = tensors[15 + 6].bfloat16()  # layer 1's norm after the MLP not in fp32 (1 + weight)
+    with pytest.raises(RuntimeError, match="norms before and after the MLP of 128 values in Float"):
+        torch.ops.eagle.register_stack(tensors, kinds, dims, local, eps, query_factor)
+    with pytest.raises(RuntimeError, match="local layer 7 is not a layer of 3"):
+        torch.ops.eagle.register_stack(tensors, kinds, dims, [7], eps, query_factor)
     stack_id = stack.id
     del target, stack
     gc.collect()
     with pytest.raises(RuntimeError, match=f"no registered stack {stack_id}"):
-        op(torch.tensor(stack_id), x, cos, cos, bias, index, torch.zeros(3, 2, 1, 2, 64, 64), 0, 1, [])
+        op(torch.tensor(stack_id), x, cos, cos, bias, cos, cos, bias, index, torch.zeros(3, 2, 1, 2, 64, 64),
+           0, 1, [])
 
 
 def test_the_loader_attaches_the_layers_with_our_kernels(attention_kernel_on, default_model_dir):

@@ -310,7 +310,7 @@ def test_sliding_windows_are_read_as_transformers_uses_them(tiny_model_dir):
     for model_type, extra, sliding in cases:
         cfg = ModelConfig.from_hf({**base, "model_type": model_type, **extra})
         assert cfg.max_position_embeddings == 128 and cfg.sliding_layers == sliding, (model_type, extra)
-        assert cfg.window_everywhere() is (sliding == every) and cfg.llama_layers() is (sliding != (2, 3))
+        assert cfg.window_everywhere() is (sliding == every) and cfg.fused_layers_compute()
         assert cfg.qk_norm is (model_type == "qwen3")
         # a head for it declares the target's own context, as the target's config does
         head = HeadConfig.for_target(cfg, "eagle3")

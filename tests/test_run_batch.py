@@ -129,3 +129,17 @@ def test_run_batch_starts_from_the_servers_warmed_compile_cache(tmp_path):
     flags = ["--dtype", "bfloat16", "--max-running-requests", "4"]
     ours = run_batch.build_parser().parse_args(["-i", "a", "-o", "b", "--batch-concurrency", "3", *flags])
     assert server.warmed_marker(ours) == server.warmed_marker(server.build_parser().parse_args(flags))
+
+
+def test_a_kernel_setting_marks_a_compile_cache_of_its_own(monkeypatch):
+    """$EAGLE_FUSED_LAYERS=0 (and the other kernel settings) change the graphs a start compiles:
+    the marker a start with the op left does not say the Python layers' graphs are cached."""
+    from eagle_infer import server
+
+    args = server.build_parser().parse_args(["--dtype", "bfloat16"])
+    monkeypatch.delenv("EAGLE_FUSED_LAYERS", raising=False)
+    fused = server.warmed_marker(args)
+    monkeypatch.setenv("EAGLE_FUSED_LAYERS", "0")
+    assert server.warmed_marker(args) != fused
+    monkeypatch.delenv("EAGLE_FUSED_LAYERS")
+    assert server.warmed_marker(args) == fused

@@ -23,7 +23,7 @@ def test_shapes_read_as_the_models_they_copy():
     assert (g3.head_dim, g3.qk_norm, g3.sandwich_norms) == (256, True, True)
     assert (g3.sliding_window, g3.local_rope_theta) == (512, 1e4)
     assert sorted(set(range(18)) - set(g3.sliding_layers)) == [5, 11, 17] and g3.rope_theta == 1e6
-    assert g3.embed_scale == 640 ** 0.5 and g3.hidden_act == "gelu_pytorch_tanh" and not g3.llama_layers()
+    assert g3.embed_scale == 640 ** 0.5 and g3.hidden_act == "gelu_pytorch_tanh" and g3.fused_layers_compute()
 
 
 def test_a_random_head_loads_for_its_target(tmp_path, monkeypatch, tiny_model_dir):

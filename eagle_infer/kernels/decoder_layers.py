@@ -1,12 +1,16 @@
 """A target's decoder layers as one C++ call per step on a CPU (decoder_layers.cpp), for the
 targets whose Linears all run our kernels (fp32 "avx2", bf16 "avx512_bf16", int8 on our kernel)
-with the attention kernel on: the model's layers as torch.ops.eagle.decoder_layers, each Linear
-and attention on the same kernels as the Python layers', the glue between them in C++, the whole
-step one OpenMP parallel region (the kernels' range functions: kernel_calls.h).
+with the attention kernel on, Llama's layers (Qwen2's, Qwen3's, Mistral's, Phi-3's) or Gemma's
+and Gemma 3's (not Gemma 2's soft-capped scores): the model's layers as
+torch.ops.eagle.decoder_layers, each Linear and attention on the same kernels as the Python
+layers', the glue between them in C++, the whole step one OpenMP parallel region (the kernels'
+range functions: kernel_calls.h).
 
     stack = attach(model)          # the loader does, after the weights are packed or quantized
     # model.forward then runs its layers as one call wherever applies(model, rows) holds:
-    out = torch.ops.eagle.decoder_layers(stack.handle, x, cos, sin, bias, write_index, kv, row0, B, taps)
+    out = torch.ops.eagle.decoder_layers(stack.handle, x, cos, sin, bias, *local, write_index, kv, row0, B,
+                                         taps)
+    # local: the sliding layers' (cos, sin, bias) (Gemma's), else (cos, sin, bias) again
     # out [1 + len(taps), B*T, H]: x after the last layer, then the inputs of layers `taps`
 
 The weights are registered once and named by an integer, passed in a one-value tensor (a graph
@@ -31,7 +35,7 @@ from eagle_infer.kernels import avx2_attention
 
 SOURCE = Path(__file__).with_name("decoder_layers.cpp")
 ENV = "EAGLE_FUSED_LAYERS"  # 1 (default) | 0
-HEAD_DIMS = (64, 128)  # the op's instances (register_stack), of the attention kernel's
+HEAD_DIMS = (64, 128, 256)  # the op's instances (register_stack), of the attention kernel's
 AVX2, BF16, INT8 = 0, 1, 2  # the Linear kernels (decoder_layers.cpp's Kind)
 
 
@@ -43,8 +47,9 @@ def load() -> None:
     build("eagle_decoder_layers", SOURCE)
 
     @torch.library.register_fake("eagle::decoder_layers")
-    def _(id: Tensor, x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor, write_index: Tensor, kv: Tensor,
-          row0: int, batch: int, taps: list[int]) -> Tensor:
+    def _(id: Tensor, x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor, local_cos: Tensor,
+          local_sin: Tensor, local_bias: Tensor, write_index: Tensor, kv: Tensor, row0: int, batch: int,
+          taps: list[int]) -> Tensor:
         return x.new_empty(1 + len(taps), *x.shape)
 
 
@@ -90,15 +95,15 @@ def _kernel_of(linear: nn.Module, biased: bool) -> tuple[int, Tensor, Tensor, in
 def attach(model: nn.Module) -> Stack | None:
     """Register the model's layers with the op and set `model.fused_layers` (None where a layer
     has a Linear off our kernels, a bias but the q/k/v projection's, a head size the attention
-    kernel lacks, is not Llama's (ModelConfig.llama_layers), the attention kernel is off, or
-    $EAGLE_FUSED_LAYERS=0); returns the Stack."""
+    kernel lacks, is not a kind the op computes (ModelConfig.fused_layers_compute), the attention
+    kernel is off, or $EAGLE_FUSED_LAYERS=0); returns the Stack."""
     choice = os.environ.get(ENV, "1")
     if choice not in ("0", "1"):
         raise UserError(f"{ENV} must be 0 or 1, got {choice!r}")
     model.fused_layers = None
     cfg = model.config
     if (choice == "0" or not avx2_attention.enabled() or cfg.head_dim not in HEAD_DIMS
-            or not cfg.llama_layers()  # Gemma's layers: other norms, activation and windows
+            or not cfg.fused_layers_compute()  # Gemma 2's soft-capped scores
             or cfg.hidden_size % 8 or cfg.intermediate_size % 8):  # the C++ loops run 8 values at a time
         return None
     args = stack_arguments(model)
@@ -111,14 +116,19 @@ def attach(model: nn.Module) -> Stack | None:
     return stack
 
 
-def stack_arguments(model: nn.Module) -> tuple[list[Tensor], list[int], list[int], float, int] | None:
-    """register_stack's arguments for the model's layers (tensors, kinds, dims, eps) and the rows
-    up to which all its Linears run our kernels, or None where a layer has a Linear off our
-    kernels or with a bias (but q/k/v's), or the Linears multiply differently (vdpbf16ps and
-    FMAs)."""
+def stack_arguments(
+        model: nn.Module) -> tuple[list[Tensor], list[int], list[int], list[int], float, float, int] | None:
+    """register_stack's arguments for the model's layers (tensors, kinds, dims, local_layers, eps,
+    query_factor) and the rows up to which all its Linears run our kernels, or None where a layer
+    has a Linear off our kernels or with a bias (but q/k/v's), or the Linears multiply differently
+    (vdpbf16ps and FMAs)."""
     cfg = model.config
     tensors, kinds, dots, max_rows = [], [], set(), []
     empty = torch.empty(0)
+
+    def norm(module: nn.Module) -> Tensor:  # Gemma's 1 + weight in fp32, as model.RMSNorm scales by it
+        return (module.offset + module.weight.float()).contiguous() if module.offset else module.weight
+
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -128,8 +138,11 @@ def stack_arguments(model: nn.Module) -> tuple[list[Tensor], list[int], list[int
         dtype = layer.input_layernorm.weight.dtype
         # the bias in the model's dtype, as each Linear adds it (Int8Linear keeps an fp32 one)
         bias = empty if attn.qkv_proj.bias is None else attn.qkv_proj.bias.detach().to(dtype).contiguous()
-        norms = (attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm else (empty, empty)
-        tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *norms, bias]
+        norms = (norm(attn.q_norm), norm(attn.k_norm)) if cfg.qk_norm else (empty, empty)
+        ffn_norms = (norm(layer.pre_feedforward_layernorm), norm(layer.post_feedforward_layernorm)) \
+            if cfg.sandwich_norms else (empty, empty)
+        tensors += [norm(layer.input_layernorm), norm(layer.post_attention_layernorm), *norms, bias,
+                    *ffn_norms]
         for (kind, weight, scale, rows), m in zip(linears, modules):
             tensors += [weight, scale]
             kinds.append(kind)
@@ -137,8 +150,12 @@ def stack_arguments(model: nn.Module) -> tuple[list[Tensor], list[int], list[int
             dots.add(bool(getattr(m, "dot", False)))
     if len(dots) > 1:
         return None
-    dims = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, int(dots.pop())]
-    return tensors, kinds, dims, cfg.rms_norm_eps, min(max_rows)
+    dims = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, int(dots.pop()),
+            int(bool(cfg.norm_offset)), int(cfg.hidden_act == "gelu_pytorch_tanh"),
+            int(model.embed_tokens.weight.dtype == torch.bfloat16)]
+    local = [i for i, layer in enumerate(model.layers) if layer.self_attn.sliding]
+    query_factor = model.layers[0].self_attn.query_factor
+    return tensors, kinds, dims, local, cfg.rms_norm_eps, query_factor, min(max_rows)
 
 
 def applies(model: nn.Module, B: int, T: int) -> bool:
