@@ -3,10 +3,13 @@ a request becomes a chat request (its input items the messages, its function too
 tools, `text.format` the response_format), and the chat answer becomes a response object, or its
 stream of chunks a stream of Responses events. Responses are kept in memory (the last
 STORED_RESPONSES with `store`, the default) for `previous_response_id` and
-`GET /v1/responses/{id}`."""
+`GET /v1/responses/{id}`; a background response that streams keeps its events (EventLog, the last
+STREAMED_LOGS) for a client that lost the stream to read again after a sequence number
+(`GET /v1/responses/{id}?stream=true&starting_after=N`, OpenAI's and vLLM's)."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import itertools
@@ -21,6 +24,7 @@ from eagle_infer.api_schema import ApiError, ChatRequest, _Body
 from eagle_infer.chat_bridge import chat_pieces, chat_request_of
 
 STORED_RESPONSES = 1000  # in memory, lost at a restart (vLLM's store is in memory too)
+STREAMED_LOGS = 100  # background streams' events kept (~300 bytes an event: a token's delta)
 
 
 class ResponsesRequest(_Body):
@@ -87,9 +91,6 @@ class ResponsesRequest(_Body):
 
     def chat_request(self, conversation: list[dict[str, Any]]) -> ChatRequest:
         """The chat request this request stands for (instructions as a first system turn)."""
-        if self.background and self.stream:
-            raise ApiError(400, "background responses are not streamed here: poll GET /v1/responses/{id}",
-                           param="background", code="unsupported_parameter")
         if self.background and not self.store:
             raise ApiError(400, "a background response must be stored (store: true) to be retrieved",
                            param="background", code="invalid_value")
@@ -242,11 +243,62 @@ def page_of(items: list[dict[str, Any]], limit: int, order: str, after: str | No
             "last_id": data[-1]["id"] if data else None, "has_more": len(window) > limit}
 
 
-class ResponseStore:
-    """The last STORED_RESPONSES responses of this server, by id."""
+class EventLog:
+    """A background stream's events (SSE `event` and `data`, each's sequence number its place),
+    kept while its answer runs and after: whoever follows it (the creating request's stream, or a
+    client that lost that and asks again) reads those after a sequence number, then the rest as
+    they come, until the log is closed."""
 
-    def __init__(self, size: int = STORED_RESPONSES):
+    def __init__(self) -> None:
+        self.events: list[dict[str, str]] = []
+        self.closed = False
+        self._grown = asyncio.Event()  # set (and replaced) at each append and at close
+
+    def _wake(self) -> None:
+        self._grown.set()
+        self._grown = asyncio.Event()
+
+    def append(self, event: dict[str, str]) -> None:
+        self.events.append(event)
+        self._wake()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake()
+
+    async def follow(self, starting_after: int = -1) -> AsyncGenerator[dict[str, str]]:
+        at = max(starting_after + 1, 0)
+        while True:
+            while at < len(self.events):
+                yield self.events[at]
+                at += 1
+            if self.closed:
+                return
+            await self._grown.wait()
+
+
+class ResponseStore:
+    """The last STORED_RESPONSES responses of this server, by id, and the last STREAMED_LOGS
+    background streams' events."""
+
+    def __init__(self, size: int = STORED_RESPONSES, logs: int = STREAMED_LOGS):
         self.size, self.items = size, collections.OrderedDict[str, Stored]()
+        self.log_size, self.logs = logs, collections.OrderedDict[str, EventLog]()
+
+    def put_log(self, response_id: str, log: EventLog) -> None:
+        self.logs[response_id] = log
+        while len(self.logs) > self.log_size:
+            self.logs.popitem(last=False)
+
+    def log_of(self, response_id: str) -> EventLog:
+        """The events of a background response that streamed (a 404 for no response, a 400 for
+        one that did not stream in the background, or whose events this server no longer keeps)."""
+        self.get(response_id, "response_id")
+        if response_id not in self.logs:
+            raise ApiError(400, f"response {response_id!r} has no events to stream: only a response created "
+                                f"with background and stream has (the last {self.log_size} kept); retrieve "
+                                "it without stream", param="stream", code="invalid_value")
+        return self.logs[response_id]
 
     def put(self, stored: Stored) -> None:
         self.items[stored.response["id"]] = stored
@@ -256,6 +308,7 @@ class ResponseStore:
     def delete(self, response_id: str) -> None:
         self.get(response_id)  # a 404 when there is none
         del self.items[response_id]
+        self.logs.pop(response_id, None)
 
     def get(self, response_id: str, param: str | None = None) -> Stored:
         if response_id not in self.items:

@@ -70,7 +70,7 @@ from eagle_infer.generate import chat_prompt_ids
 from eagle_infer.metrics import CONTENT_TYPE, Metrics
 from eagle_infer.reasoning import PARSERS as REASONING_PARSERS
 from eagle_infer.reasoning import ReasoningParser
-from eagle_infer.responses_api import ResponseShape, ResponsesRequest, ResponseStore, page_of
+from eagle_infer.responses_api import EventLog, ResponseShape, ResponsesRequest, ResponseStore, page_of
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.server_flags import (
     SAMPLING_DEFAULT_FIELDS,
@@ -1254,16 +1254,24 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         jobs, tools, reasoning = chat_jobs(chat)
         shape = ResponseShape(req, chat, conversation, cfg.model_names[0], stored_responses)
         if req.background:  # answered by a task of its own: the client polls GET /v1/responses/{id}
-            task = asyncio.ensure_future(answer_in_background(jobs, chat, tools, reasoning, shape))
+            events = EventLog() if req.stream else None
+            task = asyncio.ensure_future(answer_in_background(jobs, chat, tools, reasoning, shape, events))
             in_background[shape.id] = (task, jobs, shape)
-            return JSONResponse(shape.pending("queued"))
+            queued = shape.pending("queued")
+            if events is None:
+                return JSONResponse(queued)
+            # the stream follows the task's events; a client gone leaves the task answering
+            stored_responses.put_log(shape.id, events)
+            return EventSourceResponse(events.follow(), sep="\n", headers={"Cache-Control": "no-cache"})
         return await run(request, jobs, chat, "chat", tools, reasoning, shape)
 
     async def answer_in_background(jobs: list[Job], chat: ChatRequest, tools: ToolPlan | None,
-                                   reasoning: Thinking | None, shape: ResponseShape) -> None:
+                                   reasoning: Thinking | None, shape: ResponseShape,
+                                   events: EventLog | None = None) -> None:
         """A background response's answer, stored as it goes: in progress once its jobs are
         submitted, then completed (or incomplete), or failed with the error that ended it; a
-        cancel (cancel_background) cancels this task and its jobs."""
+        cancel (cancel_background) cancels this task and its jobs. With `events` (a background
+        stream) its events go there as they come, closed however the task ends."""
         shape.pending("in_progress")
         engine.submit(*jobs)
         finals: dict[int, dict[str, Any]] = {}
@@ -1273,7 +1281,19 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                 if "error" in ev:
                     cancel_all(jobs)
                     err = ev["error"]
-                    shape.pending("failed", {"code": err.code or err.type, "message": err.message})
+                    error = {"code": err.code or err.type, "message": err.message}
+                    shape.pending("failed", error)
+                    if events is not None:
+                        data = {"type": "error", "sequence_number": 0, **error, "param": err.param}
+                        events.append({"event": "error", "data": json.dumps(data)})
+                    return
+                if events is not None:  # its first event: the chunks follow from it
+                    chunks = sse_stream(jobs, "chat", ev, True, chat.n, tools, reasoning, speaker_of(chat))
+                    async for event in shape.events(chunks):  # the last stores the answer (finished)
+                        events.append(event)
+                    last = json.loads(events.events[-1]["data"])
+                    if last["type"] == "error":  # an error event ended it: stored failed
+                        shape.pending("failed", {"code": last["code"], "message": last["message"]})
                     return
                 finals[ev["index"]] = ev
             shape.whole(full_response(jobs, "chat", finals, chat.n, tools, reasoning, speaker_of(chat)))
@@ -1286,6 +1306,8 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             shape.pending("failed", {"code": "server_error", "message": f"{type(e).__name__}: {e}"})
         finally:
             in_background.pop(shape.id, None)
+            if events is not None:
+                events.close()
 
     def cancel_background(response_id: str) -> dict[str, Any] | None:
         """Cancel a background response still answering: its response, now cancelled (None if
@@ -1394,9 +1416,17 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         return Response(status_code=200 if ok else 503)
 
     @app.get("/v1/responses/{response_id}")
-    async def stored_response(request: Request, response_id: str) -> dict[str, Any]:
+    async def stored_response(request: Request, response_id: str, stream: bool = False,
+                              starting_after: int | None = None) -> Response:
+        """A stored response; with stream, a background stream's events again, those after
+        sequence number starting_after (all without), then the rest as they come (OpenAI's and
+        vLLM's resumption of a stream the client lost)."""
         check_auth(request)
-        return stored_responses.get(response_id).response
+        if not stream:
+            return JSONResponse(stored_responses.get(response_id).response)
+        events = stored_responses.log_of(response_id)
+        return EventSourceResponse(events.follow(-1 if starting_after is None else starting_after), sep="\n",
+                                   headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(request: Request, response_id: str) -> dict[str, Any]:

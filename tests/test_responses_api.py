@@ -187,17 +187,14 @@ def test_max_output_tokens_and_requests_this_server_cannot_answer(tokenizer):
     assert refused == ["input", "tools", "background", "truncation", "input"]
 
 
-def test_background_responses_answer_apart_and_cancel(tokenizer):
-    """background: the create call returns at once, queued; the response is retrieved as it goes
-    (in progress, then completed with the answer a foreground request gets) and only then goes on
-    as previous_response_id; a cancel stops one still answering (cancelled, its sequence dropped
-    from the batch), returns a finished one as it is, and refuses a foreground response; a stream
-    is refused; a deleted one stops answering."""
+def slow_app(tokenizer) -> tuple:
+    """(engine, app, decoder) answering a long text, a round every 20 ms of 3 tokens: a long
+    answer takes seconds, so a client asks while it answers."""
     from test_server import ScriptedDecoder
 
     from eagle_infer.server import Engine, Metrics, ServerConfig, create_app
 
-    class Slow(ScriptedDecoder):  # a round every 20 ms, 3 tokens each: a long answer takes seconds
+    class Slow(ScriptedDecoder):
         def step(self):
             time.sleep(0.02)
             return super().step()
@@ -207,14 +204,26 @@ def test_background_responses_answer_apart_and_cancel(tokenizer):
     decoder = Slow(list(tokenizer(long, add_special_tokens=False)["input_ids"]) + [eos])
     engine = Engine(decoder, tokenizer, Metrics(1), speculative=True)
     app = create_app(engine, tokenizer, {eos}, ServerConfig(["fake"], None, 2048, len(tokenizer)))
+    return engine, app, decoder
 
-    async def until(client, rid: str, status: str):
-        for _ in range(1000):
-            got = await client.responses.retrieve(rid)
-            if got.status == status:
-                return got
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"{rid} never {status}: {got.status}")
+
+async def until(client, rid: str, status: str):
+    """The response once it has this status (polled every 10 ms, for up to 10 s)."""
+    for _ in range(1000):
+        got = await client.responses.retrieve(rid)
+        if got.status == status:
+            return got
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{rid} never {status}: {got.status}")
+
+
+def test_background_responses_answer_apart_and_cancel(tokenizer):
+    """background: the create call returns at once, queued; the response is retrieved as it goes
+    (in progress, then completed with the answer a foreground request gets) and only then goes on
+    as previous_response_id; a cancel stops one still answering (cancelled, its sequence dropped
+    from the batch), returns a finished one as it is, and refuses a foreground response; a deleted
+    one stops answering."""
+    engine, app, decoder = slow_app(tokenizer)
 
     async def drained() -> list:  # the decoder's sequences once none is left (or after 5 s)
         for _ in range(500):
@@ -242,7 +251,7 @@ def test_background_responses_answer_apart_and_cancel(tokenizer):
         left = await drained()  # the cancelled sequence leaves the batch
         refused = []
         for call in (lambda: client.responses.cancel(foreground.id),
-                     lambda: client.responses.create(model="fake", input="Hi", background=True, stream=True)):
+                     lambda: client.responses.retrieve(foreground.id, stream=True)):  # no background stream
             with pytest.raises(openai.BadRequestError) as e:
                 await call()
             refused.append(e.value.body["param"])
@@ -263,7 +272,46 @@ def test_background_responses_answer_apart_and_cancel(tokenizer):
     assert done.incomplete_details.reason == "max_output_tokens" and follow.status == "completed"
     assert again.status == "incomplete" and again.output_text == done.output_text
     assert cancelled.status == "cancelled" and stored.status == "cancelled" and left == []
-    assert refused == ["response_id", "background"] and after_delete == []
+    assert refused == ["response_id", "stream"] and after_delete == []
+
+
+def test_a_background_stream_resumes_after_a_sequence_number(tokenizer):
+    """background with stream: the create call streams the events (stored incomplete at 60 tokens,
+    the foreground answer's text); retrieve with stream and starting_after gives the events after
+    that sequence number up to response.completed, none lost or twice; without starting_after, all
+    of them again; a deleted response's events are gone with it. (The in-process transport reads
+    a whole stream before the client sees it: test_server's real server drops one midway.)"""
+    engine, app, _ = slow_app(tokenizer)
+
+    async def body(client):
+        stream = await client.responses.create(model="fake", input="Hi", background=True, stream=True,
+                                               max_output_tokens=60)
+        first = []
+        async for event in stream:
+            first.append(event)
+            if len(first) == 6:
+                break
+        await stream.close()
+        rid = first[0].response.id
+        after = first[-1].sequence_number
+        resumed = [e async for e in await client.responses.retrieve(rid, stream=True, starting_after=after)]
+        again = [e async for e in await client.responses.retrieve(rid, stream=True)]
+        done = await client.responses.retrieve(rid)
+        foreground = await client.responses.create(model="fake", input="Hi", max_output_tokens=60)
+        await client.responses.delete(rid)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(rid, stream=True)
+        return first, resumed, again, done, foreground
+
+    first, resumed, again, done, foreground = run_with_client(engine, app, body)
+    assert [e.type for e in first[:2]] == ["response.created", "response.in_progress"]
+    seen = first + resumed
+    assert [e.sequence_number for e in seen] == list(range(len(seen)))  # none lost, none twice
+    assert [(e.sequence_number, e.type) for e in again] == [(e.sequence_number, e.type) for e in seen]
+    text = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
+    assert resumed[-1].type == "response.completed" and resumed[-1].response.status == "incomplete"
+    assert text == foreground.output_text == done.output_text and done.status == "incomplete"
+    assert done.usage.output_tokens == 60 and done.background
 
 
 def test_a_background_response_whose_answer_breaks_is_stored_failed(tokenizer, monkeypatch):

@@ -798,6 +798,31 @@ class SseLines:
         self.request.__exit__(None, None, None)
 
 
+def test_a_background_stream_answers_on_after_its_client_leaves(server, client):
+    """A background response that streams keeps answering when its client drops the stream (a
+    foreground stream's row is freed: above), and the client picks the events up again after the
+    last sequence number it read, up to the stored answer."""
+    stream = client.responses.create(model=MODEL, input="Tell a story.", max_output_tokens=300,
+                                     temperature=0, stream=True, background=True)
+    first = []
+    for event in stream:
+        first.append(event)
+        if len(first) == 5:
+            break
+    stream.close()
+    rid = first[0].response.id
+    time.sleep(0.5)
+    running = metrics(server)["eagle:num_requests_running"]
+    rest = list(client.responses.retrieve(rid, stream=True, starting_after=first[-1].sequence_number))
+    done = client.responses.retrieve(rid)
+    assert running == 1  # still answering without its client
+    seen = first + rest
+    assert [e.sequence_number for e in seen] == list(range(len(seen)))
+    assert rest[-1].type == "response.completed" and done.status in ("completed", "incomplete")
+    text = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
+    assert text == done.output_text and done.usage.output_tokens > 20
+
+
 def test_disconnected_stream_frees_its_slot(server, client):
     def made() -> float:
         return metrics(server)["eagle:generation_tokens_total"]
