@@ -376,7 +376,7 @@ def test_gemma3_head_size_256_on_the_kernel(attention_kernel_on, tiny_model_dir)
     layers of a window of 8 beside full ones, its own query scale) loaded on the avx2 Linears runs
     its layers in the fused op (kernels/decoder_layers, short prefills too), or in Python with the
     kernel's two ops (prefills and decode steps); either way its greedy output is transformers',
-    and speculative greedy equals plain, eager and compiled."""
+    and on the op speculative greedy equals plain, eager and compiled."""
     from transformers import AutoModelForCausalLM
 
     from eagle_infer.loader import load_model
@@ -419,8 +419,8 @@ def test_gemma3_head_size_256_on_the_kernel(attention_kernel_on, tiny_model_dir)
         assert (calls["decoder_layers"] > 0) is (fused is not None), calls
         assert (calls["avx2_attention"] > 0 and calls["causal_attention"] > 0) is (fused is None), calls
         assert plain == refs
-        for tree in (TreeConfig(), TreeConfig(2, 4, 6, ngram_branch=4), TreeConfig.chain(3)):
-            assert generate_speculative(target, head, prompts, 24, tree=tree)[0] == plain, (tree, fused)
+    for tree in (TreeConfig(), TreeConfig(2, 4, 6, ngram_branch=4), TreeConfig.chain(3)):  # on the op
+        assert generate_speculative(target, head, prompts, 24, tree=tree)[0] == plain, tree
     assert generate(target, prompts, 24, compile=True) == plain
     tree = TreeConfig(3, 4, 4)
     dec = SpecDecoder(target, head, tree, max_batch=4, max_seq_len=128).compile()

@@ -219,7 +219,7 @@ def test_sequences_of_other_lengths_read_only_their_own_slots(attention_kernel_o
 # P: a prompt within one block of 16 keys (phase 1's second half reads none), blocks that do not
 # halve, a partial last block; T = 2: a verify's two rows (4 a kv head: not in chunks)
 @needs_bf16
-@pytest.mark.parametrize("P,T,head_dim", [(6, 1, 64), (40, 1, 64), (300, 2, 64), (40, 1, 128)])
+@pytest.mark.parametrize("P,T,head_dim", [(6, 1, 64), (40, 1, 64), (300, 2, 64), (40, 1, 128), (40, 1, 256)])
 def test_a_split_attention_leaves_a_sequences_bits_alone(attention_kernel_on, P, T, head_dim):
     """On 2 threads the attention of one sequence's decode step over 3 kv heads runs in two phases,
     each in halves of every kv head (kernel_calls.h split_attention; vdpbf16ps scores: the keys'

@@ -323,12 +323,10 @@ at::Tensor layers_impl(const Stack& s, const at::Tensor& x_in, const at::Tensor&
   // layer l's attention of rows row0.. over its cache, each row's heads side by side in merged [BT, nh D]
   auto attention_of = [&](int64_t l) {
     const int64_t keys_at = ((2 * l * cache_rows) + row0) * nkv * max_seq * D;
-    eagle::AttentionCall call{std::is_same_v<scalar_t, at::BFloat16>, q, kvp + keys_at,
-                              kvp + keys_at + cache_rows * nkv * max_seq * D, bias_c.data_ptr(), merged,
+    return eagle::AttentionCall{std::is_same_v<scalar_t, at::BFloat16>, q, kvp + keys_at,
+                                kvp + keys_at + cache_rows * nkv * max_seq * D, biases[s.layers[l].local], merged,
                                 B, nh, T, nkv, S, nkv * max_seq * D, max_seq * D, D, T * nh * D, D, nh * D,
                                 chunks, D};
-    call.bias = biases[s.layers[l].local];
-    return call;
   };
   // the attention in halves (split_phase) where the threads would idle and the kernel can (its mode
   // and the cache's strides, the same for every layer)
