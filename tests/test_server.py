@@ -805,7 +805,7 @@ def test_a_background_stream_answers_on_after_its_client_leaves(server):
     # a client of its own: the module's keeps the 32 clients' test's connections, which the server
     # may close as one is reused (a reset, seen once in a full run)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
-    stream = client.responses.create(model=MODEL, input="Tell a story.", max_output_tokens=300,
+    stream = client.responses.create(model=MODEL, input="Tell a story.", max_output_tokens=100,
                                      temperature=0, stream=True, background=True)
     first = []
     for event in stream:
@@ -814,7 +814,7 @@ def test_a_background_stream_answers_on_after_its_client_leaves(server):
             break
     stream.close()
     rid = first[0].response.id
-    time.sleep(0.5)
+    time.sleep(0.2)
     running = metrics(server)["eagle:num_requests_running"]
     rest = list(client.responses.retrieve(rid, stream=True, starting_after=first[-1].sequence_number))
     done = client.responses.retrieve(rid)
