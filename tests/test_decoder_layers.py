@@ -36,6 +36,9 @@ ARCHS = {"llama": {}, "qwen2": {"attention_bias": True}, "qwen3": {"head_dim": 1
              "long_factor": [2.0 + 0.5 * i for i in range(24)],
              "factor": 4.0, "original_max_position_embeddings": 512}},
          "mistral_window": {"sliding_window": 4, "sliding_layers": (0, 1, 2)},
+         # Qwen3's use_sliding_window from max_window_layers on: windows in some layers, one RoPE
+         # (the op reads those layers' own mask, as Gemma 3's)
+         "qwen3_window": {"head_dim": 128, "qk_norm": True, "sliding_window": 4, "sliding_layers": (1, 2)},
          # Gemma 3's: norms scaling by 1 + weight in fp32, norms on the attention's and the MLP's
          # outputs, tanh GELU, head size 256, a score scale of its own (not 1/sqrt(D)), and two
          # sliding layers of 4 slots with a RoPE base of their own; Gemma's (1, 2B): the offset
@@ -286,6 +289,7 @@ def test_compiled_steps_call_the_op(attention_kernel_on):
     (torch.float32, "ours", "qwen3"),
     (torch.float32, "ours", "mistral_window"),  # 20 tokens past prompts of 3-17: the window of 4 bites
     (torch.float32, "ours", "gemma3"),  # the sliding layers' own window and RoPE likewise
+    (torch.float32, "ours", "qwen3_window"),
     pytest.param(torch.bfloat16, "ours", "gemma3", marks=needs_bf16),
     pytest.param(torch.bfloat16, "int8", "llama", marks=needs_bf16),
     pytest.param(torch.bfloat16, "int8", "qwen2", marks=needs_bf16),
