@@ -356,11 +356,8 @@ at::Tensor layers_impl(const Stack& s, const at::Tensor& x_in, const at::Tensor&
     };
     for (int64_t l = 0; l < L; l++) {
       const Layer& ly = s.layers[l];
-      // h = g + the last layer's MLP output (normed first with sandwich norms); its input norm
-      if (l > 0) {
-        if (s.sandwich) rms_norm(h + r0 * H, s.layers[l - 1].post_ffn_norm_data, s.offset_norms, h + r0 * H, r1 - r0, H, eps);
-        add_into(h + r0 * H, g + r0 * H, (r1 - r0) * H);
-      }
+      // h = g + the last layer's MLP output; its input norm
+      if (l > 0) add_into(h + r0 * H, g + r0 * H, (r1 - r0) * H);
       if (tap_of[l] >= 0 && r1 > r0)
         std::memcpy(outp + (tap_of[l] * BT + r0) * H, h + r0 * H, (r1 - r0) * H * sizeof(scalar_t));
       rms_norm(h + r0 * H, ly.in_norm_data, s.offset_norms, xn + r0 * H, r1 - r0, H, eps);
@@ -422,8 +419,9 @@ at::Tensor layers_impl(const Stack& s, const at::Tensor& x_in, const at::Tensor&
 #pragma omp barrier
       linear(ly.down, act, h);  // [BT, H]
 #pragma omp barrier
+      // with sandwich norms the MLP's output normed (this thread's rows: the next add is this thread's too)
+      if (s.sandwich) rms_norm(h + r0 * H, ly.post_ffn_norm_data, s.offset_norms, h + r0 * H, r1 - r0, H, eps);
     }
-    if (s.sandwich) rms_norm(h + r0 * H, s.layers[L - 1].post_ffn_norm_data, s.offset_norms, h + r0 * H, r1 - r0, H, eps);
     add_into(h + r0 * H, g + r0 * H, (r1 - r0) * H);
     if (r1 > r0) std::memcpy(outp + r0 * H, h + r0 * H, (r1 - r0) * H * sizeof(scalar_t));
   }
