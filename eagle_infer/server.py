@@ -31,7 +31,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Collection
+from collections.abc import AsyncGenerator, Awaitable, Callable, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -992,6 +992,21 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
             return None
         return get.result()
 
+    async def awaited_events(jobs: list[Job], stream: bool,
+                             next_of: Callable[[], Awaitable[dict[str, Any] | None]],
+                             ) -> tuple[dict[str, Any] | None, dict[int, dict[str, Any]]]:
+        """What a request's answer waits for (next_of gives its jobs' events): streaming, the first
+        piece of any choice; else each choice's whole answer (Job.update), by index. Returns the
+        last event and those answers; it ends early at an error event or None (the client gone)."""
+        finals: dict[int, dict[str, Any]] = {}
+        while True:
+            ev = await next_of()
+            if ev is None or "error" in ev or stream:
+                return ev, finals
+            finals[ev["index"]] = ev
+            if len(finals) == len(jobs):
+                return ev, finals
+
     async def run(request: Request, jobs: list[Job], req: Generation, kind: str,
                   tools: ToolPlan | None = None, reasoning: Thinking | None = None,
                   shape: ResponseShape | MessageShape | GenerateShape | None = None) -> Response:
@@ -1004,24 +1019,17 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         include_usage = cfg.force_usage or bool(req.stream_options and req.stream_options.include_usage)
         speaker = speaker_of(req)
         engine.submit(*jobs)
-        events, finals = jobs[0].events, {}
         gone = asyncio.ensure_future(_client_gone(request))
-        try:  # streaming, the first piece of any choice; else each choice's whole answer (Job.update)
-            while True:
-                ev = await next_event(events, gone)
-                if ev is None:
-                    cancel_all(jobs)
-                    return Response(status_code=499)
-                if "error" in ev:
-                    cancel_all(jobs)
-                    err = ev["error"]
-                    return error_response(err) if shape is None else JSONResponse(shape.error_body(err),
-                                                                                     status_code=err.status)
-                if stream:
-                    break
-                finals[ev["index"]] = ev
-                if len(finals) == len(jobs):
-                    break
+        try:
+            ev, finals = await awaited_events(jobs, stream, lambda: next_event(jobs[0].events, gone))
+            if ev is None:
+                cancel_all(jobs)
+                return Response(status_code=499)
+            if "error" in ev:
+                cancel_all(jobs)
+                err = ev["error"]
+                return error_response(err) if shape is None else JSONResponse(shape.error_body(err),
+                                                                                 status_code=err.status)
         except BaseException:  # this handler was cancelled (e.g. shutdown): so are the jobs
             cancel_all(jobs)
             raise
@@ -1274,29 +1282,26 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
         stream) its events go there as they come, closed however the task ends."""
         shape.pending("in_progress")
         engine.submit(*jobs)
-        finals: dict[int, dict[str, Any]] = {}
         try:
-            while len(finals) < len(jobs):
-                ev = await jobs[0].events.get()
-                if "error" in ev:
-                    cancel_all(jobs)
-                    err = ev["error"]
-                    error = {"code": err.code or err.type, "message": err.message}
-                    shape.pending("failed", error)
-                    if events is not None:
-                        data = {"type": "error", "sequence_number": 0, **error, "param": err.param}
-                        events.append({"event": "error", "data": json.dumps(data)})
-                    return
-                if events is not None:  # its first event: the chunks follow from it
-                    chunks = sse_stream(jobs, "chat", ev, True, chat.n, tools, reasoning, speaker_of(chat))
-                    async for event in shape.events(chunks):  # the last stores the answer (finished)
-                        events.append(event)
-                    last = json.loads(events.events[-1]["data"])
-                    if last["type"] == "error":  # an error event ended it: stored failed
-                        shape.pending("failed", {"code": last["code"], "message": last["message"]})
-                    return
-                finals[ev["index"]] = ev
-            shape.whole(full_response(jobs, "chat", finals, chat.n, tools, reasoning, speaker_of(chat)))
+            ev, finals = await awaited_events(jobs, events is not None, jobs[0].events.get)
+            assert ev is not None  # no client to leave
+            if "error" in ev:
+                cancel_all(jobs)
+                err = ev["error"]
+                error = {"code": err.code or err.type, "message": err.message}
+                shape.pending("failed", error)
+                if events is not None:  # the stream's first event
+                    data = {"type": "error", "sequence_number": 0, **error, "param": err.param}
+                    events.append({"event": "error", "data": json.dumps(data)})
+            elif events is not None:  # the chunks follow from the first event
+                chunks = sse_stream(jobs, "chat", ev, True, chat.n, tools, reasoning, speaker_of(chat))
+                async for event in shape.events(chunks):  # the last stores the answer (finished)
+                    events.append(event)
+                last = json.loads(events.events[-1]["data"])
+                if last["type"] == "error":  # an error event ended it: stored failed
+                    shape.pending("failed", {"code": last["code"], "message": last["message"]})
+            else:
+                shape.whole(full_response(jobs, "chat", finals, chat.n, tools, reasoning, speaker_of(chat)))
         except asyncio.CancelledError:
             cancel_all(jobs)
             raise
