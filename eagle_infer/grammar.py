@@ -181,8 +181,8 @@ def forced_tokens(matcher: xgr.GrammarMatcher, encode: Encode | None, limit: int
     budget's gate tokens (GatedMatcher.forced) need no encode; without one, no text is forced."""
     if limit < 1 or matcher.is_terminated():
         return []
-    if isinstance(matcher, GatedMatcher) and matcher.forced():  # a spent budget: the gate's tokens
-        return list(matcher.forced()[:limit])
+    if isinstance(matcher, GatedMatcher) and (gate := matcher.forced()):  # a spent budget: the gate's tokens
+        return list(gate[:limit])
     text = matcher.find_jump_forward_string() if encode is not None else ""
     if not text:
         return []
