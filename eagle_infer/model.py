@@ -460,8 +460,13 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:  # Gemma scales before rounding (transformers' GemmaRMSNorm)
-            return (xf * (self.offset + self.weight.float())).to(dtype)
+            return (xf * self.offset_scale()).to(dtype)
         return self.weight * xf.to(dtype)
+
+    def offset_scale(self) -> Tensor:
+        """What a norm with Gemma's offset scales by: offset + weight, in fp32 (also the fused
+        layer op's registered norm: kernels/decoder_layers)."""
+        return self.offset + self.weight.float()
 
 
 # Defined through torch.library.Library rather than @custom_op, whose Python wrapper costs

@@ -141,7 +141,7 @@ def load_target_io(path: Any, device: str | torch.device = "cpu") -> TargetIO:
 
         model = load_model(folder, "fp32", str(device))
         return TargetIO(model.config, model.embed_tokens, model.lm_head.weight, folder,
-                        model.norm.weight.detach().float() + cfg.norm_offset)
+                        model.norm.offset_scale().detach())
     emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
     emb.weight = nn.Parameter(found["embed"].float().to(device), requires_grad=False)
     head_w = emb.weight if cfg.tie_word_embeddings or "head" not in found else \

@@ -126,8 +126,8 @@ def stack_arguments(
     tensors, kinds, dots, max_rows = [], [], set(), []
     empty = torch.empty(0)
 
-    def norm(module: nn.Module) -> Tensor:  # Gemma's 1 + weight in fp32, as model.RMSNorm scales by it
-        return (module.offset + module.weight.float()).contiguous() if module.offset else module.weight
+    def norm(module: nn.Module) -> Tensor:  # Gemma's 1 + weight in fp32 (RMSNorm.offset_scale)
+        return module.offset_scale().contiguous() if module.offset else module.weight
 
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
