@@ -831,22 +831,33 @@ def test_disconnected_stream_frees_its_slot(server, client):
         return metrics(server)["eagle:generation_tokens_total"]
 
     msgs = [{"role": "user", "content": "Tell a story."}]
+    # ignore_eos (a chat extension the other two APIs pass on): each answer runs its 400 tokens
+    # unless cancelled; a greedy story that ended at EOS on another CPU's numerics would leave
+    # nothing running to drop (CI once read 0 running after the first events)
+    long = {"ignore_eos": True}
     streams = {  # a chat stream, the Responses API's and Anthropic's (their events wrap a chat stream),
         # each dropped after a few events (Responses' first ones are the response's and its item's)
         "chat": (2, lambda: client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=400,
-                                                           temperature=0, stream=True)),
+                                                           temperature=0, stream=True, extra_body=long)),
         "responses": (4, lambda: client.responses.create(model=MODEL, input="Tell a story.",
-                                                         max_output_tokens=400, temperature=0, stream=True)),
+                                                         max_output_tokens=400, temperature=0, stream=True,
+                                                         extra_body=long)),
         "messages": (4, lambda: SseLines(server.url + "/v1/messages", {"x-api-key": API_KEY}, {
-            "model": MODEL, "max_tokens": 400, "stream": True, "temperature": 0, "messages": msgs}))}
+            "model": MODEL, "max_tokens": 400, "stream": True, "temperature": 0, "messages": msgs} | long))}
     tokens = {}  # each dropped stream's tokens made
     for kind, (reads, start) in streams.items():
         at = made()
         stream = start()
-        for i, _ in enumerate(stream):
-            if i == reads:
+        read = []
+        for event in stream:
+            read.append(event)
+            if len(read) > reads:
                 break
-        assert metrics(server)["eagle:num_requests_running"] == 1
+        running = metrics(server)["eagle:num_requests_running"]
+        if running != 1:  # say what the stream and the server said (an error event, an early end)
+            failed = [ln for ln in server.log.read_text().splitlines() if "failed" in ln or "rror" in ln]
+            pytest.fail(f"{kind}: {running} requests running after the events {read}; the server's "
+                        f"errors: {failed[-5:]}")
         stream.close()
         t0 = time.time()
         while metrics(server)["eagle:num_requests_running"] != 0:
