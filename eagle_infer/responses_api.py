@@ -327,6 +327,14 @@ class ResponseStore:
         return stored.conversation
 
 
+def error_event(sequence_number: int, code: str | None, message: str | None,
+                param: str | None) -> dict[str, str]:
+    """The `error` event (SSE `event` and `data`) that ends a response's stream."""
+    data = {"type": "error", "sequence_number": sequence_number, "code": code, "message": message,
+            "param": param}
+    return {"event": "error", "data": json.dumps(data)}
+
+
 class ResponseShape:
     """One request's response: its object from the chat answer, or its events from the chat
     chunks; stored with its conversation when the request asks."""
@@ -476,8 +484,7 @@ class ResponseShape:
             yield event("response.in_progress", response=self.response([], None, None, "in_progress"))
             async for kind, value in pieces:
                 if kind == "error":
-                    yield event("error", code=value.get("code"), message=value.get("message"),
-                                param=value.get("param"))
+                    yield error_event(next(seq), value.get("code"), value.get("message"), value.get("param"))
                     return
                 if kind == "usage":
                     usage = value

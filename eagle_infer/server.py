@@ -70,7 +70,14 @@ from eagle_infer.generate import chat_prompt_ids
 from eagle_infer.metrics import CONTENT_TYPE, Metrics
 from eagle_infer.reasoning import PARSERS as REASONING_PARSERS
 from eagle_infer.reasoning import ReasoningParser
-from eagle_infer.responses_api import EventLog, ResponseShape, ResponsesRequest, ResponseStore, page_of
+from eagle_infer.responses_api import (
+    EventLog,
+    ResponseShape,
+    ResponsesRequest,
+    ResponseStore,
+    error_event,
+    page_of,
+)
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.server_flags import (
     SAMPLING_DEFAULT_FIELDS,
@@ -1290,9 +1297,11 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                 err = ev["error"]
                 error = {"code": err.code or err.type, "message": err.message}
                 shape.pending("failed", error)
-                if events is not None:  # the stream's first event
-                    data = {"type": "error", "sequence_number": 0, **error, "param": err.param}
-                    events.append({"event": "error", "data": json.dumps(data)})
+                if events is not None:  # the response (its id, to retrieve it by), then the error
+                    created = shape.response([], None, None, "in_progress")
+                    events.append({"event": "response.created", "data": json.dumps(
+                        {"type": "response.created", "sequence_number": 0, "response": created})})
+                    events.append(error_event(1, error["code"], err.message, err.param))
             elif events is not None:  # the chunks follow from the first event
                 chunks = sse_stream(jobs, "chat", ev, True, chat.n, tools, reasoning, speaker_of(chat))
                 async for event in shape.events(chunks):  # the last stores the answer (finished)

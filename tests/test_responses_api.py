@@ -416,3 +416,45 @@ def test_input_item_pages_by_before_and_refused_bounds():
         with pytest.raises(ApiError) as err:
             page_of(items, *args)
         assert err.value.status == 400 and err.value.param == param
+
+
+def test_a_stream_that_fails_ends_in_an_error_event(tokenizer):
+    """A decode round that fails mid-answer ends a stream with an `error` event numbered after the
+    events before it; a background stream whose prefill fails gives its response (the id to
+    retrieve it by), then the error, and the stored response is failed with the error's message."""
+    from eagle_infer.server import ServerConfig
+
+    engine, app = scripted_app(tokenizer, "Hello there, how are you today? Fine.",
+                               ServerConfig(["fake"], None, 2048, len(tokenizer)))
+    dec = engine.dec
+    step, add_many, rounds = dec.step, dec.add_many, []
+
+    def failing_step():
+        rounds.append(1)
+        if len(rounds) == 2:
+            raise RuntimeError("round broken")
+        return step()
+
+    def failing_add(seqs):
+        raise RuntimeError("prefill broken")
+
+    async def body(client):
+        dec.step = failing_step
+        streamed = [e async for e in await client.responses.create(model="fake", input="Hi", stream=True)]
+        dec.step, dec.add_many = step, failing_add
+        background = [e async for e in await client.responses.create(model="fake", input="Hi", stream=True,
+                                                                     background=True)]
+        dec.add_many = add_many
+        stored = await client.responses.retrieve(background[0].response.id)
+        again = [e async for e in await client.responses.retrieve(stored.id, stream=True)]
+        return streamed, background, stored, again, await client.responses.create(model="fake", input="Hi")
+
+    streamed, background, stored, again, after = run_with_client(engine, app, body)
+    assert streamed[-1].type == "error" and "round broken" in streamed[-1].message
+    assert [e.sequence_number for e in streamed] == list(range(len(streamed)))
+    assert any(e.type == "response.output_text.delta" for e in streamed)  # it failed mid-answer
+    assert [(e.type, e.sequence_number) for e in background] == [("response.created", 0), ("error", 1)]
+    assert "prefill broken" in background[1].message and background[1].code
+    assert stored.status == "failed" and stored.error.message == background[1].message
+    assert [e.type for e in again] == ["response.created", "error"]
+    assert after.status == "completed" and after.output_text == "Hello there, how are you today? Fine."
