@@ -430,28 +430,60 @@ def spec_decode_fn(model, head, prompts: Sequence[list[int]], max_new_tokens: in
     return run, total, dec
 
 
+def ngram_decode_fn(model, prompts: Sequence[list[int]], max_new_tokens: int, num_draft_tokens: int,
+                    min_match: int = 1, ignore_eos: bool = True, params: SamplingParams | None = None,
+                    compile_steps: bool = False, batch_size: int = 1) -> tuple[DecodeFn, SpecStats]:
+    """A DecodeFn of prompt-lookup speculative decoding (eagle_infer.ngram: no head, chains of
+    num_draft_tokens) through one decoder sized for the prompts, and the stats it adds to."""
+    from eagle_infer.generate import compile_mode_for
+    from eagle_infer.ngram import NgramDecoder, generate_ngram
+
+    eos = [] if ignore_eos else None
+    longest = max(len(p) for p in prompts) + max_new_tokens + 2 * num_draft_tokens + 64
+    dec = NgramDecoder(model, num_draft_tokens, min_match, max_batch=batch_size,
+                       max_seq_len=min(longest, model.config.max_position_embeddings))
+    if compile_steps:  # its plain steps (rounds without a match); the chains verify eagerly
+        dec.compile(compile_mode_for(model.embed_tokens.weight.device))
+    total = SpecStats()
+
+    def run(batch: list[list[int]], on_token=None) -> list[list[int]]:
+        out, st = generate_ngram(model, batch, max_new_tokens, [params or SamplingParams()] * len(batch),
+                                 eos_token_ids=eos, decoder=dec, on_token=on_token)
+        total.merge(st)
+        return out
+
+    return run, total
+
+
 @torch.no_grad()
 def bench_plain_and_spec(model, head, prompts: Sequence[list[int]], max_new_tokens: int, tree: TreeConfig,
                          compile_steps: bool = False, ignore_eos: bool = True,
                          params: SamplingParams | None = None, name: str = "speculative",
                          batch_size: int = 1, disable_by_batch_size: int | None = None,
                          draft_ahead: bool = True,
-                         batch_tree: tuple[int, TreeConfig] | None = None) -> tuple[BenchResult, SpecRun]:
-    """Plain and speculative decoding (greedy, or both sampled with params), batch_size prompts a
+                         batch_tree: tuple[int, TreeConfig] | None = None,
+                         others: dict[str, tuple[DecodeFn, SpecStats]] | None = None,
+                         ) -> tuple[BenchResult, SpecRun | None, dict[str, BenchResult]]:
+    """Plain and speculative decoding (greedy, or both sampled with params; head None: plain
+    alone), and `others` (name: their DecodeFn and the stats they add to), batch_size prompts a
     call, each warmed up (compiled) first, then timed batch by batch in alternating order
-    (time_interleaved): a ratio of the two that a drifting machine moves less than two runs one
-    after the other."""
-    plain_fn = plain_decode_fn(model, max_new_tokens, ignore_eos, compile_steps, params)
-    spec_fn, stats, dec = spec_decode_fn(model, head, prompts, max_new_tokens, tree, ignore_eos, params,
-                                         compile_steps, batch_size, disable_by_batch_size, draft_ahead,
-                                         batch_tree=batch_tree)
-    fns = {"plain": plain_fn, name: spec_fn}
+    (time_interleaved): ratios that a drifting machine moves less than runs one after the
+    other. Returns plain's result, the speculative run, the others' results."""
+    fns = {"plain": plain_decode_fn(model, max_new_tokens, ignore_eos, compile_steps, params)}
+    stats = {key: st for key, (_, st) in (others or {}).items()}
+    if head is not None:
+        fns[name], stats[name], dec = spec_decode_fn(model, head, prompts, max_new_tokens, tree, ignore_eos,
+                                                     params, compile_steps, batch_size, disable_by_batch_size,
+                                                     draft_ahead, batch_tree=batch_tree)
+    fns |= {key: fn for key, (fn, _) in (others or {}).items()}
     warmup = {key: warm_up(fn, prompts, batch_size) for key, fn in fns.items()}
-    stats.__init__()  # the warm-up's rounds are not counted
+    for st in stats.values():
+        st.__init__()  # the warm-up's rounds are not counted
     res = time_interleaved(fns, prompts, batch_size)
     for key, r in res.items():
         r.warmup_s = warmup[key]
-    return res["plain"], SpecRun(res[name], stats, tree, dec)
+    spec = SpecRun(res[name], stats[name], tree, dec) if head is not None else None
+    return res["plain"], spec, {key: res[key] for key in others or {}}
 
 
 def count_aten_ops(model, head, prompt: list[int], tree: TreeConfig, rounds: int = 8) -> dict:
@@ -796,6 +828,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "occurrence of the sequence's last tokens compete with the draft's for the "
                          "tree's places (0 = none); default: the device's, the server's: 4 on a CPU, "
                          "0 on a GPU")
+    sp.add_argument("--ngram", type=int, default=None, metavar="K",
+                    help="also time prompt-lookup speculative decoding without a head (eagle_infer.ngram, "
+                         "the server's --speculative-algorithm NGRAM) with chains of K, taking turns with "
+                         "plain; with --no-spec, against plain alone")
+    sp.add_argument("--ngram-min-match", type=int, default=1, metavar="N",
+                    help="with --ngram: the fewest latest tokens a lookup matches (vLLM's prompt_lookup_min)")
     sp.add_argument("--token-map", default=None, help="FR-Spec token map for an EAGLE-2 head")
     sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     sp.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0")
@@ -901,16 +939,27 @@ def main(argv: list[str] | None = None) -> dict:
     # Plain and the main tree take turns batch by batch: the ratio of the two is the bench's
     # headline, and these VMs drift by 10-50% within minutes (one method's prompts after the
     # other's put that drift into it).
-    interleaved = head is not None and not args.sequential
+    others = {}
+    if args.ngram:  # prompt lookup without a head, taking turns with plain (and the main tree)
+        others[f"ngram k{args.ngram}"] = ngram_decode_fn(model, prompts, args.max_new_tokens, args.ngram,
+                                                         args.ngram_min_match, ignore_eos, params,
+                                                         compile_steps, B)
+    interleaved = (head is not None or bool(others)) and not args.sequential
     if interleaved:
-        plain, main_run = bench_plain_and_spec(
+        plain, main_run, other_results = bench_plain_and_spec(
             model, head, prompts, args.max_new_tokens, main_tree, compile_steps, ignore_eos, params,
             name=main_name, batch_size=B,
             disable_by_batch_size=args.speculative_disable_by_batch_size, draft_ahead=args.draft_ahead,
-            batch_tree=batch_tree)
-        results, spec_runs = [plain], [main_run]
+            batch_tree=batch_tree, others=others)
+        results, spec_runs = [plain], [main_run] if main_run else []
     else:
         results = [bench_plain(model, prompts, args.max_new_tokens, ignore_eos, compile_steps, B, params)]
+        other_results = {}
+        for key, (fn, st) in others.items():
+            warmup_s = warm_up(fn, prompts, B)
+            st.__init__()  # the warm-up's rounds are not counted
+            other_results[key] = time_decoding(key, fn, prompts, warmup=False, batch_size=B)
+            other_results[key].warmup_s = warmup_s
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
 
@@ -944,6 +993,7 @@ def main(argv: list[str] | None = None) -> dict:
             size = len(ids) if ids is not None else model.config.vocab_size
             fr_rows.append({"token_map": path, "size": size,
                             "lm_head_us": round(1e6 * time_draft_lm_head(head), 1), **run.to_json()})
+    results += list(other_results.values())
     by_name = {r.name: r for r in results}
 
     def tps(name: str) -> float | None:
@@ -989,6 +1039,19 @@ def main(argv: list[str] | None = None) -> dict:
     }
     # a plain decode step of the whole batch, prefill left out (TPOT): what a round is compared with
     plain_ms = by_name["plain"].tpot_ms
+    for key, (_, st) in others.items():  # prompt lookup: tau over the rounds that verified a chain
+        res = by_name[key]
+        report["ngram"] = {
+            "method": key, "num_draft_tokens": args.ngram, "min_match": args.ngram_min_match,
+            "tokens_per_s": round(res.tokens_per_s, 3),
+            "speedup_vs_plain": round(res.tokens_per_s / by_name["plain"].tokens_per_s, 3),
+            "speedup_vs_hf_assisted": round(res.tokens_per_s / tps("hf_assisted"), 3)
+            if tps("hf_assisted") else None,
+            "acceptance_length": round(st.acceptance_length(), 3), "verify_rounds": st.row_rounds,
+            "plain_rounds": st.plain_rounds, "accept_rate_per_position": [
+                round(r, 3) for r in st.accept_rate_per_position(args.ngram)],
+            "greedy_identical": res.outputs == by_name["plain"].outputs if greedy else None,
+            "tpot_ms": res.tpot_ms, "plain_tpot_ms": plain_ms}
     if args.count_ops:
         report["aten_ops_eager"] = count_aten_ops(model, head, prompts[0], main_tree)
     if "hf" in by_name and params is None:  # transformers decodes greedily
@@ -1065,6 +1128,12 @@ def main(argv: list[str] | None = None) -> dict:
                   + (f" (plain vs transformers: {hf_agree})" if hf_agree else "")
                   + ("; bf16 rounding differs between a many-token verify and a one-token step: "
                      "token identity holds in fp32" if args.dtype != "fp32" else ""))
+    if "ngram" in report:
+        r = report["ngram"]
+        print(f"{r['method']} (prompt lookup, no head): tau {r['acceptance_length']} over "
+              f"{r['verify_rounds']} rounds that verified a chain ({r['plain_rounds']} plain steps "
+              f"without a match), "
+              f"{r['speedup_vs_plain']}x plain, greedy identical: {r['greedy_identical']}")
     if "aten_ops_eager" in report:
         print("eager ATen ops:", report["aten_ops_eager"])
     if args.profile:

@@ -1542,14 +1542,43 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
 # Command line
 
 
+def ngram_settings(args: argparse.Namespace) -> tuple[int, int, int]:
+    """NGRAM's (chain length, shortest and longest match) from the flags: a chain of
+    --speculative-num-draft-tokens - 1 (default 4), matches of 1-4 tokens by default."""
+    from eagle_infer.server_flags import NGRAM_DRAFT_TOKENS
+    from eagle_infer.tree import NGRAM_MAX
+
+    for flag in ("speculative_num_steps", "speculative_eagle_topk", "speculative_ngram_branch",
+                 "speculative_batch_tree"):
+        if getattr(args, flag) is not None:
+            raise UserError(f"--{flag.replace('_', '-')} is for a draft head's tree, not "
+                            f"--speculative-algorithm NGRAM (its chain: --speculative-num-draft-tokens)")
+    n = args.speculative_num_draft_tokens
+    n = NGRAM_DRAFT_TOKENS if n is None else n
+    if n < 2:
+        raise UserError(f"--speculative-num-draft-tokens must be >= 2 with NGRAM (the root and a draft), "
+                        f"got {n}")
+    lo = args.speculative_ngram_min_match_window_size or 1
+    hi = args.speculative_ngram_max_match_window_size or max(lo, NGRAM_MAX)
+    if not 1 <= lo <= hi:
+        raise UserError(f"--speculative-ngram-min-match-window-size {lo} and --speculative-ngram-max-match-"
+                        f"window-size {hi}: need 1 <= min <= max")
+    return n - 1, lo, hi
+
+
 def resolve_draft(args: argparse.Namespace) -> tuple[str, Path | None]:
     """(algorithm, head folder): fall back to NONE only when nothing speculative was asked for
     explicitly and the reference head is missing."""
     algo, path = args.speculative_algorithm, args.speculative_draft_model_path
-    if algo == "NONE":
+    if algo in ("NONE", "NGRAM"):
         if path:
-            log.warning("--speculative-draft-model-path is ignored with --speculative-algorithm NONE")
-        return "NONE", None
+            raise UserError(f"--speculative-algorithm {algo} takes no draft model: leave "
+                            f"--speculative-draft-model-path out")
+        return algo, None
+    ngram_flags = [f for f in ("speculative_ngram_min_match_window_size",
+                               "speculative_ngram_max_match_window_size") if getattr(args, f) is not None]
+    if ngram_flags:
+        raise UserError(f"--{ngram_flags[0].replace('_', '-')} is for --speculative-algorithm NGRAM")
     if path:
         folder = Path(path).expanduser()
         if not folder.is_dir():
@@ -1582,6 +1611,7 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
         load_tokenizer,
         resolve_dtype,
     )
+    from eagle_infer.ngram import NgramDecoder
     from eagle_infer.speculative import SpecDecoder
 
     apply_vllm_flags(args)  # first: their values go through the flags' checks
@@ -1598,7 +1628,8 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     device = args.device or default_device()
     # Validate the flags before the slow loading.
     dtype = dtype_name(resolve_dtype(args.dtype, device))
-    tree = None if algo == "NONE" else resolve_tree(args, torch.device(device).type, dtype)
+    tree = None if algo in ("NONE", "NGRAM") else resolve_tree(args, torch.device(device).type, dtype)
+    ngram = ngram_settings(args) if algo == "NGRAM" else None
     batch_tree = None if tree is None else resolve_batch_tree(args, torch.device(device).type, dtype)
     folder = resolve_model_path(args.model_path)
     tokenizer_folder = folder if args.tokenizer is None else Path(args.tokenizer).expanduser()
@@ -1630,7 +1661,14 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     if ctx < 16 or ctx > target.config.max_position_embeddings:
         raise UserError(f"--context-length must be in [16, {target.config.max_position_embeddings}] "
                         f"for this model, got {ctx}")
-    if tree is None:
+    if ngram is not None:
+        decoder = NgramDecoder(target, *ngram, args.max_running_requests, ctx,
+                               prefix_cache=args.prefix_caching)
+        usable = ctx - decoder.max_pending  # a chain's slots past a request's end
+        if usable < 2:
+            raise UserError(f"--context-length {ctx} leaves no room next to the n-gram chain")
+        log.info("speculative decoding: n-gram prompt lookup, chains of %d, matches of %d-%d tokens", *ngram)
+    elif tree is None:
         decoder = PlainDecoder(target, args.max_running_requests, ctx, prefix_cache=args.prefix_caching)
         usable = ctx
     else:
@@ -1676,12 +1714,12 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     names = list(dict.fromkeys([*served, str(args.model_path), Path(folder).name]))
     eos = eos_ids(target.config, tokenizer)  # the config's has generation_config.json's
     # Draft positions a round can accept: the tree's depth, at most its node count.
-    depth = tree.max_depth if tree else 0
+    depth = tree.max_depth if tree else ngram[0] if ngram else 0
     metrics = Metrics(depth, model_name=name)
     chunk = args.chunked_prefill_size
     if chunk is None:  # ~1 ms a prompt token on a 2-core CPU (the default target): a chunk ~ a round or two
         chunk = 256 if torch.device(device).type == "cpu" else 8192
-    engine = Engine(decoder, load_tokenizer(tokenizer_folder), metrics, tree is not None, args.prefix_caching,
+    engine = Engine(decoder, load_tokenizer(tokenizer_folder), metrics, algo != "NONE", args.prefix_caching,
                     chunk)
     # /get_server_info's flags as they came out (SGLang shows its server args after their defaults)
     resolved = {"speculative_algorithm": algo, "speculative_draft_model_path": head_path, "dtype": dtype,
@@ -1690,6 +1728,10 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
         resolved |= {"speculative_num_steps": tree.num_steps, "speculative_eagle_topk": tree.eagle_topk,
                      "speculative_num_draft_tokens": tree.num_draft_tokens,
                      "speculative_ngram_branch": tree.ngram_branch}
+    if ngram is not None:
+        resolved |= {"speculative_num_draft_tokens": ngram[0] + 1,
+                     "speculative_ngram_min_match_window_size": ngram[1],
+                     "speculative_ngram_max_match_window_size": ngram[2]}
     cfg = ServerConfig(names, args.api_key, usable, target.config.vocab_size, args.stream_interval,
                        tool_parser=tool_parser_of(args), auto_tools=args.enable_auto_tool_choice,
                        chat_template=chat_template, reasoning_parser=args.reasoning_parser,

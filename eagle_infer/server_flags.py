@@ -60,8 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", "--model", default="default",
                     help="HF folder; 'default' = embedded SmolLM2")
-    ap.add_argument("--speculative-algorithm", type=str.upper, choices=["EAGLE", "EAGLE3", "NONE"],
-                    default=None, help="EAGLE (EAGLE-2 head), EAGLE3, or NONE (plain decoding); "
+    ap.add_argument("--speculative-algorithm", type=str.upper, choices=["EAGLE", "EAGLE3", "NGRAM", "NONE"],
+                    default=None, help="EAGLE (EAGLE-2 head), EAGLE3, NGRAM (prompt lookup, no head: "
+                    "a chain of --speculative-num-draft-tokens - 1 tokens that followed the latest "
+                    "earlier occurrence of the request's last tokens), or NONE (plain decoding); "
                     "default: EAGLE3 with the reference head when it is present, else NONE")
     ap.add_argument("--speculative-draft-model-path", default=None,
                     help=f"draft head folder (default: {DEFAULT_HEAD})")
@@ -74,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompt lookup in the draft tree: up to K tokens that followed the latest "
                          "earlier occurrence of the request's last tokens compete with the head's for "
                          "the tree's places (0 = off); default: 4 on a CPU, 0 on a GPU (unmeasured there)")
+    ap.add_argument("--speculative-ngram-min-match-window-size", type=int, default=None, metavar="N",
+                    help="NGRAM: the fewest latest tokens a lookup matches (vLLM's prompt_lookup_min; "
+                         "default 1); a round where no request's history matches that many is a plain step")
+    ap.add_argument("--speculative-ngram-max-match-window-size", type=int, default=None, metavar="N",
+                    help="NGRAM: the most latest tokens a lookup matches, the longest match winning "
+                         "(vLLM's prompt_lookup_max; default 4)")
     ap.add_argument("--speculative-batch-tree", default=None, metavar="MIN_BATCH:TREE",
                     help="a tree that shrinks as the batch grows: from MIN_BATCH running requests on, "
                          "rounds draft and verify TREE (STEPS/TOPK/DRAFT_TOKENS[+gK], e.g. 3:1/4/3+g4) "
@@ -329,7 +337,10 @@ def compile_settings(args: argparse.Namespace, device_type: str,
 
 
 SPECULATIVE_CONFIG_FLAGS = {"method": "speculative_algorithm", "model": "speculative_draft_model_path",
-                            "disable_by_batch_size": "speculative_disable_by_batch_size"}
+                            "disable_by_batch_size": "speculative_disable_by_batch_size",
+                            "prompt_lookup_min": "speculative_ngram_min_match_window_size",
+                            "prompt_lookup_max": "speculative_ngram_max_match_window_size"}
+NGRAM_DRAFT_TOKENS = 5  # NGRAM's default --speculative-num-draft-tokens: a chain of 4 (eagle_infer.ngram)
 
 
 def apply_vllm_flags(args: argparse.Namespace) -> None:
@@ -401,9 +412,9 @@ def apply_speculative_config(args: argparse.Namespace) -> None:
     values = dict(conf)
     if "method" in values:
         method = str(values["method"]).lower()
-        if method not in ("eagle", "eagle3"):
+        if method not in ("eagle", "eagle3", "ngram"):
             raise UserError(f"--speculative-config: method {method!r} is not served here: eagle "
-                            f"(EAGLE-2 heads) or eagle3")
+                            f"(EAGLE-2 heads), eagle3 or ngram (prompt lookup)")
         values["method"] = method.upper()
     k = values.pop("num_speculative_tokens", None)
     flags = {flag: values[key] for key, flag in SPECULATIVE_CONFIG_FLAGS.items() if key in values}
@@ -411,8 +422,9 @@ def apply_speculative_config(args: argparse.Namespace) -> None:
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise UserError(f"--speculative-config: num_speculative_tokens must be a positive integer, "
                             f"got {k!r}")
-        flags |= {"speculative_num_steps": k, "speculative_eagle_topk": 1,
-                  "speculative_num_draft_tokens": k + 1}
+        flags["speculative_num_draft_tokens"] = k + 1
+        if values.get("method") != "NGRAM":
+            flags |= {"speculative_num_steps": k, "speculative_eagle_topk": 1}
     for flag, value in flags.items():
         if getattr(args, flag) is not None:
             raise UserError(f"--speculative-config and --{flag.replace('_', '-')} both given: "

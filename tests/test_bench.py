@@ -59,14 +59,31 @@ def test_bench_batches_prompts(tmp_path, default_model_fp32):
     save_random_head(default_model_fp32, tmp_path / "head")
     out = tmp_path / "bench.json"
     main(["--num-prompts", "3", "--batch-size", "2", "--max-new-tokens", "5", "--dtype", "fp32",
-          "--draft", str(tmp_path / "head"), "--num-draft-tokens", "3", "--no-compile", "--json", str(out)])
+          "--draft", str(tmp_path / "head"), "--num-draft-tokens", "3", "--no-compile", "--ngram", "3",
+          "--json", str(out)])
     r = json.loads(out.read_text())
+    # prompt lookup without a head took turns with plain and the tree, the same batches, plain's tokens
+    ngram = r["ngram"]
+    assert ngram["method"] == "ngram k3" and ngram["greedy_identical"] is True
+    assert [b["tokens"] for b in r["methods"]["ngram k3"]["per_batch"]] == [10, 5]
+    assert ngram["verify_rounds"] + ngram["plain_rounds"] > 0 and len(ngram["accept_rate_per_position"]) == 3
     assert r["tree"] == {"num_steps": 2, "eagle_topk": 4, "num_draft_tokens": 3, "ngram_branch": 4}
     assert r["settings"]["batch_size"] == 2 and r["hf_tokens_per_s"] is None
     assert r["timing"] == "interleaved"  # batch by batch
     plain = r["methods"]["plain"]
     assert [b["tokens"] for b in plain["per_batch"]] == [10, 5] and plain["tokens"] == 15
     assert r["greedy_identical"] is True and r["rounds"] > 0
+
+
+def test_bench_ngram_without_a_head_takes_turns_with_plain(tmp_path, default_model_fp32):
+    """--no-spec --ngram: prompt lookup against plain alone, interleaved, its warm-up apart."""
+    out = tmp_path / "bench.json"
+    main(["--num-prompts", "2", "--max-new-tokens", "12", "--dtype", "fp32", "--no-hf", "--no-spec",
+          "--ngram", "4", "--ngram-min-match", "2", "--no-compile", "--json", str(out)])
+    r = json.loads(out.read_text())
+    assert r["timing"] == "interleaved" and "acceptance_length" not in r  # no head, no tree
+    assert r["ngram"]["greedy_identical"] is True and r["ngram"]["min_match"] == 2
+    assert r["warmup_s"]["ngram k4"] > 0 and r["methods"]["ngram k4"]["tokens"] == 24
 
 
 def test_bench_int8_target_reports_its_weights(tmp_path, default_model_fp32):

@@ -1795,14 +1795,16 @@ def test_vllm_flag_names_map_onto_ours(monkeypatch, tmp_path, capsys):
     assert server.resolve_draft(args) == ("EAGLE3", head)
     assert server.resolve_tree(args, "cpu") == TreeConfig(2, 4, 4, ngram_branch=4)
     for conf, flags, error in (
-            ({"method": "ngram", "num_speculative_tokens": 3}, (), "method 'ngram' is not served here"),
-            ({"method": "eagle3", "prompt_lookup_max": 4}, (), "prompt_lookup_max not supported here"),
+            ({"method": "medusa", "num_speculative_tokens": 3}, (), "method 'medusa' is not served here"),
+            ({"method": "eagle3", "top_k": 4}, (), "top_k not supported here"),
             ({"num_speculative_tokens": 0}, (), "num_speculative_tokens must be a positive integer"),
             ({"draft_tensor_parallel_size": 2}, (), "draft_tensor_parallel_size must be 1"),
             ({"num_speculative_tokens": 3}, ("--speculative-num-steps", "2"),
              "--speculative-config and --speculative-num-steps both given")):
         with pytest.raises(UserError, match=re.escape(error)):
             applied(json.dumps(conf), *flags)
+    with pytest.raises(UserError, match="is for --speculative-algorithm NGRAM"):  # (test_ngram.py: ngram's)
+        server.resolve_draft(applied(json.dumps({"method": "eagle3", "prompt_lookup_max": 4})))
     # vLLM 0.32's shorthand: --spec-method / --spec-model / --spec-tokens, and -sc
     short = server.build_parser().parse_args(["--spec-method", "eagle", "--spec-model", str(head),
                                               "--spec-tokens", "3"])

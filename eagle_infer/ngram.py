@@ -1,0 +1,152 @@
+"""Prompt-lookup speculative decoding without a draft model: SGLang's `--speculative-algorithm
+NGRAM`, vLLM's `{"method": "ngram"}`. Any target speeds up where its answers repeat what came
+before (code edits, retrieval answers, summaries), with no head trained for it.
+
+A round, for every running sequence at once:
+    lookup   the k tokens that followed the latest earlier occurrence of the sequence's last
+             n tokens (n from max_match down to min_match; tree.ngram_lookup, on the host's
+             history: the prompt and the output so far)
+    verify   one target forward over [last, d_1 .. d_k] at positions L .. L+k (a causal chain)
+    accept   the longest prefix the target agrees with (greedy), or the lossless walk with one-hot
+             drafts (sampling: tree.accept_sampling), plus the target's own next token
+A chain writes its KV at slots L .. L+k, so the accepted prefix is already where it belongs:
+nothing is moved, L just advances. A round in which no row's history matches is a plain step,
+so text that never repeats costs no verify rows.
+
+Rows with a grammar, penalties or logit biases decode plainly (their masks and penalties
+would have to follow each draft position); the whole batch then takes a plain step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from eagle_infer.engine import PlainDecoder
+from eagle_infer.errors import UserError
+from eagle_infer.generate import kv_len_for
+from eagle_infer.model import Transformer, causal_mask
+from eagle_infer.sampling import SamplingParams, greedy_tokens
+from eagle_infer.speculative import Sequence_, SpecStats, check_admissible
+from eagle_infer.tree import NGRAM_MAX, DraftTree, accept_sampling, ngram_lookup
+
+DEFAULT_DRAFT_TOKENS = 4  # k: a chain of 4 verified with its root, 5 rows (measured: docs/runtime.md)
+
+
+def chain_tree(tokens: Tensor) -> DraftTree:
+    """tokens [B, T] (the root, then the draft) as a DraftTree that is one chain: node i's parent
+    i - 1, its depth i, each node seeing itself and those before it."""
+    B, T = tokens.shape
+    nodes = torch.arange(T, device=tokens.device)
+    parent = (nodes - 1).clamp(min=0).expand(B, T)
+    mask = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril().expand(B, T, T)
+    return DraftTree(tokens, parent, nodes.expand(B, T), mask)
+
+
+class NgramDecoder(PlainDecoder):
+    """PlainDecoder's rows and joins, with rounds that verify each row's prompt-lookup chain."""
+
+    def __init__(self, target: Transformer, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+                 min_match: int = 1, max_match: int = NGRAM_MAX, max_batch: int = 1,
+                 max_seq_len: int | None = None, prefix_cache: bool = False):
+        """num_draft_tokens: the chain's length k (vLLM's num_speculative_tokens); min_match /
+        max_match: the shortest and longest run of latest tokens looked up (vLLM's
+        prompt_lookup_min / prompt_lookup_max)."""
+        if num_draft_tokens < 1:
+            raise UserError(f"an n-gram draft needs num_draft_tokens >= 1, got {num_draft_tokens}")
+        if not 1 <= min_match <= max_match:
+            raise UserError(f"n-gram lookup needs 1 <= min_match <= max_match, got {min_match}, {max_match}")
+        super().__init__(target, max_batch, max_seq_len, prefix_cache)
+        self.k, self.min_match, self.max_match = num_draft_tokens, min_match, max_match
+        self.max_pending = num_draft_tokens  # a round's slots past a sequence's end
+        self.last_round_plain = False  # (the server's metrics count drafts only where a round made them)
+
+    def check(self, seq: Sequence_) -> None:
+        """A UserError unless the sequence fits (its prompt, max_new_tokens and a round's chain)."""
+        check_admissible(self.target, seq, self.max_seq_len - self.k, "n-gram speculative decoding")
+
+    def lookup(self) -> tuple[Tensor, Tensor]:
+        """Each running row's chain [B, k] and the length of its match [B] (0: none), from its
+        history on the host (prompt and output: the newest output token is the root)."""
+        histories = [s.prompt + s.output for s in self.seqs]
+        S = max(len(h) for h in histories)
+        history = torch.zeros(len(histories), S, dtype=torch.long)
+        for b, h in enumerate(histories):
+            history[b, :len(h)] = torch.tensor(h)
+        end = torch.tensor([len(h) - 1 for h in histories])
+        return ngram_lookup(history, end, self.k, self.max_match)
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[Sequence_, list[int]]]:
+        """One round for every active sequence: its chain verified where any row's lookup
+        matched, else a plain step; returns (sequence, new tokens)."""
+        B = len(self.seqs)
+        if B == 0:
+            return []
+        params = [s.params for s in self.seqs]
+        if any(p.penalized for p in params):
+            return self._plain()
+        chain, matched = self.lookup()
+        if not bool((matched >= self.min_match).any()):
+            return self._plain()
+        self.last_round_plain = False
+        L, T = self.L[:B], self.k + 1
+        tokens = torch.cat([self.last[:B, None], chain.to(self.device)], 1)  # [B, T]
+        pos = L[:, None] + torch.arange(T, device=self.device)  # [B, T] positions = slots
+        L_max = max(s.cached for s in self.seqs)
+        mask = causal_mask(L, T, kv_len_for(L_max + T, self.max_seq_len))  # [B, T, kv_len]
+        logits, _ = self.target(tokens, pos, pos, mask)  # [B, T, V]
+        drafted = chain.tolist()
+        if all(p.greedy for p in params):  # a chain's walk on the host: one read of the argmaxes
+            picks = greedy_tokens(logits).tolist()  # [B][T]
+            accepted = [next((i for i, t in enumerate(d) if t != pick[i]), self.k)
+                        for d, pick in zip(drafted, picks)]
+            bonuses = [pick[n] for n, pick in zip(accepted, picks)]
+        else:
+            gens = [s.generator for s in self.seqs]
+            acc = accept_sampling(chain_tree(tokens), logits, params, gens, self.k)
+            accepted, bonuses = acc.n_accepted.tolist(), acc.bonus.tolist()
+        # the chain's first n tokens are in the cache already, at their slots
+        self.L[:B] += torch.tensor(accepted, device=self.device) + 1
+        self.last[:B] = torch.tensor(bonuses, device=self.device)
+        results = []
+        for b, (seq, k, drafted_b, bonus) in enumerate(zip(self.seqs, accepted, drafted, bonuses)):
+            drafted_b = drafted_b[:k]
+            seq.cached += k + 1
+            seq.accepted.append(k)
+            self.stats.record(k)
+            seq.set_logits(logits[b])  # logprobs: row i is the distribution in front of token i
+            results.append((seq, seq.emit(drafted_b + [bonus])))
+        self.stats.rounds += 1
+        self.rows.drop_finished()
+        return results
+
+    def _plain(self) -> list[tuple[Sequence_, list[int]]]:
+        self.last_round_plain = True
+        self.stats.plain_rounds += 1
+        return super().step()
+
+
+def generate_ngram(target: Transformer, prompts: list[list[int]], max_new_tokens: int,
+                   params: list[SamplingParams] | None = None, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+                   min_match: int = 1, eos_token_ids: list[int] | None = None,
+                   max_seq_len: int | None = None, decoder: NgramDecoder | None = None,
+                   on_token: Callable[[int, int], bool] | None = None) -> tuple[list[list[int]], SpecStats]:
+    """Decode a batch of prompts with prompt-lookup speculation; the new tokens of each and the
+    decoder's SpecStats (generate_speculative's shape; on_token(index, token) as there)."""
+    if max_new_tokens <= 0:
+        raise UserError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+    params = params or [SamplingParams()] * len(prompts)
+    eos = set(target.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    dec = decoder or NgramDecoder(target, num_draft_tokens, min_match, max_batch=len(prompts),
+                                  max_seq_len=max_seq_len)
+    dec.stats = SpecStats()
+    seqs = [Sequence_(list(p), params[i], max_new_tokens, eos,
+                      on_token=None if on_token is None else (lambda t, i=i: on_token(i, t)))
+            for i, p in enumerate(prompts)]
+    dec.add_many(seqs)
+    while dec.seqs:
+        dec.step()
+    return [s.output for s in seqs], dec.stats

@@ -1,0 +1,156 @@
+"""Prompt-lookup speculative decoding without a head (eagle_infer.ngram): lossless greedy and
+sampled, chains that verify in place, rounds that fall back to plain steps."""
+
+import pytest
+import torch
+from test_speculative import assert_follows_target, tiny_target
+
+from eagle_infer.engine import PlainDecoder
+from eagle_infer.errors import UserError
+from eagle_infer.generate import chat_prompt_ids, generate
+from eagle_infer.ngram import NgramDecoder, chain_tree, generate_ngram
+from eagle_infer.sampling import SamplingParams
+from eagle_infer.speculative import Sequence_
+from eagle_infer.tree import accept_greedy
+
+torch.set_num_threads(1)
+
+
+def repeating_target(seed: int = 5, vocab: int = 12):
+    """A tiny target whose next token depends on its last alone and most likely repeats it: its
+    answers recur, so lookups match and chains get accepted (and rejected)."""
+    target = tiny_target(vocab=vocab, layers=1, seed=seed, silent=True)
+    with torch.no_grad():
+        target.lm_head.weight.copy_(0.15 * target.embed_tokens.weight)
+    return target
+
+
+def test_chain_tree_is_a_chain_and_accept_greedy_walks_its_prefix():
+    tokens = torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]])
+    tree = chain_tree(tokens)
+    assert tree.parent.tolist() == [[0, 0, 1, 2]] * 2 and tree.depth.tolist() == [[0, 1, 2, 3]] * 2
+    assert torch.equal(tree.mask[0], torch.ones(4, 4, dtype=torch.bool).tril())
+    logits = torch.full((2, 4, 10), -1.0)
+    for b, picks in enumerate([[6, 7, 9, 1], [2, 0, 3, 4]]):  # the target's argmax after each node
+        logits[b, torch.arange(4), torch.tensor(picks)] = 1.0
+    acc = accept_greedy(tree, logits, 3)
+    assert acc.n_accepted.tolist() == [2, 1] and acc.bonus.tolist() == [9, 0]
+
+
+@pytest.mark.parametrize("k,min_match", [(1, 1), (4, 1), (6, 2)])
+def test_greedy_is_token_identical_to_plain_decoding(default_model_fp32, tokenizer, k, min_match):
+    """fp32, the real target: prompts of other lengths decoded together (rows join, verify chains,
+    stop at their EOS or the length) give plain greedy decoding's tokens, and chains were accepted."""
+    texts = ["Repeat after me three times: the cat sat on the mat.",
+             "Write a Python function that adds two numbers, then the same with type hints.",
+             "Say hi."]
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    outs, stats = generate_ngram(default_model_fp32, prompts, 48, num_draft_tokens=k, min_match=min_match)
+    for p, out in zip(prompts, outs):
+        assert out == generate(default_model_fp32, [p], 48)[0]
+    assert stats.row_rounds > 0 and stats.accepted_tokens > 0 and stats.plain_rounds > 0
+    assert max(len(o) for o in outs) == 48 and min(len(o) for o in outs) < 48  # one stopped at EOS
+
+
+def test_a_round_without_a_match_is_a_plain_step():
+    """Rows whose history holds their last token nowhere before (or too short a match) take a
+    plain step: no verify rows, nothing counted as drafted."""
+    target = tiny_target(vocab=96, seed=3)
+    dec = NgramDecoder(target, 4, min_match=3, max_batch=1, max_seq_len=64)
+    seq = Sequence_([1, 2, 3, 4], SamplingParams(), 2, set())
+    dec.add(seq)
+    dec.step()
+    assert dec.last_round_plain and dec.stats.plain_rounds == 1 and dec.stats.row_rounds == 0
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.8, top_k=5),
+                                      dict(temperature=1.5, top_p=0.9)], ids=["t1", "topk", "topp"])
+def test_sampling_matches_target_distribution(settings):
+    """Sampled, the 2nd and 3rd tokens (the first ones a verified chain gives) follow the target's
+    exact marginals, on a target that repeats its last token (so chains of the prompt's repeats
+    are proposed, and often accepted)."""
+    target = repeating_target()
+    prompt = [1, 4, 7, 1, 4, 7, 1]
+    n, batch = 6000, 250
+    params = [SamplingParams(seed=1000 + i, **settings) for i in range(n)]
+    dec = NgramDecoder(target, 3, max_batch=batch, max_seq_len=64)
+    outs = []
+    for i in range(0, n, batch):
+        outs += generate_ngram(target, [prompt] * batch, 3, params[i:i + batch], decoder=dec)[0]
+    assert dec.stats.row_rounds > 0 and dec.stats.accepted_tokens > 0
+    assert_follows_target(target, prompt, outs, params[0])
+
+
+def test_penalized_rows_decode_plainly_and_the_rest_of_the_batch_with_them():
+    """A row with a penalty makes the batch's rounds plain steps; its tokens are plain
+    decoding's (greedy with the penalty)."""
+    target = repeating_target()
+    params = SamplingParams(repetition_penalty=1.5)
+    prompt = [1, 4, 7, 1, 4, 7, 1]
+    outs, stats = generate_ngram(target, [prompt, prompt], 8, [params, SamplingParams()])
+    assert stats.row_rounds == 0 and stats.plain_rounds == stats.rounds > 0
+    assert outs[0] == generate(target, [prompt], 8, params, eos_token_ids=[])[0]
+
+
+def test_the_server_flags_resolve_and_refuse():
+    from eagle_infer.server import ngram_settings, resolve_draft
+    from eagle_infer.server_flags import apply_speculative_config, build_parser
+
+    def args_of(*flags):
+        args = build_parser().parse_args(list(flags))
+        apply_speculative_config(args)
+        return args
+
+    assert ngram_settings(args_of("--speculative-algorithm", "ngram")) == (4, 1, 4)
+    vllm = args_of("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
+                   '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
+    assert resolve_draft(vllm) == ("NGRAM", None) and ngram_settings(vllm) == (3, 2, 5)
+    for flags, says in [(["--speculative-algorithm", "NGRAM", "--speculative-eagle-topk", "2"], "eagle-topk"),
+                        (["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "1"], ">= 2"),
+                        (["--speculative-algorithm", "NGRAM", "--speculative-ngram-min-match-window-size",
+                          "3", "--speculative-ngram-max-match-window-size", "2"], "min <= max")]:
+        with pytest.raises(UserError, match=says):
+            ngram_settings(args_of(*flags))
+    with pytest.raises(UserError, match="takes no draft model"):
+        resolve_draft(args_of("--speculative-algorithm", "NGRAM", "--speculative-draft-model-path", "/x"))
+    with pytest.raises(UserError, match="is for --speculative-algorithm NGRAM"):
+        resolve_draft(args_of("--speculative-ngram-min-match-window-size", "2"))
+
+
+def test_decoder_refuses_bad_settings_and_requests_without_room():
+    target = tiny_target()
+    with pytest.raises(UserError, match="num_draft_tokens"):
+        NgramDecoder(target, 0)
+    with pytest.raises(UserError, match="min_match"):
+        NgramDecoder(target, 4, min_match=3, max_match=2)
+    dec = NgramDecoder(target, 4, max_batch=1, max_seq_len=32)
+    with pytest.raises(UserError):  # 20 + 10 fit a plain decoder's 32 slots, not the chain's 4 more
+        dec.check(Sequence_(list(range(1, 21)), SamplingParams(), 10, set()))
+    PlainDecoder(target, 1, 32).check(Sequence_(list(range(1, 21)), SamplingParams(), 10, set()))
+
+
+def test_the_server_speculates_by_prompt_lookup(tmp_path, default_model_fp32, tokenizer):
+    """`--speculative-algorithm NGRAM` served (vLLM's speculative config spelling): greedy chat
+    answers are plain decoding's tokens, the usage reports the rounds' acceptance, and /metrics
+    counts drafts of the chain's length."""
+    import httpx
+    from test_server import Server, metrics
+
+    srv = Server(["--dtype", "fp32", "--disable-torch-compile", "--max-running-requests", "2",
+                  "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+                 tmp_path / "server.log")
+    try:
+        srv.wait_ready()
+        msgs = [{"role": "user", "content": "Write a Python function that adds two numbers, then the "
+                                            "same with type hints."}]
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+            "messages": msgs, "max_tokens": 40, "temperature": 0}).json()
+        m = metrics(srv)
+    finally:
+        srv.stop()
+    want = generate(default_model_fp32, [chat_prompt_ids(tokenizer, msgs)], 40)[0]
+    assert tokenizer.decode(want, skip_special_tokens=True) == r["choices"][0]["message"]["content"]
+    assert r["usage"]["completion_tokens"] == len(want) == 40
+    spec = r["usage"]["speculative"]
+    assert spec["rounds"] > 0 and spec["accepted_tokens"] > 0
+    assert m["eagle:spec_decode_num_draft_tokens_total"] == 3 * m["eagle:spec_decode_num_drafts_total"] > 0
