@@ -1092,6 +1092,14 @@ def generate_speculative(
     params = [params or SamplingParams()] * len(prompts) if not isinstance(params, Sequence) else list(params)
     eos = set(target.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
     dec = decoder or SpecDecoder(target, head, tree, max_batch=len(prompts), max_seq_len=max_seq_len)
+    return decode_to_end(dec, prompts, max_new_tokens, params, eos, on_token)
+
+
+def decode_to_end(dec: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                  params: Sequence[SamplingParams], eos: set[int],
+                  on_token: Callable[[int, int], bool] | None = None) -> tuple[list[list[int]], SpecStats]:
+    """Every prompt decoded to its end on a decoder (SpecDecoder, ngram.NgramDecoder: add_many,
+    step, stats) that has the rows: the new tokens of each, and the stats of these rounds."""
     dec.stats = SpecStats()
     seqs = [Sequence_(list(p), params[i], max_new_tokens, eos,
                       on_token=None if on_token is None else (lambda t, i=i: on_token(i, t)))
