@@ -24,15 +24,25 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from eagle_infer.cpu_linears import compile_settings, step_options
 from eagle_infer.engine import PlainDecoder
 from eagle_infer.errors import UserError
-from eagle_infer.generate import kv_len_for
+from eagle_infer.generate import (
+    CUDA_GRAPHS,
+    BucketedStep,
+    batch_bucket,
+    compile_step,
+    compiled_kv_len,
+    kv_len_for,
+)
 from eagle_infer.model import Transformer, causal_mask
 from eagle_infer.sampling import SamplingParams, greedy_tokens
-from eagle_infer.speculative import Sequence_, SpecStats, check_admissible
+from eagle_infer.speculative import Sequence_, SpecStats, check_admissible, decode_to_end
 from eagle_infer.tree import NGRAM_MAX, DraftTree, accept_sampling, ngram_lookup
 
-DEFAULT_DRAFT_TOKENS = 4  # k: a chain of 4 verified with its root, 5 rows (measured: docs/runtime.md)
+# k: a chain of 6 verified with its root, 7 rows: 1.37x / 1.55x plain against 1.30x / 1.49x with 4
+# (MT-bench / long prompts, Zen 4 bf16, scripts/ab_ngram.py: docs/runtime.md)
+DEFAULT_DRAFT_TOKENS = 6
 
 
 def chain_tree(tokens: Tensor) -> DraftTree:
@@ -62,6 +72,27 @@ class NgramDecoder(PlainDecoder):
         self.k, self.min_match, self.max_match = num_draft_tokens, min_match, max_match
         self.max_pending = num_draft_tokens  # a round's slots past a sequence's end
         self.last_round_plain = False  # (the server's metrics count drafts only where a round made them)
+        self.verify_fn: BucketedStep | None = None  # compile()
+
+    def compile(self, mode: str | None = None, max_bs: int | None = None) -> NgramDecoder:
+        """PlainDecoder's compiled plain steps, and the chain's verify (forward and argmax) as one
+        graph per batch bucket (BucketedStep, the kv length traced), compiled at its first call."""
+        super().compile(mode, max_bs)
+        settings = compile_settings(self.target)
+        options = step_options(self.target, settings, mode)
+        self.verify_fn = BucketedStep(self._verify, compile_step(self._verify, mode, settings, options),
+                                      self.max_bs, clone=mode == CUDA_GRAPHS, mask_arg=2,
+                                      max_kv=self.max_seq_len)
+        return self
+
+    def _verify(self, tokens: Tensor, L: Tensor, kv_ref: Tensor) -> tuple[Tensor, Tensor]:
+        """tokens [B, T] (the root, then the chain) at positions = slots L..L+T-1; kv_ref [B, kv_len]:
+        only its length is read (the mask is built here, in the graph). Returns the logits
+        [B, T, V] and their argmaxes [B, T]."""
+        T = tokens.shape[1]
+        pos = L[:, None] + torch.arange(T, device=tokens.device)
+        logits, _ = self.target(tokens, pos, pos, causal_mask(L, T, kv_ref.shape[-1]))
+        return logits, greedy_tokens(logits)
 
     def check(self, seq: Sequence_) -> None:
         """A UserError unless the sequence fits (its prompt, max_new_tokens and a round's chain)."""
@@ -94,13 +125,16 @@ class NgramDecoder(PlainDecoder):
         self.last_round_plain = False
         L, T = self.L[:B], self.k + 1
         tokens = torch.cat([self.last[:B, None], chain.to(self.device)], 1)  # [B, T]
-        pos = L[:, None] + torch.arange(T, device=self.device)  # [B, T] positions = slots
         L_max = max(s.cached for s in self.seqs)
-        mask = causal_mask(L, T, kv_len_for(L_max + T, self.max_seq_len))  # [B, T, kv_len]
-        logits, _ = self.target(tokens, pos, pos, mask)  # [B, T, V]
+        compiled = self.verify_fn is not None and batch_bucket(B) <= self.max_bs
+        kv = (compiled_kv_len(L_max + T, self.max_seq_len, self.compiled_step.mode) if compiled
+              else kv_len_for(L_max + T, self.max_seq_len))
+        kv_ref = torch.zeros(B, kv, dtype=torch.bool, device=self.device)
+        verify = self.verify_fn if compiled else self._verify
+        logits, picked = verify(tokens, L, kv_ref)  # [B, T, V], [B, T]
         drafted = chain.tolist()
         if all(p.greedy for p in params):  # a chain's walk on the host: one read of the argmaxes
-            picks = greedy_tokens(logits).tolist()  # [B][T]
+            picks = picked.tolist()  # [B][T]
             accepted = [next((i for i, t in enumerate(d) if t != pick[i]), self.k)
                         for d, pick in zip(drafted, picks)]
             bonuses = [pick[n] for n, pick in zip(accepted, picks)]
@@ -142,11 +176,4 @@ def generate_ngram(target: Transformer, prompts: list[list[int]], max_new_tokens
     eos = set(target.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
     dec = decoder or NgramDecoder(target, num_draft_tokens, min_match, max_batch=len(prompts),
                                   max_seq_len=max_seq_len)
-    dec.stats = SpecStats()
-    seqs = [Sequence_(list(p), params[i], max_new_tokens, eos,
-                      on_token=None if on_token is None else (lambda t, i=i: on_token(i, t)))
-            for i, p in enumerate(prompts)]
-    dec.add_many(seqs)
-    while dec.seqs:
-        dec.step()
-    return [s.output for s in seqs], dec.stats
+    return decode_to_end(dec, prompts, max_new_tokens, params, eos, on_token)

@@ -1544,8 +1544,9 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
 
 def ngram_settings(args: argparse.Namespace) -> tuple[int, int, int]:
     """NGRAM's (chain length, shortest and longest match) from the flags: a chain of
-    --speculative-num-draft-tokens - 1 (default 4), matches of 1-4 tokens by default."""
-    from eagle_infer.server_flags import NGRAM_DRAFT_TOKENS
+    --speculative-num-draft-tokens - 1 (default ngram.DEFAULT_DRAFT_TOKENS), matches of 1-4
+    tokens by default."""
+    from eagle_infer.ngram import DEFAULT_DRAFT_TOKENS
     from eagle_infer.tree import NGRAM_MAX
 
     for flag in ("speculative_num_steps", "speculative_eagle_topk", "speculative_ngram_branch",
@@ -1554,7 +1555,7 @@ def ngram_settings(args: argparse.Namespace) -> tuple[int, int, int]:
             raise UserError(f"--{flag.replace('_', '-')} is for a draft head's tree, not "
                             f"--speculative-algorithm NGRAM (its chain: --speculative-num-draft-tokens)")
     n = args.speculative_num_draft_tokens
-    n = NGRAM_DRAFT_TOKENS if n is None else n
+    n = DEFAULT_DRAFT_TOKENS + 1 if n is None else n
     if n < 2:
         raise UserError(f"--speculative-num-draft-tokens must be >= 2 with NGRAM (the root and a draft), "
                         f"got {n}")

@@ -340,7 +340,6 @@ SPECULATIVE_CONFIG_FLAGS = {"method": "speculative_algorithm", "model": "specula
                             "disable_by_batch_size": "speculative_disable_by_batch_size",
                             "prompt_lookup_min": "speculative_ngram_min_match_window_size",
                             "prompt_lookup_max": "speculative_ngram_max_match_window_size"}
-NGRAM_DRAFT_TOKENS = 5  # NGRAM's default --speculative-num-draft-tokens: a chain of 4 (eagle_infer.ngram)
 
 
 def apply_vllm_flags(args: argparse.Namespace) -> None:

@@ -8,7 +8,7 @@ from test_speculative import assert_follows_target, tiny_target
 from eagle_infer.engine import PlainDecoder
 from eagle_infer.errors import UserError
 from eagle_infer.generate import chat_prompt_ids, generate
-from eagle_infer.ngram import NgramDecoder, chain_tree, generate_ngram
+from eagle_infer.ngram import DEFAULT_DRAFT_TOKENS, NgramDecoder, chain_tree, generate_ngram
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import Sequence_
 from eagle_infer.tree import accept_greedy
@@ -101,7 +101,7 @@ def test_the_server_flags_resolve_and_refuse():
         apply_speculative_config(args)
         return args
 
-    assert ngram_settings(args_of("--speculative-algorithm", "ngram")) == (4, 1, 4)
+    assert ngram_settings(args_of("--speculative-algorithm", "ngram")) == (DEFAULT_DRAFT_TOKENS, 1, 4)
     vllm = args_of("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
                    '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
     assert resolve_draft(vllm) == ("NGRAM", None) and ngram_settings(vllm) == (3, 2, 5)
@@ -154,3 +154,22 @@ def test_the_server_speculates_by_prompt_lookup(tmp_path, default_model_fp32, to
     spec = r["usage"]["speculative"]
     assert spec["rounds"] > 0 and spec["accepted_tokens"] > 0
     assert m["eagle:spec_decode_num_draft_tokens_total"] == 3 * m["eagle:spec_decode_num_drafts_total"] > 0
+
+
+def test_compiled_rounds_compile_at_warm_up_then_decode_as_eager():
+    """compile(): the chain's verify as a graph per batch bucket beside the plain steps; the
+    server's warm-up (engine.warm_up) compiles both paths' graphs, so decoding after it compiles
+    nothing, and gives the eager decoder's tokens."""
+    from torch._dynamo.utils import counters
+
+    from eagle_infer.engine import warm_up
+
+    target = repeating_target(vocab=24)
+    prompts = [[1, 4, 7, 1, 4, 7, 1], [2, 5, 2, 5, 2]]
+    eager, _ = generate_ngram(target, prompts, 12, num_draft_tokens=3, eos_token_ids=[])
+    dec = NgramDecoder(target, 3, max_batch=2, max_seq_len=64).compile()
+    warm_up(dec)
+    graphs = counters["stats"]["unique_graphs"]
+    outs, stats = generate_ngram(target, prompts, 12, eos_token_ids=[], decoder=dec)
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled after the warm-up
+    assert outs == eager and stats.row_rounds > 0 and dec.min_match == 1
