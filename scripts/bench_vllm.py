@@ -18,6 +18,8 @@ per round + 1) and `accept_rate_per_position` from vLLM's own spec-decode counte
 vLLM drafts chains only: k draft tokens per round. `--ours` runs our bench on the same prompts
 in the same sitting (plain, and chain drafting with the same k) and adds its numbers;
 `--llamacpp` adds llama.cpp's plain decoding of the target's Q4_1 GGUF (scripts/bench_llamacpp.py).
+`--ngram K` adds prompt lookup without a head: vLLM's ngram method (chains of K, matches of 1-4
+tokens) and, with `--ours`, ours (the bench's `--ngram K`, taking turns with our plain).
 `--structured-output` (as our bench's: json | regex:PATTERN | json_schema:FILE) decodes under that
 grammar in every engine (vLLM's `structured_outputs`: json_object, regex, json; both with
 xgrammar), stopping where the grammar ends (at its stop token, EOS ignored or not).
@@ -42,6 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from eagle_infer.tree import NGRAM_MAX  # noqa: E402
 from eagle_infer.vllm_worker import PER_POS, SPEC_COUNTERS  # noqa: E402  (stdlib-only module)
 
 # ---------------------------------------------------------------------------------------
@@ -59,18 +62,18 @@ def head_method(head_dir: Path) -> str:
 def run_vllm(model: str, prompts: list[list[int]], *, head: Path | None, k: int, max_new_tokens: int,
              dtype: str, ignore_eos: bool, enforce_eager: bool, python: str | None = None,
              llm_args: dict | None = None, one_call: bool = False, batch_size: int = 1,
-             structured_outputs: dict | None = None) -> dict:
+             structured_outputs: dict | None = None, spec: dict | None = None) -> dict:
     """One vLLM configuration in its own worker process: outputs, timings, spec counters.
     llm_args: more vllm.LLM arguments (the bench leaves vLLM's defaults). one_call: all prompts
     in one batch and no warm-up call, for checks of outputs and acceptance, not of speed (the
     interop tests: 4 prompts x 64 tokens took 21 s one by one on the 2-core EPYC). batch_size:
     prompts per generate call, in order (the warm-up call has as many); seconds are per call.
     structured_outputs: vLLM's StructuredOutputsParams fields (e.g. {"json": schema}); the grammar's
-    end then stops a sequence, so EOS is not ignored."""
+    end then stops a sequence, so EOS is not ignored. spec: vLLM's speculative config itself (its
+    ngram method: no head), else the head's."""
     from eagle_infer.bench import batches
     from eagle_infer.vllm_client import VLLMEngine
 
-    spec = None
     if head is not None:
         spec = {"method": head_method(head), "model": str(head), "num_speculative_tokens": k}
     max_len = max(256, max(len(p) for p in prompts) + max_new_tokens + k + 8)
@@ -165,6 +168,8 @@ def run_ours(args: argparse.Namespace, head: Path | None, tree: tuple[int, int, 
                "--quantization", quantization, "--batch-size", str(args.batch_size), "--json", str(out)]
         if head is None:
             cmd.append("--no-spec")
+            if args.ngram and quantization == "none":
+                cmd += ["--ngram", str(args.ngram)]
         else:
             cmd += ["--draft", str(head)]
             if tree != "default":
@@ -208,6 +213,9 @@ def main(argv: list[str] | None = None) -> None:
                     "lists them)")
     ap.add_argument("--ours-int8", action="store_true",
                     help="with --ours: also our plain and tree (--ours-tree) decoding with int8 weights")
+    ap.add_argument("--ngram", type=int, default=None, metavar="K",
+                    help="also prompt lookup without a head, chains of K: vLLM's ngram method (matches "
+                         "of 1-4 tokens) and, with --ours, ours (the bench's --ngram K, beside our plain)")
     ap.add_argument("--llamacpp", action="store_true",
                     help="also llama.cpp's plain decoding of the target's Q4_1 GGUF (bench_llamacpp.py)")
     ap.add_argument("--json", default=None)
@@ -243,13 +251,18 @@ def main(argv: list[str] | None = None) -> None:
     methods: dict[str, dict] = {}
     outputs: dict[str, list[list[int]]] = {}
     runs = ([] if args.no_plain else [("vllm plain", None)]) + [(f"vllm {h.name} k{k}", h) for h in heads]
+    if args.ngram:
+        runs.append((f"vllm ngram k{args.ngram}", None))
     for name, head in runs:
         print(f"[bench_vllm] {name} ...", file=sys.stderr, flush=True)
-        raw = run_vllm(model, prompts, head=head, **common)
-        methods[name] = summarize(raw, k, args.batch_size)
+        ngram = {"method": "ngram", "num_speculative_tokens": args.ngram, "prompt_lookup_min": 1,
+                 "prompt_lookup_max": NGRAM_MAX} if "ngram" in name else None
+        k_run = args.ngram if ngram else k
+        raw = run_vllm(model, prompts, head=head, spec=ngram, **(common | {"k": k_run}))
+        methods[name] = summarize(raw, k_run, args.batch_size)
         outputs[name] = raw["outputs"]
         print(f"[bench_vllm] {name}: {methods[name]['tokens_per_s']} tok/s"
-              + (f", tau {methods[name]['acceptance_length']}" if head else ""), file=sys.stderr)
+              + (f", tau {methods[name]['acceptance_length']}" if head or ngram else ""), file=sys.stderr)
 
     if args.llamacpp:
         sys.path.insert(0, str(ROOT / "scripts"))
@@ -282,6 +295,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.ours:
         ours_plain = run_ours(args, None)
         result["ours"] = {"plain": ours_plain["methods"]["plain"]}
+        if args.ngram:  # the bench's prompt lookup, taking turns with its own plain
+            ng = ours_plain["ngram"]
+            result["ours"][ng["method"]] = {"tokens_per_s": ng["tokens_per_s"],
+                                            "acceptance_length": ng["acceptance_length"],
+                                            "speedup_vs_ours_plain": ng["speedup_vs_plain"],
+                                            "verify_rounds": ng["verify_rounds"],
+                                            "plain_rounds": ng["plain_rounds"]}
         trees = [(f"chain k{k}", None)]
         if args.ours_tree == ["default"]:
             trees.append(("default tree", "default"))

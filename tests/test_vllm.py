@@ -73,13 +73,14 @@ def test_bench_batches_prompts_in_order_one_generate_call_each(monkeypatch):
 
     calls: list[list[list[int]]] = []
     sent: list[dict] = []
+    built: list[dict] = []
 
     class FakeEngine:
         startup_s = 1.0
         env: dict = {}
 
         def __init__(self, model, **kw):
-            pass
+            built.append(kw)
 
         def __enter__(self):
             return self
@@ -94,7 +95,7 @@ def test_bench_batches_prompts_in_order_one_generate_call_each(monkeypatch):
             return [[p[0]] * params[0]["max_tokens"] for p in prompts], 0.5
 
         def spec_counts(self):
-            return {}
+            return {k: 0 for k in bv.SPEC_COUNTERS} | {bv.PER_POS: []}
 
     monkeypatch.setattr(vc, "VLLMEngine", FakeEngine)
     bv = _bench_vllm()
@@ -111,6 +112,11 @@ def test_bench_batches_prompts_in_order_one_generate_call_each(monkeypatch):
     bv.run_vllm("m", prompts, head=None, k=K, max_new_tokens=3, dtype="float32", ignore_eos=True,
                 enforce_eager=True, structured_outputs={"json": {"type": "object"}})
     assert sent[-1]["structured_outputs"] == {"json": {"type": "object"}} and not sent[-1]["ignore_eos"]
+    # vLLM's ngram method (--ngram): its speculative config as given, no head
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    bv.run_vllm("m", prompts, head=None, k=4, max_new_tokens=3, dtype="float32", ignore_eos=True,
+                enforce_eager=True, spec=ngram)
+    assert built[-1]["speculative_config"] == ngram and built[0]["speculative_config"] is None
 
 
 def test_our_side_of_the_bench_decodes_the_same_target(monkeypatch, capsys):
@@ -128,13 +134,15 @@ def test_our_side_of_the_bench_decodes_the_same_target(monkeypatch, capsys):
     monkeypatch.setattr(bv.subprocess, "run", fake_run)
     args = argparse.Namespace(model_path="/models/qwen3", num_prompts=2, prompts=None, max_new_tokens=8,
                               dtype="fp32", batch_size=1, num_speculative_tokens=K, stop_at_eos=False,
-                              structured_output=None)
+                              structured_output=None, ngram=None)
     bv.run_ours(args, None)
     bv.run_ours(args, Path("/heads/h"), "default")
     assert [c[c.index("--model-path") + 1] for c in cmds] == ["/models/qwen3"] * 2
     assert all("--structured-output" not in c for c in cmds)
     bv.run_ours(argparse.Namespace(**vars(args) | {"structured_output": "json_schema:s.json"}), None)
     assert cmds[-1][cmds[-1].index("--structured-output") + 1] == "json_schema:s.json"  # the same grammar
+    bv.run_ours(argparse.Namespace(**vars(args) | {"ngram": 4}), None)  # --ngram: ours beside our plain
+    assert "--no-spec" in cmds[-1] and cmds[-1][cmds[-1].index("--ngram") + 1] == "4"
     with pytest.raises(SystemExit) as e:
         bv.main(["--model-path", "/models/qwen3", "--llamacpp"])
     assert e.value.code == 2 and "--llamacpp" in capsys.readouterr().err
