@@ -60,16 +60,20 @@ class NgramDecoder(PlainDecoder):
 
     def __init__(self, target: Transformer, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
                  min_match: int = 1, max_match: int = NGRAM_MAX, max_batch: int = 1,
-                 max_seq_len: int | None = None, prefix_cache: bool = False):
+                 max_seq_len: int | None = None, prefix_cache: bool = False,
+                 disable_by_batch_size: int | None = None):
         """num_draft_tokens: the chain's length k (vLLM's num_speculative_tokens); min_match /
         max_match: the shortest and longest run of latest tokens looked up (vLLM's
-        prompt_lookup_min / prompt_lookup_max)."""
+        prompt_lookup_min / prompt_lookup_max); disable_by_batch_size: while more sequences run,
+        every round is a plain step (vLLM's name; the server's CPU default, as with a head: a
+        batch's chains make the verify compute-bound)."""
         if num_draft_tokens < 1:
             raise UserError(f"an n-gram draft needs num_draft_tokens >= 1, got {num_draft_tokens}")
         if not 1 <= min_match <= max_match:
             raise UserError(f"n-gram lookup needs 1 <= min_match <= max_match, got {min_match}, {max_match}")
         super().__init__(target, max_batch, max_seq_len, prefix_cache)
         self.k, self.min_match, self.max_match = num_draft_tokens, min_match, max_match
+        self.disable_by_batch_size = disable_by_batch_size
         self.max_pending = num_draft_tokens  # a round's slots past a sequence's end
         self.last_round_plain = False  # (the server's metrics count drafts only where a round made them)
         self.verify_fn: BucketedStep | None = None  # compile()
@@ -117,7 +121,8 @@ class NgramDecoder(PlainDecoder):
         if B == 0:
             return []
         params = [s.params for s in self.seqs]
-        if any(p.penalized for p in params):
+        plain_above = self.disable_by_batch_size
+        if any(p.penalized for p in params) or (plain_above is not None and B > plain_above):
             return self._plain()
         chain, matched = self.lookup()
         if not bool((matched >= self.min_match).any()):

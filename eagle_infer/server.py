@@ -1663,12 +1663,14 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
         raise UserError(f"--context-length must be in [16, {target.config.max_position_embeddings}] "
                         f"for this model, got {ctx}")
     if ngram is not None:
+        plain_above = resolve_disable_by_batch_size(args, torch.device(device).type)
         decoder = NgramDecoder(target, *ngram, args.max_running_requests, ctx,
-                               prefix_cache=args.prefix_caching)
+                               prefix_cache=args.prefix_caching, disable_by_batch_size=plain_above)
         usable = ctx - decoder.max_pending  # a chain's slots past a request's end
         if usable < 2:
             raise UserError(f"--context-length {ctx} leaves no room next to the n-gram chain")
-        log.info("speculative decoding: n-gram prompt lookup, chains of %d, matches of %d-%d tokens", *ngram)
+        log.info("speculative decoding: n-gram prompt lookup, chains of %d, matches of %d-%d tokens%s",
+                 *ngram, "" if plain_above is None else f", plain rounds above {plain_above} requests")
     elif tree is None:
         decoder = PlainDecoder(target, args.max_running_requests, ctx, prefix_cache=args.prefix_caching)
         usable = ctx

@@ -466,7 +466,7 @@ def run_bench(cfg: DictConfig) -> dict | None:
     new = int(b.max_new_tokens)
     compiled = compile_default(device) if str(b.get("compile", "auto")) == "auto" else bool(b.compile)
     t0 = time.perf_counter()
-    plain, spec = bench_plain_and_spec(model, head, prompts, new, tree, compile_steps=compiled)
+    plain, spec, _ = bench_plain_and_spec(model, head, prompts, new, tree, compile_steps=compiled)
     plain_tps, spec_tps = plain.tokens_per_s, spec.result.tokens_per_s
     tau = spec.stats.acceptance_length()
     report = {"head": str(head_dir), "init_from": OmegaConf.select(cfg, "train.init_from"),

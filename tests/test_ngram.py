@@ -81,6 +81,16 @@ def test_sampling_matches_target_distribution(settings):
     assert_follows_target(target, prompt, outs, params[0])
 
 
+def test_rounds_above_disable_by_batch_size_are_plain_steps():
+    target = repeating_target()
+    prompt = [1, 4, 7, 1, 4, 7, 1]
+    dec = NgramDecoder(target, 3, max_batch=2, max_seq_len=64, disable_by_batch_size=1)
+    outs, stats = generate_ngram(target, [prompt, prompt], 6, eos_token_ids=[], decoder=dec)
+    assert stats.row_rounds == 0 and stats.plain_rounds == stats.rounds == 5
+    _, alone = generate_ngram(target, [prompt], 6, eos_token_ids=[], decoder=dec)  # one row: it speculates
+    assert alone.row_rounds > 0 and outs[0] == generate(target, [prompt], 6, eos_token_ids=[])[0]
+
+
 def test_penalized_rows_decode_plainly_and_the_rest_of_the_batch_with_them():
     """A row with a penalty makes the batch's rounds plain steps; its tokens are plain
     decoding's (greedy with the penalty)."""
