@@ -442,7 +442,7 @@ def ngram_decode_fn(model, prompts: Sequence[list[int]], max_new_tokens: int, nu
     longest = max(len(p) for p in prompts) + max_new_tokens + 2 * num_draft_tokens + 64
     dec = NgramDecoder(model, num_draft_tokens, min_match, max_batch=batch_size,
                        max_seq_len=min(longest, model.config.max_position_embeddings))
-    if compile_steps:  # its plain steps (rounds without a match); the chains verify eagerly
+    if compile_steps:  # its plain steps (rounds without a match) and its chains' verify
         dec.compile(compile_mode_for(model.embed_tokens.weight.device))
     total = SpecStats()
 
