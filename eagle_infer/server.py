@@ -1571,10 +1571,14 @@ def resolve_draft(args: argparse.Namespace) -> tuple[str, Path | None]:
     """(algorithm, head folder): fall back to NONE only when nothing speculative was asked for
     explicitly and the reference head is missing."""
     algo, path = args.speculative_algorithm, args.speculative_draft_model_path
-    if algo in ("NONE", "NGRAM"):
+    if algo == "NONE":
         if path:
-            raise UserError(f"--speculative-algorithm {algo} takes no draft model: leave "
-                            f"--speculative-draft-model-path out")
+            log.warning("--speculative-draft-model-path is ignored with --speculative-algorithm NONE")
+        return "NONE", None
+    if algo == "NGRAM":
+        if path:
+            raise UserError("--speculative-algorithm NGRAM takes no draft model: leave "
+                            "--speculative-draft-model-path out")
         return algo, None
     ngram_flags = [f for f in ("speculative_ngram_min_match_window_size",
                                "speculative_ngram_max_match_window_size") if getattr(args, f) is not None]
