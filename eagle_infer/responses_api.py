@@ -327,12 +327,10 @@ class ResponseStore:
         return stored.conversation
 
 
-def error_event(sequence_number: int, code: str | None, message: str | None,
-                param: str | None) -> dict[str, str]:
-    """The `error` event (SSE `event` and `data`) that ends a response's stream."""
-    data = {"type": "error", "sequence_number": sequence_number, "code": code, "message": message,
-            "param": param}
-    return {"event": "error", "data": json.dumps(data)}
+def stream_event(kind: str, sequence_number: int, **fields: Any) -> dict[str, str]:
+    """One event of a response's stream (SSE `event` and `data`): its type, its place, its fields
+    (the `error` event that ends a stream: code, message, param)."""
+    return {"event": kind, "data": json.dumps({"type": kind, "sequence_number": sequence_number} | fields)}
 
 
 class ResponseShape:
@@ -417,7 +415,7 @@ class ResponseShape:
         seq = itertools.count()
 
         def event(kind: str, **fields: Any) -> dict[str, str]:
-            return {"event": kind, "data": json.dumps({"type": kind, "sequence_number": next(seq)} | fields)}
+            return stream_event(kind, next(seq), **fields)
 
         output: list[dict[str, Any]] = []
         current: dict[str, Any] | None = None  # the item being streamed: its kind, id and text so far
@@ -484,7 +482,8 @@ class ResponseShape:
             yield event("response.in_progress", response=self.response([], None, None, "in_progress"))
             async for kind, value in pieces:
                 if kind == "error":
-                    yield error_event(next(seq), value.get("code"), value.get("message"), value.get("param"))
+                    yield event("error", code=value.get("code"), message=value.get("message"),
+                                param=value.get("param"))
                     return
                 if kind == "usage":
                     usage = value

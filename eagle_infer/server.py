@@ -75,8 +75,8 @@ from eagle_infer.responses_api import (
     ResponseShape,
     ResponsesRequest,
     ResponseStore,
-    error_event,
     page_of,
+    stream_event,
 )
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.server_flags import (
@@ -1298,10 +1298,9 @@ def create_app(engine: Engine, tokenizer, eos: set[int], cfg: ServerConfig) -> F
                 error = {"code": err.code or err.type, "message": err.message}
                 shape.pending("failed", error)
                 if events is not None:  # the response (its id, to retrieve it by), then the error
-                    created = shape.response([], None, None, "in_progress")
-                    events.append({"event": "response.created", "data": json.dumps(
-                        {"type": "response.created", "sequence_number": 0, "response": created})})
-                    events.append(error_event(1, error["code"], err.message, err.param))
+                    events.append(stream_event("response.created", 0,
+                                               response=shape.response([], None, None, "in_progress")))
+                    events.append(stream_event("error", 1, **error, param=err.param))
             elif events is not None:  # the chunks follow from the first event
                 chunks = sse_stream(jobs, "chat", ev, True, chat.n, tools, reasoning, speaker_of(chat))
                 async for event in shape.events(chunks):  # the last stores the answer (finished)
