@@ -1558,8 +1558,9 @@ def ngram_settings(args: argparse.Namespace) -> tuple[int, int, int]:
     if n < 2:
         raise UserError(f"--speculative-num-draft-tokens must be >= 2 with NGRAM (the root and a draft), "
                         f"got {n}")
-    lo = args.speculative_ngram_min_match_window_size or 1
-    hi = args.speculative_ngram_max_match_window_size or max(lo, NGRAM_MAX)
+    lo, hi = args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size
+    lo = 1 if lo is None else lo
+    hi = max(lo, NGRAM_MAX) if hi is None else hi
     if not 1 <= lo <= hi:
         raise UserError(f"--speculative-ngram-min-match-window-size {lo} and --speculative-ngram-max-match-"
                         f"window-size {hi}: need 1 <= min <= max")

@@ -118,7 +118,9 @@ def test_the_server_flags_resolve_and_refuse():
     for flags, says in [(["--speculative-algorithm", "NGRAM", "--speculative-eagle-topk", "2"], "eagle-topk"),
                         (["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "1"], ">= 2"),
                         (["--speculative-algorithm", "NGRAM", "--speculative-ngram-min-match-window-size",
-                          "3", "--speculative-ngram-max-match-window-size", "2"], "min <= max")]:
+                          "3", "--speculative-ngram-max-match-window-size", "2"], "min <= max"),
+                        (["--speculative-algorithm", "NGRAM", "--speculative-ngram-min-match-window-size",
+                          "0"], "min <= max")]:  # a 0 given is refused, not read as the default
         with pytest.raises(UserError, match=says):
             ngram_settings(args_of(*flags))
     with pytest.raises(UserError, match="takes no draft model"):
