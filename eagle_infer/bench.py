@@ -385,9 +385,11 @@ def bench_spec(model, head, prompts: Sequence[list[int]], max_new_tokens: int, t
     return SpecRun(res, total, tree, dec)
 
 
-def spec_seq_len(prompts: Sequence[list[int]], max_new_tokens: int, tree: TreeConfig) -> int:
-    """The cache length a decoder needs for these prompts and this tree (spec_decode_fn)."""
-    return max(len(p) for p in prompts) + max_new_tokens + 2 * tree.num_draft_tokens + 64
+def spec_seq_len(prompts: Sequence[list[int]], max_new_tokens: int, tree: TreeConfig | int) -> int:
+    """The cache length a decoder needs for these prompts and this tree (spec_decode_fn), or a
+    chain of that many tokens (ngram_decode_fn)."""
+    rows = tree if isinstance(tree, int) else tree.num_draft_tokens
+    return max(len(p) for p in prompts) + max_new_tokens + 2 * rows + 64
 
 
 def spec_decode_fn(model, head, prompts: Sequence[list[int]], max_new_tokens: int, tree: TreeConfig,
@@ -432,14 +434,15 @@ def spec_decode_fn(model, head, prompts: Sequence[list[int]], max_new_tokens: in
 
 def ngram_decode_fn(model, prompts: Sequence[list[int]], max_new_tokens: int, num_draft_tokens: int,
                     min_match: int = 1, ignore_eos: bool = True, params: SamplingParams | None = None,
-                    compile_steps: bool = False, batch_size: int = 1) -> tuple[DecodeFn, SpecStats]:
+                    compile_steps: bool = False, batch_size: int = 1) -> tuple[DecodeFn, SpecStats, object]:
     """A DecodeFn of prompt-lookup speculative decoding (eagle_infer.ngram: no head, chains of
-    num_draft_tokens) through one decoder sized for the prompts, and the stats it adds to."""
+    num_draft_tokens) through one decoder sized for the prompts, the stats it adds to, and the
+    decoder (spec_decode_fn's)."""
     from eagle_infer.generate import compile_mode_for
     from eagle_infer.ngram import NgramDecoder, generate_ngram
 
     eos = [] if ignore_eos else None
-    longest = max(len(p) for p in prompts) + max_new_tokens + 2 * num_draft_tokens + 64
+    longest = spec_seq_len(prompts, max_new_tokens, num_draft_tokens)
     dec = NgramDecoder(model, num_draft_tokens, min_match, max_batch=batch_size,
                        max_seq_len=min(longest, model.config.max_position_embeddings))
     if compile_steps:  # its plain steps (rounds without a match) and its chains' verify
@@ -452,7 +455,7 @@ def ngram_decode_fn(model, prompts: Sequence[list[int]], max_new_tokens: int, nu
         total.merge(st)
         return out
 
-    return run, total
+    return run, total, dec
 
 
 @torch.no_grad()
@@ -943,7 +946,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.ngram:  # prompt lookup without a head, taking turns with plain (and the main tree)
         others[f"ngram k{args.ngram}"] = ngram_decode_fn(model, prompts, args.max_new_tokens, args.ngram,
                                                          args.ngram_min_match, ignore_eos, params,
-                                                         compile_steps, B)
+                                                         compile_steps, B)[:2]
     interleaved = (head is not None or bool(others)) and not args.sequential
     if interleaved:
         plain, main_run, other_results = bench_plain_and_spec(

@@ -24,14 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eagle_infer.bench import (  # noqa: E402
     load_prompts,
     machine_info,
+    ngram_decode_fn,
     plain_decode_fn,
     time_interleaved,
     warm_up,
 )
 from eagle_infer.default_model import resolve_model_path  # noqa: E402
 from eagle_infer.loader import default_device, dtype_name, load_model, load_tokenizer, resolve_dtype  # noqa: E402
-from eagle_infer.ngram import NgramDecoder, generate_ngram  # noqa: E402
-from eagle_infer.speculative import SpecStats  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -49,25 +48,16 @@ def main(argv: list[str] | None = None) -> dict:
     folder = resolve_model_path(args.model_path)
     prompts = load_prompts(args.prompts, args.num_prompts, load_tokenizer(folder))
     model = load_model(folder, dtype, device)
-    seq_len = max(len(p) for p in prompts) + args.max_new_tokens + 80
     fns, stats = {"plain": plain_decode_fn(model, args.max_new_tokens, compile_steps=True)}, {}
     for conf in args.configs:
         found = re.fullmatch(r"k(\d+)m(\d+)(:eager)?", conf)
         if not found:
             ap.error(f"a config is kKmN or kKmN:eager, not {conf}")
         k, m, eager = int(found[1]), int(found[2]), bool(found[3])
-        dec = NgramDecoder(model, k, m, max_batch=1, max_seq_len=seq_len).compile()
+        fns[conf], stats[conf], dec = ngram_decode_fn(model, prompts, args.max_new_tokens, k, m,
+                                                      compile_steps=True)
         if eager:
             dec.verify_fn = None
-        stats[conf] = total = SpecStats()
-
-        def run(batch, on_token=None, dec=dec, total=total):
-            out, st = generate_ngram(model, batch, args.max_new_tokens, eos_token_ids=[], decoder=dec,
-                                     on_token=on_token)
-            total.merge(st)
-            return out
-
-        fns[conf] = run
     warmup = {name: round(warm_up(fn, prompts), 2) for name, fn in fns.items()}
     for st in stats.values():
         st.__init__()
