@@ -250,13 +250,15 @@ def main(argv: list[str] | None = None) -> None:
                   structured_outputs=structured)
     methods: dict[str, dict] = {}
     outputs: dict[str, list[list[int]]] = {}
-    runs = ([] if args.no_plain else [("vllm plain", None)]) + [(f"vllm {h.name} k{k}", h) for h in heads]
+    # (name, head, vLLM's speculative config where no head gives it)
+    runs = ([] if args.no_plain else [("vllm plain", None, None)]) + [(f"vllm {h.name} k{k}", h, None)
+                                                                      for h in heads]
     if args.ngram:
-        runs.append((f"vllm ngram k{args.ngram}", None))
-    for name, head in runs:
+        runs.append((f"vllm ngram k{args.ngram}", None, {
+            "method": "ngram", "num_speculative_tokens": args.ngram, "prompt_lookup_min": 1,
+            "prompt_lookup_max": NGRAM_MAX}))
+    for name, head, ngram in runs:
         print(f"[bench_vllm] {name} ...", file=sys.stderr, flush=True)
-        ngram = {"method": "ngram", "num_speculative_tokens": args.ngram, "prompt_lookup_min": 1,
-                 "prompt_lookup_max": NGRAM_MAX} if "ngram" in name else None
         k_run = args.ngram if ngram else k
         raw = run_vllm(model, prompts, head=head, spec=ngram, **(common | {"k": k_run}))
         methods[name] = summarize(raw, k_run, args.batch_size)
