@@ -13,8 +13,10 @@ A chain writes its KV at slots L .. L+k, so the accepted prefix is already where
 nothing is moved, L just advances. A round in which no row's history matches is a plain step,
 so text that never repeats costs no verify rows.
 
-Rows with a grammar, penalties or logit biases decode plainly (their masks and penalties
-would have to follow each draft position); the whole batch then takes a plain step.
+A row with a grammar drafts what the grammar forces next (a schema's keys, closing brackets:
+grammar.forced_tokens), then the lookup's continuation of it. Grammars, penalties and logit
+biases apply at each chain position as if the drafted tokens before it had been emitted
+(sampling.penalize over the chain as a tree), so such rows stay lossless and speculate too.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from eagle_infer.generate import (
 )
 from eagle_infer.model import Transformer, causal_mask
 from eagle_infer.sampling import SamplingParams, greedy_tokens
-from eagle_infer.speculative import Sequence_, SpecStats, check_admissible, decode_to_end
+from eagle_infer.speculative import Sequence_, SpecStats, check_admissible, decode_to_end, penalize_seqs
 from eagle_infer.tree import NGRAM_MAX, DraftTree, accept_sampling, ngram_lookup
 
 # k: a chain of 6 verified with its root, 7 rows: 1.37x / 1.55x plain against 1.30x / 1.49x with 4
@@ -102,16 +104,32 @@ class NgramDecoder(PlainDecoder):
         """A UserError unless the sequence fits (its prompt, max_new_tokens and a round's chain)."""
         check_admissible(self.target, seq, self.max_seq_len - self.k, "n-gram speculative decoding")
 
-    def lookup(self) -> tuple[Tensor, Tensor]:
+    def lookup(self, forced: dict[int, list[int]]) -> tuple[Tensor, Tensor]:
         """Each running row's chain [B, k] and the length of its match [B] (0: none), from its
-        history on the host (prompt and output: the newest output token is the root)."""
-        histories = [s.prompt + s.output for s in self.seqs]
+        history on the host (prompt and output: the newest output token is the root). A row in
+        `forced` (what its grammar forces next) drafts those tokens first, then the lookup's
+        continuation after them; it counts as matched."""
+        histories = [s.prompt + s.output + forced.get(b, []) for b, s in enumerate(self.seqs)]
         S = max(len(h) for h in histories)
         history = torch.zeros(len(histories), S, dtype=torch.long)
         for b, h in enumerate(histories):
             history[b, :len(h)] = torch.tensor(h)
         end = torch.tensor([len(h) - 1 for h in histories])
-        return ngram_lookup(history, end, self.k, self.max_match)
+        chain, matched = ngram_lookup(history, end, self.k, self.max_match)
+        for b, tokens in forced.items():
+            chain[b] = torch.cat([torch.tensor(tokens[:self.k]), chain[b]])[:self.k]
+            matched[b] = self.max_match
+        return chain, matched
+
+    def forced(self) -> dict[int, list[int]]:
+        """{row: the tokens its grammar forces next} for the rows whose grammar forces any."""
+        if all(s.matcher is None for s in self.seqs):
+            return {}
+        from eagle_infer.grammar import forced_tokens
+
+        found = {b: forced_tokens(s.matcher, s.params.grammar.encode, self.k) if s.matcher is not None else []
+                 for b, s in enumerate(self.seqs)}
+        return {b: tokens for b, tokens in found.items() if tokens}
 
     @torch.no_grad()
     def step(self) -> list[tuple[Sequence_, list[int]]]:
@@ -122,9 +140,9 @@ class NgramDecoder(PlainDecoder):
             return []
         params = [s.params for s in self.seqs]
         plain_above = self.disable_by_batch_size
-        if any(p.penalized for p in params) or (plain_above is not None and B > plain_above):
+        if plain_above is not None and B > plain_above:
             return self._plain()
-        chain, matched = self.lookup()
+        chain, matched = self.lookup(self.forced())
         if not bool((matched >= self.min_match).any()):
             return self._plain()
         self.last_round_plain = False
@@ -137,15 +155,16 @@ class NgramDecoder(PlainDecoder):
         kv_ref = torch.zeros(B, kv, dtype=torch.bool, device=self.device)
         verify = self.verify_fn if compiled else self._verify
         logits, picked = verify(tokens, L, kv_ref)  # [B, T, V], [B, T]
-        drafted = chain.tolist()
+        drafted, tree = chain.tolist(), chain_tree(tokens)
+        scored = penalize_seqs(logits, self.seqs, tree)  # logits itself where no row has a setting
         if all(p.greedy for p in params):  # a chain's walk on the host: one read of the argmaxes
-            picks = picked.tolist()  # [B][T]
+            picks = (picked if scored is logits else greedy_tokens(scored)).tolist()  # [B][T]
             accepted = [next((i for i, t in enumerate(d) if t != pick[i]), self.k)
                         for d, pick in zip(drafted, picks)]
             bonuses = [pick[n] for n, pick in zip(accepted, picks)]
         else:
             gens = [s.generator for s in self.seqs]
-            acc = accept_sampling(chain_tree(tokens), logits, params, gens, self.k)
+            acc = accept_sampling(tree, scored, params, gens, self.k)
             accepted, bonuses = acc.n_accepted.tolist(), acc.bonus.tolist()
         # the chain's first n tokens are in the cache already, at their slots
         self.L[:B] += torch.tensor(accepted, device=self.device) + 1

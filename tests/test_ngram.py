@@ -1,9 +1,18 @@
 """Prompt-lookup speculative decoding without a head (eagle_infer.ngram): lossless greedy and
 sampled, chains that verify in place, rounds that fall back to plain steps."""
 
+from dataclasses import replace
+
 import pytest
 import torch
-from test_speculative import assert_follows_target, tiny_target
+from test_speculative import (
+    PENALTIES,
+    assert_follows_target,
+    digits,
+    pair_grammar,
+    prompts_for,
+    tiny_target,
+)
 
 from eagle_infer.engine import PlainDecoder
 from eagle_infer.errors import UserError
@@ -63,22 +72,33 @@ def test_a_round_without_a_match_is_a_plain_step():
     assert dec.last_round_plain and dec.stats.plain_rounds == 1 and dec.stats.row_rounds == 0
 
 
-@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.8, top_k=5),
-                                      dict(temperature=1.5, top_p=0.9)], ids=["t1", "topk", "topp"])
+@pytest.mark.parametrize("settings", [
+    dict(temperature=1.0), dict(temperature=0.8, top_k=5), dict(temperature=1.5, top_p=0.9),
+    dict(temperature=1.0, frequency_penalty=1.0, presence_penalty=1.0, repetition_penalty=1.2),
+    dict(temperature=1.0, grammar="pairs"), dict(temperature=1.0, grammar="forced"),
+], ids=["t1", "topk", "topp", "t1-penalties", "t1-grammar", "t1-grammar-forced"])
 def test_sampling_matches_target_distribution(settings):
     """Sampled, the 2nd and 3rd tokens (the first ones a verified chain gives) follow the target's
     exact marginals, on a target that repeats its last token (so chains of the prompt's repeats
-    are proposed, and often accepted)."""
+    are proposed, and often accepted); with penalties (a chain position's must count the drafted
+    tokens before it, which the target likes to repeat), and under a grammar whose next token
+    depends on the last, or that forces "56" after a digit 0-4 (chains draft it)."""
     target = repeating_target()
-    prompt = [1, 4, 7, 1, 4, 7, 1]
+    V = target.config.vocab_size
+    settings = dict(settings)
+    grammar = {None: None, "pairs": pair_grammar(V, V - 1),
+               "forced": replace(pair_grammar(V, V - 1, "([0-4]56|[5-9][5-9])+"), encode=digits),
+               }[settings.pop("grammar", None)]
+    # under a grammar the output is pairs of a digit 0-4 then 5-9: a prompt of such pairs to look up
+    prompt = [1, 7, 2, 8, 1, 7, 2, 8, 1] if grammar is not None else [1, 4, 7, 1, 4, 7, 1]
     n, batch = 6000, 250
-    params = [SamplingParams(seed=1000 + i, **settings) for i in range(n)]
+    params = [SamplingParams(seed=1000 + i, grammar=grammar, **settings) for i in range(n)]
     dec = NgramDecoder(target, 3, max_batch=batch, max_seq_len=64)
     outs = []
     for i in range(0, n, batch):
         outs += generate_ngram(target, [prompt] * batch, 3, params[i:i + batch], decoder=dec)[0]
     assert dec.stats.row_rounds > 0 and dec.stats.accepted_tokens > 0
-    assert_follows_target(target, prompt, outs, params[0])
+    assert_follows_target(target, prompt, outs, params[0], grammar)
 
 
 def test_rounds_above_disable_by_batch_size_are_plain_steps():
@@ -91,15 +111,57 @@ def test_rounds_above_disable_by_batch_size_are_plain_steps():
     assert alone.row_rounds > 0 and outs[0] == generate(target, [prompt], 6, eos_token_ids=[])[0]
 
 
-def test_penalized_rows_decode_plainly_and_the_rest_of_the_batch_with_them():
-    """A row with a penalty makes the batch's rounds plain steps; its tokens are plain
-    decoding's (greedy with the penalty)."""
-    target = repeating_target()
-    params = SamplingParams(repetition_penalty=1.5)
-    prompt = [1, 4, 7, 1, 4, 7, 1]
-    outs, stats = generate_ngram(target, [prompt, prompt], 8, [params, SamplingParams()])
-    assert stats.row_rounds == 0 and stats.plain_rounds == stats.rounds > 0
-    assert outs[0] == generate(target, [prompt], 8, params, eos_token_ids=[])[0]
+def test_penalized_greedy_is_plain_penalized_greedy():
+    """Penalties and logit_bias are lossless under prompt lookup: greedy n-gram decoding with them
+    equals plain greedy decoding with them, token for token, each row with its own settings (one
+    without) in one batch, chains of 3 and 6, where rounds accept chains (a position's penalties
+    count the drafted tokens before it: a negative frequency penalty, alone at batch 1, loops
+    sooner as the chain does; a positive one ends a target's runs of repeats). The settings change
+    the output (else the test would prove nothing)."""
+    target = tiny_target(layers=1, silent=True)
+    prompts = prompts_for(target.config.vocab_size)
+    params = PENALTIES[:3] + [SamplingParams()]
+    plain = generate(target, prompts, 40, params)
+    assert all(a != b for a, b in zip(plain[:3], generate(target, prompts[:3], 40)))
+    for k in (3, 6):
+        out, stats = generate_ngram(target, prompts, 40, params, num_draft_tokens=k)
+        assert out == plain and sum(stats.accepted_hist[2:]) > 0 and stats.row_rounds > stats.plain_rounds
+    for p, ref in zip(prompts, generate(target, prompts, 40, PENALTIES[3])):
+        out, stats = generate_ngram(target, [p], 40, [PENALTIES[3]])
+        assert out[0] == ref and sum(stats.accepted_hist[2:]) > 0
+    # a target that repeats its last token until a frequency penalty (growing with every repeat,
+    # drafted ones too) moves it on: accepted chains of repeats end where plain decoding's do
+    target, params = repeating_target(), SamplingParams(frequency_penalty=0.5)
+    prompts = [[1, 4, 7, 1, 4, 7, 1], [2, 3, 2, 3, 5]]
+    plain = generate(target, prompts, 30, params, eos_token_ids=[])
+    assert all(len(set(out)) > 2 for out in plain)
+    out, stats = generate_ngram(target, prompts, 30, [params] * 2, eos_token_ids=[])
+    assert out == plain and sum(stats.accepted_hist[2:]) > 0
+
+
+def test_grammar_greedy_is_plain_grammar_greedy_and_drafts_what_it_forces():
+    """Structured outputs under prompt lookup: greedy rows with a grammar (each chain position
+    masked after the drafted tokens before it) and one without, in one batch, write plain
+    decoding's tokens; a grammar that forces text ("0123456789" after each free digit, Grammar.encode
+    given) is drafted: the forced digits are accepted where the lookup alone has nothing yet."""
+    target = tiny_target(layers=1, silent=True)
+    V, stop = target.config.vocab_size, 95
+    prompts = prompts_for(V)
+    pairs = pair_grammar(V, stop)
+    params = [SamplingParams(grammar=pairs)] * 3 + [SamplingParams()]
+    plain = generate(target, prompts, 40, params, eos_token_ids=[stop])
+    assert plain[:3] != generate(target, prompts[:3], 40, eos_token_ids=[stop])
+    out, stats = generate_ngram(target, prompts, 40, params, eos_token_ids=[stop])
+    assert out == plain and sum(stats.accepted_hist[2:]) > 0
+    counting = pair_grammar(V, stop, "(0123456789[0-4])+")
+    plain = generate(target, prompts[:2], 40, SamplingParams(grammar=counting), eos_token_ids=[stop])
+    taus = []
+    for g in (counting, replace(counting, encode=digits)):
+        params = [SamplingParams(grammar=g)] * 2
+        out, stats = generate_ngram(target, prompts[:2], 40, params, eos_token_ids=[stop])
+        assert out == plain
+        taus.append(stats.acceptance_length())
+    assert taus[0] < 1.5 < 3 < taus[1], taus
 
 
 def test_the_server_flags_resolve_and_refuse():
