@@ -6,9 +6,10 @@ chain lengths, shortest matches, and the chain's verify compiled or eager.
     python scripts/ab_ngram.py --prompts data/long_prompts.jsonl --num-prompts 8 --configs k4m2 k6m2
 
 Each config kKmN[:eager]: chains of K, matches of at least N tokens, `:eager` with the verify run
-eagerly (the plain steps compiled either way). Writes per config tokens/s (prefill inside, as the
-bench), the ratio to plain, tau over the rounds that verified, and whether greedy output equals
-plain's."""
+eagerly (the plain steps compiled either way); --temperature and --repetition-penalty decode
+plain and every config that way (sampled: from one seed). Writes per config tokens/s (prefill
+inside, as the bench), the ratio to plain, tau over the rounds that verified, and whether greedy
+output equals plain's."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from eagle_infer.bench import (  # noqa: E402
 )
 from eagle_infer.default_model import resolve_model_path  # noqa: E402
 from eagle_infer.loader import default_device, dtype_name, load_model, load_tokenizer, resolve_dtype  # noqa: E402
+from eagle_infer.sampling import SamplingParams  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -41,6 +43,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
     ap.add_argument("--configs", nargs="+", default=["k4m1", "k4m2", "k6m2"])
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     device = default_device()
@@ -48,14 +52,17 @@ def main(argv: list[str] | None = None) -> dict:
     folder = resolve_model_path(args.model_path)
     prompts = load_prompts(args.prompts, args.num_prompts, load_tokenizer(folder))
     model = load_model(folder, dtype, device)
-    fns, stats = {"plain": plain_decode_fn(model, args.max_new_tokens, compile_steps=True)}, {}
+    params = SamplingParams(temperature=args.temperature, repetition_penalty=args.repetition_penalty,
+                            seed=0 if args.temperature > 0 else None)
+    fns = {"plain": plain_decode_fn(model, args.max_new_tokens, compile_steps=True, params=params)}
+    stats = {}
     for conf in args.configs:
         found = re.fullmatch(r"k(\d+)m(\d+)(:eager)?", conf)
         if not found:
             ap.error(f"a config is kKmN or kKmN:eager, not {conf}")
         k, m, eager = int(found[1]), int(found[2]), bool(found[3])
         fns[conf], stats[conf], dec = ngram_decode_fn(model, prompts, args.max_new_tokens, k, m,
-                                                      compile_steps=True)
+                                                      params=params, compile_steps=True)
         if eager:
             dec.verify_fn = None
     warmup = {name: round(warm_up(fn, prompts), 2) for name, fn in fns.items()}
@@ -64,7 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
     res = time_interleaved(fns, prompts)
     plain = res["plain"]
     report = {"settings": {"prompts": args.prompts or "MT-bench first turns", "num_prompts": len(prompts),
-                           "max_new_tokens": args.max_new_tokens, "dtype": dtype, "ignore_eos": True},
+                           "max_new_tokens": args.max_new_tokens, "dtype": dtype, "ignore_eos": True,
+                           "temperature": args.temperature, "repetition_penalty": args.repetition_penalty},
               "machine": machine_info(dtype, device), "warmup_s": warmup,
               "plain_tokens_per_s": round(plain.tokens_per_s, 3), "configs": {}}
     print(f"plain {plain.tokens_per_s:.1f} tok/s")
@@ -73,7 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
         row = {"tokens_per_s": round(r.tokens_per_s, 3),
                "vs_plain": round(r.tokens_per_s / plain.tokens_per_s, 3),
                "acceptance_length": round(st.acceptance_length(), 3), "verify_rounds": st.row_rounds,
-               "plain_rounds": st.plain_rounds, "greedy_identical": r.outputs == plain.outputs}
+               "plain_rounds": st.plain_rounds,
+               "greedy_identical": r.outputs == plain.outputs if args.temperature == 0 else None}
         report["configs"][conf] = row
         print(f"{conf}: {row}")
     if args.json:

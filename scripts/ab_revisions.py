@@ -58,7 +58,8 @@ def bench_once(code: Path, ext_dir: Path, bench_args: list[str], out: Path) -> d
 
 
 def summary(run: dict) -> dict:
-    """The numbers compared: plain tokens/s, and per tree tokens/s, τ and verify / plain step."""
+    """The numbers compared: plain tokens/s, and per tree (and NGRAM's chain) tokens/s, τ and
+    verify / plain step."""
     trees = {}
     # a sweep's rows, or the one tree a plain bench run reports with the same keys at its top level
     for row in run.get("sweep") or ([run] if run.get("tree") else []):
@@ -66,6 +67,10 @@ def summary(run: dict) -> dict:
         trees[f"{t['num_steps']}/{t['eagle_topk']}/{t['num_draft_tokens']}"] = {
             "tokens_per_s": row["tokens_per_s"], "tau": row["acceptance_length"],
             "verify_vs_plain_step": row.get("verify_vs_plain_step")}
+    if run.get("ngram"):  # --ngram K: prompt lookup without a head, under its method's name
+        ngram = run["ngram"]
+        trees[ngram["method"]] = {"tokens_per_s": ngram["tokens_per_s"], "tau": ngram["acceptance_length"],
+                                  "verify_vs_plain_step": None}
     return {"plain_tokens_per_s": run["plain_tokens_per_s"], "trees": trees,
             "mem_read_bandwidth_gb_s": run.get("mem_read_bandwidth_gb_s")}
 
