@@ -11,8 +11,7 @@ A round, for every running sequence at once:
              drafts (sampling: tree.accept_sampling), plus the target's own next token
 A chain writes its KV at slots L .. L+k, so the accepted prefix is already where it belongs:
 nothing is moved, L just advances. A round in which no row's history matches is a plain step,
-so text that never repeats costs no verify rows; so is one where no matching row's chains have
-lately been accepted enough to pay for a verify (LookupGain: sampled chat, a repetition penalty).
+so text that never repeats costs no verify rows.
 
 A row with a grammar drafts what the grammar forces next (a schema's keys, closing brackets:
 grammar.forced_tokens), then the lookup's continuation of it. Grammars, penalties and logit
@@ -46,45 +45,6 @@ from eagle_infer.tree import NGRAM_MAX, DraftTree, accept_sampling, ngram_lookup
 # k: a chain of 6 verified with its root, 7 rows: 1.37x / 1.55x plain against 1.30x / 1.49x with 4
 # (MT-bench / long prompts, Zen 4 bf16, scripts/ab_ngram.py: docs/runtime.md)
 DEFAULT_DRAFT_TOKENS = 6
-# LookupGain's bar for a verify: (placeholder until measured)
-DEFAULT_MIN_GAIN = 0.0
-
-
-class LookupGain:
-    """A sequence's running estimate of the drafts a verify of its chain accepts: an exponential
-    average over its rounds, those that verified (what was accepted) and plain steps too (what
-    would have been: the chain a plain round's lookup proposed, against the tokens the target
-    then emitted one by one, is exactly what a verify accepts greedily, and sampled a one-hot
-    draft is accepted with the probability the target draws it). Tokens alone decide it, so a
-    seeded request decodes the same tokens whatever the machine's speed."""
-
-    def __init__(self, prior: float):
-        self.value = prior
-        self.probe: tuple[list[int], int] | None = None  # (a plain round's chain, len(output) then)
-
-    def observe(self, accepted: int) -> None:
-        self.value += GAIN_WEIGHT * (accepted - self.value)
-        self.probe = None
-
-    def propose(self, chain: list[int], at: int) -> None:
-        """A plain round's chain, to be scored by the tokens emitted from output position `at`."""
-        if self.probe is None:
-            self.probe = (chain, at)
-
-    def settle(self, output: list[int], done: bool) -> None:
-        """Score the pending chain once the output has refuted it, confirmed it whole, or ended."""
-        if self.probe is None:
-            return
-        chain, at = self.probe
-        emitted = output[at:at + len(chain)]
-        n = next((i for i, (c, t) in enumerate(zip(chain, emitted)) if c != t), len(emitted))
-        if n < len(emitted) or len(emitted) == len(chain) or done:
-            self.observe(n)
-
-
-# LookupGain: each round's weight in the average, and a new sequence's estimate (its first
-# matched rounds verify)
-GAIN_WEIGHT, GAIN_PRIOR = 0.25, 1.0
 
 
 def chain_tree(tokens: Tensor) -> DraftTree:
@@ -103,14 +63,12 @@ class NgramDecoder(PlainDecoder):
     def __init__(self, target: Transformer, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
                  min_match: int = 1, max_match: int = NGRAM_MAX, max_batch: int = 1,
                  max_seq_len: int | None = None, prefix_cache: bool = False,
-                 disable_by_batch_size: int | None = None, min_gain: float = DEFAULT_MIN_GAIN):
+                 disable_by_batch_size: int | None = None):
         """num_draft_tokens: the chain's length k (vLLM's num_speculative_tokens); min_match /
         max_match: the shortest and longest run of latest tokens looked up (vLLM's
         prompt_lookup_min / prompt_lookup_max); disable_by_batch_size: while more sequences run,
         every round is a plain step (vLLM's name; the server's CPU default, as with a head: a
-        batch's chains make the verify compute-bound); min_gain: a round verifies only where a
-        matching row's LookupGain is at least this many accepted drafts (0: wherever one
-        matches), else it is a plain step."""
+        batch's chains make the verify compute-bound)."""
         if num_draft_tokens < 1:
             raise UserError(f"an n-gram draft needs num_draft_tokens >= 1, got {num_draft_tokens}")
         if not 1 <= min_match <= max_match:
@@ -118,8 +76,6 @@ class NgramDecoder(PlainDecoder):
         super().__init__(target, max_batch, max_seq_len, prefix_cache)
         self.k, self.min_match, self.max_match = num_draft_tokens, min_match, max_match
         self.disable_by_batch_size = disable_by_batch_size
-        self.min_gain = min_gain
-        self.gated_rounds = 0  # plain steps where a row matched but no chain was expected to pay
         self.max_pending = num_draft_tokens  # a round's slots past a sequence's end
         self.last_round_plain = False  # (the server's metrics count drafts only where a round made them)
         self.verify_fn: BucketedStep | None = None  # compile()
@@ -186,20 +142,9 @@ class NgramDecoder(PlainDecoder):
         plain_above = self.disable_by_batch_size
         if plain_above is not None and B > plain_above:
             return self._plain()
-        forced = self.forced()
-        chain, matched = self.lookup(forced)
-        found = (matched >= self.min_match).tolist()
-        gains = [s.lookup_gain or self._new_gain(s) for s in self.seqs]
-        pays = [f and (b in forced or g.value >= self.min_gain) for b, (f, g) in enumerate(zip(found, gains))]
-        if not any(pays):
-            self.gated_rounds += any(found)
-            for f, g, row, s in zip(found, gains, chain.tolist(), self.seqs):
-                if f:
-                    g.propose(row, len(s.output))
-            results = self._plain()
-            for s, _ in results:
-                s.lookup_gain.settle(s.output, s.done)
-            return results
+        chain, matched = self.lookup(self.forced())
+        if not bool((matched >= self.min_match).any()):
+            return self._plain()
         self.last_round_plain = False
         L, T = self.L[:B], self.k + 1
         tokens = torch.cat([self.last[:B, None], chain.to(self.device)], 1)  # [B, T]
@@ -232,17 +177,9 @@ class NgramDecoder(PlainDecoder):
             self.stats.record(k)
             seq.set_logits(logits[b])  # logprobs: row i is the distribution in front of token i
             results.append((seq, seq.emit(drafted_b + [bonus])))
-            if found[b]:  # (a row without a match verified its root repeated: no estimate)
-                gains[b].observe(k)
-            else:
-                gains[b].settle(seq.output, seq.done)
         self.stats.rounds += 1
         self.rows.drop_finished()
         return results
-
-    def _new_gain(self, seq: Sequence_) -> LookupGain:
-        seq.lookup_gain = LookupGain(GAIN_PRIOR)
-        return seq.lookup_gain
 
     def _plain(self) -> list[tuple[Sequence_, list[int]]]:
         self.last_round_plain = True

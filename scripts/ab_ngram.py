@@ -5,12 +5,11 @@ chain lengths, shortest matches, and the chain's verify compiled or eager.
     python scripts/ab_ngram.py --configs k4m1 k4m2 k6m2 k4m1:eager --json results/ab_ngram.json
     python scripts/ab_ngram.py --prompts data/long_prompts.jsonl --num-prompts 8 --configs k4m2 k6m2
 
-Each config kKmN[gG][:eager]: chains of K, matches of at least N tokens, verifying only where a
-row's chains have lately gained at least G accepted drafts a round (ngram.LookupGain), `:eager`
-with the verify run eagerly (the plain steps compiled either way); --temperature and
---repetition-penalty decode plain and every config that way (sampled: from one seed). Writes per
-config tokens/s (prefill inside, as the bench), the ratio to plain, tau over the rounds that
-verified, and whether greedy output equals plain's."""
+Each config kKmN[:eager]: chains of K, matches of at least N tokens, `:eager` with the verify run
+eagerly (the plain steps compiled either way); --temperature and --repetition-penalty decode
+plain and every config that way (sampled: from one seed). Writes per config tokens/s (prefill
+inside, as the bench), the ratio to plain, tau over the rounds that verified, and whether greedy
+output equals plain's."""
 
 from __future__ import annotations
 
@@ -56,23 +55,19 @@ def main(argv: list[str] | None = None) -> dict:
     params = SamplingParams(temperature=args.temperature, repetition_penalty=args.repetition_penalty,
                             seed=0 if args.temperature > 0 else None)
     fns = {"plain": plain_decode_fn(model, args.max_new_tokens, compile_steps=True, params=params)}
-    stats, decoders = {}, {}
+    stats = {}
     for conf in args.configs:
-        found = re.fullmatch(r"k(\d+)m(\d+)(?:g([\d.]+))?(:eager)?", conf)
+        found = re.fullmatch(r"k(\d+)m(\d+)(:eager)?", conf)
         if not found:
-            ap.error(f"a config is kKmN[gG][:eager], not {conf}")
-        k, m, eager = int(found[1]), int(found[2]), bool(found[4])
+            ap.error(f"a config is kKmN or kKmN:eager, not {conf}")
+        k, m, eager = int(found[1]), int(found[2]), bool(found[3])
         fns[conf], stats[conf], dec = ngram_decode_fn(model, prompts, args.max_new_tokens, k, m,
                                                       params=params, compile_steps=True)
-        if found[3] is not None:
-            dec.min_gain = float(found[3])
         if eager:
             dec.verify_fn = None
-        decoders[conf] = dec
     warmup = {name: round(warm_up(fn, prompts), 2) for name, fn in fns.items()}
-    for st, dec in zip(stats.values(), decoders.values()):
+    for st in stats.values():
         st.__init__()
-        dec.gated_rounds = 0
     res = time_interleaved(fns, prompts)
     plain = res["plain"]
     report = {"settings": {"prompts": args.prompts or "MT-bench first turns", "num_prompts": len(prompts),
@@ -86,8 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
         row = {"tokens_per_s": round(r.tokens_per_s, 3),
                "vs_plain": round(r.tokens_per_s / plain.tokens_per_s, 3),
                "acceptance_length": round(st.acceptance_length(), 3), "verify_rounds": st.row_rounds,
-               "plain_rounds": st.plain_rounds, "gated_rounds": decoders[conf].gated_rounds,
-               "min_gain": decoders[conf].min_gain,
+               "plain_rounds": st.plain_rounds,
                "greedy_identical": r.outputs == plain.outputs if args.temperature == 0 else None}
         report["configs"][conf] = row
         print(f"{conf}: {row}")

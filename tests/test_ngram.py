@@ -17,15 +17,7 @@ from test_speculative import (
 from eagle_infer.engine import PlainDecoder
 from eagle_infer.errors import UserError
 from eagle_infer.generate import chat_prompt_ids, generate
-from eagle_infer.ngram import (
-    DEFAULT_DRAFT_TOKENS,
-    GAIN_PRIOR,
-    GAIN_WEIGHT,
-    LookupGain,
-    NgramDecoder,
-    chain_tree,
-    generate_ngram,
-)
+from eagle_infer.ngram import DEFAULT_DRAFT_TOKENS, NgramDecoder, chain_tree, generate_ngram
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import Sequence_
 from eagle_infer.tree import accept_greedy
@@ -67,56 +59,6 @@ def test_greedy_is_token_identical_to_plain_decoding(default_model_fp32, tokeniz
         assert out == generate(default_model_fp32, [p], 48)[0]
     assert stats.row_rounds > 0 and stats.accepted_tokens > 0 and stats.plain_rounds > 0
     assert max(len(o) for o in outs) == 48 and min(len(o) for o in outs) < 48  # one stopped at EOS
-
-
-def test_lookup_gain_scores_a_plain_rounds_chain_by_the_tokens_emitted_after_it():
-    """LookupGain: a chain proposed in a plain round is scored when the output refutes it (the
-    prefix it got right), confirms it whole, or ends; one probe at a time; a verify's count
-    replaces a pending probe."""
-    gain = LookupGain(1.0)
-    gain.propose([5, 6, 7], at=2)
-    gain.propose([9, 9, 9], at=3)  # one probe at a time: ignored
-    gain.settle([0, 0, 5, 6], done=False)  # right so far: wait
-    assert gain.value == 1.0 and gain.probe == ([5, 6, 7], 2)
-    gain.settle([0, 0, 5, 6, 8], done=False)  # refuted at its third token: 2 would have been accepted
-    assert gain.value == 1.0 + GAIN_WEIGHT * (2 - 1.0) and gain.probe is None
-    gain.propose([4, 4], at=0)
-    gain.settle([4, 4, 1], done=False)  # confirmed whole
-    assert gain.value == 1.25 + GAIN_WEIGHT * (2 - 1.25)
-    gain.propose([1, 2, 3], at=1)
-    gain.settle([4, 1], done=True)  # the sequence ended after one right token
-    v = gain.value
-    assert v == 1.4375 + GAIN_WEIGHT * (1 - 1.4375)
-    gain.propose([7], at=2)
-    gain.observe(0)  # a verify: what it accepted, the probe dropped
-    assert gain.value == v * (1 - GAIN_WEIGHT) and gain.probe is None
-
-
-def test_rounds_verify_only_where_chains_have_lately_paid():
-    """min_gain: a matched round verifies only where a row's estimate (LookupGain) reaches it.
-    Chains that are right (a target that repeats its last token) keep verifying; with a bar no
-    estimate reaches every round is a plain step, and the
-    plain rounds' probes still measure how much the chains would have gained. Tokens equal
-    plain decoding's each time, and seeded sampled output is the same from run to run (the gate
-    reads tokens, never the clock)."""
-    prompt = [1, 4, 7, 1, 4, 7, 1]
-    repeating = repeating_target()
-    ref = generate(repeating, [prompt], 30, eos_token_ids=[])[0]
-    for min_gain in (0.5, 100.0):
-        dec = NgramDecoder(repeating, 3, max_batch=1, max_seq_len=64, min_gain=min_gain)
-        seq = Sequence_(prompt, SamplingParams(), 30, set())
-        dec.add(seq)
-        while dec.seqs:
-            dec.step()
-        assert seq.output == ref and seq.lookup_gain.value > 2.0  # chains of 3 mostly right
-        if min_gain < GAIN_PRIOR:
-            assert dec.stats.row_rounds > 0 and dec.gated_rounds == 0
-        else:
-            assert dec.stats.row_rounds == 0 and dec.gated_rounds > 0
-    params = [SamplingParams(temperature=1.0, seed=s) for s in range(4)]
-    runs = [generate_ngram(repeating, [prompt] * 4, 20, params, eos_token_ids=[], decoder=NgramDecoder(
-        repeating, 3, max_batch=4, max_seq_len=64, min_gain=1.0)) for _ in range(2)]
-    assert runs[0][0] == runs[1][0] and runs[0][1].row_rounds > 0
 
 
 def test_a_round_without_a_match_is_a_plain_step():
