@@ -101,6 +101,7 @@ class Sequence_:
     partial: Any = None  # chunked prefill: what the free row holding its first chunks holds (Held)
     pending: int = 0  # plain rounds whose pair the draft head has not caught up on yet
     ahead: bool = False  # its row holds the next round's tree, drafted at the end of the last one
+    ngrams: Any = None  # NgramDecoder's index of its tokens' n-grams (ngram.NgramIndex)
     # logprobs (the server's `logprobs`): None = not asked; k = per emitted token, its log-prob
     # under the raw target distribution and the k most likely alternatives. The decoders hand
     # emit() the target logits they already computed (set_logits); no extra forward.

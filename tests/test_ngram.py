@@ -17,10 +17,10 @@ from test_speculative import (
 from eagle_infer.engine import PlainDecoder
 from eagle_infer.errors import UserError
 from eagle_infer.generate import chat_prompt_ids, generate
-from eagle_infer.ngram import DEFAULT_DRAFT_TOKENS, NgramDecoder, chain_tree, generate_ngram
+from eagle_infer.ngram import DEFAULT_DRAFT_TOKENS, NgramDecoder, NgramIndex, chain_tree, generate_ngram
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import Sequence_
-from eagle_infer.tree import accept_greedy
+from eagle_infer.tree import accept_greedy, ngram_lookup
 
 torch.set_num_threads(1)
 
@@ -59,6 +59,23 @@ def test_greedy_is_token_identical_to_plain_decoding(default_model_fp32, tokeniz
         assert out == generate(default_model_fp32, [p], 48)[0]
     assert stats.row_rounds > 0 and stats.accepted_tokens > 0 and stats.plain_rounds > 0
     assert max(len(o) for o in outs) == 48 and min(len(o) for o in outs) < 48  # one stopped at EOS
+
+
+@pytest.mark.parametrize("vocab", [3, 8, 50])
+def test_the_index_finds_what_the_lookup_finds(vocab):
+    """NgramIndex, fed a growing history a few tokens at a time, gives tree.ngram_lookup's chain
+    and match length after every growth: matches of every length, periodic continuations, none."""
+    g = torch.Generator().manual_seed(vocab)
+    history = torch.randint(0, vocab, (300,), generator=g).tolist()
+    index, end, lengths = NgramIndex(4), 0, set()
+    while end < len(history):
+        end += int(torch.randint(1, 4, (1,), generator=g))
+        tokens = history[:end]
+        chain, n = index.lookup(tokens, 6)
+        want, want_n = ngram_lookup(torch.tensor([tokens]), torch.tensor([len(tokens) - 1]), 6)
+        assert (chain, n) == (want[0].tolist(), int(want_n[0])), end
+        lengths.add(n)
+    assert {0, 1, 2} <= lengths and (4 in lengths or vocab > 8)
 
 
 def test_a_round_without_a_match_is_a_plain_step():
