@@ -223,9 +223,14 @@ def test_decoder_refuses_bad_settings_and_requests_without_room():
 def test_the_server_speculates_by_prompt_lookup(tmp_path, default_model_fp32, tokenizer):
     """`--speculative-algorithm NGRAM` served (vLLM's speculative config spelling): greedy chat
     answers are plain decoding's tokens, the usage reports the rounds' acceptance, and /metrics
-    counts drafts of the chain's length."""
+    counts drafts of the chain's length; an answer under a JSON schema (response_format) is the
+    plain decoder's with the grammar, and its rounds accept drafts (the schema's forced keys)."""
+    import json
+
     import httpx
-    from test_server import Server, metrics
+    from test_server import Server, metrics, plain_answer
+
+    from eagle_infer.grammar import Grammars
 
     srv = Server(["--dtype", "fp32", "--disable-torch-compile", "--max-running-requests", "2",
                   "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
@@ -237,8 +242,23 @@ def test_the_server_speculates_by_prompt_lookup(tmp_path, default_model_fp32, to
         r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
             "messages": msgs, "max_tokens": 40, "temperature": 0}).json()
         m = metrics(srv)
+        person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                   "age": {"type": "integer"}},
+                  "required": ["name", "age"], "additionalProperties": False}
+        asked = [{"role": "user", "content": "Describe a person as JSON with name and age."}]
+        structured = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+            "messages": asked, "max_tokens": 40, "temperature": 0, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "person", "schema": person}}}).json()
     finally:
         srv.stop()
+    model = default_model_fp32
+    grammars = Grammars.for_tokenizer(tokenizer, model.config.vocab_size, set(model.config.eos_token_ids))
+    grammar = grammars.compile("json_schema", person)
+    text = structured["choices"][0]["message"]["content"]
+    assert (text, structured["choices"][0]["finish_reason"]) == plain_answer(
+        model, tokenizer, chat_prompt_ids(tokenizer, asked), grammar, 40)
+    assert set(json.loads(text)) == {"name", "age"}
+    assert structured["usage"]["speculative"]["accepted_tokens"] > 0
     want = generate(default_model_fp32, [chat_prompt_ids(tokenizer, msgs)], 40)[0]
     assert tokenizer.decode(want, skip_special_tokens=True) == r["choices"][0]["message"]["content"]
     assert r["usage"]["completion_tokens"] == len(want) == 40
