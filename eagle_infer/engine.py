@@ -219,5 +219,6 @@ def warm_up(dec: PlainDecoder | SpecDecoder,
     finally:
         if min_match is not None:
             dec.min_match = min_match
+            dec.forget()  # the warm-up's requests are no one's words
     dec.stats = SpecStats()
     return sizes

@@ -48,30 +48,91 @@ DEFAULT_DRAFT_TOKENS = 6
 
 
 class NgramIndex:
-    """One sequence's lookup on the host, kept as its tokens arrive: the latest end position of
-    each of its n-grams (n <= max_n), so a round's lookup is a few dictionary reads where
-    tree.ngram_lookup compares every window of the history again (~0.4 ms a round on 2 cores,
-    4% of a plain step). The same answer as tree.ngram_lookup (tests/test_ngram.py)."""
+    """A growing token list with the latest end position of each of its n-grams (n <= max_n),
+    kept as tokens arrive: a lookup is a few dictionary reads where tree.ngram_lookup compares
+    every window of the history again (~0.4 ms a round on 2 cores, 4% of a plain step). A
+    sequence's own (lookup: the same answer as tree.ngram_lookup, tests/test_ngram.py), or the
+    decoder's corpus of the requests it served (find)."""
 
     def __init__(self, max_n: int):
         self.max_n = max_n
+        self.tokens: list[int] = []
         self.latest: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # the n-grams ending before this position are in `latest`
 
-    def lookup(self, tokens: list[int], length: int) -> tuple[list[int], int]:
-        """The `length` tokens after the latest earlier occurrence of the last n tokens of
-        `tokens` (the longest n that occurs), continued periodically past the end, and n (0:
-        none; the last token repeated). `tokens` only grows between calls."""
-        end = len(tokens) - 1
-        for i in range(self.indexed, end):  # occurrences end before the last token
+    def extend(self, tokens: list[int]) -> None:
+        """Append tokens, indexing the n-grams that end before the last one (a lookup's own
+        suffix ends there: an occurrence must lie before it)."""
+        self.tokens += tokens
+        end = len(self.tokens) - 1
+        for i in range(self.indexed, end):
             for n in range(1, min(self.max_n, i + 1) + 1):
-                self.latest[tuple(tokens[i - n + 1:i + 1])] = i
+                self.latest[tuple(self.tokens[i - n + 1:i + 1])] = i
         self.indexed = max(self.indexed, end)
-        for n in range(min(self.max_n, end), 0, -1):
-            q = self.latest.get(tuple(tokens[end - n + 1:]))
+
+    def find(self, suffix: list[int], min_n: int = 1) -> tuple[int, int]:
+        """(q, n): where the latest indexed occurrence of suffix's last n tokens ends, for the
+        longest n from max_n down to min_n that occurs; (-1, 0) where none does."""
+        for n in range(min(self.max_n, len(suffix)), min_n - 1, -1):
+            q = self.latest.get(tuple(suffix[-n:]))
             if q is not None:
-                return [tokens[q + 1 + i % (end - q)] for i in range(length)], n
-        return [tokens[end]] * length, 0
+                return q, n
+        return -1, 0
+
+    def lookup(self, length: int) -> tuple[list[int], int]:
+        """The `length` tokens after the latest earlier occurrence of the list's last n tokens
+        (the longest n that occurs), continued periodically past the end, and n (0: none; the
+        last token repeated)."""
+        end = len(self.tokens) - 1
+        q, n = self.find(self.tokens)
+        if n == 0:
+            return [self.tokens[end]] * length, 0
+        return [self.tokens[q + 1 + i % (end - q)] for i in range(length)], n
+
+
+# The corpus: requests' tokens apart (never a token id); how many tokens of past requests it keeps
+# by default (~600 bytes of index a token)
+SEPARATOR, DEFAULT_CORPUS_TOKENS = -1, 100_000
+
+
+class Corpus:
+    """The prompts and answers of the requests a decoder served (SGLang's NGRAM keeps such a
+    cache), so a request's round finds a longer match in what others said than in its own
+    history: answers share their phrasing and structure. The oldest half is dropped past
+    `capacity` tokens."""
+
+    def __init__(self, max_n: int, capacity: int):
+        self.max_n, self.capacity = max_n, capacity
+        self.index = NgramIndex(max_n)
+        self.requests: list[list[int]] = []
+
+    def add(self, tokens: list[int]) -> None:
+        if self.capacity <= 0:
+            return
+        self.requests.append(tokens)
+        self.index.extend(tokens + [SEPARATOR])
+        if len(self.index.tokens) > self.capacity:  # rebuilt from the newer half
+            kept, total = [], 0
+            for r in reversed(self.requests):
+                total += len(r) + 1
+                if total > self.capacity // 2:
+                    break
+                kept.append(r)
+            self.requests, self.index = [], NgramIndex(self.max_n)
+            for r in reversed(kept):
+                self.add(r)
+
+    def lookup(self, history: list[int], length: int, min_n: int) -> tuple[list[int], int]:
+        """The `length` tokens that followed the latest occurrence in the corpus of history's
+        last n tokens (n >= min_n, the longest), up to that request's end, padded with its last
+        one; ([], 0) where none."""
+        q, n = self.index.find(history, min_n)
+        tokens = self.index.tokens[q + 1:q + 1 + length] if n else []
+        if SEPARATOR in tokens:
+            tokens = tokens[:tokens.index(SEPARATOR)]
+        if not tokens:
+            return [], 0
+        return tokens + [tokens[-1]] * (length - len(tokens)), n
 
 
 def chain_tree(tokens: Tensor) -> DraftTree:
@@ -90,12 +151,13 @@ class NgramDecoder(PlainDecoder):
     def __init__(self, target: Transformer, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
                  min_match: int = 1, max_match: int = NGRAM_MAX, max_batch: int = 1,
                  max_seq_len: int | None = None, prefix_cache: bool = False,
-                 disable_by_batch_size: int | None = None):
+                 disable_by_batch_size: int | None = None, corpus_tokens: int = DEFAULT_CORPUS_TOKENS):
         """num_draft_tokens: the chain's length k (vLLM's num_speculative_tokens); min_match /
         max_match: the shortest and longest run of latest tokens looked up (vLLM's
         prompt_lookup_min / prompt_lookup_max); disable_by_batch_size: while more sequences run,
         every round is a plain step (vLLM's name; the server's CPU default, as with a head: a
-        batch's chains make the verify compute-bound)."""
+        batch's chains make the verify compute-bound); corpus_tokens: how many tokens of the
+        requests it served it keeps to look up in too (Corpus; 0: none)."""
         if num_draft_tokens < 1:
             raise UserError(f"an n-gram draft needs num_draft_tokens >= 1, got {num_draft_tokens}")
         if not 1 <= min_match <= max_match:
@@ -103,6 +165,7 @@ class NgramDecoder(PlainDecoder):
         super().__init__(target, max_batch, max_seq_len, prefix_cache)
         self.k, self.min_match, self.max_match = num_draft_tokens, min_match, max_match
         self.disable_by_batch_size = disable_by_batch_size
+        self.corpus = Corpus(max_match, corpus_tokens)
         self.max_pending = num_draft_tokens  # a round's slots past a sequence's end
         self.last_round_plain = False  # (the server's metrics count drafts only where a round made them)
         self.verify_fn: BucketedStep | None = None  # compile()
@@ -150,10 +213,27 @@ class NgramDecoder(PlainDecoder):
                 continue
             if s.ngrams is None:
                 s.ngrams = NgramIndex(self.max_match)
-            chain, n = s.ngrams.lookup(history, self.k)
+            s.ngrams.extend(history[len(s.ngrams.tokens):])
+            chain, n = s.ngrams.lookup(self.k)
+            # a longer match in what earlier requests said (at least 2 tokens: single tokens
+            # recur everywhere) wins over the sequence's own
+            other, m = self.corpus.lookup(history, self.k, max(2, self.min_match, n + 1))
+            if m:
+                chain, n = other, m
             chains.append(chain)
             matched.append(n)
         return torch.tensor(chains), torch.tensor(matched)
+
+    def forget(self) -> None:
+        """Drop the corpus of served requests (a warm-up's: the bench's are the prompts it times)."""
+        self.corpus = Corpus(self.max_match, self.corpus.capacity)
+
+    def _learn(self, results: list[tuple[Sequence_, list[int]]]) -> list[tuple[Sequence_, list[int]]]:
+        """The corpus takes the prompt and answer of each sequence that finished this round."""
+        for seq, _ in results:
+            if seq.done:
+                self.corpus.add(seq.prompt + seq.output)
+        return results
 
     def forced(self) -> dict[int, list[int]]:
         """{row: the tokens its grammar forces next} for the rows whose grammar forces any."""
@@ -213,12 +293,12 @@ class NgramDecoder(PlainDecoder):
             results.append((seq, seq.emit(drafted_b + [bonus])))
         self.stats.rounds += 1
         self.rows.drop_finished()
-        return results
+        return self._learn(results)
 
     def _plain(self) -> list[tuple[Sequence_, list[int]]]:
         self.last_round_plain = True
         self.stats.plain_rounds += 1
-        return super().step()
+        return self._learn(super().step())
 
 
 def generate_ngram(target: Transformer, prompts: list[list[int]], max_new_tokens: int,

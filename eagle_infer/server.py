@@ -1564,6 +1564,9 @@ def ngram_settings(args: argparse.Namespace) -> tuple[int, int, int]:
     if not 1 <= lo <= hi:
         raise UserError(f"--speculative-ngram-min-match-window-size {lo} and --speculative-ngram-max-match-"
                         f"window-size {hi}: need 1 <= min <= max")
+    if (args.speculative_ngram_capacity or 0) < 0:
+        raise UserError(f"--speculative-ngram-capacity must be >= 0 (0: no corpus), got "
+                        f"{args.speculative_ngram_capacity}")
     return n - 1, lo, hi
 
 
@@ -1581,7 +1584,8 @@ def resolve_draft(args: argparse.Namespace) -> tuple[str, Path | None]:
                             "--speculative-draft-model-path out")
         return algo, None
     ngram_flags = [f for f in ("speculative_ngram_min_match_window_size",
-                               "speculative_ngram_max_match_window_size") if getattr(args, f) is not None]
+                               "speculative_ngram_max_match_window_size", "speculative_ngram_capacity")
+                   if getattr(args, f) is not None]
     if ngram_flags:
         raise UserError(f"--{ngram_flags[0].replace('_', '-')} is for --speculative-algorithm NGRAM")
     if path:
@@ -1616,7 +1620,7 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
         load_tokenizer,
         resolve_dtype,
     )
-    from eagle_infer.ngram import NgramDecoder
+    from eagle_infer.ngram import DEFAULT_CORPUS_TOKENS, NgramDecoder
     from eagle_infer.speculative import SpecDecoder
 
     apply_vllm_flags(args)  # first: their values go through the flags' checks
@@ -1668,13 +1672,16 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
                         f"for this model, got {ctx}")
     if ngram is not None:
         plain_above = resolve_disable_by_batch_size(args, torch.device(device).type)
+        capacity = args.speculative_ngram_capacity
         decoder = NgramDecoder(target, *ngram, args.max_running_requests, ctx,
-                               prefix_cache=args.prefix_caching, disable_by_batch_size=plain_above)
+                               prefix_cache=args.prefix_caching, disable_by_batch_size=plain_above,
+                               corpus_tokens=DEFAULT_CORPUS_TOKENS if capacity is None else capacity)
         usable = ctx - decoder.max_pending  # a chain's slots past a request's end
         if usable < 2:
             raise UserError(f"--context-length {ctx} leaves no room next to the n-gram chain")
-        log.info("speculative decoding: n-gram prompt lookup, chains of %d, matches of %d-%d tokens%s",
-                 *ngram, "" if plain_above is None else f", plain rounds above {plain_above} requests")
+        log.info("speculative decoding: n-gram prompt lookup, chains of %d, matches of %d-%d tokens, "
+                 "a corpus of %d tokens of served requests%s", *ngram, decoder.corpus.capacity,
+                 "" if plain_above is None else f", plain rounds above {plain_above} requests")
     elif tree is None:
         decoder = PlainDecoder(target, args.max_running_requests, ctx, prefix_cache=args.prefix_caching)
         usable = ctx
@@ -1738,7 +1745,8 @@ def build_engine(args: argparse.Namespace, warm: bool = False) -> tuple[Engine, 
     if ngram is not None:
         resolved |= {"speculative_num_draft_tokens": ngram[0] + 1,
                      "speculative_ngram_min_match_window_size": ngram[1],
-                     "speculative_ngram_max_match_window_size": ngram[2]}
+                     "speculative_ngram_max_match_window_size": ngram[2],
+                     "speculative_ngram_capacity": decoder.corpus.capacity}
     cfg = ServerConfig(names, args.api_key, usable, target.config.vocab_size, args.stream_interval,
                        tool_parser=tool_parser_of(args), auto_tools=args.enable_auto_tool_choice,
                        chat_template=chat_template, reasoning_parser=args.reasoning_parser,

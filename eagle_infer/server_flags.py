@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculative-ngram-max-match-window-size", type=int, default=None, metavar="N",
                     help="NGRAM: the most latest tokens a lookup matches, the longest match winning "
                          "(vLLM's prompt_lookup_max; default 4)")
+    ap.add_argument("--speculative-ngram-capacity", type=int, default=None, metavar="TOKENS",
+                    help="NGRAM: how many tokens of the requests served (prompts and answers) it keeps "
+                         "to look up in beside each request's own history, a longer match there winning "
+                         "(SGLang's name, whose cache counts entries; ~600 bytes a token here); 0 = each "
+                         "request's own history alone (vLLM's way); default 100000")
     ap.add_argument("--speculative-batch-tree", default=None, metavar="MIN_BATCH:TREE",
                     help="a tree that shrinks as the batch grows: from MIN_BATCH running requests on, "
                          "rounds draft and verify TREE (STEPS/TOPK/DRAFT_TOKENS[+gK], e.g. 3:1/4/3+g4) "

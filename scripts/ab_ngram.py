@@ -5,8 +5,9 @@ chain lengths, shortest matches, and the chain's verify compiled or eager.
     python scripts/ab_ngram.py --configs k4m1 k4m2 k6m2 k4m1:eager --json results/ab_ngram.json
     python scripts/ab_ngram.py --prompts data/long_prompts.jsonl --num-prompts 8 --configs k4m2 k6m2
 
-Each config kKmN[:eager]: chains of K, matches of at least N tokens, `:eager` with the verify run
-eagerly (the plain steps compiled either way); --temperature and --repetition-penalty decode
+Each config kKmN[:eager][:own]: chains of K, matches of at least N tokens, `:eager` with the verify
+run eagerly (the plain steps compiled either way), `:own` looking up in each request's own history
+alone (no corpus of the requests served before); --temperature and --repetition-penalty decode
 plain and every config that way (sampled: from one seed). Writes per config tokens/s (prefill
 inside, as the bench), the ratio to plain, tau over the rounds that verified, and whether greedy
 output equals plain's."""
@@ -57,14 +58,16 @@ def main(argv: list[str] | None = None) -> dict:
     fns = {"plain": plain_decode_fn(model, args.max_new_tokens, compile_steps=True, params=params)}
     stats = {}
     for conf in args.configs:
-        found = re.fullmatch(r"k(\d+)m(\d+)(:eager)?", conf)
+        found = re.fullmatch(r"k(\d+)m(\d+)(:eager)?(:own)?", conf)
         if not found:
-            ap.error(f"a config is kKmN or kKmN:eager, not {conf}")
+            ap.error(f"a config is kKmN[:eager][:own], not {conf}")
         k, m, eager = int(found[1]), int(found[2]), bool(found[3])
         fns[conf], stats[conf], dec = ngram_decode_fn(model, prompts, args.max_new_tokens, k, m,
                                                       params=params, compile_steps=True)
         if eager:
             dec.verify_fn = None
+        if found[4]:
+            dec.corpus.capacity = 0
     warmup = {name: round(warm_up(fn, prompts), 2) for name, fn in fns.items()}
     for st in stats.values():
         st.__init__()

@@ -17,7 +17,14 @@ from test_speculative import (
 from eagle_infer.engine import PlainDecoder
 from eagle_infer.errors import UserError
 from eagle_infer.generate import chat_prompt_ids, generate
-from eagle_infer.ngram import DEFAULT_DRAFT_TOKENS, NgramDecoder, NgramIndex, chain_tree, generate_ngram
+from eagle_infer.ngram import (
+    DEFAULT_DRAFT_TOKENS,
+    Corpus,
+    NgramDecoder,
+    NgramIndex,
+    chain_tree,
+    generate_ngram,
+)
 from eagle_infer.sampling import SamplingParams
 from eagle_infer.speculative import Sequence_
 from eagle_infer.tree import accept_greedy, ngram_lookup
@@ -71,11 +78,51 @@ def test_the_index_finds_what_the_lookup_finds(vocab):
     while end < len(history):
         end += int(torch.randint(1, 4, (1,), generator=g))
         tokens = history[:end]
-        chain, n = index.lookup(tokens, 6)
+        index.extend(tokens[len(index.tokens):])
+        chain, n = index.lookup(6)
         want, want_n = ngram_lookup(torch.tensor([tokens]), torch.tensor([len(tokens) - 1]), 6)
         assert (chain, n) == (want[0].tolist(), int(want_n[0])), end
         lengths.add(n)
     assert {0, 1, 2} <= lengths and (4 in lengths or vocab > 8)
+
+
+def test_the_corpus_finds_what_earlier_requests_said_within_its_capacity():
+    """Corpus: a request's continuation after the latest occurrence of the history's longest
+    suffix (at least min_n tokens), cut at that request's end and padded with its last token;
+    nothing where the match ends a request or is too short; past its capacity the older half
+    is dropped, the newest kept."""
+    corpus = Corpus(4, capacity=40)
+    corpus.add([1, 2, 3, 4, 5, 6])
+    corpus.add([7, 2, 3, 9])
+    assert corpus.lookup([8, 2, 3], 3, 2) == ([9, 9, 9], 2)  # the latest: the second request's
+    assert corpus.lookup([1, 2, 3], 3, 2) == ([4, 5, 6], 3)  # a longer match: the first's
+    assert corpus.lookup([3, 4, 5, 6], 3, 2) == ([], 0)  # the first request ended there
+    assert corpus.lookup([0, 6, 3], 3, 2) == ([], 0)  # one token alone is too short
+    assert corpus.lookup([3, 4], 5, 3) == ([], 0)
+    for r in range(10):  # 50 tokens more: the oldest dropped
+        corpus.add([10 + r, 11 + r, 12 + r, 13 + r])
+    assert corpus.lookup([1, 2, 3], 3, 2) == ([], 0)
+    assert corpus.lookup([19, 20], 2, 2) == ([21, 22], 2) and len(corpus.index.tokens) <= 40
+
+
+def test_a_request_finds_the_words_of_those_before_it():
+    """A request decoded after another whose answer it repeats (the same prompt again) accepts
+    far more drafts with the corpus than from its own history alone, and both give plain
+    decoding's tokens; forget() empties the corpus."""
+    target = tiny_target(layers=1, silent=True)
+    prompt = prompts_for(target.config.vocab_size)[1]
+    plain = generate(target, [prompt], 20, eos_token_ids=[])[0]
+    taus = []
+    for capacity in (0, 1000):
+        dec = NgramDecoder(target, 6, max_batch=1, max_seq_len=128, corpus_tokens=capacity)
+        first, _ = generate_ngram(target, [prompt], 20, eos_token_ids=[], decoder=dec)
+        again, stats = generate_ngram(target, [prompt], 20, eos_token_ids=[], decoder=dec)
+        assert first == again == [plain]
+        taus.append(stats.accepted_tokens)
+    assert taus[1] > 15 > 2 * taus[0], taus  # nearly every token drafted right, against 6
+    assert len(dec.corpus.index.tokens) == 2 * (len(prompt) + 20 + 1)
+    dec.forget()
+    assert dec.corpus.index.tokens == [] and dec.corpus.capacity == 1000
 
 
 def test_a_round_without_a_match_is_a_plain_step():
@@ -199,13 +246,15 @@ def test_the_server_flags_resolve_and_refuse():
                         (["--speculative-algorithm", "NGRAM", "--speculative-ngram-min-match-window-size",
                           "3", "--speculative-ngram-max-match-window-size", "2"], "min <= max"),
                         (["--speculative-algorithm", "NGRAM", "--speculative-ngram-min-match-window-size",
-                          "0"], "min <= max")]:  # a 0 given is refused, not read as the default
+                          "0"], "min <= max"),  # a 0 given is refused, not read as the default
+                        (["--speculative-algorithm", "NGRAM", "--speculative-ngram-capacity", "-1"], ">= 0")]:
         with pytest.raises(UserError, match=says):
             ngram_settings(args_of(*flags))
     with pytest.raises(UserError, match="takes no draft model"):
         resolve_draft(args_of("--speculative-algorithm", "NGRAM", "--speculative-draft-model-path", "/x"))
-    with pytest.raises(UserError, match="is for --speculative-algorithm NGRAM"):
-        resolve_draft(args_of("--speculative-ngram-min-match-window-size", "2"))
+    for flag in ("--speculative-ngram-min-match-window-size", "--speculative-ngram-capacity"):
+        with pytest.raises(UserError, match=f"{flag} is for --speculative-algorithm NGRAM"):
+            resolve_draft(args_of(flag, "2"))
 
 
 def test_decoder_refuses_bad_settings_and_requests_without_room():
@@ -242,6 +291,7 @@ def test_the_server_speculates_by_prompt_lookup(tmp_path, default_model_fp32, to
         r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
             "messages": msgs, "max_tokens": 40, "temperature": 0}).json()
         m = metrics(srv)
+        info = httpx.get(srv.url + "/get_server_info", timeout=30).json()
         person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                    "age": {"type": "integer"}},
                   "required": ["name", "age"], "additionalProperties": False}
@@ -265,12 +315,13 @@ def test_the_server_speculates_by_prompt_lookup(tmp_path, default_model_fp32, to
     spec = r["usage"]["speculative"]
     assert spec["rounds"] > 0 and spec["accepted_tokens"] > 0
     assert m["eagle:spec_decode_num_draft_tokens_total"] == 3 * m["eagle:spec_decode_num_drafts_total"] > 0
+    assert info["speculative_num_draft_tokens"] == 4 and info["speculative_ngram_capacity"] == 100_000
 
 
 def test_compiled_rounds_compile_at_warm_up_then_decode_as_eager():
     """compile(): the chain's verify as a graph per batch bucket beside the plain steps; the
     server's warm-up (engine.warm_up) compiles both paths' graphs, so decoding after it compiles
-    nothing, and gives the eager decoder's tokens."""
+    nothing, and gives the eager decoder's tokens; the corpus forgets the warm-up's requests."""
     from torch._dynamo.utils import counters
 
     from eagle_infer.engine import warm_up
@@ -280,6 +331,7 @@ def test_compiled_rounds_compile_at_warm_up_then_decode_as_eager():
     eager, _ = generate_ngram(target, prompts, 12, num_draft_tokens=3, eos_token_ids=[])
     dec = NgramDecoder(target, 3, max_batch=2, max_seq_len=64).compile()
     warm_up(dec)
+    assert dec.corpus.index.tokens == []  # the warm-up's requests forgotten
     graphs = counters["stats"]["unique_graphs"]
     outs, stats = generate_ngram(target, prompts, 12, eos_token_ids=[], decoder=dec)
     assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled after the warm-up
