@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="NGRAM: how many tokens of the requests served (prompts and answers) it keeps "
                          "to look up in beside each request's own history, a longer match there winning "
                          "(SGLang's name, whose cache counts entries; ~600 bytes a token here); 0 = each "
-                         "request's own history alone (vLLM's way); default 100000")
+                         "request's own history alone (vLLM's way: a seeded sampled request's tokens then "
+                         "depend on it alone); default 100000")
     ap.add_argument("--speculative-batch-tree", default=None, metavar="MIN_BATCH:TREE",
                     help="a tree that shrinks as the batch grows: from MIN_BATCH running requests on, "
                          "rounds draft and verify TREE (STEPS/TOPK/DRAFT_TOKENS[+gK], e.g. 3:1/4/3+g4) "
