@@ -336,3 +336,29 @@ def test_compiled_rounds_compile_at_warm_up_then_decode_as_eager():
     outs, stats = generate_ngram(target, prompts, 12, eos_token_ids=[], decoder=dec)
     assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled after the warm-up
     assert outs == eager and stats.row_rounds > 0 and dec.min_match == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replay_exact():
+    """On CUDA the chain's verify and the plain steps replay CUDA graphs (compile(CUDA_GRAPHS)):
+    the same tokens as eager plain decoding, no graph run without them, and once recorded a
+    launch a round, not kernels one by one. (Written without a GPU to run it on: the first
+    session with one runs it.)"""
+    from test_static_shapes import assert_no_cudagraph_skips, cuda_graph_launches
+
+    from eagle_infer.generate import CUDA_GRAPHS
+
+    target = repeating_target(vocab=24).cuda()
+    prompts = [[1, 4, 7, 1, 4, 7, 1], [2, 5, 2, 5, 2]]
+    ref = generate(target, prompts, 24, eos_token_ids=[])
+    dec = NgramDecoder(target, 3, max_batch=2, max_seq_len=64).compile(mode=CUDA_GRAPHS)
+    for _ in range(2):
+        out, stats = generate_ngram(target, prompts, 24, eos_token_ids=[], decoder=dec)
+        assert out == ref and stats.row_rounds > 0
+    assert_no_cudagraph_skips()
+    runs: list = []
+    launches = cuda_graph_launches(
+        lambda: runs.append(generate_ngram(target, prompts, 24, eos_token_ids=[], decoder=dec)))
+    (out, stats), = runs
+    assert out == ref and launches >= stats.rounds, (launches, stats.rounds)
