@@ -15,7 +15,6 @@ start-up, the bench's untimed warm-up at batch > 1).
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Sequence
 
@@ -197,28 +196,19 @@ def warm_up(dec: PlainDecoder | SpecDecoder,
     server logs it: a first start compiles for minutes on a 2-core CPU)."""
     sizes = warm_up_sizes(dec) if sizes is None else sizes
     disable = getattr(dec, "disable_by_batch_size", None)
-    # an n-gram decoder (NgramDecoder) runs each warm-up twice: every round a verify, matched or
-    # not (min_match 0: a row without a match verifies its root repeated), then every round a
-    # plain step (no match that long), so both paths' graphs compile here
-    min_match = getattr(dec, "min_match", None)
-    lookups = [None] if min_match is None else [0, dec.max_match + 1]
-    try:
-        for n in sizes:
-            t0 = time.perf_counter()
-            tokens = dec.max_pending + 2 if disable is not None and n > disable else 2
-            for lookup, params in itertools.product(lookups, (
-                    SamplingParams(), SamplingParams(temperature=1.0, seed=0),
-                    SamplingParams(temperature=1.0, top_p=0.9, seed=0))):
-                if lookup is not None:
-                    dec.min_match = lookup
+    # a decoder with paths the warm-up's requests would not all take (NgramDecoder: a verify,
+    # a plain step) runs them once per pass it sets up (warm_up_passes)
+    passes = getattr(dec, "warm_up_passes", lambda: [None])
+    for n in sizes:
+        t0 = time.perf_counter()
+        tokens = dec.max_pending + 2 if disable is not None and n > disable else 2
+        for _ in passes():
+            for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=0),
+                           SamplingParams(temperature=1.0, top_p=0.9, seed=0)):
                 dec.add_many([Sequence_([1, 2, 3, 4], params, tokens, set()) for _ in range(n)])
                 while dec.seqs:
                     dec.step()
-            if progress is not None:
-                progress(n, sizes, time.perf_counter() - t0)
-    finally:
-        if min_match is not None:
-            dec.min_match = min_match
-            dec.forget()  # the warm-up's requests are no one's words
+        if progress is not None:
+            progress(n, sizes, time.perf_counter() - t0)
     dec.stats = SpecStats()
     return sizes

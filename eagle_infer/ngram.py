@@ -21,7 +21,7 @@ biases apply at each chain position as if the drafted tokens before it had been 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -223,6 +223,20 @@ class NgramDecoder(PlainDecoder):
             chains.append(chain)
             matched.append(n)
         return torch.tensor(chains), torch.tensor(matched)
+
+    def warm_up_passes(self) -> Iterator[None]:
+        """engine.warm_up's passes: every round a verify, matched or not (min_match 0: a row
+        without a match verifies its root repeated), then every round a plain step (no match
+        that long), so both paths' graphs compile; then the settings are restored and the
+        warm-up's requests forgotten."""
+        min_match = self.min_match
+        try:
+            for shortest in (0, self.max_match + 1):
+                self.min_match = shortest
+                yield
+        finally:
+            self.min_match = min_match
+            self.forget()
 
     def forget(self) -> None:
         """Drop the corpus of served requests (a warm-up's: the bench's are the prompts it times)."""
