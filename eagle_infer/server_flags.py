@@ -83,11 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="NGRAM: the most latest tokens a lookup matches, the longest match winning "
                          "(vLLM's prompt_lookup_max; default 4)")
     ap.add_argument("--speculative-ngram-capacity", type=int, default=None, metavar="TOKENS",
-                    help="NGRAM: how many tokens of the requests served (prompts and answers) it keeps "
-                         "to look up in beside each request's own history, a longer match there winning "
-                         "(SGLang's name, whose cache counts entries; ~600 bytes a token here); 0 = each "
-                         "request's own history alone (vLLM's way: a seeded sampled request's tokens then "
-                         "depend on it alone); default 100000")
+                    help="NGRAM: tokens of served requests kept to look up in beside each request's own "
+                         "history (SGLang's name, there in cache entries; ~600 bytes a token); 0 = own "
+                         "history alone, vLLM's way: a seeded sampled request's tokens its own; default 100k")
     ap.add_argument("--speculative-batch-tree", default=None, metavar="MIN_BATCH:TREE",
                     help="a tree that shrinks as the batch grows: from MIN_BATCH running requests on, "
                          "rounds draft and verify TREE (STEPS/TOPK/DRAFT_TOKENS[+gK], e.g. 3:1/4/3+g4) "
