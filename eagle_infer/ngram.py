@@ -135,6 +135,15 @@ class Corpus:
         return tokens + [tokens[-1]] * (length - len(tokens)), n
 
 
+def lookup_chain(own: NgramIndex, corpus: Corpus, length: int, min_match: int) -> tuple[list[int], int]:
+    """A sequence's chain of `length` tokens and its match length: its own history's lookup
+    (own, indexed up to its newest token), unless the corpus holds a longer match of at least
+    min_match and 2 tokens (single tokens recur everywhere)."""
+    chain, n = own.lookup(length)
+    other, m = corpus.lookup(own.tokens, length, max(2, min_match, n + 1))
+    return (other, m) if m else (chain, n)
+
+
 def chain_tree(tokens: Tensor) -> DraftTree:
     """tokens [B, T] (the root, then the draft) as a DraftTree that is one chain: node i's parent
     i - 1, its depth i, each node seeing itself and those before it."""
@@ -214,12 +223,7 @@ class NgramDecoder(PlainDecoder):
             if s.ngrams is None:
                 s.ngrams = NgramIndex(self.max_match)
             s.ngrams.extend(history[len(s.ngrams.tokens):])
-            chain, n = s.ngrams.lookup(self.k)
-            # a longer match in what earlier requests said (at least 2 tokens: single tokens
-            # recur everywhere) wins over the sequence's own
-            other, m = self.corpus.lookup(history, self.k, max(2, self.min_match, n + 1))
-            if m:
-                chain, n = other, m
+            chain, n = lookup_chain(s.ngrams, self.corpus, self.k, self.min_match)
             chains.append(chain)
             matched.append(n)
         return torch.tensor(chains), torch.tensor(matched)

@@ -1,9 +1,9 @@
 """What a corpus of served requests buys NGRAM, replayed offline: the target answers prompts
 greedily (compiled, EOS ignored), then each answer is replayed round by round as NgramDecoder
 would decode it, its chains looked up in its own history alone or beside the prompts and answers
-of the requests before it (eagle_infer.ngram's NgramIndex and Corpus, the decoder's lookups), and
-the rounds are counted: plain steps (no match), verifies and their accepted drafts. No timing:
-the speed proxy prices a verify at --verify-cost plain steps.
+of the requests before it (eagle_infer.ngram.lookup_chain, the decoder's own rule), and the
+rounds are counted: plain steps (no match), verifies and their accepted drafts. No timing: the
+speed proxy prices a verify at --verify-cost plain steps.
 
     python scripts/probe_ngram_corpus.py --num-prompts 40 --json results/ngram_corpus_replay.json
 """
@@ -22,7 +22,7 @@ from eagle_infer.bench import load_prompts, machine_info  # noqa: E402
 from eagle_infer.default_model import resolve_model_path  # noqa: E402
 from eagle_infer.generate import generate  # noqa: E402
 from eagle_infer.loader import default_device, dtype_name, load_model, load_tokenizer, resolve_dtype  # noqa: E402
-from eagle_infer.ngram import DEFAULT_CORPUS_TOKENS, Corpus, NgramIndex  # noqa: E402
+from eagle_infer.ngram import DEFAULT_CORPUS_TOKENS, Corpus, NgramIndex, lookup_chain  # noqa: E402
 from eagle_infer.tree import NGRAM_MAX  # noqa: E402
 
 
@@ -35,10 +35,7 @@ def replay(prompts: list[list[int]], answers: list[list[int]], k: int, capacity:
         history = prompt + answer[:1]
         while i < len(answer):
             own.extend(history[len(own.tokens):])
-            chain, n = own.lookup(k)
-            other, m = corpus.lookup(history, k, max(2, n + 1))
-            if m:
-                chain, n = other, m
+            chain, n = lookup_chain(own, corpus, k, min_match=1)
             if n == 0:
                 plain, step = plain + 1, 1
             else:
