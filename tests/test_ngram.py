@@ -277,7 +277,7 @@ def test_the_server_speculates_by_prompt_lookup(tmp_path, default_model_fp32, to
     import json
 
     import httpx
-    from test_server import Server, metrics, plain_answer
+    from test_server import PERSON_SCHEMA, Server, metrics, plain_answer
 
     from eagle_infer.grammar import Grammars
 
@@ -292,9 +292,7 @@ def test_the_server_speculates_by_prompt_lookup(tmp_path, default_model_fp32, to
             "messages": msgs, "max_tokens": 40, "temperature": 0}).json()
         m = metrics(srv)
         info = httpx.get(srv.url + "/get_server_info", timeout=30).json()
-        person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                                   "age": {"type": "integer"}},
-                  "required": ["name", "age"], "additionalProperties": False}
+        person = PERSON_SCHEMA
         asked = [{"role": "user", "content": "Describe a person as JSON with name and age."}]
         structured = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
             "messages": asked, "max_tokens": 40, "temperature": 0, "response_format": {

@@ -454,6 +454,12 @@ def plain_answer(model, tokenizer, prompt: list[int], grammar, max_tokens: int) 
     return tokenizer.decode(seq.output, skip_special_tokens=True), seq.finish_reason
 
 
+# a small JSON schema the structured-output tests ask for (a name, an age)
+PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                  "age": {"type": "integer"}},
+                 "required": ["name", "age"], "additionalProperties": False}
+
+
 def test_structured_outputs_answer_as_plain_decoding_with_the_grammar(server, client, default_model_fp32,
                                                                        tokenizer):
     """OpenAI's response_format (json_schema, json_object) and vLLM's structured_outputs /
@@ -465,9 +471,7 @@ def test_structured_outputs_answer_as_plain_decoding_with_the_grammar(server, cl
     model = default_model_fp32
     eos = set(model.config.eos_token_ids)
     grammars = Grammars.for_tokenizer(tokenizer, model.config.vocab_size, eos)
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                               "age": {"type": "integer"}},
-              "required": ["name", "age"], "additionalProperties": False}
+    schema = PERSON_SCHEMA
     phone, choices = "[0-9]{3}-[0-9]{4}", ["yes", "no"]
     person_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
     cases = [("Describe a person as JSON with name and age.", ("json_schema", schema),
